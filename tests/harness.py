@@ -1,0 +1,235 @@
+"""Multi-rank test harness: pools of spawned gloo ranks reused across tests.
+
+Starting a rank costs seconds (importing torch), so one pool of ``W`` processes is spawned per
+``(world_size, backend)`` and kept for the whole session, like PyTorch's
+``MultiProcContinuousTest``. A test body is a module-level function ``fn(rank, world_size, *args)``;
+:func:`run_ranks` ships it (by reference, through pickle) to every rank of the pool, waits for all
+of them with a deadline and returns their results in rank order.
+
+Failure handling, so that no test can hang the suite:
+
+* a rank that raises: its traceback (and every other rank's) is reported in one ``RankFailure``;
+  ranks still running after a short grace period are presumed stuck in a collective, and the pool
+  is killed and respawned on next use;
+* a call that exceeds ``timeout``: the pool is killed, the failure names the ranks that did not
+  answer;
+* a rank process that dies (killed, ``os._exit``): reported as dead; with ``allow_dead=True`` its
+  result is ``None`` instead of a failure (used by the absent-peer tests).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Every rank runs Triton kernels through the interpreter: there is no GPU on CI machines and the
+# fused kernels must still execute there. Threads are pinned to 1 because up to 4 ranks share 2
+# cores; oversubscription would make the timing-free tests slow, not wrong.
+RANK_ENV = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+
+DEFAULT_TIMEOUT = 120.0
+_GRACE_AFTER_ERROR = 3.0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks failed, hung or died; the message holds every rank's story."""
+
+
+@dataclass
+class _Outcome:
+    rank: int
+    ok: bool
+    value: Any
+
+
+def _worker(rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any,
+            env: dict[str, str]) -> None:
+    os.environ.update(env)
+    sys.path.insert(0, REPO_ROOT)
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+    results.put(_Outcome(rank, True, "ready"))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs, task_env = task
+        saved = {k: os.environ.get(k) for k in task_env}
+        os.environ.update({k: v for k, v in task_env.items() if v is not None})
+        for k, v in task_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+            outcome = _Outcome(rank, True, value)
+        except BaseException:
+            outcome = _Outcome(rank, False, traceback.format_exc())
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        try:
+            results.put(outcome)
+        except Exception:
+            results.put(_Outcome(rank, False, "result could not be pickled:\n" + traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class RankPool:
+    """``world_size`` spawned processes forming one default process group."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", start_timeout: float = 120.0):
+        self.world_size = world_size
+        self.backend = backend
+        self.dead = False
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="coc-pool-")
+        store_path = os.path.join(self._tmp.name, "store")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        env = dict(RANK_ENV) if backend == "gloo" else {"OMP_NUM_THREADS": "1"}
+        self._procs = [
+            ctx.Process(target=_worker, daemon=True, name=f"coc-rank{r}-of{world_size}",
+                        args=(r, world_size, backend, store_path, self._tasks[r], self._results, env))
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        ready = self._collect(start_timeout, allow_dead=False)
+        bad = [o for o in ready if o is None or not o.ok]
+        if bad:
+            self.kill()
+            raise RankFailure(f"rank pool of {world_size} failed to start: {ready}")
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead and all(p.is_alive() for p in self._procs)
+
+    def _collect(self, timeout: float, allow_dead: bool) -> list[_Outcome | None]:
+        deadline = time.monotonic() + timeout
+        got: dict[int, _Outcome] = {}
+        first_error_at: float | None = None
+        while len(got) < self.world_size:
+            now = time.monotonic()
+            if first_error_at is not None and now - first_error_at > _GRACE_AFTER_ERROR:
+                break
+            if now > deadline:
+                break
+            try:
+                o = self._results.get(timeout=0.05)
+                got[o.rank] = o
+                if not o.ok and first_error_at is None:
+                    first_error_at = time.monotonic()
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
+            if dead:
+                # Drain what the dead rank's peers managed to report before deciding.
+                if first_error_at is None:
+                    first_error_at = time.monotonic()
+                if allow_dead and all(r in got or not self._procs[r].is_alive()
+                                      for r in range(self.world_size)):
+                    break
+        return [got.get(r) for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float,
+            env: dict[str, str | None], allow_dead: bool) -> list[Any]:
+        for q in self._tasks:
+            q.put((fn, args, kwargs, env))
+        outcomes = self._collect(timeout, allow_dead)
+        failures = []
+        for r, o in enumerate(outcomes):
+            if o is None:
+                if not self._procs[r].is_alive():
+                    if not allow_dead:
+                        failures.append(f"--- rank {r}: process died (exit code {self._procs[r].exitcode})")
+                else:
+                    failures.append(f"--- rank {r}: no answer (hung or still running after the "
+                                    f"{timeout:.0f} s limit or after a peer failed)")
+            elif not o.ok:
+                failures.append(f"--- rank {r} raised:\n{o.value}")
+        if failures or any(o is None for o in outcomes):
+            # A rank that did not answer may be stuck in a collective: the pool is unusable.
+            self.kill()
+        if failures:
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise RankFailure(f"{name} on {self.world_size} rank(s):\n" + "\n".join(failures))
+        return [o.value if o is not None else None for o in outcomes]
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        self._tmp.cleanup()
+        self.dead = True
+
+    def close(self) -> None:
+        if not self.alive:
+            self.kill()
+            return
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+        self.kill()
+
+
+_POOLS: dict[tuple[int, str], RankPool] = {}
+
+
+def get_pool(world_size: int, backend: str = "gloo") -> RankPool:
+    key = (world_size, backend)
+    pool = _POOLS.get(key)
+    if pool is None or not pool.alive:
+        if pool is not None:
+            pool.kill()
+        pool = RankPool(world_size, backend)
+        _POOLS[key] = pool
+    return pool
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
+              env: dict[str, str | None] | None = None, backend: str = "gloo",
+              allow_dead: bool = False, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank of a pooled group.
+
+    ``fn`` must be importable by reference (a module-level function). ``env`` entries are set in
+    every rank for the duration of the call (``None`` unsets). Returns the per-rank results.
+    """
+    return get_pool(world_size, backend).run(fn, args, kwargs, timeout, env or {}, allow_dead)
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+atexit.register(close_pools)
