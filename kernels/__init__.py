@@ -1,0 +1,106 @@
+"""Fused and overlapped communication-computation operators (api.md section 1).
+
+Each op takes ``x`` with any number of leading dims (flattened to ``m`` rows; communication is
+along dim 0) and ``weight`` in ``torch.nn.functional.linear`` layout ``[n, k]``, and returns a
+tensor with the leading dims restored. ``backend=None`` resolves from the COC_* environment
+(``kernels.config``); every backend gives the result of ``"sequential"`` within floating-point
+tolerance. The ops are forward-only building blocks: the autopar linears wrap them in autograd
+Functions.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import checks, dispatch
+from .config import CocConfig, get_config
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "get_config",
+           "CocConfig"]
+
+
+def _validate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: object,
+              backend: object, parallel_num: object, flag_name: str, flag: object) -> int:
+    checks.check_matmul_operands(x, weight, bias)
+    checks.check_group(group)
+    checks.check_backend(backend)
+    checks.check_parallel_num(parallel_num)
+    checks.check_flag(flag_name, flag)
+    return checks.group_size(group)
+
+
+def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                      group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None,
+                      parallel_num: Optional[int] = None, return_gathered: bool = False
+                      ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``y = all_gather_dim0(x) @ weight.T + bias``.
+
+    Reference::
+
+        x_gathered = cat([x_of_rank_0, ..., x_of_rank_W-1], dim=0)    # [m_local * W, k]
+        y = x_gathered @ weight.T + bias                                # [m_local * W, n]
+        return (y, x_gathered) if return_gathered else y
+
+    With leading dims ``x [s_local, b, k]`` the results are ``[s_local * W, b, n]`` and
+    ``[s_local * W, b, k]``.
+    """
+    world = _validate(x, weight, bias, group, backend, parallel_num, "return_gathered", return_gathered)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    name, num = dispatch.resolve("all_gather_matmul", backend, parallel_num, x2d, weight, group, world)
+    out = dispatch.run("all_gather_matmul", name, num, x2d, weight, bias, group, world, return_gathered)
+    gathered_lead = (lead[0] * world,) + tuple(lead[1:])
+    if return_gathered:
+        y, x_gathered = out
+        return y.view(gathered_lead + (weight.shape[0],)), x_gathered.view(gathered_lead + (x.shape[-1],))
+    return out.view(gathered_lead + (weight.shape[0],))
+
+
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                          *, group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None,
+                          parallel_num: Optional[int] = None, deterministic: bool = False
+                          ) -> torch.Tensor:
+    """``y = reduce_scatter_dim0(x @ weight.T) + bias``; bias is added once, after the reduction.
+
+    Reference::
+
+        partial = x @ weight.T                                     # [m, n] on every rank
+        y = sum(partial_of_rank_r for r in range(W))[rank * m / W : (rank + 1) * m / W] + bias
+
+    The leading dim 0 of ``x`` (``m`` after flattening ``x [s, b, k]`` to ``[s * b, k]``) is
+    scattered: it must divide by W. ``deterministic=True`` sums the partials in rank order, so
+    repeated calls give identical bits.
+    """
+    world = _validate(x, weight, bias, group, backend, parallel_num, "deterministic", deterministic)
+    if x.shape[0] % world != 0:
+        raise ValueError(f"matmul_reduce_scatter scatters dim 0 of x: m={x.shape[0]} (x shape "
+                         f"{tuple(x.shape)}) is not divisible by the group size W={world}")
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    name, num = dispatch.resolve("matmul_reduce_scatter", backend, parallel_num, x2d, weight, group, world)
+    out = dispatch.run("matmul_reduce_scatter", name, num, x2d, weight, bias, group, world, deterministic)
+    return out.view((lead[0] // world,) + tuple(lead[1:]) + (weight.shape[0],))
+
+
+def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                      group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None,
+                      parallel_num: Optional[int] = None, deterministic: bool = False) -> torch.Tensor:
+    """``y = all_reduce(x @ weight.T) + bias``.
+
+    Reference::
+
+        partial = x @ weight.T                                     # [m, n] on every rank
+        y = sum(partial_of_rank_r for r in range(W)) + bias        # [m, n], same on all ranks
+
+    ``deterministic=True`` sums the partials in rank order: repeated calls give identical bits and
+    all ranks hold identical bits.
+    """
+    world = _validate(x, weight, bias, group, backend, parallel_num, "deterministic", deterministic)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    name, num = dispatch.resolve("matmul_all_reduce", backend, parallel_num, x2d, weight, group, world)
+    out = dispatch.run("matmul_all_reduce", name, num, x2d, weight, bias, group, world, deterministic)
+    return out.view(tuple(lead) + (weight.shape[0],))

@@ -1,0 +1,56 @@
+"""Thin wrappers over torch.distributed collectives used by the sequential and chunked paths.
+
+They hide the renames across torch releases (``all_gather_into_tensor`` -> ``all_gather_single``,
+``reduce_scatter_tensor`` -> ``reduce_scatter_single``) and hold the fixed-order reductions that
+``deterministic=True`` relies on.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
+               async_op: bool = False) -> Optional[dist.Work]:
+    """``out [W * r, ...] = concat over ranks of inp [r, ...]`` (rank order)."""
+    return _all_gather_single(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
+                   async_op: bool = False) -> Optional[dist.Work]:
+    """``out [r, ...] = sum over ranks of inp [W * r, ...][rank * r : (rank + 1) * r]``."""
+    return _reduce_scatter_single(out, inp, group=group, async_op=async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
+               async_op: bool = False) -> Optional[dist.Work]:
+    """``out[src] = inp_of_rank_src[rank]`` along dim 0, equal splits."""
+    return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+
+
+def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
+    """``parts[0] + parts[1] + ... + parts[W-1]``, left to right.
+
+    An explicit loop rather than ``parts.sum(0)``: the result must not depend on how a reduction
+    kernel happens to tree its additions, so every rank and every backend that sums the same
+    partials in rank order gets the same bits.
+    """
+    acc = parts[0].clone()
+    for i in range(1, parts.shape[0]):
+        acc += parts[i]
+    return acc
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` extended with zero rows to ``rows`` rows (adding zeros keeps sums exact)."""
+    if t.shape[0] == rows:
+        return t
+    out = t.new_zeros((rows,) + tuple(t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out

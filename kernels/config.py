@@ -1,0 +1,196 @@
+"""The COC_* environment and ``coc_cfgs`` keys, loaded into one typed, validated config.
+
+Every value is read at call time (a user or a test may change the environment between calls),
+so :func:`get_config` is on the hot path of every op: it builds the config once per distinct
+``(environment values, config-file mtime)`` and returns the cached object afterwards.
+
+Validation lives here and nowhere else: a bad variable value, an unknown YAML key or a value of the
+wrong type raises ``ValueError`` naming the variable or key, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Union
+
+PARALLEL_NUMS = (1, 2, 4, 8)
+BACKENDS = ("sequential", "chunked", "fused")
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+
+ENV_PARALLEL_NUM = "COC_PARALLEL_NUM"
+ENV_FUSED = "USE_COC_FUSED_KERNEL"
+ENV_CONFIG = "COC_CONFIG"
+ENV_TIMEOUT = "COC_TIMEOUT"
+_ENV_VARS = (ENV_PARALLEL_NUM, ENV_FUSED, ENV_CONFIG, ENV_TIMEOUT)
+
+DEFAULT_CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                   "configs", "coc.yaml")
+
+ShapeKey = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class CocConfig:
+    """Resolved settings. Defaults are those of ``configs/coc.yaml`` and api.md section 3."""
+
+    parallel_num: Union[int, str] = 1
+    use_fused: bool = False
+    timeout: float = 60.0
+    recompute_all_gather: bool = True
+    matmul_soc_friendly: bool = True
+    customized_coc: Mapping[ShapeKey, int] = field(default_factory=dict)
+    enable_coc_in_column_backward: bool = False
+    k_min: int = 1024
+    k_max: int = 4096
+
+    def parallel_num_for(self, m: int, k: int, n: int) -> Union[int, str]:
+        """The split count for an op of shape ``[m, k, n]``: ``customized_coc`` wins over the env."""
+        return self.customized_coc.get((m, k, n), self.parallel_num)
+
+
+# Keys of the YAML file and their accepted types, in one table: validation and docs follow it.
+_YAML_KEYS: dict[str, tuple[type, ...]] = {
+    "recompute_all_gather": (bool,),
+    "matmul_soc_friendly": (bool,),
+    "customized_coc": (dict,),
+    "enable_coc_in_column_backward": (bool,),
+    "k_min": (int,),
+    "k_max": (int,),
+}
+
+
+def _parse_parallel_num(raw: str, source: str) -> Union[int, str]:
+    value = raw.strip().lower()
+    if value == "auto":
+        return "auto"
+    try:
+        num = int(value)
+    except ValueError:
+        num = None
+    if num not in PARALLEL_NUMS:
+        raise ValueError(f"{source}={raw!r} is not accepted; use one of {PARALLEL_NUMS} or 'auto'")
+    return num
+
+
+def _parse_fused(raw: str) -> bool:
+    value = raw.strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_FUSED}={raw!r} is not accepted; use 0 or 1")
+    return value == "1"
+
+
+def _parse_timeout(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{ENV_TIMEOUT}={raw!r} is not accepted; use a finite number of seconds > 0")
+    return value
+
+
+def parse_shape_key(key: Any) -> ShapeKey:
+    """``"[m, k, n]"`` in any spacing (or a 3-sequence of ints) -> ``(m, k, n)``."""
+    parsed = key
+    if isinstance(key, str):
+        try:
+            parsed = ast.literal_eval(key.strip())
+        except (ValueError, SyntaxError):
+            parsed = None
+    if (not isinstance(parsed, (list, tuple)) or len(parsed) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in parsed)):
+        raise ValueError(f"customized_coc key {key!r} is not accepted; use '[m, k, n]' with three "
+                         "positive integers")
+    return (parsed[0], parsed[1], parsed[2])
+
+
+def _check_yaml(data: Any, path: str) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{ENV_CONFIG}={path!r}: the file must hold a mapping of coc_cfgs keys, "
+                         f"got {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in _YAML_KEYS:
+            raise ValueError(f"{ENV_CONFIG}={path!r}: unknown key {key!r}; accepted keys are "
+                             f"{sorted(_YAML_KEYS)}")
+        types = _YAML_KEYS[key]
+        # bool is an int subclass: an int key given True/False is a mistake, not a number.
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            raise ValueError(f"{ENV_CONFIG}={path!r}: key {key!r} has value {value!r}; accepted: "
+                             f"{' or '.join(t.__name__ for t in types)}")
+        if key == "customized_coc":
+            table = {}
+            for shape, num in value.items():
+                if num not in PARALLEL_NUMS or isinstance(num, bool):
+                    raise ValueError(f"{ENV_CONFIG}={path!r}: customized_coc[{shape!r}] = {num!r}; "
+                                     f"accepted parallel_num values are {PARALLEL_NUMS}")
+                table[parse_shape_key(shape)] = num
+            value = table
+        elif key in ("k_min", "k_max") and value < 1:
+            raise ValueError(f"{ENV_CONFIG}={path!r}: key {key!r} has value {value!r}; accepted: "
+                             "an integer >= 1")
+        out[key] = value
+    return out
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return _check_yaml(yaml.safe_load(f), path)
+    except OSError as e:
+        raise ValueError(f"{ENV_CONFIG}={path!r} cannot be read ({e.strerror}); "
+                         "accepted: the path of a readable YAML file") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{ENV_CONFIG}={path!r} is not valid YAML: {e}") from None
+
+
+def build_config(env: Mapping[str, str]) -> CocConfig:
+    """Build and validate a config from environment-like values (the one place of validation)."""
+    values: dict[str, Any] = {}
+    path = env.get(ENV_CONFIG)
+    if path:
+        values.update(_load_yaml(path))
+    k_min = values.get("k_min", CocConfig.k_min)
+    k_max = values.get("k_max", CocConfig.k_max)
+    if k_min > k_max:
+        raise ValueError(f"{ENV_CONFIG}={path!r}: k_min={k_min} is greater than k_max={k_max}; "
+                         "accepted: k_min <= k_max")
+    if env.get(ENV_PARALLEL_NUM) is not None:
+        values["parallel_num"] = _parse_parallel_num(env[ENV_PARALLEL_NUM], ENV_PARALLEL_NUM)
+    if env.get(ENV_FUSED) is not None:
+        values["use_fused"] = _parse_fused(env[ENV_FUSED])
+    if env.get(ENV_TIMEOUT) is not None:
+        values["timeout"] = _parse_timeout(env[ENV_TIMEOUT])
+    return CocConfig(**values)
+
+
+_cache: dict[tuple, CocConfig] = {}
+
+
+def get_config() -> CocConfig:
+    """The config for the current environment; cheap enough to call on every op."""
+    env_values = tuple(os.environ.get(name) for name in _ENV_VARS)
+    path = env_values[2]
+    try:
+        mtime = os.stat(path).st_mtime_ns if path else None
+    except OSError:
+        mtime = None
+    key = (env_values, mtime)
+    config = _cache.get(key)
+    if config is None:
+        config = build_config({n: v for n, v in zip(_ENV_VARS, env_values) if v is not None})
+        if len(_cache) > 64:
+            _cache.clear()
+        _cache[key] = config
+    return config
+
+
+def config_keys() -> list[str]:
+    """Names of the ``coc_cfgs`` keys a YAML file may set."""
+    return [f.name for f in fields(CocConfig) if f.name in _YAML_KEYS]
