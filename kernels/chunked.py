@@ -149,7 +149,7 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     for start, stop in split_rows(m, parallel_num):
         piece = out[start:stop]
         torch.mm(x[start:stop], weight.t(), out=piece)
-        works.append(issuer.launch(lambda p=piece: dist.all_reduce(p, group=group, async_op=True), piece))
+        works.append(issuer.launch(lambda p=piece: comm.all_reduce(p, group, async_op=True), piece))
     for work in works:
         work.wait()
     return out if bias is None else out.add_(bias)

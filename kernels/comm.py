@@ -12,6 +12,26 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .checks import group_size
+
+class _Done:
+    """Stands for the work of a collective over one rank: there is nothing to wait for."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _single_rank(group: Optional[dist.ProcessGroup]) -> bool:
+    # A group of one needs no communication, and works without torch.distributed initialized.
+    return group_size(group) == 1
+
+
+def _local(out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Optional[_Done]:
+    if out.data_ptr() != inp.data_ptr():
+        out.copy_(inp.view_as(out))
+    return _Done() if async_op else None
+
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -19,19 +39,33 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
                async_op: bool = False) -> Optional[dist.Work]:
     """``out [W * r, ...] = concat over ranks of inp [r, ...]`` (rank order)."""
+    if _single_rank(group):
+        return _local(out, inp, async_op)
     return _all_gather_single(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
                    async_op: bool = False) -> Optional[dist.Work]:
     """``out [r, ...] = sum over ranks of inp [W * r, ...][rank * r : (rank + 1) * r]``."""
+    if _single_rank(group):
+        return _local(out, inp, async_op)
     return _reduce_scatter_single(out, inp, group=group, async_op=async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
                async_op: bool = False) -> Optional[dist.Work]:
     """``out[src] = inp_of_rank_src[rank]`` along dim 0, equal splits."""
+    if _single_rank(group):
+        return _local(out, inp, async_op)
     return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+
+
+def all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], async_op: bool = False
+               ) -> Optional[dist.Work]:
+    """In-place sum over ranks."""
+    if _single_rank(group):
+        return _Done() if async_op else None
+    return dist.all_reduce(t, group=group, async_op=async_op)
 
 
 def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:

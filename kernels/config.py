@@ -128,7 +128,10 @@ def _check_yaml(data: Any, path: str) -> dict[str, Any]:
                 if num not in PARALLEL_NUMS or isinstance(num, bool):
                     raise ValueError(f"{ENV_CONFIG}={path!r}: customized_coc[{shape!r}] = {num!r}; "
                                      f"accepted parallel_num values are {PARALLEL_NUMS}")
-                table[parse_shape_key(shape)] = num
+                try:
+                    table[parse_shape_key(shape)] = num
+                except ValueError as e:
+                    raise ValueError(f"{ENV_CONFIG}={path!r}: {e}") from None
             value = table
         elif key in ("k_min", "k_max") and value < 1:
             raise ValueError(f"{ENV_CONFIG}={path!r}: key {key!r} has value {value!r}; accepted: "

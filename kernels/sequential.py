@@ -85,5 +85,5 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         if deterministic:
             partial = fixed_order_all_reduce(partial, group, world)
         else:
-            dist.all_reduce(partial, group=group)
+            comm.all_reduce(partial, group)
     return partial if bias is None else partial.add_(bias)

@@ -1,0 +1,80 @@
+"""Every bad-input rule of api.md section 1: ValueError/TypeError naming the argument and value."""
+
+import pytest
+import torch
+
+import kernels
+from tests.harness import run_ranks
+
+OPS = [kernels.all_gather_matmul, kernels.matmul_reduce_scatter, kernels.matmul_all_reduce]
+X = torch.randn(4, 6)
+W = torch.randn(5, 6)
+B = torch.randn(5)
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("args,kwargs,exc,needle", [
+    ((X[0], W), {}, ValueError, "x must have at least 2 dims"),
+    ((X, W[0]), {}, ValueError, "weight must be 2-D"),
+    ((X, torch.randn(2, 5, 6)), {}, ValueError, "shape (2, 5, 6)"),
+    ((X, torch.randn(5, 7)), {}, ValueError, "k mismatch: x has k=6"),
+    ((X, W.double()), {}, TypeError, "weight dtype torch.float64 does not match x dtype torch.float32"),
+    ((X.long(), W.long()), {}, TypeError, "x must be a floating-point tensor"),
+    ((X, W, torch.randn(4)), {}, ValueError, "bias must have shape (5,)"),
+    ((X, W, B.double()), {}, TypeError, "bias dtype torch.float64"),
+    ((X.tolist(), W), {}, TypeError, "x must be a torch.Tensor, got list"),
+    ((X, "w"), {}, TypeError, "weight must be a torch.Tensor, got str"),
+    ((X, W, 3.0), {}, TypeError, "bias must be a torch.Tensor or None, got float"),
+    ((X, W), {"backend": "nccl"}, ValueError, "backend='nccl' is not accepted"),
+    ((X, W), {"parallel_num": 3}, ValueError, "parallel_num=3 is not accepted"),
+    ((X, W), {"parallel_num": True}, ValueError, "parallel_num=True is not accepted"),
+    ((X, W), {"group": "tp"}, TypeError, "group must be a torch.distributed ProcessGroup"),
+])
+def test_bad_input(op, args, kwargs, exc, needle):
+    with pytest.raises(exc) as e:
+        op(*args, **kwargs)
+    assert needle in str(e.value)
+
+
+def test_bad_flags():
+    with pytest.raises(TypeError, match="return_gathered must be a bool, got 1"):
+        kernels.all_gather_matmul(X, W, return_gathered=1)
+    with pytest.raises(TypeError, match="deterministic must be a bool, got 'yes'"):
+        kernels.matmul_all_reduce(X, W, deterministic="yes")
+
+
+def test_device_mismatch():
+    meta = torch.empty(5, 6, device="meta")
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu"):
+        kernels.matmul_all_reduce(X, meta)
+    with pytest.raises(ValueError, match="bias is on meta but x is on cpu"):
+        kernels.matmul_all_reduce(X, W, torch.empty(5, device="meta"))
+
+
+def test_requires_grad_is_refused_not_silently_detached():
+    w = W.clone().requires_grad_()
+    with pytest.raises(TypeError, match="forward-only"):
+        kernels.matmul_all_reduce(X, w)
+    with torch.no_grad():
+        torch.testing.assert_close(kernels.matmul_all_reduce(X, w), X @ W.T)
+
+
+def test_world_one_without_process_group():
+    # torch.distributed not initialized in the test process: W == 1, no communication.
+    torch.testing.assert_close(kernels.matmul_reduce_scatter(X, W, B), X @ W.T + B)
+    y, xg = kernels.all_gather_matmul(X, W, B, parallel_num=2, return_gathered=True)
+    torch.testing.assert_close(xg, X, rtol=0, atol=0)
+    torch.testing.assert_close(y, X @ W.T + B)
+
+
+def _reduce_scatter_bad_rows(rank, world):
+    with pytest.raises(ValueError) as e:
+        kernels.matmul_reduce_scatter(torch.randn(7, 6), W)
+    assert "m=7" in str(e.value) and "W=3" in str(e.value)
+    with pytest.raises(ValueError, match="m=5"):
+        kernels.matmul_reduce_scatter(torch.randn(5, 2, 6), W)  # dim 0 is scattered, not s * b
+    return True
+
+
+def test_reduce_scatter_rows_not_divisible():
+    assert run_ranks(_reduce_scatter_bad_rows, 3) == [True] * 3
