@@ -15,16 +15,18 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import checks, dispatch
+from . import checks, dispatch, quant
 from .config import CocConfig, get_config
+from .quant import quantize_weight
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "get_config",
-           "CocConfig"]
+           "CocConfig", "quantize_weight", "quantized_matmul_all_reduce"]
 
 
 def _validate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: object,
-              backend: object, parallel_num: object, flag_name: str, flag: object) -> int:
-    checks.check_matmul_operands(x, weight, bias)
+              backend: object, parallel_num: object, flag_name: str, flag: object,
+              weight_dtypes: tuple = ()) -> int:
+    checks.check_matmul_operands(x, weight, bias, weight_dtypes=weight_dtypes)
     checks.check_group(group)
     checks.check_backend(backend)
     checks.check_parallel_num(parallel_num)
@@ -104,3 +106,34 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     name, num = dispatch.resolve("matmul_all_reduce", backend, parallel_num, x2d, weight, group, world)
     out = dispatch.run("matmul_all_reduce", name, num, x2d, weight, bias, group, world, deterministic)
     return out.view(tuple(lead) + (weight.shape[0],))
+
+
+def quantized_matmul_all_reduce(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                                bias: Optional[torch.Tensor] = None, *, group_size: Optional[int] = None,
+                                offset: Optional[torch.Tensor] = None,
+                                group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None,
+                                parallel_num: Optional[int] = None, deterministic: bool = False
+                                ) -> torch.Tensor:
+    """w8A16 ``y = all_reduce(x @ dequant(qweight).T) + bias``.
+
+    Reference::
+
+        w = (qweight - offset) * scale         # per mode of scale's shape, fp32, rounded to x.dtype
+        partial = x @ w.T                      # [m, n] on every rank
+        y = sum(partial_of_rank_r for r in range(W)) + bias
+
+    ``qweight`` int8 ``[n, k]`` and ``scale`` (``[]``, ``[n]`` or ``[n, G]``) as returned by
+    :func:`quantize_weight`; ``x`` fp16 / bf16 (fp32 allowed on CPU). See ``kernels.quant`` for
+    the group and offset conventions.
+    """
+    quant.check_activation(x)
+    spec = quant.quant_spec(qweight, scale, group_size, offset)
+    world = _validate(x, qweight, bias, group, backend, parallel_num, "deterministic", deterministic,
+                      weight_dtypes=(torch.int8,))
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    name, num = dispatch.resolve("quantized_matmul_all_reduce", backend, parallel_num, x2d, qweight,
+                                 group, world)
+    out = quant.matmul_all_reduce(x2d, qweight, scale, bias, spec, offset, group, world, deterministic,
+                                  name, num)
+    return out.view(tuple(lead) + (qweight.shape[0],))

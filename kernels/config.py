@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 PARALLEL_NUMS = (1, 2, 4, 8)
 BACKENDS = ("sequential", "chunked", "fused")
@@ -23,7 +23,8 @@ ENV_PARALLEL_NUM = "COC_PARALLEL_NUM"
 ENV_FUSED = "USE_COC_FUSED_KERNEL"
 ENV_CONFIG = "COC_CONFIG"
 ENV_TIMEOUT = "COC_TIMEOUT"
-_ENV_VARS = (ENV_PARALLEL_NUM, ENV_FUSED, ENV_CONFIG, ENV_TIMEOUT)
+ENV_TUNE_CACHE = "COC_TUNE_CACHE"
+_ENV_VARS = (ENV_PARALLEL_NUM, ENV_FUSED, ENV_CONFIG, ENV_TIMEOUT, ENV_TUNE_CACHE)
 
 DEFAULT_CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                    "configs", "coc.yaml")
@@ -44,6 +45,7 @@ class CocConfig:
     enable_coc_in_column_backward: bool = False
     k_min: int = 1024
     k_max: int = 4096
+    tune_cache: Optional[str] = None  # JSON file of COC_PARALLEL_NUM=auto choices (kernels.tune)
 
     def parallel_num_for(self, m: int, k: int, n: int) -> Union[int, str]:
         """The split count for an op of shape ``[m, k, n]``: ``customized_coc`` wins over the env."""
@@ -153,6 +155,14 @@ def _load_yaml(path: str) -> dict[str, Any]:
         raise ValueError(f"{ENV_CONFIG}={path!r} is not valid YAML: {e}") from None
 
 
+def _parse_tune_cache(raw: str) -> str:
+    path = os.path.abspath(os.path.expanduser(raw))
+    if not raw.strip() or os.path.isdir(path) or not os.path.isdir(os.path.dirname(path)):
+        raise ValueError(f"{ENV_TUNE_CACHE}={raw!r} is not accepted; use the path of a JSON file "
+                         "(it may not exist yet) in an existing directory")
+    return path
+
+
 def build_config(env: Mapping[str, str]) -> CocConfig:
     """Build and validate a config from environment-like values (the one place of validation)."""
     values: dict[str, Any] = {}
@@ -170,6 +180,8 @@ def build_config(env: Mapping[str, str]) -> CocConfig:
         values["use_fused"] = _parse_fused(env[ENV_FUSED])
     if env.get(ENV_TIMEOUT) is not None:
         values["timeout"] = _parse_timeout(env[ENV_TIMEOUT])
+    if env.get(ENV_TUNE_CACHE) is not None:
+        values["tune_cache"] = _parse_tune_cache(env[ENV_TUNE_CACHE])
     return CocConfig(**values)
 
 

@@ -1,0 +1,240 @@
+"""``COC_PARALLEL_NUM=auto``: choose the split count of an op shape by measurement, once.
+
+On the first call of a tuning key ``(op, m, k, n, dtype, world, device type, candidate set)``
+every rank of the group enters :func:`choose_parallel_num` (the ops are collective, so they all
+do), and:
+
+1. rank 0 of the group looks the key up in the JSON file named by ``COC_TUNE_CACHE`` and
+   broadcasts what it found, so ranks whose file copies differ still agree;
+2. on a miss, every candidate (1, 2, 4, 8, and ``"fused"`` where the fused backend can run on
+   this group) runs once to warm up and then :data:`TUNE_REPS` times under the wall clock; the
+   per-candidate medians are all-reduced with MAX (exact, so every rank holds the same numbers)
+   and the fastest is taken (ties go to the smaller split count, identically on every rank);
+3. the choice is kept in memory for the life of the process and rank 0 merges it into the cache
+   file. Later calls of the key return the cached choice without any communication or timing,
+   so nothing is re-tuned inside a training step after warm-up.
+
+The choice is logged once per key (logger ``kernels.tune``, INFO, on group rank 0). Tuning runs
+the real op on the caller's inputs (the ops are pure, so this has no side effect) with
+``deterministic=False`` and, for the w8A16 op, unit per-channel scales: the split count trades
+matmul efficiency against overlap, which the scale layout does not change.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .config import ENV_TUNE_CACHE, PARALLEL_NUMS, get_config
+
+Choice = Union[int, str]
+
+TUNE_REPS = 3
+CACHE_VERSION = 1
+_FUSED = "fused"
+
+log = logging.getLogger("kernels.tune")
+
+_memory: dict[str, Choice] = {}
+_file_cache: dict[tuple[str, int], dict[str, Choice]] = {}
+
+
+def tuning_key(op: str, m: int, k: int, n: int, dtype: torch.dtype, world: int, device_type: str,
+               allow_fused: bool) -> str:
+    """The cache key: one line of text, readable in the JSON file."""
+    candidates = "fused+chunked" if allow_fused else "chunked"
+    return f"{op} m={m} k={k} n={n} {str(dtype).replace('torch.', '')} W={world} {device_type} {candidates}"
+
+
+def clear_memory_cache() -> None:
+    """Forget every in-memory choice (tests, or a user who changed the machine under a process)."""
+    _memory.clear()
+    _file_cache.clear()
+
+
+def _check_choice(value: Any, where: str) -> Choice:
+    if value == _FUSED or (value in PARALLEL_NUMS and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"{where}: choice {value!r} is not accepted; a cache entry must be one of "
+                     f"{PARALLEL_NUMS} or {_FUSED!r} (delete the entry or the file to re-tune)")
+
+
+def read_cache_file(path: str) -> dict[str, Choice]:
+    """The entries of a cache file (empty when it does not exist); bad content raises ValueError."""
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return {}
+    cached = _file_cache.get((path, mtime))
+    if cached is not None:
+        return cached
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{ENV_TUNE_CACHE}={path!r} cannot be read as a tuning cache ({e}); fix or "
+                         "delete the file") from None
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(
+            data.get("entries"), dict):
+        raise ValueError(f"{ENV_TUNE_CACHE}={path!r} is not a version-{CACHE_VERSION} tuning cache "
+                         "({'version': 1, 'entries': {key: choice}}); fix or delete the file")
+    entries = {str(k): _check_choice(v, f"{ENV_TUNE_CACHE}={path!r} entry {k!r}")
+               for k, v in data["entries"].items()}
+    _file_cache[(path, mtime)] = entries
+    return entries
+
+
+def write_cache_entry(path: str, key: str, choice: Choice) -> None:
+    """Merge one entry into the cache file under an exclusive lock, replacing it atomically.
+
+    The lock serializes writers (several groups may tune at once); the rename means a reader
+    never sees a half-written file.
+    """
+    directory = os.path.dirname(path) or "."
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            entries = dict(read_cache_file(path))
+            entries[key] = choice
+            fd, tmp = tempfile.mkstemp(prefix=".coc-tune-", dir=directory)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _encode(choice: Optional[Choice]) -> int:
+    if choice is None:
+        return 0
+    return 9 if choice == _FUSED else int(choice)
+
+
+def _decode(code: int) -> Optional[Choice]:
+    if code == 0:
+        return None
+    return _FUSED if code == 9 else code
+
+
+def _group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _src_global_rank(group: Optional[dist.ProcessGroup]) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _fused_available(group: Optional[dist.ProcessGroup], device: torch.device, world: int) -> bool:
+    from . import dispatch
+
+    try:
+        ok = dispatch._fused_unavailable(group, device) is None
+    except (NotImplementedError, ImportError, AttributeError):
+        ok = False
+    if world > 1:
+        # Every rank must time the same candidate list, or the timing collectives would mismatch.
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        ok = bool(flag.item())
+    return ok
+
+
+def _runner(op: str, x: torch.Tensor, weight: torch.Tensor, group: Optional[dist.ProcessGroup],
+            world: int) -> Callable[[str, int], Any]:
+    from . import dispatch, quant
+
+    if op == "quantized_matmul_all_reduce":
+        scale = torch.ones(weight.shape[0], dtype=x.dtype, device=x.device)
+        spec = quant.QuantSpec("per_channel", weight.shape[1], 1)
+        return lambda backend, num: quant.matmul_all_reduce(x, weight, scale, None, spec, None, group,
+                                                            world, False, backend, num)
+    return lambda backend, num: dispatch.run(op, backend, num, x, weight, None, group, world, False)
+
+
+def _time(fn: Callable[[], Any], device: torch.device, group: Optional[dist.ProcessGroup],
+          world: int) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()  # warm-up: first-call costs (allocations, kernel compilation) are not the op's speed
+    sync()
+    if world > 1:
+        # Start the clocks together: a rank still finishing the previous candidate would
+        # otherwise count its wait inside this candidate's collectives.
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    samples = []
+    for _ in range(TUNE_REPS):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _measure(op: str, x: torch.Tensor, weight: torch.Tensor, group: Optional[dist.ProcessGroup],
+             world: int, candidates: list[Choice]) -> tuple[Choice, list[float]]:
+    run = _runner(op, x, weight, group, world)
+    times = []
+    with torch.no_grad():
+        for c in candidates:
+            if c == _FUSED:
+                times.append(_time(lambda: run(_FUSED, 1), x.device, group, world))
+            else:
+                backend = "chunked" if c > 1 else "sequential"
+                times.append(_time(lambda b=backend, n=c: run(b, n), x.device, group, world))
+    t = torch.tensor(times, dtype=torch.float64, device=x.device)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    agreed = t.tolist()
+    best = min(range(len(candidates)), key=lambda i: (agreed[i], i))
+    return candidates[best], agreed
+
+
+def choose_parallel_num(op: str, x: torch.Tensor, weight: torch.Tensor,
+                        group: Optional[dist.ProcessGroup], world: int, allow_fused: bool = True
+                        ) -> Choice:
+    """The agreed split count (1, 2, 4, 8) or ``"fused"`` for this op shape; tunes on first use.
+
+    Collective on the first call of a key (every rank of ``group`` must call it, as they do
+    for the ops themselves); free afterwards.
+    """
+    key = tuning_key(op, x.shape[0], x.shape[1], weight.shape[0], x.dtype, world, x.device.type,
+                     allow_fused)
+    choice = _memory.get(key)
+    if choice is not None:
+        return choice
+    path = get_config().tune_cache
+    rank = _group_rank(group) if world > 1 else 0
+    found: Optional[Choice] = None
+    if path is not None and rank == 0:
+        found = read_cache_file(path).get(key)
+    if world > 1:
+        code = torch.tensor([_encode(found)], dtype=torch.int32, device=x.device)
+        dist.broadcast(code, src=_src_global_rank(group), group=group)
+        found = _decode(int(code.item()))
+    if found is not None:
+        choice = found
+        if found == _FUSED and not _fused_available(group, x.device, world):
+            raise ValueError(f"{ENV_TUNE_CACHE}={path!r} entry {key!r} chose 'fused' but the fused backend "
+                             "cannot run here; delete the entry to re-tune")
+        if rank == 0:
+            log.info("COC_PARALLEL_NUM=auto: %s -> %s (from %s)", key, choice, path)
+    else:
+        candidates: list[Choice] = list(PARALLEL_NUMS)
+        if allow_fused and _fused_available(group, x.device, world):
+            candidates.append(_FUSED)
+        choice, agreed = _measure(op, x, weight, group, world, candidates)
+        if rank == 0:
+            timings = ", ".join(f"{c}: {t * 1e3:.3f} ms" for c, t in zip(candidates, agreed))
+            log.info("COC_PARALLEL_NUM=auto: %s -> %s (tuned; %s)", key, choice, timings)
+            if path is not None:
+                write_cache_entry(path, key, choice)
+    _memory[key] = choice
+    return choice
