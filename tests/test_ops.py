@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import kernels
 from tests.harness import run_ranks
@@ -23,13 +24,22 @@ K_LOCAL, N = 12, 10
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+
+
 def _inputs(world, rows, k, n, three_d, seed=0):
-    """Per-rank inputs (list over ranks) and the weight, identical on every rank."""
+    """Every rank's input (a list over ranks), weight shards and bias, identical on every rank."""
     g = torch.Generator().manual_seed(seed)
     shape = (rows, 2, k) if three_d else (rows, k)
     xs = [torch.randn(shape, generator=g) for _ in range(world)]
     ws = [torch.randn(n, k, generator=g) for _ in range(world)]
     bias = torch.randn(n, generator=g)
+    dev = _device()
+    if dev is not None:
+        # TF32 would make the GPU result differ from fp32 math by more than the tolerance.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        xs, ws, bias = [x.to(dev) for x in xs], [w.to(dev) for w in ws], bias.to(dev)
     return xs, ws, bias
 
 
@@ -89,3 +99,14 @@ CHECKS = {
 @pytest.mark.parametrize("op", sorted(CHECKS))
 def test_op_matches_torch(op, world, backend, parallel_num):
     run_ranks(CHECKS[op], world, backend, parallel_num)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", sorted(CHECKS))
+def test_op_matches_torch_nccl(op, backend):
+    world = min(torch.cuda.device_count(), 4)
+    if world < 2:
+        pytest.skip("NCCL needs one GPU per rank; fewer than 2 GPUs")
+    for parallel_num in PARALLEL_NUMS:
+        run_ranks(CHECKS[op], world, backend, parallel_num, backend="nccl")
