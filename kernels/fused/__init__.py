@@ -1,0 +1,78 @@
+"""Fused backend: Triton kernels that read and write peer memory through a symmetric heap.
+
+Entry points called by the dispatcher (``kernels/dispatch.py``) with validated 2-D inputs:
+:func:`unavailable_reason`, :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
+:func:`matmul_all_reduce`. See ``docs/fused.md`` for the design, limits and fallbacks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .ag_gemm import all_gather_matmul
+from .gemm_ar import matmul_all_reduce
+from .gemm_rs import matmul_reduce_scatter
+from .runtime import resolve_group, triton_interpreted
+
+__all__ = ["unavailable_reason", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+
+_REASONS: dict[tuple[int, str], Optional[str]] = {}
+
+
+def _locality_reason(infos: list[tuple[Optional[str], str, int]], index: int) -> Optional[str]:
+    """Can every rank map every peer's memory? ``infos``: per rank (local reason, host, GPU index)."""
+    local = next((r for r, _, _ in infos if r), None)
+    if local is not None:
+        return local
+    hosts = sorted({host for _, host, _ in infos})
+    if len(hosts) > 1:
+        return f"the group spans {len(hosts)} hosts ({', '.join(hosts)}); peer memory needs one host"
+    for _, _, peer_index in infos:
+        if index >= 0 and peer_index != index and not torch.cuda.can_device_access_peer(index, peer_index):
+            return f"GPU {index} has no peer access to GPU {peer_index}"
+    return None
+
+
+def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
+    """None when the fused kernels can run on ``group`` and ``device``, else why not (for the fallback warning).
+
+    The first call for a (group, device) exchanges host names and local reasons (one collective over ``group``); every
+    rank of the group must make it, as every rank makes the op call itself. The answer is cached.
+    """
+    group = resolve_group(group)
+    if dist.get_world_size(group) == 1:
+        return None if device.type == "cuda" or triton_interpreted() else (
+            "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before kernels is imported)")
+    key = (id(group), str(device))
+    if key in _REASONS:
+        return _REASONS[key]
+    reason: Optional[str] = None
+    if device.type == "cuda":
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            reason = "CuPy is not installed (pip install cupy-cuda12x) and is needed for CUDA IPC handles"
+        if triton_interpreted():
+            reason = "TRITON_INTERPRET=1 is set, so Triton cannot run kernels on CUDA tensors"
+    elif device.type == "cpu":
+        if not triton_interpreted():
+            reason = "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before kernels is imported)"
+        elif not os.path.isdir("/dev/shm"):
+            reason = "no /dev/shm for POSIX shared memory on this system"
+    else:
+        reason = f"no symmetric heap backend for device type {device.type!r}"
+    index = -1
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    # Every rank takes part in the exchange even when it already knows its own answer, and all
+    # ranks adopt the first reason any rank found, so they all choose the same backend.
+    infos: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(infos, (reason, socket.gethostname(), index), group=group)
+    reason = _locality_reason(infos, index)
+    _REASONS[key] = reason
+    return reason

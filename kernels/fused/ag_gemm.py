@@ -1,0 +1,134 @@
+"""Fused all-gather + GEMM: ``y = all_gather_dim0(x) @ weight.T + bias``, optionally returning the gathered x.
+
+Launch sequence on rank ``r`` for call epoch ``e`` (W ranks, heap region ``G [W * m_local, k]``):
+
+1. wait until every peer's ``DONE >= e - 1`` (it no longer reads its ``G`` of the previous call);
+2. push ``x`` into rows ``[r * m_local, (r + 1) * m_local)`` of every rank's ``G`` and then set flag
+   ``AG[r] = e`` on every rank (GPU: copy engine on a side stream, so the GEMM below already runs);
+3. GEMM kernel: programs walk this rank's rows first, then the ring ``r + 1, r + 2, ...``; a program
+   waits for ``AG[src] >= e`` before loading the rows of shard ``src`` from the local ``G``;
+   with ``return_gathered`` the ``n``-tile-0 programs also write the rows they load to ``x_gathered``;
+4. set ``DONE[r] = e`` on every rank.
+
+Each rank only reads its own ``G`` and only peers write it, so step 1 is the whole flow control.
+Under the interpreter the GEMM of step 3 waits only on other ranks' step 2, never on a later program
+of its own launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from . import runtime, signals
+from .gemm import block_config, matmul, tile_matmul
+
+
+@triton.jit
+def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_LOCAL, N, K,
+                    stride_wn, stride_wk, stride_ym, stride_yn, rank, epoch, timeout, flag_offset,
+                    WORLD: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
+                    USE_GLOBALTIMER: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_shard = tl.cdiv(M_LOCAL, BLOCK_M)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
+    # Own shard first (already local), then ring order: the flags arrive roughly in that order.
+    src = (rank + pid_m // tiles_per_shard) % WORLD
+    local_rows = (pid_m % tiles_per_shard) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    mask_m = local_rows < M_LOCAL
+    offs_m = src * M_LOCAL + local_rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_n = offs_n < N
+    pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
+    ok = signals.wait_signal(pad + flag_offset + src, epoch, pad, timeout, 1 + src + WORLD * CHANNEL, USE_GLOBALTIMER)
+    if ok:
+        # Only the n-tile-0 programs write x_gathered (the interpreter cannot broadcast a scalar
+        # predicate into a mask, hence the vector form).
+        g_local = signals.peer_ptr(data_tab_ptr, rank, y_ptr.dtype.element_ty)
+        acc = tile_matmul(g_local, K, 1, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
+                          g_ptr, K, mask_m & ((offs_m * 0 + pid_n) == 0), BLOCK_M, BLOCK_N, BLOCK_K, STORE_A)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _push_shard(call: runtime.FusedCall, x: torch.Tensor, side: Optional[torch.cuda.Stream]) -> None:
+    heap, r, w = call.heap, call.rank, call.world_size
+    m_local, k = x.shape
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        x.record_stream(side)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for step in range(w):
+            dst = (r + step) % w
+            heap.data_view(dst, x.dtype, (w * m_local, k))[r * m_local:(r + 1) * m_local].copy_(x, non_blocking=True)
+    runtime.push_signal(call, signals.CH_AG, call.epoch, side)
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        # High priority: the pushes are on the GEMM's critical path.
+        stream = torch.cuda.Stream(device=device, priority=-1)
+        _SIDE_STREAMS[device] = stream
+    return stream
+
+
+def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      group: Optional[dist.ProcessGroup], return_gathered: bool
+                      ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Fused all-gather + GEMM over the group's symmetric heap.
+
+    Shapes: x ``[m_local, k]`` (same ``m_local`` on every rank), weight ``[n, k]``, bias ``[n]`` ->
+    y ``[W * m_local, n]`` (and x_gathered ``[W * m_local, k]`` if ``return_gathered``).
+
+    Reference semantics::
+
+        x_gathered = cat([x from rank 0, ..., x from rank W-1], dim=0)
+        y = x_gathered @ weight.T + bias
+        return (y, x_gathered) if return_gathered else y
+
+    Nothing is reduced across ranks, so every row of y is one dot product per column (fp32 accumulate).
+    Raises RuntimeError naming the missing peer if a wait exceeds ``COC_TIMEOUT``.
+    """
+    group = runtime.resolve_group(group)
+    w = dist.get_world_size(group)
+    if w == 1:
+        y = matmul(x, weight, bias)
+        return (y, x.clone()) if return_gathered else y
+    m_local, k = x.shape
+    n = weight.shape[0]
+    call = runtime.begin("all_gather_matmul", group, x.device, w * m_local * k * x.element_size())
+    heap = call.heap
+    if call.epoch > 1:
+        signals.wait_all(heap, signals.CH_DONE, call.epoch - 1, call.timeout_ticks, call.use_globaltimer)
+    side = _side_stream(x.device) if x.device.type == "cuda" else None
+    _push_shard(call, x, side)
+    y = torch.empty((w * m_local, n), dtype=x.dtype, device=x.device)
+    x_gathered = torch.empty((w * m_local, k), dtype=x.dtype, device=x.device) if return_gathered else y
+    cfg = block_config(x.device)
+    grid = (w * triton.cdiv(m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    if grid[0] > 0:
+        _ag_gemm_kernel[grid](heap.data_ptrs, heap.sig_ptrs, weight, bias if bias is not None else y, y, x_gathered,
+                              m_local, n, k, weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+                              call.rank, call.epoch, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
+                              WORLD=w, CHANNEL=signals.CH_AG, HAS_BIAS=bias is not None, STORE_A=return_gathered,
+                              USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if return_gathered and n == 0:
+        signals.wait_all(heap, signals.CH_AG, call.epoch, call.timeout_ticks, call.use_globaltimer)
+        x_gathered.copy_(heap.data_view(call.rank, x.dtype, (w * m_local, k)))
+    runtime.finish(call)
+    return (y, x_gathered) if return_gathered else y

@@ -1,0 +1,100 @@
+"""The Triton GEMM core shared by the fused ops, and a bare ``matmul`` launcher over it.
+
+``tile_matmul`` computes one ``[BLOCK_M, BLOCK_N]`` fp32 tile of ``a @ b.T`` for ``b`` in
+``F.linear`` layout ``[n, k]``; the fused kernels decide which rows a program owns, where the rows
+come from (local or gathered memory) and where the tile goes (local output or a peer's slot).
+Rows and columns outside the matrices are masked, so any ``m``, ``n``, ``k`` works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class BlockConfig:
+    """Tile sizes and launch parameters; identical on every rank (tile counts drive the signal targets)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# The interpreter costs per program and per loop step, so CPU tiles stay small to keep tests fast
+# while still crossing tile boundaries with test shapes of a few dozen rows.
+CPU_BLOCKS = BlockConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+GPU_BLOCKS = BlockConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def block_config(device: torch.device) -> BlockConfig:
+    return GPU_BLOCKS if device.type == "cuda" else CPU_BLOCKS
+
+
+@triton.jit
+def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m, mask_m, offs_n, mask_n, K,
+                g_ptr, stride_gm, g_mask_m,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_A: tl.constexpr):
+    """fp32 ``a[offs_m, :] @ b[offs_n, :].T``; with ``STORE_A`` also copies the A rows selected by ``g_mask_m`` to ``g``.
+
+    ``offs_m``/``offs_n`` are int64 so addresses of large matrices cannot overflow.
+    """
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a_mask = mask_m[:, None] & mask_k[None, :]
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak, mask=a_mask, other=0.0)
+        b = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
+                    mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        if STORE_A:
+            tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_k[None, :], a, mask=g_mask_m[:, None] & mask_k[None, :])
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
+                   stride_cm, stride_cn, HAS_BIAS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m, mask_m, offs_n, mask_n, K,
+                      c_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` with the fused ops' GEMM core (fp32 accumulate); the W == 1 path.
+
+    x ``[m, k]`` (any strides), weight ``[n, k]`` (any strides), bias ``[n]`` or None -> ``[m, n]``.
+    Reference: ``torch.nn.functional.linear(x, weight, bias)``.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [m, k] and [n, k]")
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = block_config(x.device)
+    bias_arg = bias.contiguous() if bias is not None else out
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _matmul_kernel[grid](x, weight, bias_arg, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
+                         weight.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

@@ -1,0 +1,114 @@
+"""Fused GEMM + all-reduce: ``y = all_reduce(x @ weight.T) + bias``, one-shot or two-shot.
+
+* one-shot (small outputs): the scatter GEMM of :mod:`gemm_rs` in ``BROADCAST`` mode pushes every
+  tile of the partial product into slot ``[r]`` of every rank (heap ``slots [W, m, n]``), then every
+  rank sums the ``W`` slots itself. One exchange step, ``(W - 1) * m * n`` elements sent per rank.
+* two-shot: reduce-scatter onto owners of ``rows_own = ceil(m / W)`` rows each (the last owners may
+  hold fewer or none), then each owner pushes its reduced rows into region ``O [W * rows_own, n]``
+  of every rank (counter ``AR[owner]``), and a gather kernel copies ``O`` to ``y`` as the rows'
+  owners' counters complete. About ``2 (W - 1) / W * m * n`` elements sent per rank.
+
+Both sum the ``W`` partials in rank order in fp32 and every rank adds bias to the same fp32 sum (or
+receives the owner's rounded result), so repeated calls are bitwise identical and all ranks hold
+bitwise identical outputs: that is the default, ``deterministic=True`` costs nothing extra.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from . import runtime, signals
+from .gemm import block_config, matmul
+from .gemm_rs import reduce_slots, scatter_partials
+
+# Outputs up to this many bytes use one-shot: latency (one exchange, no second kernel round) wins
+# over the ~W/2 times larger traffic while messages are small.
+ONE_SHOT_MAX_BYTES = 256 * 1024
+ALGORITHMS = ("auto", "one_shot", "two_shot")
+
+
+@triton.jit
+def _gather_rows_kernel(data_tab_ptr, sig_tab_ptr, out_ptr, M, N, ROWS_OWN, stride_om, stride_on,
+                        rank, target, timeout, o_base, ar_offset,
+                        WORLD: tl.constexpr, CHANNEL: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_owner = tl.cdiv(ROWS_OWN, BLOCK_M) * n_tiles
+    # Own rows first: they were reduced locally and are the first to be complete.
+    owner = (rank + pid // tiles_per_owner) % WORLD
+    rem = pid % tiles_per_owner
+    local_rows = (rem // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_m = owner * ROWS_OWN + local_rows
+    offs_n = (rem % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask = ((local_rows < ROWS_OWN) & (offs_m < M))[:, None] & (offs_n < N)[None, :]
+    pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
+    ok = signals.wait_signal(pad + ar_offset + owner, target, pad, timeout, 1 + owner + WORLD * CHANNEL,
+                             USE_GLOBALTIMER)
+    if ok:
+        o_local = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty) + o_base
+        rows = tl.load(o_local + offs_m[:, None] * N + offs_n[None, :], mask=mask)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, rows, mask=mask)
+
+
+def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      group: Optional[dist.ProcessGroup], deterministic: bool, algorithm: str = "auto"
+                      ) -> torch.Tensor:
+    """Fused GEMM + all-reduce over the group's symmetric heap.
+
+    Shapes: x ``[m, k_local]`` (any ``m``, same on every rank), weight ``[n, k_local]``, bias ``[n]``
+    -> y ``[m, n]``, the same bits on every rank.
+
+    Reference semantics::
+
+        partial_src = x_src @ weight_src.T                 # on every rank src, rounded to x.dtype
+        y = sum(partial_src for src in 0..W-1)           # fp32, in rank order
+        y = y + bias                                       # once, after the reduction
+
+    ``algorithm``: ``"auto"`` (one-shot when ``m * n * itemsize <= ONE_SHOT_MAX_BYTES``),
+    ``"one_shot"`` or ``"two_shot"``. Always deterministic (``deterministic`` is accepted for the
+    API and costs nothing). Raises RuntimeError naming the missing peer if a wait exceeds
+    ``COC_TIMEOUT``.
+    """
+    del deterministic  # always deterministic, see the docstring
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
+    group = runtime.resolve_group(group)
+    w = dist.get_world_size(group)
+    if w == 1:
+        return matmul(x, weight, bias)
+    m = x.shape[0]
+    n = weight.shape[0]
+    size = x.element_size()
+    if algorithm == "auto":
+        algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
+    cfg = block_config(x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if algorithm == "one_shot":
+        call = runtime.begin("matmul_all_reduce", group, x.device, w * m * n * size)
+        target = scatter_partials(call, x, weight, m, True, cfg)
+        reduce_slots(call, out, bias, m, m, n, target, None, cfg)
+        runtime.finish(call)
+        return out
+    rows_own = triton.cdiv(m, w)
+    slots = w * rows_own * n
+    call = runtime.begin("matmul_all_reduce", group, x.device, 2 * slots * size)
+    target = scatter_partials(call, x, weight, rows_own, False, cfg)
+    rows_valid = min(rows_own, max(0, m - call.rank * rows_own))
+    # ``out`` is only a dtype/stride carrier here: the reduced rows go to every rank's O region.
+    ar_target = reduce_slots(call, out, bias, rows_own, rows_valid, n, target, slots, cfg)
+    heap = call.heap
+    grid = (w * triton.cdiv(rows_own, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    if grid[0] > 0:
+        _gather_rows_kernel[grid](heap.data_ptrs, heap.sig_ptrs, out, m, n, rows_own, out.stride(0), out.stride(1),
+                                  call.rank, ar_target, call.timeout_ticks, slots,
+                                  signals.channel_offset(signals.CH_AR, w), WORLD=w, CHANNEL=signals.CH_AR,
+                                  USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                  num_warps=cfg.num_warps)
+    runtime.finish(call)
+    return out

@@ -1,0 +1,189 @@
+"""Fused GEMM + reduce-scatter: ``y = reduce_scatter_dim0(x @ weight.T) + bias``.
+
+Heap region on each rank: ``slots [W, rows_own, n]``; slot ``[src]`` of owner ``d`` receives the
+partial product of rows ``[d * rows_own, (d + 1) * rows_own)`` computed by rank ``src``.
+
+Launch sequence on rank ``r`` for call epoch ``e``:
+
+1. scatter GEMM: programs take owners in the order ``r + 1, r + 2, ..., r`` (own rows last, so
+   the peers' data leaves first); a program computes its tile, waits for the owner's
+   ``DONE >= e - 1`` (it no longer reads its slots of the previous call), stores the tile into
+   the owner's slot ``[r]`` and release-adds 1 to the owner's counter ``RS[r]``;
+2. reduce: a program waits until every ``RS[src]`` reached this call's cumulative target, then sums
+   slot 0, 1, ..., W-1 in that fixed order in fp32, adds bias once and stores ``y``;
+3. set ``DONE[r] = e`` on every rank.
+
+The same two kernels serve :mod:`gemm_ar`: with ``BROADCAST`` the scatter GEMM sends every tile to
+every rank (one-shot all-reduce) and with ``PUSH`` the reduce sends its rows to every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from . import runtime, signals
+from .gemm import BlockConfig, block_config, matmul, tile_matmul
+
+
+@triton.jit
+def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_OWN,
+                         stride_xm, stride_xk, stride_wn, stride_wk, rank, epoch, timeout,
+                         done_offset, cnt_offset,
+                         WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_owner = tl.cdiv(ROWS_OWN, BLOCK_M) * n_tiles
+    rem = pid % tiles_per_owner
+    if BROADCAST:
+        owner = 0
+    else:
+        # Peers' rows first (r + 1 first), own rows last: remote stores start as early as possible.
+        owner = (rank + 1 + pid // tiles_per_owner) % WORLD
+    local_rows = (rem // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_m = owner * ROWS_OWN + local_rows
+    mask_m = (local_rows < ROWS_OWN) & (offs_m < M)
+    offs_n = (rem % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_n = offs_n < N
+    acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
+                      x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False)
+    tile = acc.to(x_ptr.dtype.element_ty)
+    pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
+    slot_offs = rank * ROWS_OWN * N + local_rows[:, None] * N + offs_n[None, :]
+    slot_mask = mask_m[:, None] & mask_n[None, :]
+    if BROADCAST:
+        for i in tl.static_range(WORLD):
+            dst = (rank + 1 + i) % WORLD
+            ok = signals.wait_signal(pad + done_offset + dst, epoch - 1, pad, timeout, 1 + dst, USE_GLOBALTIMER)
+            if ok:
+                tl.store(signals.peer_ptr(data_tab_ptr, dst, x_ptr.dtype.element_ty) + slot_offs, tile, mask=slot_mask)
+                signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + cnt_offset + rank, 1)
+    else:
+        ok = signals.wait_signal(pad + done_offset + owner, epoch - 1, pad, timeout, 1 + owner, USE_GLOBALTIMER)
+        if ok:
+            tl.store(signals.peer_ptr(data_tab_ptr, owner, x_ptr.dtype.element_ty) + slot_offs, tile, mask=slot_mask)
+            signals.add_signal(signals.peer_ptr(sig_tab_ptr, owner, tl.int64) + cnt_offset + rank, 1)
+
+
+@triton.jit
+def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN, ROWS_VALID, N,
+                         stride_om, stride_on, rank, epoch, target, timeout, cnt_offset,
+                         done_offset, push_offset, push_base,
+                         WORLD: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         PUSH: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask = (offs_m < ROWS_VALID)[:, None] & (offs_n < N)[None, :]
+    pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
+    slots = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty)
+    ok = True
+    for src in tl.static_range(WORLD):
+        ok = ok & signals.wait_signal(pad + cnt_offset + src, target, pad, timeout, 1 + src + WORLD * CHANNEL,
+                                      USE_GLOBALTIMER)
+    if ok:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Fixed rank order: the result does not depend on which peer finished first (deterministic).
+        for src in tl.static_range(WORLD):
+            acc += tl.load(slots + src * ROWS_OWN * N + offs_m[:, None] * N + offs_n[None, :], mask=mask,
+                           other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        result = acc.to(out_ptr.dtype.element_ty)
+        if PUSH:
+            push_offs = push_base + (rank * ROWS_OWN + offs_m[:, None]) * N + offs_n[None, :]
+            for i in tl.static_range(WORLD):
+                dst = (rank + 1 + i) % WORLD
+                ok_dst = signals.wait_signal(pad + done_offset + dst, epoch - 1, pad, timeout, 1 + dst,
+                                             USE_GLOBALTIMER)
+                if ok_dst:
+                    tl.store(signals.peer_ptr(data_tab_ptr, dst, out_ptr.dtype.element_ty) + push_offs, result,
+                             mask=mask)
+                    signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + push_offset + rank, 1)
+        else:
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, result, mask=mask)
+
+
+def tiles(rows: int, n: int, cfg: BlockConfig) -> int:
+    return triton.cdiv(rows, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+
+
+def scatter_partials(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Tensor, rows_own: int,
+                     broadcast: bool, cfg: BlockConfig) -> int:
+    """Launch the scatter GEMM; return the cumulative ``RS`` target every peer's counter must reach here."""
+    heap, w = call.heap, call.world_size
+    m, k = x.shape
+    n = weight.shape[0]
+    per_owner = tiles(rows_own, n, cfg)
+    grid = (per_owner * (1 if broadcast else w),)
+    if grid[0] > 0:
+        _gemm_scatter_kernel[grid](x, weight, heap.data_ptrs, heap.sig_ptrs, m, n, k, rows_own,
+                                   x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+                                   call.rank, call.epoch, call.timeout_ticks,
+                                   signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
+                                   WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
+                                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return heap.add_count(signals.CH_RS, per_owner)
+
+
+def reduce_slots(call: runtime.FusedCall, out: torch.Tensor, bias: Optional[torch.Tensor], rows_own: int,
+                 rows_valid: int, n: int, target: int, push_base: Optional[int], cfg: BlockConfig) -> int:
+    """Launch the fixed-order reduce of the ``W`` slots; with ``push_base`` push the rows to every rank.
+
+    Returns the cumulative ``AR`` target (unchanged unless pushing).
+    """
+    heap, w = call.heap, call.world_size
+    grid = (tiles(rows_own, n, cfg),)
+    push = push_base is not None
+    if grid[0] > 0:
+        _reduce_slots_kernel[grid](heap.data_ptrs, heap.sig_ptrs, bias if bias is not None else out, out,
+                                   rows_own, rows_valid, n, out.stride(0), out.stride(1),
+                                   call.rank, call.epoch, target, call.timeout_ticks,
+                                   signals.channel_offset(signals.CH_RS, w), signals.channel_offset(signals.CH_DONE, w),
+                                   signals.channel_offset(signals.CH_AR, w), push_base if push else 0,
+                                   WORLD=w, CHANNEL=signals.CH_RS, HAS_BIAS=bias is not None, PUSH=push,
+                                   USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                   num_warps=cfg.num_warps)
+    return heap.add_count(signals.CH_AR, grid[0]) if push else heap.counters.get(signals.CH_AR, 0)
+
+
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          group: Optional[dist.ProcessGroup], deterministic: bool) -> torch.Tensor:
+    """Fused GEMM + reduce-scatter over the group's symmetric heap.
+
+    Shapes: x ``[m, k_local]`` (``m % W == 0``, same on every rank), weight ``[n, k_local]``,
+    bias ``[n]`` -> y ``[m / W, n]`` holding rows ``[r * m / W, (r + 1) * m / W)`` on rank ``r``.
+
+    Reference semantics::
+
+        partial_src = x_src @ weight_src.T                     # on every rank src, rounded to x.dtype
+        y_r = sum(partial_src[rows of r] for src in 0..W-1)  # fp32, in rank order
+        y_r = y_r + bias                                       # once, after the reduction
+
+    The sum always runs in rank order, so results are bitwise reproducible whatever
+    ``deterministic`` says (it costs nothing here). Raises RuntimeError naming the missing peer if a
+    wait exceeds ``COC_TIMEOUT``.
+    """
+    del deterministic  # always deterministic, see the docstring
+    group = runtime.resolve_group(group)
+    w = dist.get_world_size(group)
+    if w == 1:
+        return matmul(x, weight, bias)
+    m = x.shape[0]
+    n = weight.shape[0]
+    rows_own = m // w
+    cfg = block_config(x.device)
+    call = runtime.begin("matmul_reduce_scatter", group, x.device, w * rows_own * n * x.element_size())
+    target = scatter_partials(call, x, weight, rows_own, False, cfg)
+    out = torch.empty((rows_own, n), dtype=x.dtype, device=x.device)
+    reduce_slots(call, out, bias, rows_own, rows_own, n, target, None, cfg)
+    runtime.finish(call)
+    return out

@@ -1,0 +1,96 @@
+"""Host-side plumbing shared by the fused ops: group, heap and epoch per call, timeout, error check."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import get_config
+from ..heap import SymmetricHeap, destroy_heap, get_heap
+from . import signals
+
+
+def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run through the interpreter (decided when triton.jit decorated them)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass
+class FusedCall:
+    """One fused call on a heap: its epoch and the spin bound in the kernels' clock ticks."""
+
+    op: str
+    heap: SymmetricHeap
+    epoch: int
+    timeout_s: float
+    timeout_ticks: int
+    use_globaltimer: bool
+
+    @property
+    def rank(self) -> int:
+        return self.heap.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.heap.world_size
+
+
+def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int) -> FusedCall:
+    """Get (or grow) the group's heap for ``data_bytes`` and open the next epoch on it."""
+    world = dist.get_world_size(group)
+    heap = get_heap(group, device, data_bytes, signals.sig_words(world))
+    timeout = get_config().timeout
+    use_globaltimer = device.type == "cuda"
+    # GPU spins read %globaltimer (ns); interpreter spins read the pad clock (ms).
+    ticks = int(timeout * 1e9) if use_globaltimer else max(1, int(timeout * 1e3))
+    return FusedCall(op, heap, heap.next_epoch(), timeout, ticks, use_globaltimer)
+
+
+def finish(call: FusedCall) -> None:
+    """Tell every peer this rank is done with the call's heap regions, then raise if any wait timed out."""
+    signals.signal_all(call.heap, signals.CH_DONE, call.epoch)
+    check(call)
+
+
+def check(call: FusedCall) -> None:
+    """Raise ``RuntimeError`` naming op, rank and peer if a wait of this call timed out (syncs on GPU)."""
+    heap = call.heap
+    code = int(heap.sig_view(heap.rank)[signals.ERROR_WORD].item())
+    if code == 0:
+        return
+    channel, peer = signals.decode_error(code, heap.world_size)
+    # The flags of a heap whose peer vanished mid-call are inconsistent: drop it, a later call
+    # starts a fresh one (which needs the peers again).
+    destroy_heap(heap.group, heap.device)
+    raise RuntimeError(
+        f"fused {call.op}: rank {heap.global_ranks[heap.rank]} (group rank {heap.rank}) waited more than "
+        f"COC_TIMEOUT={call.timeout_s:g} s for rank {heap.global_ranks[peer]} (group rank {peer}) to "
+        f"{signals.PHASES.get(channel, f'signal channel {channel}')} (epoch {call.epoch}); "
+        f"the peer is dead, stuck, or did not make the same call")
+
+
+def push_signal(call: FusedCall, channel: int, value: int, stream: Optional[torch.cuda.Stream] = None) -> None:
+    """Set this rank's ``channel`` flag to ``value`` on every rank after the data pushed before it.
+
+    On GPU the flag is a host-to-device copy from pinned memory on ``stream``, queued behind the data
+    copies, so it needs the copy engine only and never an SM the spinning GEMM may hold. On CPU the
+    copies before it are synchronous and a one-program kernel does release stores.
+    """
+    heap = call.heap
+    if heap.device.type != "cuda":
+        signals.signal_all(heap, channel, value)
+        return
+    src = torch.tensor([value], dtype=torch.int64).pin_memory()
+    offset = signals.channel_offset(channel, heap.world_size) + heap.rank
+    with torch.cuda.stream(stream):
+        for dst in range(heap.world_size):
+            # The pinned allocator records an event on this stream, so ``src`` outlives the copy.
+            heap.sig_view(dst)[offset:offset + 1].copy_(src, non_blocking=True)

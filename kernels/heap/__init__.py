@@ -1,0 +1,102 @@
+"""Symmetric heap: one same-sized buffer plus a signal pad per rank of a process group.
+
+Every rank of a group allocates ``data_bytes + sig_bytes`` bytes, the handles are exchanged once with
+``torch.distributed.all_gather_object`` and every rank maps every peer's allocation. The result is
+
+* ``data_ptrs`` / ``sig_ptrs``: int64 tensors ``[W]`` on the buffers' device holding each rank's base
+  address as seen from this process (what the Triton kernels index);
+* ``data_view(peer, dtype, shape, offset)`` / ``sig_view(peer)``: torch tensors over peer memory
+  (what host-side copies use).
+
+Backends: :mod:`kernels.heap.shm` (POSIX shared memory, CPU tensors, used under ``TRITON_INTERPRET=1``)
+and :mod:`kernels.heap.cuda_ipc` (CuPy CUDA IPC handles). Heaps are cached per (group, device) and
+grown on demand by :func:`get_heap`; growth is collective, so every rank must request sizes derived
+from shapes all ranks share (which the fused ops do: their sizes depend only on the global shapes).
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .base import SymmetricHeap
+
+__all__ = ["SymmetricHeap", "get_heap", "peek_heap", "destroy_heap", "destroy_all_heaps"]
+
+_HEAPS: dict[tuple[int, str], tuple[object, SymmetricHeap]] = {}
+
+
+def _key(group: dist.ProcessGroup, device: torch.device) -> tuple[int, str]:
+    # ProcessGroup objects are not weak-referenceable; the group is kept alive in the cache entry
+    # so its id cannot be reused by another group while the heap exists.
+    return id(group), str(device)
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def peek_heap(group: dist.ProcessGroup, device: torch.device) -> Optional[SymmetricHeap]:
+    """The cached heap of ``group`` on ``device`` or None (no collective)."""
+    entry = _HEAPS.get(_key(group, device))
+    return None if entry is None else entry[1]
+
+
+def get_heap(group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int
+             ) -> SymmetricHeap:
+    """The group's heap on ``device`` with at least ``data_bytes`` of data and ``sig_words`` int64 flags.
+
+    Collective only when the heap is created or grown: every rank of ``group`` must call with the
+    same sizes in the same order. Growth at least doubles, so a sequence of growing shapes costs a
+    logarithmic number of collectives. A grown heap starts with zeroed signal pads, so its users must
+    restart their epochs (see :attr:`SymmetricHeap.epoch`).
+    """
+    key = _key(group, device)
+    entry = _HEAPS.get(key)
+    old = None if entry is None else entry[1]
+    if old is not None and old.data_bytes >= data_bytes and old.sig_words >= sig_words:
+        return old
+    align = (1 << 21) if device.type == "cuda" else 4096
+    size = _round_up(max(data_bytes, 2 * old.data_bytes if old is not None else 0, align), align)
+    words = max(sig_words, old.sig_words if old is not None else 0)
+    if old is not None and device.type == "cuda":
+        # In-flight kernels of the previous call may still touch the old heap; the collective in
+        # the constructor below then tells every rank that all peers are past that point too.
+        torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        from .cuda_ipc import CudaIpcHeap
+
+        heap: SymmetricHeap = CudaIpcHeap(group, device, size, words)
+    elif device.type == "cpu":
+        from .shm import ShmHeap
+
+        heap = ShmHeap(group, device, size, words)
+    else:
+        raise ValueError(f"device: no symmetric heap backend for device type {device.type!r}")
+    _HEAPS[key] = (group, heap)
+    if old is not None:
+        old.close()
+    return heap
+
+
+def destroy_heap(group: dist.ProcessGroup, device: Optional[torch.device] = None) -> None:
+    """Unmap and free the heap(s) of ``group`` (all devices when ``device`` is None). Local, no collective.
+
+    Safe only when no peer will write into this rank's memory anymore (e.g. after a barrier, or
+    after a failed call, when the peers are presumed gone).
+    """
+    for key in list(_HEAPS):
+        if key[0] == id(group) and (device is None or key[1] == str(device)):
+            _HEAPS.pop(key)[1].close()
+
+
+def destroy_all_heaps() -> None:
+    """Free every cached heap of this process (registered at exit)."""
+    while _HEAPS:
+        _HEAPS.popitem()[1][1].close()
+
+
+atexit.register(destroy_all_heaps)

@@ -1,0 +1,79 @@
+"""The backend-independent part of a symmetric heap: peer tables, views and per-call bookkeeping."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class SymmetricHeap:
+    """Mapped buffers of every rank of ``group``; a backend fills :attr:`_raw` and calls :meth:`_finish`.
+
+    Each rank's allocation is ``data_bytes`` of data followed by ``sig_words`` int64 signal words.
+    ``epoch`` counts the fused calls made on this heap (the same on every rank, since every rank
+    makes the same calls) and ``counters`` the cumulative per-channel increments each rank expects
+    from each peer; both start at zero with the zeroed pads of a fresh heap.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int):
+        self.group = group
+        self.device = device
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self.data_bytes = data_bytes
+        self.sig_words = sig_words
+        self.epoch = 0
+        self.counters: dict[int, int] = {}
+        self.closed = False
+        self._raw: list[torch.Tensor] = []
+        self.data_ptrs = torch.empty(0, dtype=torch.int64)
+        self.sig_ptrs = torch.empty(0, dtype=torch.int64)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_bytes + 8 * self.sig_words
+
+    def _finish(self, raw: list[torch.Tensor]) -> None:
+        """Take the per-rank uint8 views (``total_bytes`` each) and build the pointer tables."""
+        self._raw = raw
+        base = [t.data_ptr() for t in raw]
+        self.data_ptrs = torch.tensor(base, dtype=torch.int64).to(self.device)
+        self.sig_ptrs = torch.tensor([p + self.data_bytes for p in base], dtype=torch.int64).to(self.device)
+
+    def data_view(self, peer: int, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+        """``peer``'s data region from byte ``offset`` as a tensor of ``shape``."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for s in shape:
+            numel *= s
+        end = offset + numel * itemsize
+        if offset % itemsize or end > self.data_bytes:
+            raise ValueError(f"data_view: {numel} x {dtype} at offset {offset} does not fit the heap "
+                             f"({self.data_bytes} bytes)")
+        return self._raw[peer][offset:end].view(dtype).view(shape)
+
+    def sig_view(self, peer: int) -> torch.Tensor:
+        """``peer``'s signal pad as an int64 tensor ``[sig_words]``."""
+        return self._raw[peer][self.data_bytes:self.total_bytes].view(torch.int64)
+
+    def next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    def add_count(self, channel: int, increments: int) -> int:
+        """Advance the cumulative count expected on ``channel`` from each peer; return the new target."""
+        value = self.counters.get(channel, 0) + increments
+        self.counters[channel] = value
+        return value
+
+    def close(self) -> None:
+        """Drop the mappings (backends release their resources in :meth:`_release`)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._raw = []
+        self._release()
+
+    def _release(self) -> None:
+        raise NotImplementedError
