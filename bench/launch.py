@@ -1,0 +1,152 @@
+"""Rank launching for ``python -m bench``: its own processes, or the ones torchrun started.
+
+Without torchrun, :func:`spawn` starts W processes (``spawn`` start method), each initializing a
+process group over a file store (gloo on CPU, NCCL on GPUs, one GPU per rank), runs a module-level
+``fn(rank, world, *args)`` and sends rank 0's return value back. A rank that raises or dies ends
+the run with its traceback; a run past its deadline is killed, so nothing hangs. World size 1 runs
+in the calling process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from bench.suites import REPO_ROOT
+
+
+class LaunchError(RuntimeError):
+    """A benchmark rank failed, died or ran past the deadline."""
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def dist_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def rank_env(device_type: str, world: int) -> dict[str, str]:
+    """Environment every rank needs before importing torch / triton."""
+    env = {}
+    if device_type == "cpu":
+        # Without a GPU the fused Triton kernels can only run through the interpreter.
+        env["TRITON_INTERPRET"] = "1"
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+    return env
+
+
+def _set_device(device_type: str, local_rank: int, world: int) -> torch.device:
+    if device_type == "cuda":
+        count = torch.cuda.device_count()
+        if world > count:
+            raise LaunchError(f"world size {world} needs {world} GPUs on this node, found {count}")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return torch.device("cpu")
+
+
+def init_torchrun(device_type: str, timeout_s: float) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun set up the environment for."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = _set_device(device_type, int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if not dist.is_initialized():
+        dist.init_process_group(dist_backend(device_type), timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world, device
+
+
+def _entry(rank: int, world: int, device_type: str, store_path: str, timeout_s: float,
+           fn: Callable[..., Any], args: tuple, results: Any) -> None:
+    os.environ.update(rank_env(device_type, world))
+    sys.path.insert(0, REPO_ROOT)
+    try:
+        device = _set_device(device_type, rank, world)
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(dist_backend(device_type), store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        value = fn(rank, world, device, *args)
+        results.put((rank, True, value if rank == 0 else None))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_in_process(fn: Callable[..., Any], device_type: str, timeout_s: float, *args: Any) -> Any:
+    """World size 1 in this process: a one-rank group so the ops see an initialized default group."""
+    os.environ.update(rank_env(device_type, 1))
+    device = _set_device(device_type, 0, 1)
+    with tempfile.TemporaryDirectory(prefix="coc-bench-") as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group(dist_backend(device_type), store=store, rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            return fn(0, 1, device, *args)
+        finally:
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world: int, device_type: str, timeout_s: float, *args: Any) -> Any:
+    """Run module-level ``fn(rank, world, device, *args)`` on ``world`` new ranks; rank 0's result."""
+    if world == 1:
+        return run_in_process(fn, device_type, timeout_s, *args)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="coc-bench-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_entry, name=f"coc-bench-rank{r}", daemon=True,
+                             args=(r, world, device_type, store_path, timeout_s, fn, args, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        got: dict[int, tuple[bool, Any]] = {}
+        error: str | None = None
+        try:
+            while len(got) < world and error is None:
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world) if r not in got]
+                    error = f"ranks {missing} did not finish within {timeout_s:.0f} s (see --timeout)"
+                    break
+                try:
+                    rank, ok, value = results.get(timeout=0.2)
+                    got[rank] = (ok, value)
+                    if not ok:
+                        error = f"rank {rank} raised:\n{value}"
+                    continue
+                except queue.Empty:
+                    pass
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
+                if dead:
+                    # Give its result a moment to arrive through the queue before calling it dead.
+                    try:
+                        rank, ok, value = results.get(timeout=2.0)
+                        got[rank] = (ok, value)
+                        if not ok:
+                            error = f"rank {rank} raised:\n{value}"
+                        continue
+                    except queue.Empty:
+                        error = f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
+        finally:
+            for p in procs:
+                p.join(timeout=10 if error is None else 0.5)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    if error is not None:
+        raise LaunchError(f"benchmark on {world} ranks failed: {error}")
+    return got[0][1]

@@ -1,0 +1,313 @@
+"""What every rank runs: correctness check, then timing of each backend, the bare GEMM and the
+bare collective; rank 0 derives the figures (TFLOP/s, bus bandwidth, speedup, overlap efficiency)
+and the model's predictions.
+
+Every rank walks the same cases and backends in the same order and agrees on every skip through an
+all-reduce, so no rank ever waits in a collective its peers have left.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from bench import model as perf_model
+from bench.suites import DTYPE_BYTES, Case, backend_args
+from bench.timing import Stats, Timer
+
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# allclose(atol = tol * max|ref|, rtol = tol) against the sequential result. Backends differ from it
+# only in summation order (chunk boundaries, reduction order), whose error grows with the reduced
+# length; these are the tolerances peers use for the same ops (Triton-distributed: fp16 1e-2,
+# bf16 6e-2), and 1e-4 for fp32.
+CHECK_TOL = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 6e-2}
+
+
+@dataclass
+class RunOptions:
+    backends: list[str]
+    warmup: int
+    repeats: int
+    seed: int = 0
+    progress: bool = True
+    calibrate: bool = False
+    gpu_generation: Optional[str] = None  # links.yaml generation for the model on GPUs
+    model: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Progress:
+    """A progress bar on stderr (a line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, title: str, enabled: bool):
+        self.total, self.title, self.enabled = total, title, enabled and total > 0
+        self.done = 0
+        self.t0 = time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, label: str) -> None:
+        if not self.enabled:
+            return
+        self.done += 1
+        width = 24
+        filled = int(width * self.done / self.total)
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed / self.done * (self.total - self.done)
+        line = (f"{self.title} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                f"{elapsed:5.1f}s elapsed, ~{eta:4.0f}s left  {label}")
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line + ("\n" if self.done == self.total else ""))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def _kernels() -> Any:
+    import kernels
+
+    return kernels
+
+
+def has_op(op: str) -> bool:
+    try:
+        return callable(getattr(_kernels(), op, None)) and (
+            op != "quantized_matmul_all_reduce" or callable(getattr(_kernels(), "quantize_weight", None)))
+    except ImportError:
+        return False
+
+
+def _comm_module() -> Any:
+    from kernels import comm
+
+    return comm
+
+
+def make_inputs(case: Case, rank: int, seed: int, device: torch.device) -> dict[str, Any]:
+    """Operands of one case; x differs per rank, values scaled so outputs are O(1)."""
+    dtype = TORCH_DTYPES[case.dtype]
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    x = torch.randn(case.x_shape, generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn(case.w_shape, generator=g) / math.sqrt(case.k)).to(device=device, dtype=dtype)
+    inputs = {"x": x, "weight": w}
+    if case.op == "quantized_matmul_all_reduce":
+        qweight, scale = _kernels().quantize_weight(w, mode="per_channel")
+        inputs.update(qweight=qweight, scale=scale)
+    return inputs
+
+
+def op_call(case: Case, backend: str, inputs: dict[str, Any]) -> Callable[[], torch.Tensor]:
+    fn = getattr(_kernels(), case.op)
+    kind, p = backend_args(backend)
+    if case.op == "quantized_matmul_all_reduce":
+        return lambda: fn(inputs["x"], inputs["qweight"], inputs["scale"], backend=kind, parallel_num=p)
+    return lambda: fn(inputs["x"], inputs["weight"], backend=kind, parallel_num=p)
+
+
+def gemm_call(m: int, k: int, n: int, dtype: str, device: torch.device) -> Callable[[], torch.Tensor]:
+    """The bare local GEMM (``torch.nn.functional.linear``, cuBLAS on GPUs)."""
+    x = torch.randn(m, k).to(device=device, dtype=TORCH_DTYPES[dtype])
+    w = torch.randn(n, k).to(device=device, dtype=TORCH_DTYPES[dtype])
+    return lambda: F.linear(x, w)
+
+
+def comm_call(collective: str, elems: int, row_len: int, world: int, dtype: str,
+              device: torch.device) -> Callable[[], object]:
+    """The bare collective of the op's sequential path on a full tensor of ``elems`` elements."""
+    comm = _comm_module()
+    td = TORCH_DTYPES[dtype]
+    rows = elems // row_len
+    if collective == "all_gather":
+        inp = torch.zeros(rows // world, row_len, dtype=td, device=device)
+        out = torch.empty(rows, row_len, dtype=td, device=device)
+        return lambda: comm.all_gather(out, inp, None)
+    if collective == "reduce_scatter":
+        inp = torch.zeros(rows, row_len, dtype=td, device=device)
+        out = torch.empty(rows // world, row_len, dtype=td, device=device)
+        return lambda: comm.reduce_scatter(out, inp, None)
+    # Zeros stay zeros under repeated in-place sums: no overflow however many repeats.
+    buf = torch.zeros(rows, row_len, dtype=td, device=device)
+    return lambda: comm.all_reduce(buf, None)
+
+
+def calibration_samples(timer: Timer, world: int, device: torch.device, cases: list[Case],
+                        opts: RunOptions) -> list[tuple[str, int, float, float]]:
+    """Collective-only timings at sizes spanning the cases' (and their chunks') sizes, for the fit."""
+    samples: list[tuple[str, int, float, float]] = []
+    by_coll: dict[tuple[str, str], list[int]] = {}
+    for c in cases:
+        by_coll.setdefault((c.collective, c.dtype), []).append(c.comm_elems)
+    p_max = max([backend_args(b)[1] or 1 for b in opts.backends] + [world])
+    for (coll, dtype), sizes in sorted(by_coll.items()):
+        lo, hi = max(world * 64, min(sizes) // (2 * p_max)), max(sizes)
+        points = sorted({int(lo * (hi / lo) ** (i / 4)) // (world * 64) * (world * 64) or world * 64
+                         for i in range(5)})
+        for elems in points:
+            stats = timer.run(comm_call(coll, elems, 64, world, dtype, device), opts.warmup, opts.repeats)
+            samples.append((coll, world, float(elems * DTYPE_BYTES[dtype]), stats.median))
+    return samples
+
+
+def _fallback_reason(caught: list[warnings.WarningMessage]) -> Optional[str]:
+    for w in caught:
+        msg = str(w.message)
+        if "fused" in msg and ("instead" in msg or "fall" in msg):
+            return msg
+    return None
+
+
+_FUSED_FALLBACK: dict[str, str] = {}  # the dispatcher warns once per process: remember why
+
+
+def check_backend(case: Case, backend: str, inputs: dict[str, Any], ref: torch.Tensor,
+                  timer: Timer) -> dict[str, Any]:
+    """Run once, compare with sequential; every rank returns the same status."""
+    rec: dict[str, Any] = {"backend": backend}
+    error = None
+    out = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = op_call(case, backend, inputs)()
+        except (NotImplementedError, ImportError) as e:
+            error = f"not available: {type(e).__name__}: {e}"
+        except Exception as e:  # reported per backend; the other backends still run
+            error = f"{type(e).__name__}: {e}"
+    if backend == "fused":
+        reason = _fallback_reason(caught)
+        if reason:
+            _FUSED_FALLBACK[case.op] = reason
+        if error is None and case.op in _FUSED_FALLBACK:
+            rec["fallback"] = _FUSED_FALLBACK[case.op]
+    ran = timer.all_ranks_true(error is None)
+    if not ran:
+        rec.update(status="skipped", reason=error or "failed on another rank")
+        return rec
+    tol = CHECK_TOL[case.dtype]
+    diff = (out.float() - ref.float()).abs()
+    scale = ref.float().abs().max().item()
+    max_err = diff.max().item() if diff.numel() else 0.0
+    ok = bool(torch.allclose(out.float(), ref.float(), atol=tol * max(scale, 1e-30), rtol=tol))
+    ok_all = timer.all_ranks_true(ok)
+    errs = timer.max_over_ranks([max_err])
+    rec.update(max_abs_err=errs[0], tol=tol, ref_max_abs=scale)
+    rec["status"] = "ok" if ok_all else "incorrect"
+    if not ok_all:
+        rec["reason"] = f"max |out - sequential| = {errs[0]:.3g} exceeds tolerance {tol:g} (x max|ref| {scale:.3g})"
+    return rec
+
+
+def run_case(case: Case, index: int, rank: int, world: int, device: torch.device, timer: Timer,
+             opts: RunOptions, gemm_cache: dict) -> dict[str, Any]:
+    inputs = make_inputs(case, rank, opts.seed + index, device)
+    ref = op_call(case, "sequential", inputs)()
+    rows = []
+    for backend in opts.backends:
+        rec = check_backend(case, backend, inputs, ref, timer)
+        if rec["status"] == "ok":
+            warmup, repeats = opts.warmup, opts.repeats
+            if backend == "fused" and device.type == "cpu":
+                # Triton's interpreter runs the kernel's programs one by one in Python: its time says
+                # nothing about the design, so one call is timed to prove the path runs, not more.
+                warmup, repeats = 0, 1
+                rec["interpreted"] = True
+            rec["time"] = timer.run(op_call(case, backend, inputs), warmup, repeats)
+        rows.append(rec)
+    del inputs, ref
+    m, k, n = case.gemm_shape
+    shapes = {(m, k, n)}
+    if opts.model:
+        for b in opts.backends:
+            kind, p = backend_args(b)
+            if kind == "chunked":
+                shapes.update((r, k, n) for r in perf_model.chunk_rows(m, p))
+    gemm_times = {}
+    for shape in sorted(shapes):
+        key = shape + (case.dtype,)
+        if key not in gemm_cache:
+            gemm_cache[key] = timer.run(gemm_call(*shape, case.dtype, device), opts.warmup, opts.repeats)
+        gemm_times[shape] = gemm_cache[key]
+    comm = None
+    if world > 1:
+        row_len = case.n if case.row_parallel else case.k
+        comm = timer.run(comm_call(case.collective, case.comm_elems, row_len, world, case.dtype, device),
+                         opts.warmup, opts.repeats)
+    return {"case": case, "backends": rows, "gemm": gemm_times, "comm": comm}
+
+
+def derive(result: dict[str, Any], link: Optional[perf_model.LinkModel],
+           fallback_gemm: Optional[perf_model.GemmFn]) -> dict[str, Any]:
+    """Figures of one case from its timings (rank 0); model predictions when a link model is given."""
+    case: Case = result["case"]
+    m, k, n = case.gemm_shape
+    t_gemm: Stats = result["gemm"][(m, k, n)]
+    t_comm: Optional[Stats] = result["comm"]
+    comm_bytes = case.comm_elems * DTYPE_BYTES[case.dtype]
+    factor = perf_model.bus_factor(case.collective, case.world)
+    out: dict[str, Any] = {
+        **case.to_dict(), "label": case.label,
+        "gemm_ms": t_gemm.to_ms(), "gemm_tflops": case.flops / t_gemm.median / 1e12,
+        "comm_ms": t_comm.to_ms() if t_comm else None, "comm_bytes": comm_bytes,
+        "comm_busbw_GBps": (factor * comm_bytes / t_comm.median / 1e9) if t_comm else None,
+        "backends": [],
+    }
+    gemm_fn = perf_model.GemmTimes({s: st.median for s, st in result["gemm"].items()}, fallback_gemm)
+    seq = next((r for r in result["backends"] if r["backend"] == "sequential" and "time" in r), None)
+    for r in result["backends"]:
+        row = {k: v for k, v in r.items() if k != "time"}
+        if "time" in r:
+            t: Stats = r["time"]
+            row["ms"] = t.to_ms()
+        if "time" in r and not r.get("interpreted"):
+            row["tflops"] = case.flops / t.median / 1e12
+            row["speedup"] = seq["time"].median / t.median if seq else None
+            if t_comm is not None and min(t_gemm.median, t_comm.median) > 0:
+                row["overlap_eff"] = (t_gemm.median + t_comm.median - t.median) / min(t_gemm.median, t_comm.median)
+            else:
+                row["overlap_eff"] = None
+        if link is not None:
+            pred = perf_model.predict(case.op, r["backend"], case.world, case.gemm_shape, case.comm_elems,
+                                      case.dtype, gemm_fn, link)
+            row["model_ms"] = pred * 1e3 if pred is not None else None
+            if pred is not None and "time" in r:
+                row["model_rel_err"] = (pred - r["time"].median) / r["time"].median
+        out["backends"].append(row)
+    return out
+
+
+def run_world(rank: int, world: int, device: torch.device, cases: list[Case], opts: RunOptions) -> dict[str, Any]:
+    """All cases of one world size on this rank; rank 0 returns the derived records."""
+    timer = Timer(device)
+    progress = Progress(len(cases), f"W={world}", opts.progress and rank == 0)
+    link = None
+    calib: list[tuple[str, int, float, float]] = []
+    if opts.model and world > 1:
+        if opts.calibrate or device.type != "cuda":
+            calib = calibration_samples(timer, world, device, cases, opts)
+            link = perf_model.calibrate(calib, name=f"{device.type}-{dist.get_backend()}-calibrated")
+        elif opts.gpu_generation:
+            link, _ = perf_model.load_gpu(opts.gpu_generation)
+    elif opts.model and world == 1 and device.type == "cuda" and opts.gpu_generation:
+        link, _ = perf_model.load_gpu(opts.gpu_generation)
+    elif opts.model and world == 1:
+        link = perf_model.LinkModel(name="no-communication", source="world size 1: no collective")
+    gemm_cache: dict = {}
+    results = []
+    for i, case in enumerate(cases):
+        results.append(run_case(case, i, rank, world, device, timer, opts, gemm_cache))
+        progress.step(case.label)
+    if rank != 0:
+        return {}
+    records = [derive(r, link, None) for r in results]
+    return {"world": world, "records": records,
+            "link_model": link.describe() if link is not None else None,
+            "calibration_samples": [{"collective": c, "world": w, "bytes": b, "seconds": s}
+                                    for c, w, b, s in calib]}

@@ -1,0 +1,133 @@
+"""Single-GPU mode: the fixed costs of the design with communication taken away.
+
+For each local GEMM shape of the chosen cases:
+
+* the Triton GEMM core (``kernels.fused.gemm``) against ``torch.nn.functional.linear`` (cuBLAS);
+* each op with ``backend="fused"`` at world size 1 against the bare GEMM (the fusion's overhead);
+* each op with ``backend="chunked", parallel_num=4`` at world size 1 against ``"sequential"``
+  (what splitting the GEMM costs).
+
+GPU only: on CPU the Triton kernels run in the interpreter and their times mean nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from bench.runner import CHECK_TOL, TORCH_DTYPES, Progress, RunOptions
+from bench.suites import OP_SHORT, Case
+from bench.timing import Timer
+
+# The Triton GEMM core's launcher: kernels/fused/gemm.py matmul(x [m, k], weight [n, k], bias=None).
+_GEMM_CORE_NAME = "matmul"
+
+
+def gemm_core() -> tuple[Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]], str]:
+    """The Triton GEMM core's launcher ``f(x [m, k], weight [n, k]) -> [m, n]``, or why there is none."""
+    try:
+        from kernels.fused import gemm
+    except ImportError as e:
+        return None, f"kernels.fused.gemm is not available ({e})"
+    fn = getattr(gemm, _GEMM_CORE_NAME, None)
+    if not callable(fn):
+        return None, f"kernels.fused.gemm has no {_GEMM_CORE_NAME}()"
+    return fn, f"kernels.fused.gemm.{_GEMM_CORE_NAME}"
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> bool:
+    tol = CHECK_TOL[dtype]
+    scale = ref.float().abs().max().item()
+    return bool(torch.allclose(out.float(), ref.float(), atol=tol * max(scale, 1e-30), rtol=tol))
+
+
+def run_single(rank: int, world: int, device: torch.device, cases: list[Case], opts: RunOptions) -> dict[str, Any]:
+    import kernels
+
+    timer = Timer(device)
+    core, core_name = gemm_core()
+    by_shape: dict[tuple[int, int, int, str], list[str]] = {}
+    for c in cases:
+        by_shape.setdefault(c.gemm_shape + (c.dtype,), [])
+        if c.op != "quantized_matmul_all_reduce" and c.op not in by_shape[c.gemm_shape + (c.dtype,)]:
+            by_shape[c.gemm_shape + (c.dtype,)].append(c.op)
+    progress = Progress(len(by_shape), "single", opts.progress)
+    records = []
+    for (m, k, n, dtype), ops in sorted(by_shape.items()):
+        g = torch.Generator().manual_seed(opts.seed)
+        x = torch.randn(m, k, generator=g).to(device=device, dtype=TORCH_DTYPES[dtype])
+        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device=device, dtype=TORCH_DTYPES[dtype])
+        ref = torch.nn.functional.linear(x, w)
+        rec: dict[str, Any] = {"gemm_shape": [m, k, n], "dtype": dtype, "flops": 2 * m * k * n}
+        t_torch = timer.run(lambda: torch.nn.functional.linear(x, w), opts.warmup, opts.repeats)
+        rec["torch_ms"] = t_torch.to_ms()
+        rec["torch_tflops"] = 2 * m * k * n / t_torch.median / 1e12
+        if core is not None:
+            out = core(x, w)
+            rec["core"] = core_name
+            rec["core_correct"] = _check(out, ref, dtype)
+            if rec["core_correct"]:
+                t_core = timer.run(lambda: core(x, w), opts.warmup, opts.repeats)
+                rec["core_ms"] = t_core.to_ms()
+                rec["core_tflops"] = 2 * m * k * n / t_core.median / 1e12
+                rec["core_vs_torch"] = t_torch.median / t_core.median
+        else:
+            rec["core_skipped"] = core_name
+        rec["ops"] = []
+        for op in ops:
+            fn = getattr(kernels, op)
+            row: dict[str, Any] = {"op": op}
+            for label, kw in (("fused", {"backend": "fused"}), ("chunked4", {"backend": "chunked", "parallel_num": 4}),
+                              ("sequential", {"backend": "sequential"})):
+                try:
+                    out = fn(x, w, **kw)
+                except NotImplementedError as e:
+                    row[f"{label}_skipped"] = str(e)
+                    continue
+                if not _check(out, ref, dtype):
+                    row[f"{label}_skipped"] = "result differs from torch linear beyond tolerance"
+                    continue
+                row[f"{label}_ms"] = timer.run(lambda: fn(x, w, **kw), opts.warmup, opts.repeats).to_ms()
+            if "fused_ms" in row:
+                row["fused_over_gemm"] = row["fused_ms"]["median"] / rec["torch_ms"]["median"]
+            if "chunked4_ms" in row and "sequential_ms" in row:
+                row["chunked4_over_sequential"] = row["chunked4_ms"]["median"] / row["sequential_ms"]["median"]
+            rec["ops"].append(row)
+        records.append(rec)
+        progress.step(f"[{m}, {k}, {n}] {dtype}")
+    return {"records": records}
+
+
+def single_table(records: list[dict[str, Any]]) -> str:
+    head = ["gemm [m, k, n]", "dtype", "torch ms", "core ms", "core/torch speed", "op", "fused/gemm",
+            "chunked4/seq"]
+    lines = [head]
+    for rec in records:
+        core_ms = rec.get("core_ms", {}).get("median")
+        first = [str(rec["gemm_shape"]), rec["dtype"], f"{rec['torch_ms']['median']:.3f}",
+                 f"{core_ms:.3f}" if core_ms else "-",
+                 f"{rec['core_vs_torch']:.3f}x" if "core_vs_torch" in rec else "-"]
+        for i, row in enumerate(rec["ops"] or [{"op": "-"}]):
+            lines.append((first if i == 0 else [""] * 5) + [
+                OP_SHORT.get(row["op"], row["op"]),
+                f"{row['fused_over_gemm']:.3f}" if "fused_over_gemm" in row else "-",
+                f"{row['chunked4_over_sequential']:.3f}" if "chunked4_over_sequential" in row else "-"])
+    widths = [max(len(r[c]) for r in lines) for c in range(len(head))]
+    out = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in lines]
+    out.insert(1, "-" * len(out[0]))
+    out.append("")
+    out.append("core/torch speed = t_torch / t_core (target >= 0.95 on bf16 LLaMA-70B TP8 shapes); "
+               "fused/gemm = fused op at world 1 / bare GEMM (target <= 1.03); chunked4/seq = 4-way "
+               "chunked / sequential at world 1 (target <= 1.05 at M >= 4096)")
+    for rec in records:
+        if "core_skipped" in rec:
+            out.append(f"Triton GEMM core skipped: {rec['core_skipped']}")
+            break
+    for rec in records:
+        for row in rec["ops"]:
+            for key in ("fused_skipped", "chunked4_skipped", "sequential_skipped"):
+                if key in row:
+                    out.append(f"{rec['gemm_shape']} {row['op']} {key[:-8]}: skipped: {row[key]}")
+    return "\n".join(out)
+
