@@ -1,0 +1,217 @@
+"""Rank bodies shared by the fused-kernel tests (module level so the rank pools can unpickle them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+OPS = ("ag", "ag_v2", "rs", "ar_one", "ar_two")
+
+
+def make_inputs(op: str, world: int, m_local: int, k: int, n: int, bias: bool, seed: int,
+                noncontig: bool = False, dtype: torch.dtype = torch.float32, device: str = "cpu"
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor], Optional[torch.Tensor]]:
+    """Every rank's x and weight (identical on all ranks: same seed), and the bias.
+
+    ``ag``: x ``[m_local, k]`` per rank, one weight ``[n, k]``; ``rs``: x ``[m_local * W, k]``;
+    ``ar``: x ``[2 * m_local + 1, k]`` (not a multiple of W nor of a tile). With ``noncontig`` x and
+    weight are transposed views, so the kernels must honour strides.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows = {"ag": m_local, "ag_v2": m_local, "rs": m_local * world}.get(op, 2 * m_local + 1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        if noncontig:
+            return torch.randn(*reversed(shape), generator=g).t().to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    xs = [rand(rows, k) for _ in range(world)]
+    if op.startswith("ag"):
+        ws = [rand(n, k)] * world
+    else:
+        ws = [rand(n, k) for _ in range(world)]
+    b = torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None
+    return xs, ws, b
+
+
+def reference(op: str, xs: list[torch.Tensor], ws: list[torch.Tensor], b: Optional[torch.Tensor], rank: int
+              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Plain torch math in fp64 from all ranks' inputs: ``(y, error_bound, x_gathered or None)``.
+
+    The bound is elementwise, from the summation error analysis: each partial dot product of length
+    k accumulated in fp32 errs by at most ``k * eps32 * S`` with ``S = sum |x| |w|``; summing W
+    partials and the bias in fp32 adds ``(W + 2) * eps32 * S``; rounding the partials and the
+    result to the output dtype adds ``2 * eps_dtype * S``.
+    """
+    world = len(xs)
+    dtype = xs[0].dtype
+    eps32, eps = torch.finfo(torch.float32).eps, torch.finfo(dtype).eps
+    k = xs[0].shape[1]
+    ws64 = [w.double().cpu() for w in ws]
+    b64 = b.double().cpu() if b is not None else torch.zeros(ws[0].shape[0], dtype=torch.float64)
+    gathered = None
+    if op.startswith("ag"):
+        xg = torch.cat([x.double().cpu() for x in xs])
+        y = xg @ ws64[0].T + b64
+        s = xg.abs() @ ws64[0].abs().T + b64.abs()
+        if op == "ag_v2":
+            gathered = torch.cat([x.cpu() for x in xs])
+    else:
+        xs64 = [x.double().cpu() for x in xs]
+        y = sum(xs64[i] @ ws64[i].T for i in range(world)) + b64
+        s = sum(xs64[i].abs() @ ws64[i].abs().T for i in range(world)) + b64.abs()
+        if op == "rs":
+            rows = y.shape[0] // world
+            y, s = y[rank * rows:(rank + 1) * rows], s[rank * rows:(rank + 1) * rows]
+    return y, (k + world + 2) * eps32 * s + 2 * eps * s, gathered
+
+
+def assert_close(what: str, got: Any, ref: tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
+                 dtype: torch.dtype) -> None:
+    want, bound, gathered = ref
+    if gathered is not None:
+        y, xg = got
+        assert torch.equal(xg.cpu(), gathered), f"{what}: gathered x differs"
+        got = y
+    assert tuple(got.shape) == tuple(want.shape) and got.dtype == dtype, (
+        f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {dtype}")
+    excess = (got.double().cpu() - want).abs() - bound
+    assert got.numel() == 0 or float(excess.max()) <= 0, (
+        f"{what}: error exceeds the bound by {float(excess.max()):.3g} at {int(excess.argmax())}")
+
+
+def run_op(op: str, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], group: Any) -> Any:
+    from kernels import fused
+    from kernels.fused.gemm_ar import matmul_all_reduce
+
+    if op == "ag":
+        return fused.all_gather_matmul(x, w, b, group, False)
+    if op == "ag_v2":
+        return fused.all_gather_matmul(x, w, b, group, True)
+    if op == "rs":
+        return fused.matmul_reduce_scatter(x, w, b, group, True)
+    if op == "ar":
+        return fused.matmul_all_reduce(x, w, b, group, True)
+    return matmul_all_reduce(x, w, b, group, True, algorithm={"ar_one": "one_shot", "ar_two": "two_shot"}[op])
+
+
+def scramble(group: Any, device: torch.device) -> None:
+    """Fill this rank's heap data with random values so stale data would show in results.
+
+    The barriers keep peers out of the heap while it is scrambled: no peer may still be in the
+    previous call, none may start the next one before every rank has scrambled.
+    """
+    from kernels.heap import peek_heap
+
+    dist.barrier(group)
+    heap = peek_heap(group, device)
+    if heap is not None:
+        heap.data_view(heap.rank, torch.float32, (heap.data_bytes // 4,)).normal_()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    dist.barrier(group)
+
+
+def presize(group: Any, device: torch.device, nbytes: int = 1 << 20) -> None:
+    """Create the group's heap big enough for every case, so no call grows (and zeroes) it."""
+    from kernels.fused import signals
+    from kernels.heap import get_heap
+
+    get_heap(group, device, nbytes, signals.sig_words(dist.get_world_size(group)))
+
+
+def check_case(rank: int, world: int, op: str, m_local: int, k: int, n: int, bias: bool, seed: int,
+               noncontig: bool, group: Any, dtype: torch.dtype, device: torch.device) -> None:
+    xs, ws, b = make_inputs(op, world, m_local, k, n, bias, seed, noncontig, dtype, str(device))
+    what = f"{op} W={world} m_local={m_local} k={k} n={n} bias={bias} noncontig={noncontig} rank={rank}"
+    scramble(group, device)
+    got = run_op(op, xs[rank], ws[rank], b, group)
+    assert_close(what, got, reference(op, xs, ws, b, rank), dtype)
+
+
+def correctness_body(rank: int, world: int, op: str, dtype: torch.dtype = torch.float32,
+                     device: str = "cpu") -> int:
+    dev = torch.device(device)
+    group = dist.group.WORLD
+    presize(group, dev)
+    cases = [(13, 24, 20, False, False), (13, 24, 20, True, False), (17, 40, 48, True, True),
+             (17, 40, 48, False, True)]
+    for seed, (m_local, k, n, bias, noncontig) in enumerate(cases):
+        check_case(rank, world, op, m_local, k, n, bias, seed, noncontig, group, dtype, dev)
+    return len(cases)
+
+
+def determinism_body(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
+    dev = torch.device("cpu")
+    group = dist.group.WORLD
+    presize(group, dev)
+    outs: dict[str, list[torch.Tensor]] = {}
+    for op in ("rs", "ar_one", "ar_two"):
+        xs, ws, b = make_inputs(op, world, 19, 32, 24, True, 7)
+        outs[op] = []
+        for _ in range(3):
+            scramble(group, dev)
+            outs[op].append(run_op(op, xs[rank], ws[rank], b, group))
+    return outs
+
+
+def back_to_back_body(rank: int, world: int, calls: int) -> int:
+    """``calls`` fused calls in a row on a fresh group: alternating ops and shapes, no barrier between.
+
+    The fresh group's heap starts small, so the larger shape makes it grow (collectively) mid-run.
+    """
+    group = dist.new_group(list(range(world)))
+    ops = ("ag", "rs", "ar", "ag_v2", "ar_two", "ar_one")
+    shapes = ((13, 24, 20), (5, 16, 33), (21, 24, 20), (40, 40, 48))
+    # Inputs are made up front so the ranks' call streams stay tight (back-to-back epochs).
+    plan = []
+    for i in range(calls):
+        op = ops[i % len(ops)]
+        m_local, k, n = shapes[(i // len(ops) + i) % len(shapes)]
+        xs, ws, b = make_inputs(op, world, m_local, k, n, i % 2 == 0, 100 + i)
+        plan.append((op, xs, ws, b))
+    results = [run_op(op, xs[rank], ws[rank], b, group) for op, xs, ws, b in plan]
+    for i, ((op, xs, ws, b), got) in enumerate(zip(plan, results)):
+        assert_close(f"call {i} ({op}, rank {rank})", got, reference(op, xs, ws, b, rank), torch.float32)
+    from kernels.heap import destroy_heap
+
+    dist.barrier(group)
+    destroy_heap(group)
+    return calls
+
+
+def absent_peer_body(rank: int, world: int, op: str) -> Optional[tuple[float, str]]:
+    """Both ranks call once; then rank 1 leaves and rank 0 calls again and must get a RuntimeError."""
+    group = dist.new_group(list(range(world)))
+    xs, ws, b = make_inputs(op, world, 13, 24, 20, True, 3)
+    run_op(op, xs[rank], ws[rank], b, group)
+    if rank != 0:
+        return None
+    start = time.monotonic()
+    try:
+        run_op(op, xs[rank], ws[rank], b, group)
+    except RuntimeError as e:
+        return time.monotonic() - start, str(e)
+    raise AssertionError("the second call returned although rank 1 never made it")
+
+
+def singleton_body(rank: int, world: int) -> int:
+    """W == 1 groups: no communication, plain GEMM (with bias) for every op."""
+    from kernels import fused
+
+    groups = [dist.new_group([r]) for r in range(world)]
+    group = groups[rank]
+    assert fused.unavailable_reason(group, torch.device("cpu")) is None
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(11, 24, generator=g)
+    w = torch.randn(20, 24, generator=g)
+    b = torch.randn(20, generator=g)
+    assert_close("ag_v2 W=1", fused.all_gather_matmul(x, w, b, group, True), reference("ag_v2", [x], [w], b, 0),
+                 torch.float32)
+    ref = reference("ar", [x], [w], b, 0)
+    assert_close("rs W=1", fused.matmul_reduce_scatter(x, w, b, group, False), ref, torch.float32)
+    assert_close("ar W=1", fused.matmul_all_reduce(x, w, b, group, False), ref, torch.float32)
+    return 3

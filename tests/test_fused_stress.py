@@ -1,0 +1,21 @@
+"""Fused ops over many calls and with a missing peer: epochs, heap growth, bounded waits."""
+
+import pytest
+
+from tests import fused_cases
+from tests.harness import run_ranks
+
+TIMEOUT_S = 2.0
+
+
+def test_fifty_back_to_back_calls():
+    assert run_ranks(fused_cases.back_to_back_body, 3, 50, timeout=240) == [50, 50, 50]
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "ar_two"])
+def test_absent_peer_raises_within_timeout(op):
+    results = run_ranks(fused_cases.absent_peer_body, 2, op, env={"COC_TIMEOUT": str(TIMEOUT_S)}, timeout=60)
+    elapsed, message = results[0]
+    assert results[1] is None
+    assert TIMEOUT_S * 0.9 <= elapsed <= TIMEOUT_S + 5, elapsed
+    assert "rank 1" in message and "rank 0" in message and "COC_TIMEOUT=2" in message, message
