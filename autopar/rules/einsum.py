@@ -1,0 +1,165 @@
+"""The generic SPMD rule in einsum notation, and the per-op label builders that use it.
+
+Every supported op is described by einsum labels (one letter per tensor axis) and a *kind*:
+
+* ``linear``: the output is multilinear in the inputs (matmul, linear, sum, mean, scaling). A
+  sharded contracted label (in an input, not in the output) makes the output ``Partial`` on that
+  mesh dim, and one ``Partial`` input may stay Partial (the output is then Partial too).
+* ``add``: a sum of inputs (``+``, ``-``): Partial inputs stay Partial only if all are Partial of
+  the same sum/avg type.
+* ``linear_first``: linear in the first input only (backward helpers such as gelu's vjp).
+* ``nonlinear``: gelu, relu, softmax, layer_norm, division by a tensor: no Partial input survives.
+
+Per mesh dim the rule picks the sharded label: the first input (in argument order) that shards an
+allowed label on it wins, and every input holding that label is resharded to Shard along it,
+others to Replicate. The same label sharded on two different mesh dims (by different inputs) is a
+conflict and an error naming the axis and both mesh dims. Labels in ``forbidden`` (the softmax or
+normalization axis, broadcast size-1 axes) are never sharded.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import NamedTuple, Sequence
+
+import torch
+
+from ..placements import PARTIAL_SUM, REPLICATE, Partial, Placement, Shard
+
+_LETTERS = string.ascii_lowercase
+_UNIQUE = string.ascii_uppercase
+
+
+class RuleResult(NamedTuple):
+    """Placements each input must be resharded to, and the output's placements and global shape."""
+
+    in_placements: tuple[tuple[Placement, ...], ...]
+    out_placements: tuple[Placement, ...]
+    out_shape: torch.Size
+
+
+KINDS = ("linear", "add", "linear_first", "nonlinear")
+
+
+def einsum_rule(in_labels: Sequence[str], out_labels: str, shapes: Sequence[Sequence[int]],
+                placements: Sequence[Sequence[Placement]], kind: str,
+                forbidden: frozenset = frozenset()) -> RuleResult:
+    if kind not in KINDS:
+        raise ValueError(f"einsum_rule(kind): {kind!r} not in {KINDS}")
+    mesh_ndim = len(placements[0])
+    sizes: dict[str, int] = {}
+    for i, (labels, shape) in enumerate(zip(in_labels, shapes)):
+        if len(labels) != len(shape):
+            raise ValueError(f"input {i}: {len(labels)} labels {labels!r} for shape {list(shape)}")
+        for axis, (lab, n) in enumerate(zip(labels, shape)):
+            if sizes.setdefault(lab, n) != n:
+                raise ValueError(f"size mismatch on axis {lab!r}: input {i} dim {axis} has {n}, "
+                                 f"another input has {sizes[lab]} (shapes {[list(s) for s in shapes]})")
+
+    def allowed(lab: str) -> bool:
+        return lab not in forbidden and (kind == "linear" or lab in out_labels)
+
+    owner: dict[str, tuple[int, int, int]] = {}
+    for i, pl in enumerate(placements):
+        for m, p in enumerate(pl):
+            if type(p) is Shard:
+                lab = in_labels[i][p.dim]
+                if not allowed(lab):
+                    continue
+                prev = owner.get(lab)
+                if prev is not None and prev[0] != m:
+                    raise ValueError(
+                        f"conflicting shardings of one tensor axis: input {prev[1]} dim {prev[2]} is "
+                        f"sharded on mesh dim {prev[0]} but input {i} dim {p.dim} (the same axis "
+                        f"{lab!r} of '{','.join(in_labels)}->{out_labels}') is sharded on mesh dim {m}")
+                owner.setdefault(lab, (m, i, p.dim))
+
+    n_in = len(in_labels)
+    req: list[list[Placement]] = [[REPLICATE] * mesh_ndim for _ in range(n_in)]
+    out: list[Placement] = [REPLICATE] * mesh_ndim
+    for m in range(mesh_ndim):
+        chosen = None
+        for i in range(n_in):
+            p = placements[i][m]
+            if type(p) is Shard and allowed(in_labels[i][p.dim]):
+                chosen = in_labels[i][p.dim]
+                break
+        if chosen is not None:
+            for i in range(n_in):
+                if chosen in in_labels[i]:
+                    req[i][m] = Shard(in_labels[i].index(chosen))
+            out[m] = Shard(out_labels.index(chosen)) if chosen in out_labels else PARTIAL_SUM
+            continue
+        partial = [i for i in range(n_in) if type(placements[i][m]) is Partial]
+        if not partial:
+            continue
+        rt = placements[partial[0]][m].reduce_type
+        keep: list[int] = []
+        if rt in ("sum", "avg"):
+            if kind == "linear":
+                keep = partial[:1]
+            elif kind == "add" and len(partial) == n_in and \
+                    all(placements[i][m].reduce_type == rt for i in partial):
+                keep = partial
+            elif kind == "linear_first" and partial[0] == 0:
+                keep = [0]
+        for i in keep:
+            req[i][m] = placements[i][m]
+        if keep:
+            out[m] = placements[keep[0]][m]
+    return RuleResult(tuple(tuple(r) for r in req), tuple(out),
+                      torch.Size([sizes[lab] for lab in out_labels]))
+
+
+# -- label builders -----------------------------------------------------------------------------
+
+def broadcast_labels(shapes: Sequence[Sequence[int]]) -> tuple[list[str], str, frozenset]:
+    """Elementwise broadcasting as einsum labels; size-1 broadcast axes get unique labels."""
+    ndim = max(len(s) for s in shapes)
+    out_sizes = [1] * ndim
+    for s in shapes:
+        for j, n in enumerate(s):
+            pos = ndim - len(s) + j
+            if n != 1:
+                if out_sizes[pos] not in (1, n):
+                    raise ValueError(f"shapes {[list(x) for x in shapes]} do not broadcast "
+                                     f"(dim {pos}: {out_sizes[pos]} vs {n})")
+                out_sizes[pos] = n
+    out = _LETTERS[:ndim]
+    labels, forbidden, u = [], set(), 0
+    for s in shapes:
+        lab = []
+        for j, n in enumerate(s):
+            pos = ndim - len(s) + j
+            if n == 1 and out_sizes[pos] != 1:
+                lab.append(_UNIQUE[u])
+                forbidden.add(_UNIQUE[u])
+                u += 1
+            else:
+                lab.append(out[pos])
+        labels.append("".join(lab))
+    return labels, out, frozenset(forbidden)
+
+
+def matmul_labels(shape_a: Sequence[int], shape_b: Sequence[int]) -> tuple[list[str], str, frozenset]:
+    """``torch.matmul`` semantics (1-D operands, batch broadcasting) as einsum labels."""
+    if len(shape_a) == 0 or len(shape_b) == 0:
+        raise ValueError("matmul: both operands must have at least 1 dim")
+    k, m, n = "k", "m", "n"
+    a_core = "mk"[-len(shape_a):] if len(shape_a) < 2 else "mk"
+    b_core = "kn"[:len(shape_b)] if len(shape_b) < 2 else "kn"
+    batch_a, batch_b = list(shape_a[:-2]), list(shape_b[:-2])
+    if batch_a or batch_b:
+        blabels, bout, forbidden = broadcast_labels([batch_a, batch_b])
+        bl_a, bl_b = blabels
+    else:
+        bl_a = bl_b = bout = ""
+        forbidden = frozenset()
+    out = bout + (m if len(shape_a) >= 2 else "") + (n if len(shape_b) >= 2 else "")
+    del k
+    return [bl_a + a_core, bl_b + b_core], out, forbidden
+
+
+def reduction_labels(ndim: int, dims: Sequence[int]) -> tuple[str, str]:
+    lab = _LETTERS[:ndim]
+    return lab, "".join(c for i, c in enumerate(lab) if i not in dims)
