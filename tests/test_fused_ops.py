@@ -56,3 +56,7 @@ def test_unavailable_reason_cpu_needs_interpreter():
 def test_fused_op_gpu(op, dtype):
     # Two processes on the GPU(s) at hand (sharing one GPU through CUDA IPC when only one exists).
     assert run_ranks(fused_cases.correctness_body, 2, op, dtype, "cuda", backend="nccl") == [4, 4]
+
+
+def test_public_ops_select_fused_by_environment():
+    assert run_ranks(fused_cases.public_api_body, 2, env={"USE_COC_FUSED_KERNEL": "1"}) == [3, 3]
