@@ -1,0 +1,117 @@
+"""python -m bench end to end on CPU: the tiny suite on its own ranks and under torchrun, model and
+single modes, and the correctness gate that runs before any timing."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.runner import check_backend, make_inputs, op_call
+from bench.suites import Case
+from bench.timing import Timer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(args, tmp_path, timeout=120, launcher=None):
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = (launcher or [sys.executable, "-m", "bench"]) + args + ["--out-dir", str(tmp_path), "--name", "out"]
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_documents_the_tool():
+    r = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    for word in ("--suite", "--backends", "--world-sizes", "overlap", "torchrun", "--mode", "PREDICTION", "tiny"):
+        assert word in r.stdout, word
+
+
+def _check_report(tmp_path, worlds):
+    doc = json.loads((tmp_path / "out.json").read_text())
+    meta = doc["meta"]
+    assert meta["device"]["type"] == "cpu" and meta["versions"]["torch"] == torch.__version__
+    assert "revision" in meta["git"] and meta["dist_backend"] == "gloo"
+    records = doc["records"]
+    assert {r["world"] for r in records} == set(worlds)
+    for rec in records:
+        by = {b["backend"]: b for b in rec["backends"]}
+        assert by["sequential"]["status"] == "ok" and by["sequential"]["speedup"] == 1.0
+        assert rec["gemm_ms"]["median"] > 0
+        for b in rec["backends"]:
+            assert b["status"] in ("ok", "skipped"), (rec["label"], b)
+            if b["status"] == "skipped":
+                assert b["reason"]
+                continue
+            # The correctness gate ran and passed before the timing.
+            assert b["max_abs_err"] <= b["tol"] * max(b["ref_max_abs"], 1.0) * 2
+            assert b["ms"]["median"] > 0 and b["ms"]["n"] >= 1
+        if rec["world"] > 1:
+            assert rec["comm_ms"]["median"] > 0 and rec["comm_busbw_GBps"] > 0
+            chunked = by.get("chunked2")
+            if chunked and chunked["status"] == "ok":
+                assert chunked["overlap_eff"] is not None and chunked["model_ms"] > 0
+    rows = list(csv.DictReader(line for line in (tmp_path / "out.csv").read_text().splitlines()
+                               if not line.startswith("#")))
+    assert len(rows) == sum(len(r["backends"]) for r in records)
+    return doc
+
+
+def test_tiny_suite_runs_checks_times_and_writes_reports(tmp_path):
+    r = _bench(["--suite", "tiny", "--no-progress"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "speedup" in r.stdout and "PREDICTION" in r.stdout
+    doc = _check_report(tmp_path, [1, 2])
+    assert doc["model"]["link_models"]["2"]["fits"], "the CPU run calibrates the gloo link model"
+    assert doc["model"]["summary"]
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None and not os.path.exists(
+    os.path.join(os.path.dirname(sys.executable), "torchrun")), reason="torchrun not installed")
+def test_under_torchrun(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    launcher = [torchrun if os.path.exists(torchrun) else "torchrun", "--standalone", "--nproc-per-node", "2",
+                "-m", "bench"]
+    r = _bench(["--suite", "tiny", "--ops", "ag,rs", "--backends", "sequential,chunked2", "--no-progress",
+                "--format", "json,csv"], tmp_path, launcher=launcher)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = _check_report(tmp_path, [2])
+    assert doc["meta"]["torchrun"] is True
+    assert {r["op"] for r in doc["records"]} == {"all_gather_matmul", "matmul_reduce_scatter"}
+
+
+def test_model_mode_predicts_without_measuring(tmp_path):
+    r = _bench(["--mode", "model", "--gpu", "H800", "--suite", "flux-ref"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "MODEL PREDICTIONS" in r.stdout
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["link_model"]["kind"] == "model parameters (not measurements)"
+    for rec in doc["records"]:
+        fused = next(b for b in rec["backends"] if b["backend"] == "fused")
+        assert fused["model_speedup"] > 1.0
+    r = _bench(["--mode", "model", "--suite", "flux-ref"], tmp_path)
+    assert r.returncode != 0 and "--gpu" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip message")
+def test_single_mode_skips_cleanly_on_cpu(tmp_path):
+    r = _bench(["--mode", "single"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "needs a CUDA GPU" in r.stdout
+
+
+def test_correctness_gate_flags_a_wrong_result():
+    case = Case("t", "l", "matmul_all_reduce", 37, 24, 19, 1, "fp32")
+    timer = Timer(torch.device("cpu"))
+    inputs = make_inputs(case, 0, 0, torch.device("cpu"))
+    ref = op_call(case, "sequential", inputs)()
+    assert check_backend(case, "chunked4", inputs, ref, timer)["status"] == "ok"
+    bad = check_backend(case, "chunked4", inputs, ref * 1.01, timer)
+    assert bad["status"] == "incorrect" and "exceeds tolerance" in bad["reason"]
+    unknown = check_backend(case, "chunked3", inputs, ref, timer)
+    assert unknown["status"] == "skipped" and "3" in unknown["reason"]
