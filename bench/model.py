@@ -191,7 +191,7 @@ def load_gpu(generation: str, path: str | None = None) -> tuple[LinkModel, GpuSp
 
 def calibrate(samples: Iterable[tuple[str, int, float, float]], name: str = "cpu-gloo",
               path: str | None = None) -> LinkModel:
-    """Fit ``alpha + factor * nbytes / B`` per (collective, W) by least squares.
+    """Fit ``alpha + factor * nbytes / B`` per (collective, W) by least squares on relative error.
 
     ``samples``: (collective, world, nbytes, seconds). Each (collective, W) needs two or more sizes.
     Interference parameters come from the ``cpu-gloo`` entry of links.yaml.
@@ -202,14 +202,19 @@ def calibrate(samples: Iterable[tuple[str, int, float, float]], name: str = "cpu
             groups.setdefault((coll, world), []).append((bus_factor(coll, world) * nbytes, seconds))
     fits = {}
     for key, pts in groups.items():
-        xs = [p[0] for p in pts]
-        if len(set(xs)) < 2:
-            raise ValueError(f"calibrate: {key} needs samples at two or more sizes, got {len(set(xs))}")
-        mx, my = sum(xs) / len(xs), sum(p[1] for p in pts) / len(pts)
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-        # A non-positive slope means latency dominates every size measured: take the smallest
-        # positive slope the data allow rather than an infinite bandwidth.
+        if len({p[0] for p in pts}) < 2:
+            raise ValueError(f"calibrate: {key} needs samples at two or more sizes, got {len({p[0] for p in pts})}")
+        # Weighted least squares on RELATIVE residuals (weights 1 / t^2): the sizes span orders of
+        # magnitude, and an absolute fit would let the largest size decide alone, leaving the latency
+        # term (what small chunks pay) to noise.
+        ws = [1.0 / (y * y) for _, y in pts]
+        sw = sum(ws)
+        mx = sum(w * x for w, (x, _) in zip(ws, pts)) / sw
+        my = sum(w * y for w, (_, y) in zip(ws, pts)) / sw
+        sxx = sum(w * (x - mx) ** 2 for w, (x, _) in zip(ws, pts))
+        slope = sum(w * (x - mx) * (y - my) for w, (x, y) in zip(ws, pts)) / sxx
+        # A non-positive slope means latency dominates every size measured: keep a tiny positive
+        # slope (finite bandwidth) rather than an infinite one.
         slope = max(slope, 1e-15)
         alpha = max(my - slope * mx, 0.0)
         fit = CollectiveFit(alpha, 1.0 / slope)

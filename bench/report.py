@@ -57,7 +57,9 @@ def metadata(device_type: str, argv: list[str], extra: dict[str, Any]) -> dict[s
         "dist_backend": "nccl" if device_type == "cuda" else "gloo",
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version},
         "git": git_revision(),
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        # Load average: CPU timings on a shared machine are only as good as the machine was idle.
+        "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                 "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "argv": argv,
         **extra,
     }

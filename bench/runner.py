@@ -94,9 +94,9 @@ def _comm_module() -> Any:
 def make_inputs(case: Case, rank: int, seed: int, device: torch.device) -> dict[str, Any]:
     """Operands of one case; x differs per rank, values scaled so outputs are O(1)."""
     dtype = TORCH_DTYPES[case.dtype]
-    g = torch.Generator().manual_seed(seed * 7919 + rank)
-    x = torch.randn(case.x_shape, generator=g).to(device=device, dtype=dtype)
-    w = (torch.randn(case.w_shape, generator=g) / math.sqrt(case.k)).to(device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
+    x = torch.randn(case.x_shape, generator=g, device=device).to(dtype)
+    w = (torch.randn(case.w_shape, generator=g, device=device) / math.sqrt(case.k)).to(dtype)
     inputs = {"x": x, "weight": w}
     if case.op == "quantized_matmul_all_reduce":
         qweight, scale = _kernels().quantize_weight(w, mode="per_channel")
@@ -114,8 +114,8 @@ def op_call(case: Case, backend: str, inputs: dict[str, Any]) -> Callable[[], to
 
 def gemm_call(m: int, k: int, n: int, dtype: str, device: torch.device) -> Callable[[], torch.Tensor]:
     """The bare local GEMM (``torch.nn.functional.linear``, cuBLAS on GPUs)."""
-    x = torch.randn(m, k).to(device=device, dtype=TORCH_DTYPES[dtype])
-    w = torch.randn(n, k).to(device=device, dtype=TORCH_DTYPES[dtype])
+    x = torch.randn(m, k, device=device).to(TORCH_DTYPES[dtype])
+    w = (torch.randn(n, k, device=device) / math.sqrt(k)).to(TORCH_DTYPES[dtype])
     return lambda: F.linear(x, w)
 
 

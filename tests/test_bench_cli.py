@@ -115,3 +115,25 @@ def test_correctness_gate_flags_a_wrong_result():
     assert bad["status"] == "incorrect" and "exceeds tolerance" in bad["reason"]
     unknown = check_backend(case, "chunked3", inputs, ref, timer)
     assert unknown["status"] == "skipped" and "3" in unknown["reason"]
+
+
+def _records_for_plot():
+    return [{"layer": "l", "op": "matmul_all_reduce", "tokens": 64, "world": 2,
+             "backends": [{"backend": "sequential", "speedup": 1.0}, {"backend": "chunked2", "speedup": 1.2},
+                          {"backend": "fused", "status": "skipped"}]}]
+
+
+def test_plot_is_written_when_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import report
+
+    assert report.write_plot(str(tmp_path / "p.png"), _records_for_plot(), "t") is None
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path, monkeypatch):
+    from bench import report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    why = report.write_plot(str(tmp_path / "p.png"), _records_for_plot(), "t")
+    assert "matplotlib" in why and not (tmp_path / "p.png").exists()
