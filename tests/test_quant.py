@@ -126,11 +126,22 @@ def _inputs(world, rows, mode, group_size, with_offset, seed):
     return xs, qs, scales, offsets, bias
 
 
-def _check_quantized(rank, world, backend):
-    rows_cases = [1, 7]
+def _cases(full):
+    """(layout, rows, with_offset, with_bias, deterministic) combinations.
+
+    The fused kernels run under the Triton interpreter at a fraction of a second per launch, so
+    they get every layout once with and once without offset and bias, on rows crossing no tile
+    boundary (1) and crossing the 16-row tile of the two-shot owners' split (7 * 2 = 14 rows).
+    """
+    if full:
+        return list(itertools.product(LAYOUTS, [1, 7], [False, True], [False, True], [False, True]))
+    return [(layout, rows, extra, extra, False) for layout in LAYOUTS for rows, extra in ((7, False), (7, True))] + [
+        (LAYOUTS[3], 1, True, True, False)]
+
+
+def _check_quantized(rank, world, backend, full=True):
     done = 0
-    for (mode, qgs, op_gs), rows, with_offset, with_bias, det in itertools.product(
-            LAYOUTS, rows_cases, [False, True], [False, True], [False, True]):
+    for (mode, qgs, op_gs), rows, with_offset, with_bias, det in _cases(full):
         xs, qs, scales, offsets, bias = _inputs(world, rows, mode, qgs, with_offset, seed=rows)
         b = bias if with_bias else None
         for parallel_num in ([1, 2, 8] if backend == "chunked" else [None]):
@@ -154,16 +165,39 @@ def test_quantized_matmul_all_reduce(world, backend):
     assert counts[0] > 0 and len(set(counts)) == 1
 
 
-def _check_quantized_fused(rank, world):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # a fallback, if any, is checked by values
-        return _check_quantized(rank, world, "fused")
+def _check_quantized_fused(rank, world, algorithm):
+    """The fused kernel itself (a fallback would be a failure here), one-shot or two-shot."""
+    from kernels.fused import gemm_ar_w8a16
+
+    real, threshold = gemm_ar_w8a16.matmul_all_reduce_w8a16, gemm_ar_w8a16.ONE_SHOT_MAX_BYTES
+    launched = []
+
+    def spy(*args):
+        launched.append(1)
+        return real(*args)
+
+    gemm_ar_w8a16.matmul_all_reduce_w8a16 = spy
+    gemm_ar_w8a16.ONE_SHOT_MAX_BYTES = threshold if algorithm == "one_shot" else 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            done = _check_quantized(rank, world, "fused", full=False)
+            # Bitwise identical outputs on every rank (the fused all-reduce is deterministic).
+            x = torch.randn(5, K_LOCAL, generator=torch.Generator().manual_seed(rank))
+            q, s = kernels.quantize_weight(torch.randn(N, K_LOCAL), "per_group", 5)
+            y = kernels.quantized_matmul_all_reduce(x, q, s, group_size=5, backend="fused")
+    finally:
+        gemm_ar_w8a16.matmul_all_reduce_w8a16, gemm_ar_w8a16.ONE_SHOT_MAX_BYTES = real, threshold
+    assert len(launched) == done + 1
+    return done, y
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_quantized_matmul_all_reduce_fused(world):
-    counts = run_ranks(_check_quantized_fused, world, timeout=300)
-    assert counts[0] > 0
+@pytest.mark.parametrize("world,algorithm", [(2, "one_shot"), (3, "one_shot"), (3, "two_shot")])
+def test_quantized_matmul_all_reduce_fused(world, algorithm):
+    res = run_ranks(_check_quantized_fused, world, algorithm, timeout=300)
+    assert res[0][0] > 0
+    for _, y in res[1:]:
+        assert torch.equal(y, res[0][1])
 
 
 def _check_offset_convention(rank, world):

@@ -1,0 +1,239 @@
+"""Fused w8A16 GEMM + all-reduce: the int8 weight is dequantized tile by tile in the GEMM main loop.
+
+``y = all_reduce(x @ dequant(qweight).T) + bias`` with the exchange of :mod:`gemm_ar` (one-shot
+for small outputs, else reduce-scatter then push of the reduced rows), the same heap regions,
+counters and epochs: only the GEMM differs. Each ``[BLOCK_K, BLOCK_N]`` weight tile is loaded as
+int8 (a quarter of the bytes of fp32, half of fp16), turned into ``(q - offset) * scale`` in fp32,
+rounded to ``x.dtype`` and fed to ``tl.dot``; the dequantized weight never exists in memory.
+Rounding the dequantized tile to ``x.dtype`` exactly as :func:`kernels.quant.dequantize` does
+means the fused result differs from the sequential reference only by summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from . import runtime, signals
+from .gemm import BlockConfig, block_config
+from .gemm_ar import ONE_SHOT_MAX_BYTES, _gather_rows_kernel
+from .gemm_rs import reduce_slots, tiles
+
+# Scale layouts (kernels.quant.QuantSpec.mode) as kernel constants.
+PER_TENSOR, PER_CHANNEL, PER_GROUP = 0, 1, 2
+_MODES = {"per_tensor": PER_TENSOR, "per_channel": PER_CHANNEL, "per_group": PER_GROUP}
+
+
+@triton.jit
+def _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk, s_ptr, o_ptr, stride_sn,
+                       stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE,
+                       MODE: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``x[offs_m, :] @ dequant(q)[offs_n, :].T`` for int8 ``q [n, k]``."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if MODE == 0:
+        s_tile = tl.load(s_ptr).to(tl.float32)
+        if HAS_OFFSET:
+            o_tile = tl.load(o_ptr).to(tl.float32)
+    if MODE == 1:
+        s_tile = tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if HAS_OFFSET:
+            o_tile = tl.load(o_ptr + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b_mask = mask_n[None, :] & mask_k[:, None]
+        b = tl.load(q_ptr + offs_n[None, :] * stride_qn + offs_k[:, None] * stride_qk, mask=b_mask,
+                    other=0).to(tl.float32)
+        if MODE == 2:
+            # Groups run along k; a partial last group indexes the same column as its full peers.
+            s_offs = offs_n[None, :] * stride_sn + (offs_k // GROUP_SIZE)[:, None] * stride_sg
+            s_tile = tl.load(s_ptr + s_offs, mask=b_mask, other=0.0).to(tl.float32)
+            if HAS_OFFSET:
+                o_tile = tl.load(o_ptr + s_offs, mask=b_mask, other=0.0).to(tl.float32)
+        if HAS_OFFSET:
+            b = b - o_tile
+        # Round to x's dtype before the dot, as kernels.quant.dequantize does for the reference.
+        b = (b * s_tile).to(x_ptr.dtype.element_ty)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _matmul_w8a16_kernel(x_ptr, q_ptr, s_ptr, o_ptr, bias_ptr, c_ptr, M, N, K, GROUP_SIZE,
+                         stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_cm, stride_cn,
+                         MODE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    offs_m = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk, s_ptr, o_ptr, stride_sn,
+                             stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE, MODE, HAS_OFFSET,
+                             BLOCK_M, BLOCK_N, BLOCK_K)
+    # The reference rounds the matmul to x.dtype before adding bias (sequential: partial.add_(bias)).
+    acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_OWN,
+                               GROUP_SIZE, stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg,
+                               rank, epoch, timeout, done_offset, cnt_offset,
+                               MODE: tl.constexpr, HAS_OFFSET: tl.constexpr, WORLD: tl.constexpr,
+                               BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Tile order, slot layout and signalling are those of gemm_rs._gemm_scatter_kernel, so the
+    # shared reduce (gemm_rs.reduce_slots) and gather (gemm_ar) kernels consume the tiles.
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_owner = tl.cdiv(ROWS_OWN, BLOCK_M) * n_tiles
+    rem = pid % tiles_per_owner
+    if BROADCAST:
+        owner = 0
+    else:
+        owner = (rank + 1 + pid // tiles_per_owner) % WORLD
+    local_rows = (rem // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_m = owner * ROWS_OWN + local_rows
+    mask_m = (local_rows < ROWS_OWN) & (offs_m < M)
+    offs_n = (rem % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    mask_n = offs_n < N
+    acc = _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk, s_ptr, o_ptr, stride_sn,
+                             stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE, MODE, HAS_OFFSET,
+                             BLOCK_M, BLOCK_N, BLOCK_K)
+    tile = acc.to(x_ptr.dtype.element_ty)
+    pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
+    slot_offs = rank * ROWS_OWN * N + local_rows[:, None] * N + offs_n[None, :]
+    slot_mask = mask_m[:, None] & mask_n[None, :]
+    if BROADCAST:
+        for i in tl.static_range(WORLD):
+            dst = (rank + 1 + i) % WORLD
+            ok = signals.wait_signal(pad + done_offset + dst, epoch - 1, pad, timeout, 1 + dst, USE_GLOBALTIMER)
+            if ok:
+                tl.store(signals.peer_ptr(data_tab_ptr, dst, x_ptr.dtype.element_ty) + slot_offs, tile, mask=slot_mask)
+                signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + cnt_offset + rank, 1)
+    else:
+        ok = signals.wait_signal(pad + done_offset + owner, epoch - 1, pad, timeout, 1 + owner, USE_GLOBALTIMER)
+        if ok:
+            tl.store(signals.peer_ptr(data_tab_ptr, owner, x_ptr.dtype.element_ty) + slot_offs, tile, mask=slot_mask)
+            signals.add_signal(signals.peer_ptr(sig_tab_ptr, owner, tl.int64) + cnt_offset + rank, 1)
+
+
+def _quant_args(scale: torch.Tensor, offset: Optional[torch.Tensor]) -> tuple:
+    """``(scale, offset or scale, stride_sn, stride_sg)``; one set of strides serves both tensors
+    (same shape, both contiguous), 0 where the layout has no such dim."""
+    scale = scale.contiguous()
+    offset = scale if offset is None else offset.to(torch.float32).contiguous()
+    stride_sn = scale.stride(0) if scale.dim() >= 1 else 0
+    stride_sg = scale.stride(1) if scale.dim() == 2 else 0
+    return scale, offset, stride_sn, stride_sg
+
+
+def _scatter(call: runtime.FusedCall, x: torch.Tensor, qweight: torch.Tensor, quant: tuple, mode: int,
+             has_offset: bool, group_size: int, rows_own: int, broadcast: bool, cfg: BlockConfig) -> int:
+    """Launch the dequantizing scatter GEMM; return the cumulative ``RS`` target (as gemm_rs.scatter_partials)."""
+    heap, w = call.heap, call.world_size
+    m, k = x.shape
+    n = qweight.shape[0]
+    scale, offset, stride_sn, stride_sg = quant
+    per_owner = tiles(rows_own, n, cfg)
+    grid = (per_owner * (1 if broadcast else w),)
+    if grid[0] > 0:
+        _gemm_w8a16_scatter_kernel[grid](
+            x, qweight, scale, offset, heap.data_ptrs, heap.sig_ptrs, m, n, k, rows_own, group_size,
+            x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), stride_sn, stride_sg,
+            call.rank, call.epoch, call.timeout_ticks,
+            signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
+            MODE=mode, HAS_OFFSET=has_offset, WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return heap.add_count(signals.CH_RS, per_owner)
+
+
+def matmul_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tensor],
+                 group_size: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """Local ``x @ dequant(qweight).T + bias`` with the dequantizing GEMM core (the W == 1 path)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = block_config(x.device)
+    mode = _MODES[_mode_of(scale)]
+    s, o, stride_sn, stride_sg = _quant_args(scale, offset)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _matmul_w8a16_kernel[grid](x, qweight, s, o, bias if bias is not None else out, out, m, n, k, group_size,
+                               x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), stride_sn, stride_sg,
+                               out.stride(0), out.stride(1), MODE=mode, HAS_OFFSET=offset is not None,
+                               HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                               BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def _mode_of(scale: torch.Tensor) -> str:
+    return ("per_tensor", "per_channel", "per_group")[scale.dim()]
+
+
+def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                            offset: Optional[torch.Tensor], group_size: int, bias: Optional[torch.Tensor],
+                            group: Optional[dist.ProcessGroup], deterministic: bool) -> torch.Tensor:
+    """Fused w8A16 GEMM + all-reduce over the group's symmetric heap.
+
+    Shapes: x ``[m, k_local]`` (fp16 / bf16; fp32 under the interpreter), qweight int8
+    ``[n, k_local]``, scale / offset ``[]``, ``[n]`` or ``[n, ceil(k_local / group_size)]``
+    (validated by :func:`kernels.quant.quant_spec`), bias ``[n]`` -> y ``[m, n]``, the same bits
+    on every rank.
+
+    Reference semantics::
+
+        w_src = ((qweight_src - offset_src) * scale_src).to(x.dtype)   # per tile, never stored
+        partial_src = x_src @ w_src.T                                   # rounded to x.dtype
+        y = sum(partial_src for src in 0..W-1) + bias                   # fp32, in rank order
+
+    Always deterministic, as :func:`gemm_ar.matmul_all_reduce` (``deterministic`` costs nothing).
+    """
+    del deterministic  # the fixed-order reduce of gemm_rs is always used
+    group = runtime.resolve_group(group)
+    w = dist.get_world_size(group)
+    if w == 1:
+        return matmul_w8a16(x, qweight, scale, offset, group_size, bias)
+    m, _ = x.shape
+    n = qweight.shape[0]
+    size = x.element_size()
+    mode = _MODES[_mode_of(scale)]
+    quant = _quant_args(scale, offset)
+    cfg = block_config(x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m * n * size <= ONE_SHOT_MAX_BYTES:
+        call = runtime.begin("quantized_matmul_all_reduce", group, x.device, w * m * n * size)
+        target = _scatter(call, x, qweight, quant, mode, offset is not None, group_size, m, True, cfg)
+        reduce_slots(call, out, bias, m, m, n, target, None, cfg)
+        runtime.finish(call)
+        return out
+    rows_own = triton.cdiv(m, w)
+    slots = w * rows_own * n
+    call = runtime.begin("quantized_matmul_all_reduce", group, x.device, 2 * slots * size)
+    target = _scatter(call, x, qweight, quant, mode, offset is not None, group_size, rows_own, False, cfg)
+    rows_valid = min(rows_own, max(0, m - call.rank * rows_own))
+    ar_target = reduce_slots(call, out, bias, rows_own, rows_valid, n, target, slots, cfg)
+    heap = call.heap
+    grid = (w * triton.cdiv(rows_own, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    if grid[0] > 0:
+        _gather_rows_kernel[grid](heap.data_ptrs, heap.sig_ptrs, out, m, n, rows_own, out.stride(0), out.stride(1),
+                                  call.rank, ar_target, call.timeout_ticks, slots,
+                                  signals.channel_offset(signals.CH_AR, w), WORLD=w, CHANNEL=signals.CH_AR,
+                                  USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                  num_warps=cfg.num_warps)
+    runtime.finish(call)
+    return out
