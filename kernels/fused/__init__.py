@@ -21,7 +21,8 @@ from .runtime import resolve_group, triton_interpreted
 
 __all__ = ["unavailable_reason", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
 
-_REASONS: dict[tuple[int, str], Optional[str]] = {}
+# Values keep the group alive so its id cannot be reused by a later group while cached.
+_REASONS: dict[tuple[int, str], tuple[dist.ProcessGroup, Optional[str]]] = {}
 
 
 def _locality_reason(infos: list[tuple[Optional[str], str, int]], index: int) -> Optional[str]:
@@ -50,7 +51,7 @@ def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device)
             "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before kernels is imported)")
     key = (id(group), str(device))
     if key in _REASONS:
-        return _REASONS[key]
+        return _REASONS[key][1]
     reason: Optional[str] = None
     if device.type == "cuda":
         try:
@@ -74,5 +75,5 @@ def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device)
     infos: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(infos, (reason, socket.gethostname(), index), group=group)
     reason = _locality_reason(infos, index)
-    _REASONS[key] = reason
+    _REASONS[key] = (group, reason)
     return reason

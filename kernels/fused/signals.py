@@ -78,22 +78,28 @@ def peer_ptr(table_ptr, peer, ELEM: tl.constexpr):
 
 @triton.jit
 def wait_signal(flag_ptr, target, pad_ptr, timeout, code, USE_GLOBALTIMER: tl.constexpr):
-    """Spin until ``*flag_ptr >= target`` (acquire); False on timeout or an earlier error of this rank."""
-    err = tl.load(pad_ptr + 1, volatile=True)
+    """Spin until ``*flag_ptr >= target`` (acquire); False on timeout or an earlier error of this rank.
+
+    Every value that decides the loop comes from a scalar atomic, which Triton executes on one
+    thread and broadcasts, so all threads of the program leave the loop together (a thread left
+    behind would deadlock on the broadcasts' barriers). The clock is read per thread and only
+    decides what the compare-and-swap on the error word writes: the broadcast result of that swap
+    ends the loop one iteration later, uniformly.
+    """
+    err_ptr = pad_ptr + 1
     value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    err = tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys")
     t0 = _now(pad_ptr, USE_GLOBALTIMER)
-    t = t0
-    while (value < target) & (err == 0) & (t - t0 < timeout):
+    zero = err * 0
+    while (value < target) & (err == 0):
         value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        err = tl.load(pad_ptr + 1, volatile=True)
-        t = _now(pad_ptr, USE_GLOBALTIMER)
-    ok = value >= target
-    if (value < target) & (err == 0):
-        # The first failure wins, so the host names the peer that was actually missing.
-        tl.atomic_cas(pad_ptr + 1, 0, code, sem="relaxed", scope="sys")
+        expired = (_now(pad_ptr, USE_GLOBALTIMER) - t0 >= timeout) & (value < target)
+        # The first failure wins (compare with 0), so the host names the peer actually missing.
+        # atomic_cas does not convert its operands, hence int64 ones built from ``zero``.
+        err = tl.atomic_cas(err_ptr, zero, tl.where(expired, zero + code, zero), sem="relaxed", scope="sys")
     # Every thread of the program must see the data the flag guards, not only the one that spun.
     tl.debug_barrier()
-    return ok
+    return value >= target
 
 
 @triton.jit
