@@ -21,6 +21,7 @@ only attributes that Megatron's own modules also have, which is what lets
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -57,12 +58,14 @@ Group = Optional[dist.ProcessGroup]
 # Process groups
 # --------------------------------------------------------------------------------------------
 
-def _megatron_parallel_state() -> Any:
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return None
-    return parallel_state
+def _megatron_module(name: str) -> Any:
+    """A Megatron module if the program already imported it, else None.
+
+    Megatron state (parallel_state groups, the CUDA RNG tracker) can only be set up by a program
+    that imported Megatron, so looking in ``sys.modules`` answers the question without paying
+    for (or requiring) the import.
+    """
+    return sys.modules.get(name)
 
 
 def resolve_tp_group(tp_group: Group, is_expert: bool = False) -> Group:
@@ -79,7 +82,7 @@ def resolve_tp_group(tp_group: Group, is_expert: bool = False) -> Group:
         return tp_group
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    ps = _megatron_parallel_state()
+    ps = _megatron_module("megatron.core.parallel_state")
     if ps is not None and ps.is_initialized():
         if is_expert:
             return ps.get_expert_tensor_parallel_group()
@@ -637,11 +640,8 @@ def _use_device_init(config: Any) -> bool:
     """
     if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
         return False
-    try:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-    except ImportError:
-        return False
-    return get_cuda_rng_tracker().is_initialized()
+    random = _megatron_module("megatron.core.tensor_parallel.random")
+    return random is not None and random.get_cuda_rng_tracker().is_initialized()
 
 
 def _init_weight(weight: Parameter, *, output_size: int, input_size: int, per_partition: int,
