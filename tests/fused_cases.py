@@ -183,10 +183,11 @@ def back_to_back_body(rank: int, world: int, calls: int) -> int:
     return calls
 
 
-def absent_peer_body(rank: int, world: int, op: str) -> Optional[tuple[float, str]]:
+def absent_peer_body(rank: int, world: int, op: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
+                     ) -> Optional[tuple[float, str]]:
     """Both ranks call once; then rank 1 leaves and rank 0 calls again and must get a RuntimeError."""
     group = dist.new_group(list(range(world)))
-    xs, ws, b = make_inputs(op, world, 13, 24, 20, True, 3)
+    xs, ws, b = make_inputs(op, world, 13, 24, 20, True, 3, dtype=dtype, device=device)
     run_op(op, xs[rank], ws[rank], b, group)
     if rank != 0:
         return None

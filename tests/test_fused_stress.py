@@ -1,6 +1,7 @@
 """Fused ops over many calls and with a missing peer: epochs, heap growth, bounded waits."""
 
 import pytest
+import torch
 
 from tests import fused_cases
 from tests.harness import run_ranks
@@ -19,3 +20,13 @@ def test_absent_peer_raises_within_timeout(op):
     assert results[1] is None
     assert TIMEOUT_S * 0.9 <= elapsed <= TIMEOUT_S + 5, elapsed
     assert "rank 1" in message and "rank 0" in message and "COC_TIMEOUT=2" in message, message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["ag", "rs", "ar_two"])
+def test_absent_peer_raises_within_timeout_gpu(op):
+    results = run_ranks(fused_cases.absent_peer_body, 2, op, torch.float16, "cuda", backend="nccl",
+                        env={"COC_TIMEOUT": str(TIMEOUT_S)}, timeout=120)
+    elapsed, message = results[0]
+    assert TIMEOUT_S * 0.9 <= elapsed <= TIMEOUT_S + 5, elapsed
+    assert "rank 1" in message and "COC_TIMEOUT=2" in message, message
