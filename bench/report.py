@@ -37,9 +37,10 @@ def git_revision() -> dict[str, Any]:
 def device_info(device_type: str) -> dict[str, Any]:
     if device_type == "cuda":
         props = torch.cuda.get_device_properties(0)
+        nccl = torch.cuda.nccl.version()  # a tuple in current torch, an int in old releases
         return {"type": "cuda", "name": props.name, "count": torch.cuda.device_count(),
                 "memory_GiB": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count,
-                "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+                "cuda": torch.version.cuda, "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)}
     return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count()}
 
 

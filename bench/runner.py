@@ -156,7 +156,7 @@ def calibration_samples(timer: Timer, world: int, device: torch.device, cases: l
     return samples
 
 
-def _fallback_reason(caught: list[warnings.WarningMessage]) -> Optional[str]:
+def fallback_reason(caught: list[warnings.WarningMessage]) -> Optional[str]:
     for w in caught:
         msg = str(w.message)
         if "fused" in msg and ("instead" in msg or "fall" in msg):
@@ -164,7 +164,7 @@ def _fallback_reason(caught: list[warnings.WarningMessage]) -> Optional[str]:
     return None
 
 
-_FUSED_FALLBACK: dict[str, str] = {}  # the dispatcher warns once per process: remember why
+FUSED_FALLBACK: dict[str, str] = {}  # the dispatcher warns once per process: remember why
 
 
 def check_backend(case: Case, backend: str, inputs: dict[str, Any], ref: torch.Tensor,
@@ -182,11 +182,11 @@ def check_backend(case: Case, backend: str, inputs: dict[str, Any], ref: torch.T
         except Exception as e:  # reported per backend; the other backends still run
             error = f"{type(e).__name__}: {e}"
     if backend == "fused":
-        reason = _fallback_reason(caught)
+        reason = fallback_reason(caught)
         if reason:
-            _FUSED_FALLBACK[case.op] = reason
-        if error is None and case.op in _FUSED_FALLBACK:
-            rec["fallback"] = _FUSED_FALLBACK[case.op]
+            FUSED_FALLBACK[case.op] = reason
+        if error is None and case.op in FUSED_FALLBACK:
+            rec["fallback"] = FUSED_FALLBACK[case.op]
     ran = timer.all_ranks_true(error is None)
     if not ran:
         rec.update(status="skipped", reason=error or "failed on another rank")

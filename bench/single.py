@@ -12,11 +12,12 @@ GPU only: on CPU the Triton kernels run in the interpreter and their times mean 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
-from bench.runner import CHECK_TOL, TORCH_DTYPES, Progress, RunOptions
+from bench.runner import FUSED_FALLBACK, CHECK_TOL, TORCH_DTYPES, Progress, RunOptions, fallback_reason
 from bench.suites import OP_SHORT, Case
 from bench.timing import Timer
 
@@ -80,11 +81,19 @@ def run_single(rank: int, world: int, device: torch.device, cases: list[Case], o
             row: dict[str, Any] = {"op": op}
             for label, kw in (("fused", {"backend": "fused"}), ("chunked4", {"backend": "chunked", "parallel_num": 4}),
                               ("sequential", {"backend": "sequential"})):
-                try:
-                    out = fn(x, w, **kw)
-                except NotImplementedError as e:
-                    row[f"{label}_skipped"] = str(e)
-                    continue
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    try:
+                        out = fn(x, w, **kw)
+                    except (NotImplementedError, ImportError) as e:
+                        row[f"{label}_skipped"] = str(e)
+                        continue
+                if label == "fused":
+                    reason = fallback_reason(caught)
+                    if reason:
+                        FUSED_FALLBACK[op] = reason
+                    if op in FUSED_FALLBACK:
+                        row["fused_fallback"] = FUSED_FALLBACK[op]
                 if not _check(out, ref, dtype):
                     row[f"{label}_skipped"] = "result differs from torch linear beyond tolerance"
                     continue
@@ -126,6 +135,8 @@ def single_table(records: list[dict[str, Any]]) -> str:
             break
     for rec in records:
         for row in rec["ops"]:
+            if "fused_fallback" in row:
+                out.append(f"{rec['gemm_shape']} {row['op']} fused fell back: {row['fused_fallback']}")
             for key in ("fused_skipped", "chunked4_skipped", "sequential_skipped"):
                 if key in row:
                     out.append(f"{rec['gemm_shape']} {row['op']} {key[:-8]}: skipped: {row[key]}")

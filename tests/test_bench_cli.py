@@ -137,3 +137,25 @@ def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     why = report.write_plot(str(tmp_path / "p.png"), _records_for_plot(), "t")
     assert "matplotlib" in why and not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.gpu
+def test_single_mode_on_gpu(tmp_path):
+    r = _bench(["--mode", "single", "--suite", "tiny", "--dtypes", "fp16", "--world-sizes", "2", "--repeats", "5",
+                "--no-progress"], tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "out.json").read_text())
+    for rec in doc["records"]:
+        assert rec["torch_ms"]["median"] > 0
+        assert rec.get("core_correct", True), rec
+
+
+@pytest.mark.gpu
+def test_run_mode_on_one_gpu(tmp_path):
+    r = _bench(["--suite", "tiny", "--dtypes", "fp16", "--world-sizes", "1", "--no-progress", "--gpu", "H100"],
+               tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["meta"]["device"]["type"] == "cuda" and doc["meta"]["dist_backend"] == "nccl"
+    for rec in doc["records"]:
+        assert all(b["status"] in ("ok", "skipped") for b in rec["backends"]), rec
