@@ -48,17 +48,17 @@ def _enabled(x: torch.Tensor, force: bool) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
            out: Optional[torch.Tensor] = None, force: bool = False) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` on 2-D ``x [m, k]``, ``weight [n, k]``, with padded operands.
+    """``F.linear(x, weight, bias)`` for ``x [..., k]``, ``weight [n, k]``, with padded operands.
 
     Reference::
 
-        y = x @ weight.T + bias           # [m, n], contiguous; written into ``out`` if given
+        y = x @ weight.T + bias           # [..., n], contiguous; written into ``out`` if given
 
     Active on CUDA when ``matmul_soc_friendly`` is set in the config (or with ``force=True``);
-    otherwise exactly ``F.linear``. Drop-in for the ``F.linear`` / ``torch.mm(out=)`` calls of
-    the sequential and chunked paths.
+    otherwise exactly ``F.linear`` (or ``torch.mm(x, weight.t(), out=out)``). Drop-in for the
+    ``F.linear`` / ``torch.mm(out=)`` calls of the sequential and chunked paths.
     """
-    m, k = x.shape
+    k = x.shape[-1]
     n = weight.shape[0]
     if _enabled(x, force):
         config = get_config()
@@ -70,16 +70,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
             return F.linear(x, weight, bias)
         torch.mm(x, weight.t(), out=out)
         return out if bias is None else out.add_(bias)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, k)
     if k_pad != k:
-        x_p = x.new_zeros((m, k_pad))
-        x_p[:, :k] = x
+        x_p = x2d.new_zeros((x2d.shape[0], k_pad))
+        x_p[:, :k] = x2d
     else:
-        x_p = x
+        x_p = x2d
     w_p = weight.new_zeros((n_pad, k_pad))
     w_p[:n, :k] = weight
     y_p = torch.mm(x_p, w_p.t())
     if out is None:
-        out = y_p[:, :n].contiguous()
+        out = y_p[:, :n].contiguous().view(tuple(lead) + (n,))
     else:
-        out.copy_(y_p[:, :n])
+        out.copy_(y_p[:, :n].reshape(out.shape))
     return out if bias is None else out.add_(bias)

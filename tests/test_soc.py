@@ -58,6 +58,15 @@ def test_forced_padding_keeps_results(wide_k_range, m, k, n, with_bias):
     assert torch.equal(big[0], torch.zeros(n)) and torch.equal(big[m + 1], torch.zeros(n))
 
 
+def test_forced_padding_leading_dims(wide_k_range):
+    """The chunked reduce-scatter multiplies a 3-D view ``[W, rows, k]``."""
+    x = torch.randn(3, 4, 13)[:, 1:3]
+    w = torch.randn(10, 13)
+    y = soc.linear(x, w, force=True)
+    assert y.shape == (3, 2, 10)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 def test_noop_on_cpu(wide_k_range, monkeypatch):
     def fail(*args):
         raise AssertionError("padding planned on CPU without force")
