@@ -54,7 +54,8 @@ def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_
                       x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False)
     tile = acc.to(x_ptr.dtype.element_ty)
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    slot_offs = rank * ROWS_OWN * N + local_rows[:, None] * N + offs_n[None, :]
+    # Row index first (small), then the int64 multiply by N: slot offsets can exceed 2**31.
+    slot_offs = (rank * ROWS_OWN + local_rows)[:, None] * N + offs_n[None, :]
     slot_mask = mask_m[:, None] & mask_n[None, :]
     if BROADCAST:
         for i in tl.static_range(WORLD):
@@ -92,7 +93,7 @@ def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # Fixed rank order: the result does not depend on which peer finished first (deterministic).
         for src in tl.static_range(WORLD):
-            acc += tl.load(slots + src * ROWS_OWN * N + offs_m[:, None] * N + offs_n[None, :], mask=mask,
+            acc += tl.load(slots + (src * ROWS_OWN + offs_m)[:, None] * N + offs_n[None, :], mask=mask,
                            other=0.0).to(tl.float32)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
