@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import chunked, dispatch, quant, sequential, tune
+from kernels import chunked, dispatch, sequential, tune
 from kernels.config import build_config
 from tests.harness import run_ranks
 
