@@ -15,6 +15,7 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
+from kernels.config import get_config
 
 from tests.harness import run_ranks
 
@@ -89,6 +90,33 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], g: t
     return y.detach(), x.grad, w.grad, (b.grad if b is not None else None)
 
 
+class _CountCalls:
+    """Count calls of the named ``kernels`` ops made through autopar.linear during a block."""
+
+    def __init__(self, *names: str) -> None:
+        self.names, self.counts, self.saved = names, {n: 0 for n in names}, {}
+
+    def __enter__(self) -> "_CountCalls":
+        import autopar.linear as lin
+
+        for name in self.names:
+            original = getattr(lin.kernels, name)
+            self.saved[name] = original
+
+            def counted(*args: Any, _name: str = name, _fn: Any = original, **kwargs: Any) -> Any:
+                self.counts[_name] += 1
+                return _fn(*args, **kwargs)
+
+            setattr(lin.kernels, name, counted)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import autopar.linear as lin
+
+        for name, fn in self.saved.items():
+            setattr(lin.kernels, name, fn)
+
+
 def column_case(rank: int, world: int, *, sp: bool, bias_mode: str, gather_output: bool,
                 errors: list[str], tag: str) -> None:
     from autopar import ColumnParallelLinear
@@ -113,9 +141,22 @@ def column_case(rank: int, world: int, *, sp: bool, bias_mode: str, gather_outpu
     n_sl = slice(rank * N // world, (rank + 1) * N // world)
     s_sl = slice(rank * S // world, (rank + 1) * S // world)
     x = (x_full[s_sl] if sp else x_full).clone().requires_grad_()
-    y, out_bias = layer(x)
-    g = g_full if gather_output else g_full[..., n_sl]
-    (y * g).sum().backward()
+    ops = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+    with _CountCalls(*ops) as calls:
+        y, out_bias = layer(x)
+        if sp and not gather_output:
+            # recompute_all_gather decides what the backward keeps: the shard or the gathered input.
+            kept_rows = y.grad_fn.saved_tensors[0].shape[0]
+            want_rows = (S // world if get_config().recompute_all_gather else S) * B
+            if kept_rows != want_rows:
+                errors.append(f"{tag}: backward keeps {kept_rows} input rows, want {want_rows}")
+        g = g_full if gather_output else g_full[..., n_sl]
+        (y * g).sum().backward()
+    coc_bwd = get_config().enable_coc_in_column_backward
+    want_calls = {"all_gather_matmul": int(sp), "matmul_reduce_scatter": int(sp and coc_bwd),
+                  "matmul_all_reduce": int(not sp and coc_bwd)}
+    if calls.counts != want_calls:
+        errors.append(f"{tag}: kernels ops called {calls.counts}, want {want_calls}")
 
     _close(f"{tag} weight", layer.weight.detach(), w_full[n_sl], errors)
     _close(f"{tag} output", y.detach(), y_ref if gather_output else y_ref[..., n_sl], errors)
@@ -152,9 +193,14 @@ def row_case(rank: int, world: int, *, sp: bool, bias_mode: str, input_is_parall
     k_sl = slice(rank * N // world, (rank + 1) * N // world)
     s_sl = slice(rank * S // world, (rank + 1) * S // world)
     x = (x_full[..., k_sl] if input_is_parallel else x_full).clone().requires_grad_()
-    y, out_bias = layer(x)
-    g = g_full[s_sl] if sp else g_full
-    (y * g).sum().backward()
+    with _CountCalls("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce") as calls:
+        y, out_bias = layer(x)
+        g = g_full[s_sl] if sp else g_full
+        (y * g).sum().backward()
+    want_calls = {"all_gather_matmul": int(sp), "matmul_reduce_scatter": int(sp),
+                  "matmul_all_reduce": int(not sp)}
+    if calls.counts != want_calls:
+        errors.append(f"{tag}: kernels ops called {calls.counts}, want {want_calls}")
 
     _close(f"{tag} weight", layer.weight.detach(), w_full[:, k_sl], errors)
     _close(f"{tag} output", y.detach(), y_ref[s_sl] if sp else y_ref, errors)
