@@ -68,6 +68,14 @@ def _customized(rank, world):
         kernels.matmul_all_reduce(xs[rank], ws[rank], parallel_num=8)
         q, s = kernels.quantize_weight(ws[rank])
         kernels.quantized_matmul_all_reduce(xs[rank], q, s)
+        # The linears pass parallel_num=None, so the table reaches them too: a row-parallel
+        # forward of [s=7, b=1, 12 per rank] -> 10 is the matmul_all_reduce of shape [7, 12, 10].
+        import autopar
+        row = autopar.RowParallelLinear(12 * world, 10, config=autopar.ParallelConfig(use_cpu_initialization=True),
+                                        init_method=torch.nn.init.normal_, bias=False, input_is_parallel=True,
+                                        skip_bias_add=False, tp_group=torch.distributed.group.WORLD)
+        with torch.no_grad():
+            row(xs[rank][:, None, :])
     torch.testing.assert_close(y, ref, **TOL)
     out["calls"] = spy.calls
     return out
@@ -81,7 +89,8 @@ def test_customized_coc_applies_through_ops(tmp_path):
         assert r["resolve_one"] == ("sequential", 1)
         assert r["resolve_miss"] == ("chunked", 2)
         assert r["calls"] == [("matmul_all_reduce", "chunked", 4), ("matmul_all_reduce", "sequential", 1),
-                              ("matmul_all_reduce", "chunked", 8), ("matmul_all_reduce", "chunked", 4)]
+                              ("matmul_all_reduce", "chunked", 8), ("matmul_all_reduce", "chunked", 4),
+                              ("matmul_all_reduce", "chunked", 4)]
 
 
 class _ListHandler(logging.Handler):
