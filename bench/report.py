@@ -101,7 +101,7 @@ def table(records: list[dict[str, Any]], model_label: Optional[str]) -> str:
         notes.append("* fused fell back to the chunked path (the dispatcher's warning is in the JSON)")
     if any(b.get("interpreted") for rec in records for b in rec["backends"]):
         notes.append("(i) the fused Triton kernels ran in Triton's interpreter (no GPU): checked against "
-                     "sequential and timed once to prove the path runs; that time is not a performance figure")
+                     "sequential, not timed (an interpreter's time is not a performance figure)")
     for rec in records:
         for b in rec["backends"]:
             if b["status"] in ("skipped", "incorrect"):

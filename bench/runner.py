@@ -8,6 +8,8 @@ all-reduce, so no rank ever waits in a collective its peers have left.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import sys
@@ -212,14 +214,12 @@ def run_case(case: Case, index: int, rank: int, world: int, device: torch.device
     rows = []
     for backend in opts.backends:
         rec = check_backend(case, backend, inputs, ref, timer)
-        if rec["status"] == "ok":
-            warmup, repeats = opts.warmup, opts.repeats
-            if backend == "fused" and device.type == "cpu":
-                # Triton's interpreter runs the kernel's programs one by one in Python: its time says
-                # nothing about the design, so one call is timed to prove the path runs, not more.
-                warmup, repeats = 0, 1
-                rec["interpreted"] = True
-            rec["time"] = timer.run(op_call(case, backend, inputs), warmup, repeats)
+        if rec["status"] == "ok" and backend == "fused" and device.type == "cpu" and "fallback" not in rec:
+            # Triton's interpreter runs the kernel's programs one by one in Python: a time would say
+            # nothing about the design, and the check above already proved that the path runs.
+            rec["interpreted"] = True
+        elif rec["status"] == "ok":
+            rec["time"] = timer.run(op_call(case, backend, inputs), opts.warmup, opts.repeats)
         rows.append(rec)
     del inputs, ref
     m, k, n = case.gemm_shape
@@ -235,12 +235,53 @@ def run_case(case: Case, index: int, rank: int, world: int, device: torch.device
         if key not in gemm_cache:
             gemm_cache[key] = timer.run(gemm_call(*shape, case.dtype, device), opts.warmup, opts.repeats)
         gemm_times[shape] = gemm_cache[key]
-    comm = None
+    comm = concurrent = None
     if world > 1:
         row_len = case.n if case.row_parallel else case.k
-        comm = timer.run(comm_call(case.collective, case.comm_elems, row_len, world, case.dtype, device),
-                         opts.warmup, opts.repeats)
-    return {"case": case, "backends": rows, "gemm": gemm_times, "comm": comm}
+        comm_fn = comm_call(case.collective, case.comm_elems, row_len, world, case.dtype, device)
+        comm = timer.run(comm_fn, opts.warmup, opts.repeats)
+        if calibrating(opts, device):
+            concurrent = timer.run(concurrent_call(case, world, device), opts.warmup, opts.repeats)
+    return {"case": case, "backends": rows, "gemm": gemm_times, "comm": comm, "concurrent": concurrent}
+
+
+def calibrating(opts: RunOptions, device: torch.device) -> bool:
+    """The link model is fitted to this run's timings (always on CPU, where no datasheet applies)."""
+    return opts.model and (opts.calibrate or device.type != "cuda")
+
+
+def concurrent_call(case: Case, world: int, device: torch.device) -> Callable[[], None]:
+    """The bare collective started asynchronously, the bare GEMM beside it, then the wait: what the
+    two cost when they share the machine (on CPU, gloo's threads and the GEMM share the cores)."""
+    comm = _comm_module()
+    m, k, n = case.gemm_shape
+    gemm = gemm_call(m, k, n, case.dtype, device)
+    td = TORCH_DTYPES[case.dtype]
+    row_len = case.n if case.row_parallel else case.k
+    rows = case.comm_elems // row_len
+    if case.collective == "all_gather":
+        inp = torch.zeros(rows // world, row_len, dtype=td, device=device)
+        out = torch.empty(rows, row_len, dtype=td, device=device)
+        start = functools.partial(comm.all_gather, out, inp, None, async_op=True)
+    elif case.collective == "reduce_scatter":
+        inp = torch.zeros(rows, row_len, dtype=td, device=device)
+        out = torch.empty(rows // world, row_len, dtype=td, device=device)
+        start = functools.partial(comm.reduce_scatter, out, inp, None, async_op=True)
+    else:
+        buf = torch.zeros(rows, row_len, dtype=td, device=device)
+        start = functools.partial(comm.all_reduce, buf, None, async_op=True)
+
+    def run() -> None:
+        work = start()
+        gemm()
+        work.wait()
+    return run
+
+
+def interference(t_gemm: float, t_comm: float, t_concurrent: float) -> float:
+    """GEMM slowdown while a collective runs beside it, from the three bare timings: the time lost
+    over the ideal max(t_gemm, t_comm), as a fraction of the part that overlapped."""
+    return max(0.0, (t_concurrent - max(t_gemm, t_comm)) / min(t_gemm, t_comm)) if min(t_gemm, t_comm) > 0 else 0.0
 
 
 def derive(result: dict[str, Any], link: Optional[perf_model.LinkModel],
@@ -260,6 +301,12 @@ def derive(result: dict[str, Any], link: Optional[perf_model.LinkModel],
         "backends": [],
     }
     gemm_fn = perf_model.GemmTimes({s: st.median for s, st in result["gemm"].items()}, fallback_gemm)
+    concurrent: Optional[Stats] = result.get("concurrent")
+    if concurrent is not None and link is not None and t_comm is not None:
+        slowdown = interference(t_gemm.median, t_comm.median, concurrent.median)
+        out["concurrent_ms"] = concurrent.to_ms()
+        out["model_gemm_slowdown"] = slowdown
+        link = dataclasses.replace(link, chunked_gemm_slowdown=slowdown, fused_gemm_slowdown=slowdown)
     seq = next((r for r in result["backends"] if r["backend"] == "sequential" and "time" in r), None)
     for r in result["backends"]:
         row = {k: v for k, v in r.items() if k != "time"}
@@ -290,7 +337,7 @@ def run_world(rank: int, world: int, device: torch.device, cases: list[Case], op
     link = None
     calib: list[tuple[str, int, float, float]] = []
     if opts.model and world > 1:
-        if opts.calibrate or device.type != "cuda":
+        if calibrating(opts, device):
             calib = calibration_samples(timer, world, device, cases, opts)
             link = perf_model.calibrate(calib, name=f"{device.type}-{dist.get_backend()}-calibrated")
         elif opts.gpu_generation:
