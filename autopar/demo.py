@@ -250,6 +250,9 @@ def _rank_main(rank: int, world: int, init_method: str, args: argparse.Namespace
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
+        # Without GPUs the fused Triton kernels can only run in the interpreter; it must be chosen
+        # before triton is first imported (kernels are imported lazily, below).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
         torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
@@ -311,10 +314,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"--world-size ({world}) must be >= 1 and divide --seq ({args.seq}) "
                          f"and 4 * --hidden ({4 * args.hidden})")
     if not (torch.cuda.is_available() and torch.cuda.device_count() >= world):
-        # CPU ranks: the fused Triton kernels run through the interpreter, and 4 ranks share
-        # few cores, so each uses one thread. Spawned children inherit this environment.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        # CPU ranks share few cores: one thread each; the fused kernels run in the Triton
+        # interpreter, chosen before any child imports triton (children inherit the environment).
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     ctx = mp.get_context("spawn")
     status = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="autopar-demo-") as tmp:
