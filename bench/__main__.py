@@ -128,7 +128,8 @@ def _filter_available_ops(cases: list[Case], skipped: list[dict]) -> list[Case]:
             missing.add(c.op)
             skipped.append({"case": c.label, "reason": f"kernels.{c.op} is not available in this build"})
     for op in sorted(missing):
-        report.say(f"skipping {op}: kernels.{op} is not available in this build")
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, say it once
+            report.say(f"skipping {op}: kernels.{op} is not available in this build")
     return keep
 
 
@@ -271,8 +272,13 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
     worlds = sorted({c.world for c in cases})
     results = []
     if torchrun:
+        import torch.distributed as dist
+
         rank, world, device = launch.init_torchrun(device_type, args.timeout)
-        results.append(run_world(rank, world, device, cases, opts))
+        try:
+            results.append(run_world(rank, world, device, cases, opts))
+        finally:
+            dist.destroy_process_group()
         if rank != 0:
             return 0
     else:
