@@ -132,6 +132,9 @@ def replicate_to_partial(x: torch.Tensor, reduce_type: str, index: int) -> torch
 def _step(x: torch.Tensor, global_shape: Sequence[int], mesh: ProcessMesh, m: int, src: Placement,
           dst: Placement) -> torch.Tensor:
     world = mesh.shape[m]
+    if world == 1:
+        # One rank along this dim: every placement holds the whole value (and there is no group).
+        return x
     group = mesh.get_group(m)
     index = mesh.my_coordinate[m]
     ts, td = type(src), type(dst)
