@@ -20,8 +20,9 @@ from tests.harness import run_ranks
 TOL = dict(rtol=1e-5, atol=1e-5)
 K_LOCAL, N = 12, 10
 # (mode, group_size used to quantize, group_size passed to the op)
+# group 16 is a multiple of the interpreter's BLOCK_K (16): the fused kernel's one-scale-row path.
 LAYOUTS = [("per_tensor", None, None), ("per_channel", None, None), ("per_group", 4, None),
-           ("per_group", 5, 5)]
+           ("per_group", 5, 5), ("per_group", 16, 16)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -182,13 +183,23 @@ def _check_quantized_fused(rank, world, algorithm):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             done = _check_quantized(rank, world, "fused", full=False)
+            # k = 40 spans three 16-wide k-tiles and groups of 16 (the last one partial), with
+            # offsets: the one-scale-row-per-tile path over several tiles.
+            g = torch.Generator().manual_seed(5)
+            xs = [torch.randn(9, 40, generator=g) for _ in range(world)]
+            qs = [kernels.quantize_weight(torch.randn(N, 40, generator=g), "per_group", 16) for _ in range(world)]
+            offs = [torch.randint(-2, 3, s.shape, generator=g).float() for _, s in qs]
+            y40 = kernels.quantized_matmul_all_reduce(xs[rank], *qs[rank], group_size=16, offset=offs[rank],
+                                                      backend="fused")
+            ref = sum(xs[r] @ dequantize(*qs[r], 16, offs[r], torch.float32).T for r in range(world))
+            torch.testing.assert_close(y40, ref, **TOL)
             # Bitwise identical outputs on every rank (the fused all-reduce is deterministic).
             x = torch.randn(5, K_LOCAL, generator=torch.Generator().manual_seed(rank))
             q, s = kernels.quantize_weight(torch.randn(N, K_LOCAL), "per_group", 5)
             y = kernels.quantized_matmul_all_reduce(x, q, s, group_size=5, backend="fused")
     finally:
         gemm_ar_w8a16.matmul_all_reduce_w8a16, gemm_ar_w8a16.ONE_SHOT_MAX_BYTES = real, threshold
-    assert len(launched) == done + 1
+    assert len(launched) == done + 2
     return done, y
 
 

@@ -23,9 +23,10 @@ from .gemm import BlockConfig, block_config
 from .gemm_ar import ONE_SHOT_MAX_BYTES, _gather_rows_kernel
 from .gemm_rs import reduce_slots, tiles
 
-# Scale layouts (kernels.quant.QuantSpec.mode) as kernel constants.
-PER_TENSOR, PER_CHANNEL, PER_GROUP = 0, 1, 2
-_MODES = {"per_tensor": PER_TENSOR, "per_channel": PER_CHANNEL, "per_group": PER_GROUP}
+# Scale layouts (kernels.quant.QuantSpec.mode) as kernel constants. PER_GROUP_ALIGNED is
+# per_group with ``group_size % BLOCK_K == 0``: a k-tile lies inside one group, so one [BLOCK_N]
+# row of scales serves the whole tile instead of a [BLOCK_K, BLOCK_N] gather.
+PER_TENSOR, PER_CHANNEL, PER_GROUP, PER_GROUP_ALIGNED = 0, 1, 2, 3
 
 
 @triton.jit
@@ -51,6 +52,11 @@ def _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk,
         b_mask = mask_n[None, :] & mask_k[:, None]
         b = tl.load(q_ptr + offs_n[None, :] * stride_qn + offs_k[:, None] * stride_qk, mask=b_mask,
                     other=0).to(tl.float32)
+        if MODE == 3:
+            s_offs = offs_n * stride_sn + (k0 // GROUP_SIZE) * stride_sg
+            s_tile = tl.load(s_ptr + s_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if HAS_OFFSET:
+                o_tile = tl.load(o_ptr + s_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if MODE == 2:
             # Groups run along k; a partial last group indexes the same column as its full peers.
             s_offs = offs_n[None, :] * stride_sn + (offs_k // GROUP_SIZE)[:, None] * stride_sg
@@ -170,7 +176,7 @@ def matmul_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, of
     if m == 0 or n == 0:
         return out
     cfg = block_config(x.device)
-    mode = _MODES[_mode_of(scale)]
+    mode = _mode_of(scale, group_size, cfg)
     s, o, stride_sn, stride_sg = _quant_args(scale, offset)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_w8a16_kernel[grid](x, qweight, s, o, bias if bias is not None else out, out, m, n, k, group_size,
@@ -181,8 +187,10 @@ def matmul_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, of
     return out
 
 
-def _mode_of(scale: torch.Tensor) -> str:
-    return ("per_tensor", "per_channel", "per_group")[scale.dim()]
+def _mode_of(scale: torch.Tensor, group_size: int, cfg: BlockConfig) -> int:
+    if scale.dim() < 2:
+        return (PER_TENSOR, PER_CHANNEL)[scale.dim()]
+    return PER_GROUP_ALIGNED if group_size % cfg.block_k == 0 else PER_GROUP
 
 
 def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -211,9 +219,9 @@ def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch
     m, _ = x.shape
     n = qweight.shape[0]
     size = x.element_size()
-    mode = _MODES[_mode_of(scale)]
-    quant = _quant_args(scale, offset)
     cfg = block_config(x.device)
+    mode = _mode_of(scale, group_size, cfg)
+    quant = _quant_args(scale, offset)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m * n * size <= ONE_SHOT_MAX_BYTES:
         call = runtime.begin("quantized_matmul_all_reduce", group, x.device, w * m * n * size)
