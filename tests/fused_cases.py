@@ -144,6 +144,16 @@ def correctness_body(rank: int, world: int, op: str, dtype: torch.dtype = torch.
     return len(cases)
 
 
+def fp64_body(rank: int, world: int) -> int:
+    """Every op once in fp64 (the linears' reference tests use fp64): fp64 accumulation throughout."""
+    dev = torch.device("cpu")
+    group = dist.group.WORLD
+    presize(group, dev)
+    for seed, op in enumerate(OPS):
+        check_case(rank, world, op, 13, 24, 20, True, seed, True, group, torch.float64, dev)
+    return len(OPS)
+
+
 def determinism_body(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
     dev = torch.device("cpu")
     group = dist.group.WORLD

@@ -28,10 +28,13 @@ def _compile(fn, signature: dict, constexprs: dict) -> int:
 
 
 def main() -> None:
+    import triton.language as tl
+
     from kernels.fused import ag_gemm, gemm_ar, gemm_rs, signals
 
     i32, i64, f16, tab = "i32", "i64", "*fp16", "*i64"
     timer = dict(USE_GLOBALTIMER=True)
+    acc = dict(ACC_DTYPE=tl.float32)
     sizes = [
         _compile(signals._wait_all_kernel, dict(sig_tab_ptr=tab, rank=i32, offset=i32, target=i64, timeout=i64,
                                                 channel=i32), dict(WORLD=4, **timer)),
@@ -39,17 +42,17 @@ def main() -> None:
                  dict(data_tab_ptr=tab, sig_tab_ptr=tab, w_ptr=f16, bias_ptr=f16, y_ptr=f16, g_ptr=f16, M_LOCAL=i32,
                       N=i32, K=i32, stride_wn=i32, stride_wk=i32, stride_ym=i32, stride_yn=i32, rank=i32, epoch=i64,
                       timeout=i64, flag_offset=i32),
-                 dict(WORLD=4, CHANNEL=1, HAS_BIAS=True, STORE_A=True, **timer, **BLOCKS)),
+                 dict(WORLD=4, CHANNEL=1, HAS_BIAS=True, STORE_A=True, **timer, **acc, **BLOCKS)),
         _compile(gemm_rs._gemm_scatter_kernel,
                  dict(x_ptr=f16, w_ptr=f16, data_tab_ptr=tab, sig_tab_ptr=tab, M=i32, N=i32, K=i32, ROWS_OWN=i32,
                       stride_xm=i32, stride_xk=i32, stride_wn=i32, stride_wk=i32, rank=i32, epoch=i64, timeout=i64,
                       done_offset=i32, cnt_offset=i32),
-                 dict(WORLD=4, BROADCAST=True, **timer, **BLOCKS)),
+                 dict(WORLD=4, BROADCAST=True, **timer, **acc, **BLOCKS)),
         _compile(gemm_rs._reduce_slots_kernel,
                  dict(data_tab_ptr=tab, sig_tab_ptr=tab, bias_ptr=f16, out_ptr=f16, ROWS_OWN=i32, ROWS_VALID=i32,
                       N=i32, stride_om=i32, stride_on=i32, rank=i32, epoch=i64, target=i64, timeout=i64,
                       cnt_offset=i32, done_offset=i32, push_offset=i32, push_base=i64),
-                 dict(WORLD=4, CHANNEL=2, HAS_BIAS=True, PUSH=True, **timer, BLOCK_M=128, BLOCK_N=128)),
+                 dict(WORLD=4, CHANNEL=2, HAS_BIAS=True, PUSH=True, **timer, **acc, BLOCK_M=128, BLOCK_N=128)),
         _compile(gemm_ar._gather_rows_kernel,
                  dict(data_tab_ptr=tab, sig_tab_ptr=tab, out_ptr=f16, M=i32, N=i32, ROWS_OWN=i32, stride_om=i32,
                       stride_on=i32, rank=i32, target=i64, timeout=i64, o_base=i64, ar_offset=i32),

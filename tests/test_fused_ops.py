@@ -15,6 +15,10 @@ def test_fused_op_matches_torch(op, world):
     assert run_ranks(fused_cases.correctness_body, world, op) == [4] * world
 
 
+def test_fused_ops_fp64():
+    assert run_ranks(fused_cases.fp64_body, 2) == [len(fused_cases.OPS)] * 2
+
+
 def test_fused_deterministic_and_ranks_agree():
     outs = run_ranks(fused_cases.determinism_body, 3)
     for op in ("rs", "ar_one", "ar_two"):

@@ -26,14 +26,14 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import block_config, matmul, tile_matmul
+from .gemm import acc_dtype, block_config, matmul, tile_matmul
 
 
 @triton.jit
 def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_LOCAL, N, K,
                     stride_wn, stride_wk, stride_ym, stride_yn, rank, epoch, timeout, flag_offset,
                     WORLD: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
-                    USE_GLOBALTIMER: tl.constexpr,
+                    USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -54,9 +54,9 @@ def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_
         # predicate into a mask, hence the vector form).
         g_local = signals.peer_ptr(data_tab_ptr, rank, y_ptr.dtype.element_ty)
         acc = tile_matmul(g_local, K, 1, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
-                          g_ptr, K, mask_m & ((offs_m * 0 + pid_n) == 0), BLOCK_M, BLOCK_N, BLOCK_K, STORE_A)
+                          g_ptr, K, mask_m & ((offs_m * 0 + pid_n) == 0), BLOCK_M, BLOCK_N, BLOCK_K, STORE_A, ACC_DTYPE)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
                  mask=mask_m[:, None] & mask_n[None, :])
 
@@ -125,7 +125,7 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                               m_local, n, k, weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
                               call.rank, call.epoch, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
                               WORLD=w, CHANNEL=signals.CH_AG, HAS_BIAS=bias is not None, STORE_A=return_gathered,
-                              USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                              USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                               BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if return_gathered and n == 0:
         signals.wait_all(heap, signals.CH_AG, call.epoch, call.timeout_ticks, call.use_globaltimer)

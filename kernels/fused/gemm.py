@@ -37,15 +37,21 @@ def block_config(device: torch.device) -> BlockConfig:
     return GPU_BLOCKS if device.type == "cuda" else CPU_BLOCKS
 
 
+def acc_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Accumulator of products and reductions: fp64 for fp64 inputs, else fp32 (fp16/bf16/fp32 inputs)."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
 @triton.jit
 def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m, mask_m, offs_n, mask_n, K,
                 g_ptr, stride_gm, g_mask_m,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_A: tl.constexpr):
-    """fp32 ``a[offs_m, :] @ b[offs_n, :].T``; with ``STORE_A`` also copies the A rows selected by ``g_mask_m`` to ``g``.
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_A: tl.constexpr,
+                ACC_DTYPE: tl.constexpr):
+    """``ACC_DTYPE`` ``a[offs_m, :] @ b[offs_n, :].T``; with ``STORE_A`` also copies the A rows selected by ``g_mask_m`` to ``g``.
 
     ``offs_m``/``offs_n`` are int64 so addresses of large matrices cannot overflow.
     """
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
@@ -61,7 +67,7 @@ def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m
 
 @triton.jit
 def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                   stride_cm, stride_cn, HAS_BIAS: tl.constexpr,
+                   stride_cm, stride_cn, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -70,15 +76,15 @@ def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak,
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m, mask_m, offs_n, mask_n, K,
-                      c_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False)
+                      c_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` with the fused ops' GEMM core (fp32 accumulate); the W == 1 path.
+    """``x @ weight.T + bias`` with the fused ops' GEMM core (fp32 accumulate, fp64 for fp64); the W == 1 path.
 
     x ``[m, k]`` (any strides), weight ``[n, k]`` (any strides), bias ``[n]`` or None -> ``[m, n]``.
     Reference: ``torch.nn.functional.linear(x, weight, bias)``.
@@ -95,6 +101,6 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_kernel[grid](x, weight, bias_arg, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
                          weight.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
-                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         ACC_DTYPE=acc_dtype(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

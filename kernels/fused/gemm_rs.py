@@ -27,14 +27,14 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import BlockConfig, block_config, matmul, tile_matmul
+from .gemm import BlockConfig, acc_dtype, block_config, matmul, tile_matmul
 
 
 @triton.jit
 def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_OWN,
                          stride_xm, stride_xk, stride_wn, stride_wk, rank, epoch, timeout,
                          done_offset, cnt_offset,
-                         WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+                         WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -51,7 +51,7 @@ def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_
     offs_n = (rem % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < N
     acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
-                      x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False)
+                      x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE)
     tile = acc.to(x_ptr.dtype.element_ty)
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     # Row index first (small), then the int64 multiply by N: slot offsets can exceed 2**31.
@@ -76,7 +76,7 @@ def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN,
                          stride_om, stride_on, rank, epoch, target, timeout, cnt_offset,
                          done_offset, push_offset, push_base,
                          WORLD: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PUSH: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+                         PUSH: tl.constexpr, USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -90,13 +90,13 @@ def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN,
         ok = ok & signals.wait_signal(pad + cnt_offset + src, target, pad, timeout, 1 + src + WORLD * CHANNEL,
                                       USE_GLOBALTIMER)
     if ok:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         # Fixed rank order: the result does not depend on which peer finished first (deterministic).
         for src in tl.static_range(WORLD):
             acc += tl.load(slots + (src * ROWS_OWN + offs_m)[:, None] * N + offs_n[None, :], mask=mask,
-                           other=0.0).to(tl.float32)
+                           other=0.0).to(ACC_DTYPE)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC_DTYPE)[None, :]
         result = acc.to(out_ptr.dtype.element_ty)
         if PUSH:
             push_offs = push_base + (rank * ROWS_OWN + offs_m[:, None]) * N + offs_n[None, :]
@@ -129,7 +129,7 @@ def scatter_partials(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Ten
                                    x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
                                    call.rank, call.epoch, call.timeout_ticks,
                                    signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
-                                   WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
+                                   WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
                                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return heap.add_count(signals.CH_RS, per_owner)
@@ -151,8 +151,8 @@ def reduce_slots(call: runtime.FusedCall, out: torch.Tensor, bias: Optional[torc
                                    signals.channel_offset(signals.CH_RS, w), signals.channel_offset(signals.CH_DONE, w),
                                    signals.channel_offset(signals.CH_AR, w), push_base if push else 0,
                                    WORLD=w, CHANNEL=signals.CH_RS, HAS_BIAS=bias is not None, PUSH=push,
-                                   USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                   num_warps=cfg.num_warps)
+                                   USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(out.dtype),
+                                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
     return heap.add_count(signals.CH_AR, grid[0]) if push else heap.counters.get(signals.CH_AR, 0)
 
 
