@@ -184,6 +184,39 @@ def shape_error_cases(rank: int, world: int) -> list[str]:
     return errors
 
 
+def expert_cases(rank: int, world: int) -> list[str]:
+    """is_expert with expert parallelism: Megatron's explicit expert communication, i.e. no TP
+    collective inside either linear (the MoE dispatcher communicates)."""
+    from autopar import ColumnParallelLinear, RowParallelLinear
+
+    errors: list[str] = []
+    cfg = _config(False, expert_model_parallel_size=2)
+    torch.manual_seed(rank)  # experts differ per rank; nothing may mix them
+    col = ColumnParallelLinear(K, N, config=cfg, init_method=torch.nn.init.normal_, is_expert=True)
+    row = RowParallelLinear(N, K, config=cfg, init_method=torch.nn.init.normal_, bias=True,
+                            input_is_parallel=True, skip_bias_add=True, is_expert=True)
+    if col.weight.allreduce or row.weight.allreduce:
+        errors.append("expert weights must carry allreduce=False (not reduced over data parallel)")
+    x = torch.randn(S, B, K, requires_grad=True)
+    h, _ = col(x)
+    y, y_bias = row(h)
+    want = torch.nn.functional.linear(torch.nn.functional.linear(x, col.weight, col.bias), row.weight)
+    if y_bias is not row.bias or not torch.allclose(y, want, rtol=1e-6, atol=1e-6):
+        errors.append("expert linears communicated or added the bias")
+    y.sum().backward()
+    gx = torch.ones(S, B, K) @ row.weight @ col.weight
+    if not torch.allclose(x.grad, gx, rtol=1e-5, atol=1e-5):
+        errors.append("expert column reduced its input gradient")
+    try:
+        RowParallelLinear(N, K, config=cfg, init_method=torch.nn.init.normal_, bias=True,
+                          input_is_parallel=True, skip_bias_add=False, is_expert=True)(h.detach())
+        errors.append("expert row without skip_bias_add accepted")
+    except RuntimeError as e:
+        if "skip_bias_add" not in str(e):
+            errors.append(f"unclear error: {e}")
+    return errors
+
+
 def _assert_no_errors(results: list[list[str]]) -> None:
     msgs = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
     assert not msgs, "\n".join(msgs)
@@ -200,6 +233,10 @@ def test_frozen_and_supplied_weights() -> None:
 
 def test_deferred_embedding_wgrad() -> None:
     _assert_no_errors(run_ranks(deferred_wgrad_cases, 2))
+
+
+def test_expert_layers_do_not_communicate() -> None:
+    _assert_no_errors(run_ranks(expert_cases, 2))
 
 
 def test_shape_errors() -> None:

@@ -106,6 +106,10 @@ def against_megatron(rank: int, world: int) -> list[str]:
                 if _param_attrs(getattr(theirs, name)) != _param_attrs(getattr(mine, name)):
                     errors.append(f"{tag}: {name} attributes {_param_attrs(getattr(mine, name))} != "
                                   f"Megatron's {_param_attrs(getattr(theirs, name))}")
+            if set(theirs.state_dict()) != set(mine.state_dict()):
+                errors.append(f"{tag}: state_dict keys {sorted(mine.state_dict())} != Megatron's "
+                              f"{sorted(theirs.state_dict())}")
+            mine.load_state_dict(theirs.state_dict())  # strict: Megatron checkpoints load as they are
             x, g = _inputs(kind, rank, world)
             a, b = _run(theirs, x, g), _run(mine, x, g)
             if a["grad_fn"] in OURS or b["grad_fn"] not in OURS:
