@@ -51,13 +51,17 @@ def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: i
     use_globaltimer = device.type == "cuda"
     # GPU spins read %globaltimer (ns); interpreter spins read the pad clock (ms).
     ticks = int(timeout * 1e9) if use_globaltimer else max(1, int(timeout * 1e3))
+    heap.arm_clock(True)
     return FusedCall(op, heap, heap.next_epoch(), timeout, ticks, use_globaltimer)
 
 
 def finish(call: FusedCall) -> None:
     """Tell every peer this rank is done with the call's heap regions, then raise if any wait timed out."""
-    signals.signal_all(call.heap, signals.CH_DONE, call.epoch)
-    check(call)
+    try:
+        signals.signal_all(call.heap, signals.CH_DONE, call.epoch)
+        check(call)
+    finally:
+        call.heap.arm_clock(False)
 
 
 def check(call: FusedCall) -> None:

@@ -67,6 +67,10 @@ class SymmetricHeap:
         self.counters[channel] = value
         return value
 
+    def arm_clock(self, on: bool) -> None:
+        """Keep the pad clock running (``on``) for the duration of a call; GPU kernels use
+        ``%globaltimer`` and need no clock, so this does nothing unless a backend overrides it."""
+
     def close(self) -> None:
         """Drop the mappings (backends release their resources in :meth:`_release`)."""
         if self.closed:

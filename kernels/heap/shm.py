@@ -9,9 +9,10 @@ Lifecycle of a segment (the name is unguessable, the file mode 0600):
    mappings, so a crashed or killed job leaks nothing in /dev/shm; the window between 1 and 4 is a
    few collective round trips.
 
-Under ``TRITON_INTERPRET=1`` the kernels read the spin timeout's clock from the signal pad: a daemon
-thread writes the milliseconds elapsed since the heap was created into word ``CLOCK_WORD`` of this
-rank's pad every few milliseconds (the interpreter has no timer instruction).
+Under ``TRITON_INTERPRET=1`` the kernels read the spin timeout's clock from the signal pad: while a
+fused call is in progress (:meth:`ShmHeap.arm_clock`), a daemon thread writes the milliseconds
+elapsed since the heap was created into word ``CLOCK_WORD`` of this rank's pad every 2 ms (the
+interpreter has no timer instruction). Between calls the thread sleeps.
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ def unlink_segment(name: str) -> None:
 
 
 class _Clock(threading.Thread):
-    """Writes elapsed milliseconds into one int64 word until stopped."""
+    """Writes elapsed milliseconds into one int64 word while armed, until stopped."""
 
     def __init__(self, address: int):
         super().__init__(name="coc-heap-clock", daemon=True)
         self._word = ctypes.c_int64.from_address(address)
         self._t0 = time.monotonic()
         self._stop_event = threading.Event()
+        self._armed = threading.Event()
         self.tick()
 
     def tick(self) -> None:
@@ -90,11 +92,23 @@ class _Clock(threading.Thread):
         self._word.value = int((time.monotonic() - self._t0) * 1000)
 
     def run(self) -> None:
-        while not self._stop_event.wait(_CLOCK_PERIOD_S):
+        while True:
+            self._armed.wait()
+            if self._stop_event.wait(_CLOCK_PERIOD_S):
+                return
             self.tick()
+
+    def arm(self, on: bool) -> None:
+        if on:
+            # Fresh before the first kernel of the call reads it.
+            self.tick()
+            self._armed.set()
+        else:
+            self._armed.clear()
 
     def stop(self) -> None:
         self._stop_event.set()
+        self._armed.set()
         self.join()
 
 
@@ -139,6 +153,9 @@ class ShmHeap(SymmetricHeap):
         self._finish([torch.frombuffer(m, dtype=torch.uint8) for m in maps])
         self._clock = _Clock(self._raw[self.rank].data_ptr() + data_bytes + 8 * CLOCK_WORD)
         self._clock.start()
+
+    def arm_clock(self, on: bool) -> None:
+        self._clock.arm(on)
 
     def _release(self) -> None:
         self._clock.stop()
