@@ -15,9 +15,9 @@ Schedules (S: bytes of the collective's full tensor, W ranks, p chunks):
 
 * sequential: ``g(m, k, n) + c(S)``.
 * chunked, compute-first (reduce-scatter, all-reduce): piece i's GEMM ``g(m/p, k, n)`` then its
-  async collective ``c(S/p)``; GEMM pieces that run beside a collective slow down by
-  ``chunked_gemm_slowdown``. Finish time by the two-stage pipeline recurrence
-  ``G_i = G_{i-1} + g_i``, ``C_i = max(C_{i-1}, G_i) + c_i``.
+  async collective ``c(S/p)``. Finish time by the two-stage pipeline recurrence
+  ``G_i = G_{i-1} + g_i``, ``C_i = max(C_{i-1}, G_i) + c_i``; a GEMM piece that overlaps a running
+  collective loses ``chunked_gemm_slowdown`` of the overlapped time.
 * chunked, comm-first (all-gather): ``C_i = C_{i-1} + c_i``, ``G_i = max(G_{i-1}, C_i) + g_i``.
 * fused all-gather GEMM: W chunks of rows, own rank's first (no wait); peer shard j arrives at
   ``signal + j * (S / W) / B``; each chunk costs ``g(m, k, n) / W`` (one persistent GEMM keeps the
@@ -233,21 +233,30 @@ def chunk_rows(m: int, p: int) -> list[int]:
 
 
 def pipeline_compute_first(g: list[float], c: list[float], slowdown: float) -> float:
+    """Finish time of GEMM pieces ``g`` each followed by its async collective ``c``.
+
+    ``slowdown``: fraction of the time a GEMM piece overlaps a running collective that it loses
+    (0: perfect overlap, 1: the two serialize)."""
     t_g = t_c = 0.0
-    for i, (gi, ci) in enumerate(zip(g, c)):
-        # Piece i's GEMM overlaps the collective of piece i-1 whenever that one is still running.
-        t_g += gi * (1 + slowdown) if (i > 0 and t_c > t_g) else gi
+    for gi, ci in zip(g, c):
+        overlap = min(gi, max(0.0, t_c - t_g))  # the previous piece's collective still running
+        t_g += gi + slowdown * overlap
         t_c = max(t_c, t_g) + ci
     return max(t_g, t_c)
 
 
 def pipeline_comm_first(g: list[float], c: list[float], slowdown: float) -> float:
+    """Finish time of collectives ``c`` (gathers) each followed by the GEMM piece ``g`` that needs it,
+    the next gather running beside the current GEMM piece."""
     t_g = t_c = 0.0
-    for i, (gi, ci) in enumerate(zip(g, c)):
+    ends = []
+    for ci in c:
         t_c += ci
-        start = max(t_g, t_c)
-        # Piece i's GEMM runs beside the gather of piece i+1, if there is one.
-        t_g = start + (gi * (1 + slowdown) if i + 1 < len(g) else gi)
+        ends.append(t_c)
+    for i, gi in enumerate(g):
+        start = max(t_g, ends[i])
+        overlap = min(gi, max(0.0, ends[i + 1] - start)) if i + 1 < len(g) else 0.0
+        t_g = start + gi + slowdown * overlap
     return t_g
 
 

@@ -279,9 +279,13 @@ def concurrent_call(case: Case, world: int, device: torch.device) -> Callable[[]
 
 
 def interference(t_gemm: float, t_comm: float, t_concurrent: float) -> float:
-    """GEMM slowdown while a collective runs beside it, from the three bare timings: the time lost
-    over the ideal max(t_gemm, t_comm), as a fraction of the part that overlapped."""
-    return max(0.0, (t_concurrent - max(t_gemm, t_comm)) / min(t_gemm, t_comm)) if min(t_gemm, t_comm) > 0 else 0.0
+    """Fraction of the overlapped time lost when a GEMM and a collective run side by side, from the
+    three bare timings: 0 when together they take max(t_gemm, t_comm), 1 when they serialize
+    (t_gemm + t_comm or worse; clamped, so timing noise cannot claim more than serializing)."""
+    shorter = min(t_gemm, t_comm)
+    if shorter <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (t_concurrent - max(t_gemm, t_comm)) / shorter))
 
 
 def derive(result: dict[str, Any], link: Optional[perf_model.LinkModel],

@@ -125,3 +125,19 @@ def test_gemm_times_prefers_measurements_then_scales_by_rows():
     with pytest.raises(KeyError):
         g(50, 9, 8)
     assert math.isclose(model.GemmTimes({}, lambda m, k, n: 7.0)(1, 2, 3), 7.0)
+
+
+def test_full_interference_serializes_the_pipeline():
+    assert pipeline_compute_first([1, 1], [1, 1], 1.0) == pytest.approx(4.0)
+    assert pipeline_comm_first([1, 1], [1, 1], 1.0) == pytest.approx(4.0)
+
+
+def test_interference_from_bare_timings_is_clamped_to_0_1():
+    from bench.runner import interference
+
+    assert interference(10.0, 5.0, 10.0) == 0.0  # the collective hid entirely
+    assert interference(10.0, 5.0, 12.5) == pytest.approx(0.5)
+    assert interference(10.0, 5.0, 15.0) == pytest.approx(1.0)  # serialized
+    assert interference(10.0, 5.0, 40.0) == 1.0  # noise cannot claim more than serializing
+    assert interference(10.0, 5.0, 8.0) == 0.0
+    assert interference(10.0, 0.0, 12.0) == 0.0
