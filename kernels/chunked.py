@@ -22,9 +22,8 @@ from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from . import comm
+from . import comm, soc
 
 _COMM_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
 
@@ -87,14 +86,14 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         bufs.append(buf)
     if len(pieces) == 1:
         works[0].wait()
-        y = F.linear(bufs[0], weight, bias)
+        y = soc.linear(bufs[0], weight, bias)
         return (y, bufs[0]) if return_gathered else y
     # Piece i holds rows [start, stop) of every rank: rank r's rows land at r * m_local + start.
     y = x.new_empty((world, m_local, n))
     x_gathered = x.new_empty((world, m_local, k)) if return_gathered else None
     for (start, stop), buf, work in zip(pieces, bufs, works):
         work.wait()
-        y[:, start:stop] = F.linear(buf, weight, bias).view(world, stop - start, n)
+        y[:, start:stop] = soc.linear(buf, weight, bias).view(world, stop - start, n)
         if x_gathered is not None:
             x_gathered[:, start:stop] = buf.view(world, stop - start, k)
     y = y.view(world * m_local, n)
@@ -117,7 +116,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     issuer = _CommIssuer(x.device)
     pending = []
     for start, stop in split_rows(rows, parallel_num):
-        partial = F.linear(x_blocks[:, start:stop], weight).view(world * (stop - start), n)
+        partial = soc.linear(x_blocks[:, start:stop], weight).view(world * (stop - start), n)
         if deterministic:
             parts = partial.new_empty((world, stop - start, n))
             work = issuer.launch(lambda o=parts, p=partial: comm.all_to_all(o, p, group, async_op=True),
@@ -148,7 +147,7 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     works = []
     for start, stop in split_rows(m, parallel_num):
         piece = out[start:stop]
-        torch.mm(x[start:stop], weight.t(), out=piece)
+        soc.linear(x[start:stop], weight, out=piece)
         works.append(issuer.launch(lambda p=piece: comm.all_reduce(p, group, async_op=True), piece))
     for work in works:
         work.wait()
@@ -168,7 +167,7 @@ def _fixed_order_all_reduce_pieces(x: torch.Tensor, weight: torch.Tensor, bias: 
     exchanges = []
     for start, stop in split_rows(x.shape[0], parallel_num):
         block = -(-(stop - start) // world)
-        padded = comm.pad_rows(F.linear(x[start:stop], weight), block * world)
+        padded = comm.pad_rows(soc.linear(x[start:stop], weight), block * world)
         parts = padded.new_empty((world, block, n))
         work = issuer.launch(lambda o=parts, p=padded: comm.all_to_all(o, p, group, async_op=True),
                              parts, padded)

@@ -10,9 +10,8 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from . import comm
+from . import comm, soc
 
 
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -28,7 +27,7 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     else:
         x_gathered = x.new_empty((world * x.shape[0], x.shape[1]))
         comm.all_gather(x_gathered, x.contiguous(), group)
-    y = F.linear(x_gathered, weight, bias)
+    y = soc.linear(x_gathered, weight, bias)
     return (y, x_gathered) if return_gathered else y
 
 
@@ -40,7 +39,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
         partial = x @ weight.T                       # [m, n] on every rank
         y = reduce_scatter_dim0(partial) + bias      # [m / W, n]; rank order sum if deterministic
     """
-    partial = F.linear(x, weight)
+    partial = soc.linear(x, weight)
     if world > 1:
         rows = partial.shape[0] // world
         if deterministic:
@@ -80,7 +79,7 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         partial = x @ weight.T                       # [m, n] on every rank
         y = all_reduce(partial) + bias               # [m, n]; rank order sum if deterministic
     """
-    partial = F.linear(x, weight)
+    partial = soc.linear(x, weight)
     if world > 1:
         if deterministic:
             partial = fixed_order_all_reduce(partial, group, world)

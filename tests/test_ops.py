@@ -110,3 +110,27 @@ def test_op_matches_torch_nccl(op, backend):
         pytest.skip("NCCL needs one GPU per rank; fewer than 2 GPUs")
     for parallel_num in PARALLEL_NUMS:
         run_ranks(CHECKS[op], world, backend, parallel_num, backend="nccl")
+
+
+def _ops_with_soc_padding(rank, world, yaml_path):
+    """matmul_soc_friendly active (as on CUDA) through every op and backend: results unchanged."""
+    import os
+
+    from kernels import soc
+
+    os.environ["COC_CONFIG"] = yaml_path
+    saved = soc._enabled
+    soc._enabled = lambda x, force: True
+    try:
+        for backend, pn in [("sequential", 1), ("chunked", 2), ("chunked", 4)]:
+            for check in CHECKS.values():
+                check(rank, world, backend, pn)
+    finally:
+        soc._enabled = saved
+        os.environ.pop("COC_CONFIG")
+
+
+def test_ops_with_soc_friendly_padding(tmp_path):
+    path = tmp_path / "soc.yaml"
+    path.write_text(f"k_min: 1\nk_max: {K_LOCAL}\n")  # k = 12 and n = 10 both get padded
+    run_ranks(_ops_with_soc_padding, 2, str(path))
