@@ -41,6 +41,18 @@ _RULE_CACHE: dict[tuple, RuleResult] = {}
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}
 
 
+_PIDS: dict[tuple, int] = {}
+
+
+def _pid(placements: tuple) -> int:
+    """A small int naming a placements tuple: rule keys and comparisons then avoid hashing and
+    comparing Placement objects (Python-level __hash__/__eq__) on every op."""
+    pid = _PIDS.get(placements)
+    if pid is None:
+        pid = _PIDS[placements] = len(_PIDS)
+    return pid
+
+
 def _empty(dtype: torch.dtype) -> torch.Tensor:
     t = _EMPTY.get(dtype)
     if t is None:
@@ -64,14 +76,15 @@ class _Node:
 class DistTensor:
     """A distributed tensor: ``to_local()`` is this rank's piece of a ``shape``-sized global tensor."""
 
-    __slots__ = ("_local", "_mesh", "_placements", "_shape", "_dtype", "_requires_grad", "_node",
-                 "_grad", "_init")
+    __slots__ = ("_local", "_mesh", "_placements", "_pid", "_shape", "_dtype", "_requires_grad",
+                 "_node", "_grad", "_init")
 
     def __init__(self, local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape: torch.Size,
-                 dtype: torch.dtype, init: bool = True):
+                 dtype: torch.dtype, init: bool = True, pid: Optional[int] = None):
         self._local = local
         self._mesh = mesh
         self._placements = placements
+        self._pid = _pid(placements) if pid is None else pid
         self._shape = shape
         self._dtype = dtype
         self._requires_grad = False
@@ -192,7 +205,7 @@ class DistTensor:
 
     def detach(self) -> "DistTensor":
         return DistTensor(self._local, self._mesh, self._placements, self._shape, self._dtype,
-                          self._init)
+                          self._init, self._pid)
 
     def backward(self, gradient: Optional["DistTensor"] = None, retain_graph: bool = False) -> None:
         _run_backward(self, gradient, retain_graph)
@@ -300,8 +313,8 @@ def shard_tensor(data: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Pla
 
 def _as_dist(x: Any, mesh: ProcessMesh) -> DistTensor:
     """A plain tensor mixed into a DistTensor op is the same value on every rank: Replicate."""
-    if isinstance(x, DistTensor):
-        if x._mesh != mesh:
+    if type(x) is DistTensor:
+        if x._mesh is not mesh and x._mesh != mesh:
             raise ValueError(f"operands live on different meshes ({x._mesh} and {mesh}); move one "
                              f"with autopar.reshard(t, mesh, placements) first")
         return x
@@ -323,27 +336,35 @@ def _convert(x: DistTensor, placements: tuple) -> DistTensor:
 def _apply(key: tuple, rule: Callable[[], RuleResult], local_fn: Callable, inputs: list[DistTensor],
            out_dtype: Optional[torch.dtype] = None) -> DistTensor:
     """Run one op: cached rule, reshard inputs, local op (or clip), record the autograd node."""
-    res = _RULE_CACHE.get(key)
-    if res is None:
-        res = _RULE_CACHE[key] = rule()
+    entry = _RULE_CACHE.get(key)
+    if entry is None:
+        res = rule()
+        entry = _RULE_CACHE[key] = (res, tuple(_pid(p) for p in res.in_placements),
+                                    _pid(res.out_placements))
+    res, in_pids, out_pid = entry
     mesh = inputs[0]._mesh
-    ins = [x if x._placements == p else _reshard_same_mesh(x, p)
-           for x, p in zip(inputs, res.in_placements)]
-    needs_grad = torch.is_grad_enabled() and any(x._requires_grad for x in ins)
+    needs_grad = False
+    for i, x in enumerate(inputs):
+        if x._pid != in_pids[i]:
+            x = inputs[i] = _reshard_same_mesh(x, res.in_placements[i])
+        if x._requires_grad:
+            needs_grad = True
+    needs_grad = needs_grad and torch.is_grad_enabled()
     if mesh._coord is None:
-        dtype = out_dtype or _promote(ins)
-        out = DistTensor(_empty(dtype), mesh, res.out_placements, res.out_shape, dtype, False)
+        dtype = out_dtype or _promote(inputs)
+        out = DistTensor(_empty(dtype), mesh, res.out_placements, res.out_shape, dtype, False, out_pid)
         if needs_grad:
-            _record(out, ins, None, None, res)
+            _record(out, inputs, None, None, res)
         return out
     if not needs_grad:
-        local = local_fn(*[x._local for x in ins])
-        return DistTensor(local, mesh, res.out_placements, res.out_shape, local.dtype)
-    leaves = [x._local.detach().requires_grad_() if x._requires_grad else x._local for x in ins]
+        local = local_fn(*[x._local for x in inputs])
+        return DistTensor(local, mesh, res.out_placements, res.out_shape, local.dtype, True, out_pid)
+    leaves = [x._local.detach().requires_grad_() if x._requires_grad else x._local for x in inputs]
     with torch.enable_grad():
         local = local_fn(*leaves)
-    out = DistTensor(local.detach(), mesh, res.out_placements, res.out_shape, local.dtype)
-    _record(out, ins, leaves, local, res)
+    out = DistTensor(local.detach(), mesh, res.out_placements, res.out_shape, local.dtype, True,
+                     out_pid)
+    _record(out, inputs, leaves, local, res)
     return out
 
 
@@ -573,9 +594,10 @@ def _mesh_of(*xs) -> ProcessMesh:
 
 
 def matmul(a, b) -> DistTensor:
-    mesh = _mesh_of(a, b)
-    a, b = _as_dist(a, mesh), _as_dist(b, mesh)
-    key = ("matmul", a._shape, b._shape, a._placements, b._placements)
+    if type(a) is not DistTensor or type(b) is not DistTensor or a._mesh is not b._mesh:
+        mesh = _mesh_of(a, b)
+        a, b = _as_dist(a, mesh), _as_dist(b, mesh)
+    key = ("matmul", a._shape, b._shape, a._pid, b._pid)
 
     def rule() -> RuleResult:
         labels, out, forbidden = matmul_labels(a._shape, b._shape)
@@ -589,7 +611,7 @@ def linear(x, weight, bias=None) -> DistTensor:
     """``F.linear``: ``x @ weight.T`` (einsum ``...k,nk->...n``), then ``+ bias`` by the add rule."""
     mesh = _mesh_of(x, weight, bias)
     x, w = _as_dist(x, mesh), _as_dist(weight, mesh)
-    key = ("linear", x._shape, w._shape, x._placements, w._placements)
+    key = ("linear", x._shape, w._shape, x._pid, w._pid)
 
     def rule() -> RuleResult:
         if x.ndim < 1 or w.ndim != 2:
@@ -607,7 +629,10 @@ _BINARY_FNS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
 
 
 def _binary(op: str, a, b) -> DistTensor:
-    a_dt, b_dt = isinstance(a, DistTensor), isinstance(b, DistTensor)
+    a_dt, b_dt = type(a) is DistTensor, type(b) is DistTensor
+    if a_dt and b_dt and a._mesh is b._mesh:
+        return _apply((op, a._shape, b._shape, a._pid, b._pid), _binary_rule(op, a, b),
+                      _BINARY_FNS[op], [a, b])
     if not (a_dt and b_dt) and isinstance(a if not a_dt else b, (int, float, bool)):
         scalar = b if a_dt else a
         x = a if a_dt else b
@@ -616,7 +641,11 @@ def _binary(op: str, a, b) -> DistTensor:
         return _scalar_op(op, x, scalar, a_dt)
     mesh = _mesh_of(a, b)
     a, b = _as_dist(a, mesh), _as_dist(b, mesh)
-    key = (op, a._shape, b._shape, a._placements, b._placements)
+    return _apply((op, a._shape, b._shape, a._pid, b._pid), _binary_rule(op, a, b),
+                  _BINARY_FNS[op], [a, b])
+
+
+def _binary_rule(op: str, a: DistTensor, b: DistTensor) -> Callable[[], RuleResult]:
     kind = "add" if op in ("add", "sub") else ("linear" if op == "mul" else "nonlinear")
 
     def rule() -> RuleResult:
@@ -624,7 +653,7 @@ def _binary(op: str, a, b) -> DistTensor:
         return einsum_rule(labels, out, [a._shape, b._shape], [a._placements, b._placements], kind,
                            forbidden)
 
-    return _apply(key, rule, _BINARY_FNS[op], [a, b])
+    return rule
 
 
 def _elementwise_rule(x: DistTensor, kind: str, forbidden_dims: Sequence[int] = ()) -> Callable:
@@ -637,28 +666,29 @@ def _elementwise_rule(x: DistTensor, kind: str, forbidden_dims: Sequence[int] = 
 
 
 def _scale(x: DistTensor, c: float) -> DistTensor:
-    key = ("scale", x._shape, x._placements)
+    key = ("scale", x._shape, x._pid)
     return _apply(key, _elementwise_rule(x, "linear"), lambda t: t * c, [x])
 
 
 def _scalar_op(op: str, x: DistTensor, c: float, x_first: bool) -> DistTensor:
-    key = ("scalar_" + op, x._shape, x._placements)
+    key = ("scalar_" + op, x._shape, x._pid)
     fn = _BINARY_FNS[op]
     local_fn = (lambda t: fn(t, c)) if x_first else (lambda t: fn(c, t))
     return _apply(key, _elementwise_rule(x, "nonlinear"), local_fn, [x])
 
 
 def _unary(op: str, x: DistTensor, approximate: str = "none") -> DistTensor:
-    if not isinstance(x, DistTensor):
+    if type(x) is not DistTensor:
         raise TypeError(f"{op}: expected a DistTensor, got {type(x).__name__}")
-    key = (op, x._shape, x._placements)
-    local_fn = torch.relu if op == "relu" else (lambda t: F.gelu(t, approximate=approximate))
+    key = (op, x._shape, x._pid, approximate)
+    local_fn = torch.relu if op == "relu" else (
+        F.gelu if approximate == "none" else (lambda t: F.gelu(t, approximate=approximate)))
     return _apply(key, _elementwise_rule(x, "nonlinear"), local_fn, [x])
 
 
 def softmax(x: DistTensor, dim: int, _stacklevel: int = 3, dtype=None) -> DistTensor:
     d = dim % x.ndim
-    key = ("softmax", x._shape, x._placements, d)
+    key = ("softmax", x._shape, x._pid, d)
     return _apply(key, _elementwise_rule(x, "nonlinear", [d]), lambda t: torch.softmax(t, d), [x])
 
 
@@ -673,7 +703,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -
     ops = [x] + [_as_dist(t, mesh) for t in (weight, bias) if t is not None]
     has_w, has_b = weight is not None, bias is not None
     key = ("layer_norm", normalized_shape, has_w, has_b, eps) + \
-        tuple(t._shape for t in ops) + tuple(t._placements for t in ops)
+        tuple(t._shape for t in ops) + tuple(t._pid for t in ops)
 
     def rule() -> RuleResult:
         lab = "abcdefghijklmnop"[:x.ndim]
@@ -694,7 +724,7 @@ def _reduce(op: str, x: DistTensor, dim, keepdim: bool) -> DistTensor:
         dims = tuple(range(x.ndim))
     else:
         dims = tuple(sorted(d % x.ndim for d in ((dim,) if isinstance(dim, int) else dim)))
-    key = (op, x._shape, x._placements, dims, keepdim)
+    key = (op, x._shape, x._pid, dims, keepdim)
 
     def rule() -> RuleResult:
         lab, out = reduction_labels(x.ndim, dims)
