@@ -46,25 +46,29 @@ def resolve(op: str, backend: Optional[str], parallel_num: Optional[int], x: tor
             ) -> tuple[str, int]:
     """``(backend, parallel_num)`` to run ``op`` with; ``x`` is the 2-D input as the op sees it."""
     config = get_config()
-    if backend is None:
-        backend = "fused" if config.use_fused else None
-    num: Union[int, str, None] = parallel_num
-    if num is None:
-        num = config.parallel_num_for(x.shape[0], x.shape[1], weight.shape[0])
+    if backend == "sequential":
+        return backend, 1
+    if backend is None and config.use_fused:
+        backend = "fused"
+    if backend == "fused":
+        reason = _fused_unavailable(group, x.device)
+        if reason is None:
+            return backend, 1
+        _warn_fallback(op, reason)
+        backend = "chunked"
+    num: Union[int, str] = parallel_num if parallel_num is not None else config.parallel_num_for(
+        x.shape[0], x.shape[1], weight.shape[0])
     if num == "auto":
         from .tune import choose_parallel_num
 
-        num = choose_parallel_num(op, x, weight, group, world, allow_fused=backend in (None, "fused"))
+        # Fused is a candidate only when nothing forced a backend (an unavailable fused request
+        # has become "chunked" above).
+        num = choose_parallel_num(op, x, weight, group, world, allow_fused=backend is None)
         if num == "fused":
             return "fused", 1
     assert isinstance(num, int)
     if backend is None:
         backend = "chunked" if num > 1 else "sequential"
-    if backend == "fused":
-        reason = _fused_unavailable(group, x.device)
-        if reason is not None:
-            _warn_fallback(op, reason)
-            backend = "chunked"
     return backend, num
 
 

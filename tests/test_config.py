@@ -120,7 +120,7 @@ def test_backend_choice_order(tmp_path, monkeypatch):
     monkeypatch.setenv("COC_PARALLEL_NUM", "4")
     assert _resolve() == ("chunked", 4)
     assert _resolve(parallel_num=1) == ("sequential", 1)  # an explicit argument wins
-    assert _resolve(backend="sequential") == ("sequential", 4)
+    assert _resolve(backend="sequential") == ("sequential", 1)
     path = tmp_path / "c.yaml"
     path.write_text("customized_coc:\n  '[8, 16, 32]': 2\n  '[9, 16, 32]': 1\n")
     monkeypatch.setenv("COC_CONFIG", str(path))
@@ -141,4 +141,4 @@ def test_fused_env_wins_and_falls_back_with_one_warning(monkeypatch):
         warnings.simplefilter("error")
         assert _resolve() == ("chunked", 2)  # warned once only
     monkeypatch.setattr(dispatch, "_fused_unavailable", lambda group, device: None)
-    assert _resolve() == ("fused", 2)
+    assert _resolve() == ("fused", 1)
