@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list from json,csv,png (png needs matplotlib; skipped with a message otherwise)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a world size's run is killed")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="statistic of the repeats behind speedup, overlap, TFLOP/s and the model comparison "
+                        "(default median; min = least disturbed repeat, for machines shared with other work); "
+                        "the reports keep median, p20, p80, min and max either way")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allow-cpu", action="store_true",
                    help="run --mode single on CPU anyway (tests the code path; the Triton kernels then run in "
@@ -268,7 +272,7 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
     opts = RunOptions(backends=backends, warmup=_count(args.warmup, defaults["warmup"], device_type, 2, 10),
                       repeats=_count(args.repeats, defaults["repeats"], device_type, 7, 50), seed=args.seed,
                       progress=not args.no_progress, calibrate=args.calibrate, gpu_generation=gen,
-                      model=not args.no_model)
+                      model=not args.no_model, stat=args.stat)
     worlds = sorted({c.world for c in cases})
     results = []
     if torchrun:
@@ -299,7 +303,8 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
             f"{b} {s['median_abs_rel_err']:.0%} (max {s['max_abs_rel_err']:.0%}, {s['cases']} cases)"
             for b, s in sorted(summary.items())))
     meta = report.metadata(device_type, sys.argv, {
-        "mode": "run", "suites": args.suite or ["tiny"], "backends": backends, "warmup": opts.warmup,
+        "mode": "run", "suites": args.suite or ["tiny"], "backends": backends, "stat": opts.stat,
+        "warmup": opts.warmup,
         "repeats": opts.repeats, "world_sizes": worlds, "torchrun": torchrun})
     doc = {"meta": meta, "records": records, "skipped": skipped,
            "model": {"note": report.MODEL_NOTE, "link_models": link_models, "summary": summary,

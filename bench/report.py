@@ -72,7 +72,8 @@ def _fmt(v: Optional[float], spec: str) -> str:
 
 def table(records: list[dict[str, Any]], model_label: Optional[str]) -> str:
     """One line per (case, backend): measured figures, then the model's prediction."""
-    head = ["case", "backend", "status", "ms (med)", "spread", "TFLOP/s", "speedup", "overlap",
+    stat = records[0].get("stat", "median") if records else "median"
+    head = ["case", "backend", "status", f"ms ({stat})", "spread", "TFLOP/s", "speedup", "overlap",
             "gemm ms", "comm ms", "busbw GB/s"]
     if model_label:
         head += ["model ms", "model err"]
@@ -82,12 +83,12 @@ def table(records: list[dict[str, Any]], model_label: Optional[str]) -> str:
         for i, b in enumerate(rec["backends"]):
             status = b["status"] + ("*" if b.get("fallback") else "") + ("(i)" if b.get("interpreted") else "")
             ms = b.get("ms", {})
-            row = [label if i == 0 else "", b["backend"], status, _fmt(ms.get("median"), ".3f"),
+            row = [label if i == 0 else "", b["backend"], status, _fmt(ms.get(stat), ".3f"),
                    _fmt(ms.get("spread"), ".1%") if ms else "-", _fmt(b.get("tflops"), ".3g"),
                    _fmt(b.get("speedup"), ".2f") + ("x" if b.get("speedup") else ""),
                    _fmt(b.get("overlap_eff"), ".0%") if b["backend"] != "sequential" else "",
-                   _fmt(rec["gemm_ms"]["median"], ".3f") if i == 0 else "",
-                   _fmt(rec["comm_ms"]["median"] if rec["comm_ms"] else None, ".3f") if i == 0 else "",
+                   _fmt(rec["gemm_ms"][stat], ".3f") if i == 0 else "",
+                   _fmt(rec["comm_ms"][stat] if rec["comm_ms"] else None, ".3f") if i == 0 else "",
                    _fmt(rec["comm_busbw_GBps"], ".3g") if i == 0 else ""]
             if model_label:
                 row += [_fmt(b.get("model_ms"), ".3f"), _fmt(b.get("model_rel_err"), "+.0%")]
@@ -109,8 +110,8 @@ def table(records: list[dict[str, Any]], model_label: Optional[str]) -> str:
     if model_label:
         notes.append(f"{MODEL_NOTE} ({model_label}); model err = (model - measured) / measured")
     notes.append("overlap = (t_gemm + t_comm - t_op) / min(t_gemm, t_comm), from the bare GEMM and bare "
-                 "collective timed alone; speedup = t_sequential / t_op; times are medians over repeats, "
-                 "max over ranks; spread = (p80 - p20) / median")
+                 "collective timed alone; speedup = t_sequential / t_op; times are the " + stat + " over repeats "
+                 "(each repeat the max over ranks); spread = (p80 - p20) / median")
     return "\n".join(out + [""] + notes)
 
 
@@ -130,11 +131,12 @@ def model_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
 def flat_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for rec in records:
-        base = {"suite": rec["suite"], "layer": rec["layer"], "op": rec["op"], "tokens": rec["tokens"],
+        stat = rec.get("stat", "median")
+        base = {"stat": stat, "suite": rec["suite"], "layer": rec["layer"], "op": rec["op"], "tokens": rec["tokens"],
                 "k": rec["k"], "n": rec["n"], "world": rec["world"], "dtype": rec["dtype"],
                 "gemm_m": rec["gemm_shape"][0], "gemm_k": rec["gemm_shape"][1], "gemm_n": rec["gemm_shape"][2],
-                "gemm_ms": rec["gemm_ms"]["median"], "gemm_tflops": rec["gemm_tflops"],
-                "comm_ms": rec["comm_ms"]["median"] if rec["comm_ms"] else None,
+                "gemm_ms": rec["gemm_ms"][stat], "gemm_tflops": rec["gemm_tflops"],
+                "comm_ms": rec["comm_ms"][stat] if rec["comm_ms"] else None,
                 "comm_bytes": rec["comm_bytes"], "comm_busbw_GBps": rec["comm_busbw_GBps"]}
         for b in rec["backends"]:
             ms = b.get("ms", {})

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -44,7 +44,7 @@ class RunOptions:
     calibrate: bool = False
     gpu_generation: Optional[str] = None  # links.yaml generation for the model on GPUs
     model: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    stat: str = "median"  # statistic of the repeats behind every derived figure: "median" or "min"
 
 
 class Progress:
@@ -154,7 +154,7 @@ def calibration_samples(timer: Timer, world: int, device: torch.device, cases: l
                          for i in range(5)})
         for elems in points:
             stats = timer.run(comm_call(coll, elems, 64, world, dtype, device), opts.warmup, opts.repeats)
-            samples.append((coll, world, float(elems * DTYPE_BYTES[dtype]), stats.median))
+            samples.append((coll, world, float(elems * DTYPE_BYTES[dtype]), stats.pick(opts.stat)))
     return samples
 
 
@@ -288,48 +288,46 @@ def interference(t_gemm: float, t_comm: float, t_concurrent: float) -> float:
     return min(1.0, max(0.0, (t_concurrent - max(t_gemm, t_comm)) / shorter))
 
 
-def derive(result: dict[str, Any], link: Optional[perf_model.LinkModel],
-           fallback_gemm: Optional[perf_model.GemmFn]) -> dict[str, Any]:
-    """Figures of one case from its timings (rank 0); model predictions when a link model is given."""
+def derive(result: dict[str, Any], link: Optional[perf_model.LinkModel], stat: str = "median") -> dict[str, Any]:
+    """Figures of one case from its timings (rank 0); model predictions when a link model is given.
+
+    ``stat`` ("median" or "min") is the statistic of the repeats that every derived figure uses."""
     case: Case = result["case"]
-    m, k, n = case.gemm_shape
-    t_gemm: Stats = result["gemm"][(m, k, n)]
+    t_gemm: Stats = result["gemm"][case.gemm_shape]
     t_comm: Optional[Stats] = result["comm"]
+    g = t_gemm.pick(stat)
+    c = t_comm.pick(stat) if t_comm is not None else None
     comm_bytes = case.comm_elems * DTYPE_BYTES[case.dtype]
-    factor = perf_model.bus_factor(case.collective, case.world)
     out: dict[str, Any] = {
-        **case.to_dict(), "label": case.label,
-        "gemm_ms": t_gemm.to_ms(), "gemm_tflops": case.flops / t_gemm.median / 1e12,
+        **case.to_dict(), "label": case.label, "stat": stat,
+        "gemm_ms": t_gemm.to_ms(), "gemm_tflops": case.flops / g / 1e12,
         "comm_ms": t_comm.to_ms() if t_comm else None, "comm_bytes": comm_bytes,
-        "comm_busbw_GBps": (factor * comm_bytes / t_comm.median / 1e9) if t_comm else None,
+        "comm_busbw_GBps": perf_model.bus_factor(case.collective, case.world) * comm_bytes / c / 1e9 if c else None,
         "backends": [],
     }
-    gemm_fn = perf_model.GemmTimes({s: st.median for s, st in result["gemm"].items()}, fallback_gemm)
+    gemm_fn = perf_model.GemmTimes({shape: st.pick(stat) for shape, st in result["gemm"].items()})
     concurrent: Optional[Stats] = result.get("concurrent")
-    if concurrent is not None and link is not None and t_comm is not None:
-        slowdown = interference(t_gemm.median, t_comm.median, concurrent.median)
+    if concurrent is not None and link is not None and c is not None:
+        slowdown = interference(g, c, concurrent.pick(stat))
         out["concurrent_ms"] = concurrent.to_ms()
         out["model_gemm_slowdown"] = slowdown
         link = dataclasses.replace(link, chunked_gemm_slowdown=slowdown, fused_gemm_slowdown=slowdown)
-    seq = next((r for r in result["backends"] if r["backend"] == "sequential" and "time" in r), None)
+    seq = next((r["time"].pick(stat) for r in result["backends"] if r["backend"] == "sequential" and "time" in r),
+               None)
     for r in result["backends"]:
-        row = {k: v for k, v in r.items() if k != "time"}
-        if "time" in r:
-            t: Stats = r["time"]
-            row["ms"] = t.to_ms()
-        if "time" in r and not r.get("interpreted"):
-            row["tflops"] = case.flops / t.median / 1e12
-            row["speedup"] = seq["time"].median / t.median if seq else None
-            if t_comm is not None and min(t_gemm.median, t_comm.median) > 0:
-                row["overlap_eff"] = (t_gemm.median + t_comm.median - t.median) / min(t_gemm.median, t_comm.median)
-            else:
-                row["overlap_eff"] = None
+        row = {key: v for key, v in r.items() if key != "time"}
+        t = r["time"].pick(stat) if "time" in r else None
+        if t is not None:
+            row["ms"] = r["time"].to_ms()
+            row["tflops"] = case.flops / t / 1e12
+            row["speedup"] = seq / t if seq else None
+            row["overlap_eff"] = (g + c - t) / min(g, c) if c else None
         if link is not None:
             pred = perf_model.predict(case.op, r["backend"], case.world, case.gemm_shape, case.comm_elems,
                                       case.dtype, gemm_fn, link)
             row["model_ms"] = pred * 1e3 if pred is not None else None
-            if pred is not None and "time" in r:
-                row["model_rel_err"] = (pred - r["time"].median) / r["time"].median
+            if pred is not None and t is not None:
+                row["model_rel_err"] = (pred - t) / t
         out["backends"].append(row)
     return out
 
@@ -357,7 +355,7 @@ def run_world(rank: int, world: int, device: torch.device, cases: list[Case], op
         progress.step(case.label)
     if rank != 0:
         return {}
-    records = [derive(r, link, None) for r in results]
+    records = [derive(r, link, opts.stat) for r in results]
     return {"world": world, "records": records,
             "link_model": link.describe() if link is not None else None,
             "calibration_samples": [{"collective": c, "world": w, "bytes": b, "seconds": s}

@@ -38,6 +38,12 @@ class Stats:
         s = sorted(samples)
         return cls(statistics.median(s), _quantile(s, 0.2), _quantile(s, 0.8), s[0], s[-1], len(s))
 
+    def pick(self, stat: str) -> float:
+        """The median, or the minimum (the least disturbed repeat, for machines shared with other work)."""
+        if stat not in ("median", "min"):
+            raise ValueError(f"stat must be 'median' or 'min', got {stat!r}")
+        return self.median if stat == "median" else self.min
+
     @property
     def spread(self) -> float:
         """(p80 - p20) / median: the relative width of the middle 60 %."""
