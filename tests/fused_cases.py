@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 OPS = ("ag", "ag_v2", "rs", "ar_one", "ar_two")
+STRAGGLER_S = 0.25
 
 
 def make_inputs(op: str, world: int, m_local: int, k: int, n: int, bias: bool, seed: int,
@@ -128,6 +129,9 @@ def check_case(rank: int, world: int, op: str, m_local: int, k: int, n: int, bia
     xs, ws, b = make_inputs(op, world, m_local, k, n, bias, seed, noncontig, dtype, str(device))
     what = f"{op} W={world} m_local={m_local} k={k} n={n} bias={bias} noncontig={noncontig} rank={rank}"
     scramble(group, device)
+    if rank == seed % world:
+        # A straggler: without its waits a peer would read this rank's stale (scrambled) data.
+        time.sleep(STRAGGLER_S)
     got = run_op(op, xs[rank], ws[rank], b, group)
     assert_close(what, got, reference(op, xs, ws, b, rank), dtype)
 
