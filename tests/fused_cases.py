@@ -272,3 +272,18 @@ def public_api_body(rank: int, world: int) -> int:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k)
             checked += 1
     return checked
+
+
+def reasons_body(rank: int, world: int) -> list[Optional[str]]:
+    """unavailable_reason on: the default group (CPU), a device without a heap backend, and a group
+    whose ranks claim different host names (as on a multi-node job)."""
+    import socket
+    from unittest import mock
+
+    from kernels import fused
+
+    ok = fused.unavailable_reason(None, torch.device("cpu"))
+    meta = fused.unavailable_reason(dist.new_group(list(range(world))), torch.device("meta"))
+    with mock.patch.object(socket, "gethostname", return_value=f"node{rank}"):
+        hosts = fused.unavailable_reason(dist.new_group(list(range(world))), torch.device("cpu"))
+    return [ok, meta, hosts]

@@ -46,12 +46,13 @@ def test_gemm_core_matches_torch():
     assert matmul(torch.empty(0, 4), torch.empty(3, 4)).shape == (0, 3)
 
 
-def test_unavailable_reason_cpu_needs_interpreter():
-    # The test process runs with TRITON_INTERPRET=1 (conftest), so only the wording of the
-    # interpreter check is covered here; groups are covered in the rank bodies.
-    from kernels.fused import runtime
-
-    assert runtime.triton_interpreted()
+def test_unavailable_reason_names_why():
+    results = run_ranks(fused_cases.reasons_body, 2)
+    for ok, meta, hosts in results:
+        assert ok is None
+        assert "meta" in meta
+        assert "spans 2 hosts" in hosts and "node0" in hosts and "node1" in hosts
+    assert results[0] == results[1]  # every rank decides the same, so all pick the same backend
 
 
 @pytest.mark.gpu
