@@ -21,6 +21,7 @@ only attributes that Megatron's own modules also have, which is what lets
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from dataclasses import dataclass
@@ -52,6 +53,10 @@ __all__ = [
 ]
 
 Group = Optional[dist.ProcessGroup]
+
+# As Megatron: the backward runs under the autocast state of the forward.
+_custom_fwd = functools.partial(torch.amp.custom_fwd, device_type="cuda")
+_custom_bwd = functools.partial(torch.amp.custom_bwd, device_type="cuda")
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,6 +209,19 @@ def _weight_grad(weight: torch.Tensor, main_grad: Optional[torch.Tensor], opts: 
     return None
 
 
+def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
+    """Operands in the autocast dtype when autocast is on for their device.
+
+    A plain ``torch.matmul`` would be autocast by torch; the kernels ops check that x, weight and
+    bias share one dtype, so the cast that autocast would apply to the GEMM is made explicit.
+    """
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    return (x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -237,10 +255,14 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @_custom_fwd
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 group: Group, allreduce_dgrad: bool, coc_in_backward: bool,
                 wgrad_opts: _WgradOptions) -> torch.Tensor:
+        # The parameter itself: main_grad and Megatron's DDP flags live on it, not on a cast copy.
+        ctx.weight_param = weight
         ctx.main_grad = _main_grad_for(weight, wgrad_opts)
+        x, weight, bias = _autocast(x, weight, bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.group = group
@@ -250,6 +272,7 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
+    @_custom_bwd
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -266,7 +289,7 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         grad_w = None
         if need_w:
             deferred = _defer_wgrad(grad_y, ctx.wgrad_opts)
-            grad_w = _weight_grad(weight, ctx.main_grad, ctx.wgrad_opts,
+            grad_w = _weight_grad(ctx.weight_param, ctx.main_grad, ctx.wgrad_opts,
                                   None if deferred else grad_y2d, _rows(x))
         grad_b = grad_y2d.sum(dim=0) if (ctx.has_bias and need_b) else None
         if handle is not None:
@@ -302,11 +325,15 @@ class ColumnParallelLinearSPFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @_custom_fwd
     def forward(ctx: Any, x_shard_s: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], group: Group, recompute_all_gather: bool,
                 coc_in_backward: bool, wgrad_opts: _WgradOptions) -> torch.Tensor:
-        world = _world(group)
+        # The parameter itself: main_grad and Megatron's DDP flags live on it, not on a cast copy.
+        ctx.weight_param = weight
         ctx.main_grad = _main_grad_for(weight, wgrad_opts)
+        x_shard_s, weight, bias = _autocast(x_shard_s, weight, bias)
+        world = _world(group)
         x2d = _rows(x_shard_s)
         if recompute_all_gather:
             y2d = _all_gather_matmul(x2d, weight, bias, group, return_gathered=False)
@@ -323,6 +350,7 @@ class ColumnParallelLinearSPFunction(torch.autograd.Function):
         return y2d.view(x_shard_s.shape[0] * world, *x_shard_s.shape[1:-1], weight.shape[0])
 
     @staticmethod
+    @_custom_bwd
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         saved_x2d, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -350,7 +378,7 @@ class ColumnParallelLinearSPFunction(torch.autograd.Function):
             gather.wait()
         grad_w = None
         if need_w:
-            grad_w = _weight_grad(weight, ctx.main_grad, ctx.wgrad_opts,
+            grad_w = _weight_grad(ctx.weight_param, ctx.main_grad, ctx.wgrad_opts,
                                   grad_y2d if compute_wgrad else None, x_full2d)
         grad_b = grad_y2d.sum(dim=0) if (ctx.has_bias and need_b) else None
         if scatter is not None:
@@ -379,10 +407,14 @@ class RowParallelLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @_custom_fwd
     def forward(ctx: Any, x_shard_k: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], group: Group, wgrad_opts: _WgradOptions
                 ) -> torch.Tensor:
+        # The parameter itself: main_grad and Megatron's DDP flags live on it, not on a cast copy.
+        ctx.weight_param = weight
         ctx.main_grad = _main_grad_for(weight, wgrad_opts)
+        x_shard_k, weight, bias = _autocast(x_shard_k, weight, bias)
         ctx.save_for_backward(x_shard_k, weight)
         ctx.has_bias = bias is not None
         ctx.wgrad_opts = wgrad_opts
@@ -390,12 +422,13 @@ class RowParallelLinearFunction(torch.autograd.Function):
         return y2d.view(*x_shard_k.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @_custom_bwd
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         x_shard_k, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_y2d = _rows(grad_y.contiguous())
         grad_x = grad_y2d.matmul(weight).view(x_shard_k.shape) if need_x else None
-        grad_w = (_weight_grad(weight, ctx.main_grad, ctx.wgrad_opts, grad_y2d, _rows(x_shard_k))
+        grad_w = (_weight_grad(ctx.weight_param, ctx.main_grad, ctx.wgrad_opts, grad_y2d, _rows(x_shard_k))
                   if need_w else None)
         grad_b = grad_y2d.sum(dim=0) if (ctx.has_bias and need_b) else None
         return grad_x, grad_w, grad_b, None, None
@@ -425,15 +458,19 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @_custom_fwd
     def forward(ctx: Any, x_shard_k: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], group: Group, wgrad_opts: _WgradOptions
                 ) -> torch.Tensor:
+        # The parameter itself: main_grad and Megatron's DDP flags live on it, not on a cast copy.
+        ctx.weight_param = weight
+        ctx.main_grad = _main_grad_for(weight, wgrad_opts)
+        x_shard_k, weight, bias = _autocast(x_shard_k, weight, bias)
         world = _world(group)
         if x_shard_k.dim() < 2 or x_shard_k.shape[0] % world != 0:
             raise ValueError(f"sequence-parallel RowParallelLinear needs the sequence dim (dim 0) of "
                              f"the input divisible by the tensor-parallel size W={world}, got input "
                              f"shape {tuple(x_shard_k.shape)}")
-        ctx.main_grad = _main_grad_for(weight, wgrad_opts)
         ctx.save_for_backward(x_shard_k, weight)
         ctx.has_bias = bias is not None
         ctx.group = group
@@ -442,6 +479,7 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
         return y2d.view(x_shard_k.shape[0] // world, *x_shard_k.shape[1:-1], weight.shape[0])
 
     @staticmethod
+    @_custom_bwd
     def backward(ctx: Any, grad_y_shard_s: torch.Tensor) -> tuple:
         x_shard_k, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -454,7 +492,7 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
             grad_x = grad_x2d.view(x_shard_k.shape)
         elif need_w:
             grad_y2d, _ = _gather_rows(grad_y_shard2d, group, async_op=False)
-        grad_w = (_weight_grad(weight, ctx.main_grad, ctx.wgrad_opts, grad_y2d, _rows(x_shard_k))
+        grad_w = (_weight_grad(ctx.weight_param, ctx.main_grad, ctx.wgrad_opts, grad_y2d, _rows(x_shard_k))
                   if need_w else None)
         grad_b = grad_y_shard2d.sum(dim=0) if (ctx.has_bias and need_b) else None
         return grad_x, grad_w, grad_b, None, None

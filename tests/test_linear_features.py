@@ -217,6 +217,29 @@ def expert_cases(rank: int, world: int) -> list[str]:
     return errors
 
 
+def autocast_cases(rank: int, world: int) -> list[str]:
+    """Under autocast the GEMMs run in the autocast dtype, as Megatron's torch.matmul would."""
+    errors: list[str] = []
+    for sp in (True, False):
+        col, row = _layer("column", sp), _layer("row", sp)
+        x, _ = _input("column", sp, rank, world)
+        want, _ = row(torch.nn.functional.gelu(col(x)[0]))
+        x = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, _ = row(torch.nn.functional.gelu(col(x)[0]))
+        if y.dtype != torch.bfloat16:
+            errors.append(f"sp={sp}: output dtype {y.dtype} under bf16 autocast")
+        # bf16 keeps 8 significant bits: a few 2**-8 relative through two GEMMs.
+        err = ((y.float() - want).abs().max() / want.abs().max()).item()
+        if err > 3e-2:
+            errors.append(f"sp={sp}: bf16 autocast result off by {err:.3e} relative")
+        y.float().sum().backward()
+        for name, t in (("input", x), ("column weight", col.weight), ("row weight", row.weight)):
+            if t.grad is None or t.grad.dtype != torch.float32:
+                errors.append(f"sp={sp}: {name} gradient missing or not fp32 under autocast")
+    return errors
+
+
 def _assert_no_errors(results: list[list[str]]) -> None:
     msgs = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
     assert not msgs, "\n".join(msgs)
@@ -237,6 +260,10 @@ def test_deferred_embedding_wgrad() -> None:
 
 def test_expert_layers_do_not_communicate() -> None:
     _assert_no_errors(run_ranks(expert_cases, 2))
+
+
+def test_autocast() -> None:
+    _assert_no_errors(run_ranks(autocast_cases, 2, env={"COC_PARALLEL_NUM": "2"}))
 
 
 def test_shape_errors() -> None:
