@@ -523,8 +523,16 @@ def _split_last_dim(t: torch.Tensor, group: Group) -> torch.Tensor:
 
 
 class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    """forward: ``x_shard_k = x[..., rank * k/W : (rank + 1) * k/W]``;
-    backward: ``grad_x = all_gather_last_dim(grad_x_shard_k)``."""
+    """Scatter along the last dim (row linear with ``input_is_parallel=False``).
+
+    - forward (local slice)::
+
+        x_shard_k = x[..., rank * k/W : (rank + 1) * k/W]               # [s, b, k] -> [s, b, k/W]
+
+    - backward::
+
+        grad_x = all_gather_last_dim(grad_x_shard_k)                     # [s, b, k/W] -> [s, b, k]
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -537,7 +545,16 @@ class _ScatterToTensorParallelRegion(torch.autograd.Function):
 
 
 class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    """forward: ``y = all_gather_last_dim(y_shard_n)``; backward: this rank's slice of ``grad_y``."""
+    """Gather along the last dim (column linear with ``gather_output``).
+
+    - forward::
+
+        y = all_gather_last_dim(y_shard_n)                               # [s, b, n/W] -> [s, b, n]
+
+    - backward (local slice)::
+
+        grad_y_shard_n = grad_y[..., rank * n/W : (rank + 1) * n/W]      # [s, b, n] -> [s, b, n/W]
+    """
 
     @staticmethod
     def forward(ctx: Any, y_shard: torch.Tensor, group: Group) -> torch.Tensor:
