@@ -313,7 +313,7 @@ def shard_tensor(data: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Pla
 
 def _as_dist(x: Any, mesh: ProcessMesh) -> DistTensor:
     """A plain tensor mixed into a DistTensor op is the same value on every rank: Replicate."""
-    if type(x) is DistTensor:
+    if isinstance(x, DistTensor):
         if x._mesh is not mesh and x._mesh != mesh:
             raise ValueError(f"operands live on different meshes ({x._mesh} and {mesh}); move one "
                              f"with autopar.reshard(t, mesh, placements) first")
@@ -465,7 +465,11 @@ def _reshard_backward(node: _Node, g: DistTensor) -> list[Optional[DistTensor]]:
 
 def _reshard_same_mesh(x: DistTensor, placements: tuple) -> DistTensor:
     _rs.check_placements_reachable(x._placements, placements)
-    out = _reshard_nograd(x, placements)
+    local = _fused_reduce(x, placements) if type(x) is _PendingMatmul else None
+    if local is not None:
+        out = DistTensor(local, x._mesh, placements, x._shape, x._dtype)
+    else:
+        out = _reshard_nograd(x, placements)
     if x._requires_grad and torch.is_grad_enabled():
         out._requires_grad = True
         out._node = _Node([x], _reshard_backward, x._placements)
@@ -584,6 +588,147 @@ def _run_backward(root: DistTensor, gradient: Optional[DistTensor], retain_graph
             n.inputs = [None] * len(n.inputs)
 
 
+# -- overlapped matmul + collective (kernels) --------------------------------------------------------
+
+class _PendingMatmul(DistTensor):
+    """A matmul output that is Partial on one mesh dim and not computed yet.
+
+    If the next thing done to it is a reshard of that mesh dim to Replicate or Shard(0), the
+    matmul and the collective run as one overlapped op (``kernels.matmul_all_reduce`` /
+    ``kernels.matmul_reduce_scatter``, backend from the COC_* environment); any other use reads
+    ``_local``, which computes the plain local product on first access.
+    """
+
+    __slots__ = ("_x", "_w", "_mesh_dim")
+
+    @property
+    def _local(self) -> torch.Tensor:
+        local = _LOCAL_SLOT.__get__(self, DistTensor)
+        if local is None:
+            local = torch.matmul(self._x, self._w.mT)
+            _LOCAL_SLOT.__set__(self, local)
+        return local
+
+    @_local.setter
+    def _local(self, value: torch.Tensor) -> None:
+        _LOCAL_SLOT.__set__(self, value)
+
+
+_LOCAL_SLOT = DistTensor.__dict__["_local"]
+
+
+def _kernels():
+    import kernels
+
+    return kernels
+
+
+def _mm_backward(node: _Node, g: DistTensor) -> list[Optional[DistTensor]]:
+    """Explicit vjp of ``y = x @ w.T`` (x [..., k], w [n, k]) for the overlapped paths.
+
+    dgrad ``dx = dy @ w``, wgrad ``dw = dy_2d.T @ x_2d``; placements as any local vjp.
+    """
+    x_local, w_local, res, in_pls, in_shapes, in_dtypes, transposed = node.ctx
+    out_pl = res.out_placements
+    want = tuple(REPLICATE if type(o) is Partial else (o if type(o) is Shard else gp)
+                 for o, gp in zip(out_pl, g._placements))
+    if want != g._placements:
+        g = _reshard_nograd(g, want)
+    mesh = g._mesh
+    grads: list[Optional[DistTensor]] = []
+    for i, x in enumerate(node.inputs):
+        if x is None:
+            grads.append(None)
+            continue
+        pl = _grad_placement(in_pls[i], in_pls[:i] + in_pls[i + 1:], out_pl, g._placements)
+        if not g._init:
+            grads.append(_uninit(mesh, pl, in_shapes[i], in_dtypes[i]))
+            continue
+        gl = g._local
+        if i == 0:
+            lg = torch.matmul(gl, w_local)
+        else:
+            lg = gl.reshape(-1, gl.shape[-1]).T @ x_local.reshape(-1, x_local.shape[-1])
+            if transposed:
+                lg = lg.T
+        grads.append(DistTensor(lg, mesh, pl, in_shapes[i], lg.dtype))
+    return grads
+
+
+def _record_mm(out: DistTensor, x: DistTensor, b: DistTensor, x_local: torch.Tensor,
+               w_local: torch.Tensor, res: RuleResult, transposed: bool) -> None:
+    if not (torch.is_grad_enabled() and (x._requires_grad or b._requires_grad)):
+        return
+    out._requires_grad = True
+    out._node = _Node([x if x._requires_grad else None, b if b._requires_grad else None],
+                      _mm_backward, (x_local, w_local, res, [x._placements, b._placements],
+                                     [x._shape, b._shape], [x._dtype, b._dtype], transposed))
+
+
+def _matmul_like(key: tuple, rule: Callable[[], RuleResult], local_fn: Callable, a: DistTensor,
+                 b: DistTensor, transposed: bool) -> DistTensor:
+    """matmul / linear with a 2-D weight: route the two overlappable patterns to ``kernels``.
+
+    ``transposed``: b is ``[k, n]`` (matmul) rather than ``[n, k]`` (linear).
+    """
+    entry = _RULE_CACHE.get(key)
+    if entry is None:
+        res = rule()
+        entry = _RULE_CACHE[key] = (res, tuple(_pid(p) for p in res.in_placements),
+                                    _pid(res.out_placements))
+    res, in_pids, out_pid = entry
+    mesh = a._mesh
+    if mesh._coord is None or b.ndim != 2 or a.ndim < 2 or b._pid != in_pids[1]:
+        return _apply(key, rule, local_fn, [a, b])
+    w_local = b._local.mT if transposed else b._local
+    if a._pid == in_pids[0]:
+        partial = [m for m, p in enumerate(res.out_placements) if type(p) is Partial]
+        if len(partial) == 1 and mesh.shape[partial[0]] > 1 and \
+                res.out_placements[partial[0]].reduce_type == "sum":
+            out = _PendingMatmul.__new__(_PendingMatmul)
+            DistTensor.__init__(out, None, mesh, res.out_placements, res.out_shape,
+                                torch.promote_types(a._dtype, b._dtype), True, out_pid)
+            out._x, out._w, out._mesh_dim = a._local, w_local, partial[0]
+            _record_mm(out, a, b, a._local, w_local, res, transposed)
+            return out
+        return _apply(key, rule, local_fn, [a, b])
+    # all_gather_matmul: a is Shard(0) on exactly one mesh dim that the rule gathers, b is
+    # sharded on the output columns there, and nothing else changes.
+    diff = [m for m, (p, q) in enumerate(zip(a._placements, res.in_placements[0])) if p != q]
+    if len(diff) != 1:
+        return _apply(key, rule, local_fn, [a, b])
+    m = diff[0]
+    W = mesh.shape[m]
+    if a._placements[m] != Shard(0) or type(res.in_placements[0][m]) is not Replicate or \
+            res.out_placements[m] != Shard(a.ndim - 1) or a._shape[0] % W:
+        return _apply(key, rule, local_fn, [a, b])
+    y, gathered = _kernels().all_gather_matmul(a._local, w_local, group=mesh.get_group(m),
+                                               return_gathered=True)
+    a_full = DistTensor(gathered, mesh, res.in_placements[0], a._shape, a._dtype, True, in_pids[0])
+    if a._requires_grad and torch.is_grad_enabled():
+        a_full._requires_grad = True
+        a_full._node = _Node([a], _reshard_backward, a._placements)
+    out = DistTensor(y, mesh, res.out_placements, res.out_shape, y.dtype, True, out_pid)
+    _record_mm(out, a_full, b, gathered, w_local, res, transposed)
+    return out
+
+
+def _fused_reduce(x: "_PendingMatmul", placements: tuple) -> Optional[torch.Tensor]:
+    """The local result of resharding a pending matmul, through one overlapped op, or None."""
+    m = x._mesh_dim
+    if _LOCAL_SLOT.__get__(x, DistTensor) is not None:
+        return None
+    if any(p != q for k, (p, q) in enumerate(zip(x._placements, placements)) if k != m):
+        return None
+    dst = placements[m]
+    group = x._mesh.get_group(m)
+    if type(dst) is Replicate:
+        return _kernels().matmul_all_reduce(x._x, x._w, group=group)
+    if dst == Shard(0) and x._shape[0] % x._mesh.shape[m] == 0 and x.ndim >= 2:
+        return _kernels().matmul_reduce_scatter(x._x, x._w, group=group)
+    return None
+
+
 # -- ops ----------------------------------------------------------------------------------------------
 
 def _mesh_of(*xs) -> ProcessMesh:
@@ -594,7 +739,7 @@ def _mesh_of(*xs) -> ProcessMesh:
 
 
 def matmul(a, b) -> DistTensor:
-    if type(a) is not DistTensor or type(b) is not DistTensor or a._mesh is not b._mesh:
+    if not isinstance(a, DistTensor) or not isinstance(b, DistTensor) or a._mesh is not b._mesh:
         mesh = _mesh_of(a, b)
         a, b = _as_dist(a, mesh), _as_dist(b, mesh)
     key = ("matmul", a._shape, b._shape, a._pid, b._pid)
@@ -602,8 +747,10 @@ def matmul(a, b) -> DistTensor:
     def rule() -> RuleResult:
         labels, out, forbidden = matmul_labels(a._shape, b._shape)
         return einsum_rule(labels, out, [a._shape, b._shape], [a._placements, b._placements],
-                           "linear", forbidden)
+                           "linear", forbidden, priority=(1, 0))
 
+    if b.ndim == 2 and a.ndim >= 2:
+        return _matmul_like(key, rule, torch.matmul, a, b, True)
     return _apply(key, rule, torch.matmul, [a, b])
 
 
@@ -618,9 +765,10 @@ def linear(x, weight, bias=None) -> DistTensor:
             raise ValueError(f"linear: x {list(x._shape)} and weight {list(w._shape)} (need 2-D weight)")
         lead = "abcdefghij"[:x.ndim - 1]
         return einsum_rule([lead + "k", "nk"], lead + "n", [x._shape, w._shape],
-                           [x._placements, w._placements], "linear")
+                           [x._placements, w._placements], "linear", priority=(1, 0))
 
-    y = _apply(key, rule, F.linear, [x, w])
+    y = _matmul_like(key, rule, F.linear, x, w, False) if x.ndim >= 2 else \
+        _apply(key, rule, F.linear, [x, w])
     return y if bias is None else _binary("add", y, bias)
 
 
@@ -629,7 +777,7 @@ _BINARY_FNS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul,
 
 
 def _binary(op: str, a, b) -> DistTensor:
-    a_dt, b_dt = type(a) is DistTensor, type(b) is DistTensor
+    a_dt, b_dt = isinstance(a, DistTensor), isinstance(b, DistTensor)
     if a_dt and b_dt and a._mesh is b._mesh:
         return _apply((op, a._shape, b._shape, a._pid, b._pid), _binary_rule(op, a, b),
                       _BINARY_FNS[op], [a, b])
@@ -678,7 +826,7 @@ def _scalar_op(op: str, x: DistTensor, c: float, x_first: bool) -> DistTensor:
 
 
 def _unary(op: str, x: DistTensor, approximate: str = "none") -> DistTensor:
-    if type(x) is not DistTensor:
+    if not isinstance(x, DistTensor):
         raise TypeError(f"{op}: expected a DistTensor, got {type(x).__name__}")
     key = (op, x._shape, x._pid, approximate)
     local_fn = torch.relu if op == "relu" else (

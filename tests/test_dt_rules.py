@@ -16,7 +16,7 @@ R, P = Replicate(), Partial()
 
 def _matmul(sa, sb, pa, pb):
     labels, out, forbidden = matmul_labels(sa, sb)
-    return einsum_rule(labels, out, [sa, sb], [pa, pb], "linear", forbidden)
+    return einsum_rule(labels, out, [sa, sb], [pa, pb], "linear", forbidden, priority=(1, 0))
 
 
 def _elementwise(shapes, pls, kind="add"):
@@ -29,6 +29,7 @@ def _elementwise(shapes, pls, kind="add"):
     ((R,), (Shard(1),), (R,), (Shard(1),), (Shard(1),)),                  # column parallel
     ((Shard(1),), (Shard(0),), (Shard(1),), (Shard(0),), (P,)),           # contracted k: Partial
     ((Shard(1),), (R,), (Shard(1),), (Shard(0),), (P,)),                  # b sliced to match k
+    ((Shard(0),), (Shard(1),), (R,), (Shard(1),), (Shard(1),)),          # SP column: gather x
     ((P,), (R,), (P,), (R,), (P,)),                                      # Partial is linear
     ((P,), (Shard(1),), (R,), (Shard(1),), (Shard(1),)),                  # P meets a shard: reduce
     ((P,), (P,), (P,), (R,), (P,)),                                      # only one P survives

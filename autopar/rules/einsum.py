@@ -10,8 +10,10 @@ Every supported op is described by einsum labels (one letter per tensor axis) an
 * ``linear_first``: linear in the first input only (backward helpers such as gelu's vjp).
 * ``nonlinear``: gelu, relu, softmax, layer_norm, division by a tensor: no Partial input survives.
 
-Per mesh dim the rule picks the sharded label: the first input (in argument order) that shards an
-allowed label on it wins, and every input holding that label is resharded to Shard along it,
+Per mesh dim the rule picks the sharded label: the first input in ``priority`` order (default:
+argument order; matmul and linear put the weight first, so an activation sharded on the same mesh
+dim is gathered, as in Megatron's sequence-parallel column layer) that shards an allowed label on
+it wins, and every input holding that label is resharded to Shard along it,
 others to Replicate. The same label sharded on two different mesh dims (by different inputs) is a
 conflict and an error naming the axis and both mesh dims. Labels in ``forbidden`` (the softmax or
 normalization axis, broadcast size-1 axes) are never sharded.
@@ -43,7 +45,8 @@ KINDS = ("linear", "add", "linear_first", "nonlinear")
 
 def einsum_rule(in_labels: Sequence[str], out_labels: str, shapes: Sequence[Sequence[int]],
                 placements: Sequence[Sequence[Placement]], kind: str,
-                forbidden: frozenset = frozenset()) -> RuleResult:
+                forbidden: frozenset = frozenset(),
+                priority: Sequence[int] | None = None) -> RuleResult:
     if kind not in KINDS:
         raise ValueError(f"einsum_rule(kind): {kind!r} not in {KINDS}")
     mesh_ndim = len(placements[0])
@@ -77,9 +80,10 @@ def einsum_rule(in_labels: Sequence[str], out_labels: str, shapes: Sequence[Sequ
     n_in = len(in_labels)
     req: list[list[Placement]] = [[REPLICATE] * mesh_ndim for _ in range(n_in)]
     out: list[Placement] = [REPLICATE] * mesh_ndim
+    order = range(n_in) if priority is None else priority
     for m in range(mesh_ndim):
         chosen = None
-        for i in range(n_in):
+        for i in order:
             p = placements[i][m]
             if type(p) is Shard and allowed(in_labels[i][p.dim]):
                 chosen = in_labels[i][p.dim]
