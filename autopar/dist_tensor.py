@@ -37,7 +37,8 @@ from .placements import (PARTIAL_SUM, REPLICATE, Partial, Placement, Replicate, 
 from .rules import RuleResult, broadcast_labels, einsum_rule, matmul_labels, reduction_labels
 
 _SEQ = itertools.count()
-_RULE_CACHE: dict[tuple, RuleResult] = {}
+_RULE_CACHE: dict[tuple, tuple] = {}
+_MM_CACHE: dict[tuple, tuple] = {}
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -671,27 +672,33 @@ def _matmul_like(key: tuple, rule: Callable[[], RuleResult], local_fn: Callable,
 
     ``transposed``: b is ``[k, n]`` (matmul) rather than ``[n, k]`` (linear).
     """
-    entry = _RULE_CACHE.get(key)
+    entry = _MM_CACHE.get(key)
     if entry is None:
         res = rule()
-        entry = _RULE_CACHE[key] = (res, tuple(_pid(p) for p in res.in_placements),
-                                    _pid(res.out_placements))
-    res, in_pids, out_pid = entry
-    mesh = a._mesh
-    if mesh._coord is None or b.ndim != 2 or a.ndim < 2 or b._pid != in_pids[1]:
-        return _apply(key, rule, local_fn, [a, b])
-    w_local = b._local.mT if transposed else b._local
-    if a._pid == in_pids[0]:
         partial = [m for m, p in enumerate(res.out_placements) if type(p) is Partial]
-        if len(partial) == 1 and mesh.shape[partial[0]] > 1 and \
-                res.out_placements[partial[0]].reduce_type == "sum":
+        pend_dim = partial[0] if len(partial) == 1 and b.ndim == 2 and a.ndim >= 2 and \
+            res.out_placements[partial[0]].reduce_type == "sum" else -1
+        entry = _MM_CACHE[key] = (res, tuple(_pid(p) for p in res.in_placements),
+                                  _pid(res.out_placements), pend_dim)
+    res, in_pids, out_pid, pend_dim = entry
+    mesh = a._mesh
+    if mesh._coord is None or b._pid != in_pids[1]:
+        return _apply(key, rule, local_fn, [a, b])
+    if a._pid == in_pids[0]:
+        if pend_dim >= 0 and mesh.shape[pend_dim] > 1:
+            w_local = b._local.mT if transposed else b._local
             out = _PendingMatmul.__new__(_PendingMatmul)
             DistTensor.__init__(out, None, mesh, res.out_placements, res.out_shape,
                                 torch.promote_types(a._dtype, b._dtype), True, out_pid)
-            out._x, out._w, out._mesh_dim = a._local, w_local, partial[0]
+            out._x, out._w, out._mesh_dim = a._local, w_local, pend_dim
             _record_mm(out, a, b, a._local, w_local, res, transposed)
             return out
+        if not ((a._requires_grad or b._requires_grad) and torch.is_grad_enabled()):
+            local = local_fn(a._local, b._local)
+            return DistTensor(local, mesh, res.out_placements, res.out_shape, local.dtype, True,
+                              out_pid)
         return _apply(key, rule, local_fn, [a, b])
+    w_local = b._local.mT if transposed else b._local
     # all_gather_matmul: a is Shard(0) on exactly one mesh dim that the rule gathers, b is
     # sharded on the output columns there, and nothing else changes.
     diff = [m for m, (p, q) in enumerate(zip(a._placements, res.in_placements[0])) if p != q]
