@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="statistic of the repeats behind speedup, overlap, TFLOP/s and the model comparison "
                         "(default median; min = least disturbed repeat, for machines shared with other work); "
                         "the reports keep median, p20, p80, min and max either way")
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch threads per rank on CPU (default 1: figures per core, and no OpenMP spinning "
+                        "when ranks share the cores)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allow-cpu", action="store_true",
                    help="run --mode single on CPU anyway (tests the code path; the Triton kernels then run in "
@@ -236,7 +239,7 @@ def main_single(args: argparse.Namespace, device_type: str) -> int:
     opts = RunOptions(backends=[], warmup=_count(args.warmup, defaults["warmup"], device_type, 2, 10),
                       repeats=_count(args.repeats, defaults["repeats"], device_type, 7, 50), seed=args.seed,
                       progress=not args.no_progress)
-    out = launch.run_in_process(run_single, device_type, args.timeout, cases, opts)
+    out = launch.run_in_process(run_single, device_type, args.timeout, cases, opts, cpu_threads=args.cpu_threads)
     text = single_table(out["records"])
     print(text)
     meta = report.metadata(device_type, sys.argv, {"mode": "single", "warmup": opts.warmup, "repeats": opts.repeats})
@@ -278,7 +281,7 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
     if torchrun:
         import torch.distributed as dist
 
-        rank, world, device = launch.init_torchrun(device_type, args.timeout)
+        rank, world, device = launch.init_torchrun(device_type, args.timeout, args.cpu_threads)
         try:
             results.append(run_world(rank, world, device, cases, opts))
         finally:
@@ -288,7 +291,7 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
     else:
         for world in worlds:
             results.append(launch.spawn(run_world, world, device_type, args.timeout,
-                                        [c for c in cases if c.world == world], opts))
+                                        [c for c in cases if c.world == world], opts, cpu_threads=args.cpu_threads))
     records = [r for res in results for r in res["records"]]
     link_models = {str(res["world"]): res["link_model"] for res in results}
     model_label = None
@@ -305,7 +308,7 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
     meta = report.metadata(device_type, sys.argv, {
         "mode": "run", "suites": args.suite or ["tiny"], "backends": backends, "stat": opts.stat,
         "warmup": opts.warmup,
-        "repeats": opts.repeats, "world_sizes": worlds, "torchrun": torchrun})
+        "repeats": opts.repeats, "world_sizes": worlds, "torchrun": torchrun, "cpu_threads": args.cpu_threads})
     doc = {"meta": meta, "records": records, "skipped": skipped,
            "model": {"note": report.MODEL_NOTE, "link_models": link_models, "summary": summary,
                      "calibration_samples": [s for res in results for s in res["calibration_samples"]]}}
@@ -320,6 +323,8 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cpu_threads < 1:
+        raise SystemExit(f"error: --cpu-threads must be >= 1, got {args.cpu_threads}")
     for f in args.format:
         if f not in ("json", "csv", "png", "txt"):
             raise SystemExit(f"error: --format: {f!r} not in json,csv,png,txt")

@@ -37,42 +37,45 @@ def dist_backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def rank_env(device_type: str, world: int) -> dict[str, str]:
+def rank_env(device_type: str, cpu_threads: int) -> dict[str, str]:
     """Environment every rank needs before importing torch / triton."""
     env = {}
     if device_type == "cpu":
         # Without a GPU the fused Triton kernels can only run through the interpreter.
         env["TRITON_INTERPRET"] = "1"
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+        env["OMP_NUM_THREADS"] = str(cpu_threads)
     return env
 
 
-def _set_device(device_type: str, local_rank: int, world: int) -> torch.device:
+def _set_device(device_type: str, local_rank: int, world: int, cpu_threads: int = 1) -> torch.device:
     if device_type == "cuda":
         count = torch.cuda.device_count()
         if world > count:
             raise LaunchError(f"world size {world} needs {world} GPUs on this node, found {count}")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # A fixed thread count per rank: OpenMP teams larger than the cores left free spin at their
+    # barriers whenever one thread is descheduled, which turns timings into scheduler noise.
+    torch.set_num_threads(cpu_threads)
     return torch.device("cpu")
 
 
-def init_torchrun(device_type: str, timeout_s: float) -> tuple[int, int, torch.device]:
+def init_torchrun(device_type: str, timeout_s: float, cpu_threads: int = 1) -> tuple[int, int, torch.device]:
     """Join the process group torchrun set up the environment for."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = _set_device(device_type, int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    device = _set_device(device_type, int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                         cpu_threads)
     if not dist.is_initialized():
         dist.init_process_group(dist_backend(device_type), timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world, device
 
 
-def _entry(rank: int, world: int, device_type: str, store_path: str, timeout_s: float,
+def _entry(rank: int, world: int, device_type: str, store_path: str, timeout_s: float, cpu_threads: int,
            fn: Callable[..., Any], args: tuple, results: Any) -> None:
-    os.environ.update(rank_env(device_type, world))
+    os.environ.update(rank_env(device_type, cpu_threads))
     sys.path.insert(0, REPO_ROOT)
     try:
-        device = _set_device(device_type, rank, world)
+        device = _set_device(device_type, rank, world, cpu_threads)
         store = dist.FileStore(store_path, world)
         dist.init_process_group(dist_backend(device_type), store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -85,10 +88,11 @@ def _entry(rank: int, world: int, device_type: str, store_path: str, timeout_s: 
             dist.destroy_process_group()
 
 
-def run_in_process(fn: Callable[..., Any], device_type: str, timeout_s: float, *args: Any) -> Any:
+def run_in_process(fn: Callable[..., Any], device_type: str, timeout_s: float, *args: Any,
+                   cpu_threads: int = 1) -> Any:
     """World size 1 in this process: a one-rank group so the ops see an initialized default group."""
-    os.environ.update(rank_env(device_type, 1))
-    device = _set_device(device_type, 0, 1)
+    os.environ.update(rank_env(device_type, cpu_threads))
+    device = _set_device(device_type, 0, 1, cpu_threads)
     with tempfile.TemporaryDirectory(prefix="coc-bench-") as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
         dist.init_process_group(dist_backend(device_type), store=store, rank=0, world_size=1,
@@ -99,16 +103,19 @@ def run_in_process(fn: Callable[..., Any], device_type: str, timeout_s: float, *
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world: int, device_type: str, timeout_s: float, *args: Any) -> Any:
-    """Run module-level ``fn(rank, world, device, *args)`` on ``world`` new ranks; rank 0's result."""
+def spawn(fn: Callable[..., Any], world: int, device_type: str, timeout_s: float, *args: Any,
+          cpu_threads: int = 1) -> Any:
+    """Run module-level ``fn(rank, world, device, *args)`` on ``world`` new ranks; rank 0's result.
+
+    ``cpu_threads``: torch intra-op threads per rank on CPU."""
     if world == 1:
-        return run_in_process(fn, device_type, timeout_s, *args)
+        return run_in_process(fn, device_type, timeout_s, *args, cpu_threads=cpu_threads)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="coc-bench-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_entry, name=f"coc-bench-rank{r}", daemon=True,
-                             args=(r, world, device_type, store_path, timeout_s, fn, args, results))
+                             args=(r, world, device_type, store_path, timeout_s, cpu_threads, fn, args, results))
                  for r in range(world)]
         for p in procs:
             p.start()
