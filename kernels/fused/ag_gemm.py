@@ -66,7 +66,6 @@ def _push_shard(call: runtime.FusedCall, x: torch.Tensor, side: Optional[torch.c
     m_local, k = x.shape
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
-        x.record_stream(side)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         for step in range(w):
             dst = (r + step) % w
@@ -107,7 +106,7 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     w = dist.get_world_size(group)
     if w == 1:
         y = matmul(x, weight, bias)
-        return (y, x.clone()) if return_gathered else y
+        return (y, x.clone(memory_format=torch.contiguous_format)) if return_gathered else y
     m_local, k = x.shape
     n = weight.shape[0]
     call = runtime.begin("all_gather_matmul", group, x.device, w * m_local * k * x.element_size())
@@ -125,8 +124,12 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                               m_local, n, k, weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
                               call.rank, call.epoch, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
                               WORLD=w, CHANNEL=signals.CH_AG, HAS_BIAS=bias is not None, STORE_A=return_gathered,
-                              USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                              BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                              USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if side is not None:
+        # Work the caller queues next (which may overwrite or free x) must follow the pushes of x;
+        # they end about when the GEMM does, since every rank's GEMM waits for every rank's push.
+        torch.cuda.current_stream(x.device).wait_stream(side)
     if return_gathered and n == 0:
         signals.wait_all(heap, signals.CH_AG, call.epoch, call.timeout_ticks, call.use_globaltimer)
         x_gathered.copy_(heap.data_view(call.rank, x.dtype, (w * m_local, k)))
