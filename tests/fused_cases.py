@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import queue
+import sys
+import tempfile
 import time
-from typing import Any, Optional
+import traceback
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -199,16 +204,22 @@ def back_to_back_body(rank: int, world: int, calls: int) -> int:
     return calls
 
 
-def absent_peer_body(rank: int, world: int, op: str, dtype: torch.dtype = torch.float32, device: str = "cpu"
-                     ) -> Optional[tuple[float, str]]:
-    """Both ranks call once; then rank 1 leaves and rank 0 calls again and must get a RuntimeError."""
+def absent_peer_body(rank: int, world: int, op: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                     linger_s: float = 0.0) -> Optional[tuple[float, str]]:
+    """Both ranks call once; then rank 1 leaves and rank 0 calls again and must get a RuntimeError.
+
+    On CPU rank 1 frees its heap at once (rank 0's own mapping keeps the segment alive). On GPU it
+    keeps its memory for ``linger_s`` instead: rank 0 may still write into it through CUDA IPC.
+    """
     group = dist.new_group(list(range(world)))
     xs, ws, b = make_inputs(op, world, 13, 24, 20, True, 3, dtype=dtype, device=device)
     run_op(op, xs[rank], ws[rank], b, group)
     if rank != 0:
+        if linger_s:
+            time.sleep(linger_s)
+            return None
         from kernels.heap import destroy_heap
 
-        # This rank leaves; rank 0 may still write into the segment, which its own mapping keeps.
         destroy_heap(group)
         return None
     start = time.monotonic()
@@ -289,3 +300,72 @@ def reasons_body(rank: int, world: int) -> list[Optional[str]]:
     with mock.patch.object(socket, "gethostname", return_value=f"node{rank}"):
         hosts = fused.unavailable_reason(dist.new_group(list(range(world))), torch.device("cpu"))
     return [ok, meta, hosts]
+
+
+def _spawned_worker(rank: int, world: int, store_path: str, results: Any, fn: Callable[..., Any], args: tuple,
+                    env: dict[str, str]) -> None:
+    os.environ.update(env)
+    # Compiled kernels: the interpreter cannot address peer GPU memory.
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import datetime
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        results.put((rank, True, fn(rank, world, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def run_gpu_ranks(fn: Callable[..., Any], world: int, *args: Any, env: Optional[dict[str, str]] = None,
+                  timeout: float = 300.0) -> list[Any]:
+    """Run ``fn`` on ``world`` fresh processes, one GPU each (round robin, so several processes share
+    a GPU when there are fewer GPUs than ranks: CUDA IPC works between them), on a gloo group.
+
+    The rank pools of tests.harness cannot do this: a pool shares one GPU between ranks only with
+    NCCL, which refuses two ranks on one device, and its gloo pools run the interpreter.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_spawned_worker, daemon=True,
+                             args=(r, world, os.path.join(tmp, "store"), results, fn, args, env or {}))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        got: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(got) < world and time.monotonic() < deadline:
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    if any(not p.is_alive() and r not in got for r, p in enumerate(procs)):
+                        break
+                    continue
+                got[rank] = (ok, value)
+        finally:
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+    failures = [f"rank {r}: " + (str(got[r][1]) if r in got else "no answer (died or hung)")
+                for r in range(world) if r not in got or not got[r][0]]
+    assert not failures, "\n".join(failures)
+    return [got[r][1] for r in range(world)]
+
+
+def spawn_probe_body(rank: int, world: int, fail_rank: int) -> tuple[int, int, Optional[str]]:
+    """For checking :func:`run_gpu_ranks` itself: a collective, then maybe a failure."""
+    t = torch.tensor([rank])
+    dist.all_reduce(t)
+    if rank == fail_rank:
+        raise ValueError(f"rank {rank} fails on purpose")
+    return rank, int(t), os.environ.get("TRITON_INTERPRET")

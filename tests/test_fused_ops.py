@@ -60,8 +60,4 @@ def test_unavailable_reason_names_why():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fused_op_gpu(op, dtype):
     # Two processes on the GPU(s) at hand (sharing one GPU through CUDA IPC when only one exists).
-    assert run_ranks(fused_cases.correctness_body, 2, op, dtype, "cuda", backend="nccl") == [4, 4]
-
-
-def test_public_ops_select_fused_by_environment():
-    assert run_ranks(fused_cases.public_api_body, 2, env={"USE_COC_FUSED_KERNEL": "1"}) == [3, 3]
+    assert fused_cases.run_gpu_ranks(fused_cases.correctness_body, 2, op, dtype, "cuda") == [4, 4]

@@ -25,8 +25,15 @@ def test_absent_peer_raises_within_timeout(op):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["ag", "rs", "ar_two"])
 def test_absent_peer_raises_within_timeout_gpu(op):
-    results = run_ranks(fused_cases.absent_peer_body, 2, op, torch.float16, "cuda", backend="nccl",
-                        env={"COC_TIMEOUT": str(TIMEOUT_S)}, timeout=120)
+    results = fused_cases.run_gpu_ranks(fused_cases.absent_peer_body, 2, op, torch.float16, "cuda", TIMEOUT_S + 3,
+                                        env={"COC_TIMEOUT": str(TIMEOUT_S)}, timeout=120)
     elapsed, message = results[0]
     assert TIMEOUT_S * 0.9 <= elapsed <= TIMEOUT_S + 5, elapsed
     assert "rank 1" in message and "COC_TIMEOUT=2" in message, message
+
+
+def test_gpu_spawner_reports_results_and_failures():
+    # The GPU tests' process spawner works (and fails loudly) on any machine.
+    assert fused_cases.run_gpu_ranks(fused_cases.spawn_probe_body, 2, -1, timeout=120) == [(0, 1, None), (1, 1, None)]
+    with pytest.raises(AssertionError, match="rank 1 fails on purpose"):
+        fused_cases.run_gpu_ranks(fused_cases.spawn_probe_body, 2, 1, timeout=120)
