@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import sys
 import time
 import warnings
@@ -159,6 +158,7 @@ def calibration_samples(timer: Timer, world: int, device: torch.device, cases: l
 
 
 def fallback_reason(caught: list[warnings.WarningMessage]) -> Optional[str]:
+    """The dispatcher's warning that a fused request ran on the chunked path, if one was caught."""
     for w in caught:
         msg = str(w.message)
         if "fused" in msg and ("instead" in msg or "fall" in msg):
