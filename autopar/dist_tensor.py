@@ -27,7 +27,6 @@ import operator
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import reshard as _rs
@@ -169,7 +168,7 @@ class DistTensor:
     def full_tensor(self) -> torch.Tensor:
         """The global value, gathered and reduced on every rank of the mesh. Not tracked."""
         if not self._init:
-            raise ValueError(f"full_tensor(): this rank ({dist.get_rank()}) is outside the tensor's "
+            raise ValueError(f"full_tensor(): this rank ({self._mesh._my_rank}) is outside the tensor's "
                              f"mesh {self._mesh}; only ranks of the mesh hold data")
         return _rs.redistribute_local(self._local, self._shape, self._mesh, self._placements,
                                       (REPLICATE,) * self._mesh.ndim)

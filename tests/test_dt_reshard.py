@@ -14,7 +14,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.harness import run_ranks
 

@@ -149,18 +149,16 @@ def matmul_labels(shape_a: Sequence[int], shape_b: Sequence[int]) -> tuple[list[
     """``torch.matmul`` semantics (1-D operands, batch broadcasting) as einsum labels."""
     if len(shape_a) == 0 or len(shape_b) == 0:
         raise ValueError("matmul: both operands must have at least 1 dim")
-    k, m, n = "k", "m", "n"
-    a_core = "mk"[-len(shape_a):] if len(shape_a) < 2 else "mk"
-    b_core = "kn"[:len(shape_b)] if len(shape_b) < 2 else "kn"
+    # Core labels: a is [..., m, k] (or [k]), b is [..., k, n] (or [k]).
+    a_core = "mk" if len(shape_a) >= 2 else "k"
+    b_core = "kn" if len(shape_b) >= 2 else "k"
     batch_a, batch_b = list(shape_a[:-2]), list(shape_b[:-2])
     if batch_a or batch_b:
-        blabels, bout, forbidden = broadcast_labels([batch_a, batch_b])
-        bl_a, bl_b = blabels
+        (bl_a, bl_b), bout, forbidden = broadcast_labels([batch_a, batch_b])
     else:
         bl_a = bl_b = bout = ""
         forbidden = frozenset()
-    out = bout + (m if len(shape_a) >= 2 else "") + (n if len(shape_b) >= 2 else "")
-    del k
+    out = bout + ("m" if len(shape_a) >= 2 else "") + ("n" if len(shape_b) >= 2 else "")
     return [bl_a + a_core, bl_b + b_core], out, forbidden
 
 

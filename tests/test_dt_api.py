@@ -1,0 +1,76 @@
+"""DistTensor API in one process: views, validation errors, and clipped-rank shape inference.
+
+Without an initialized process group this process is rank 0, so a mesh without rank 0 makes it
+a clipped rank: ops must return uninitialized DistTensors with the right global shape, dtype and
+placements, allocate nothing, and backward must run without communicating.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopar import DistTensor, Partial, ProcessMesh, Replicate, Shard, shard_tensor
+
+
+def test_views_and_local_pieces():
+    mesh = ProcessMesh([[0]], dim_names=["dp", "tp"])
+    x = shard_tensor(torch.arange(12.).reshape(3, 4), mesh, [Shard(1), Partial("avg")])
+    assert x.dims_mapping == [-1, 0] and x.partial_status == {1: "avg"}
+    assert x.shape == torch.Size([3, 4]) and x.process_mesh == mesh and x.is_initialized()
+    assert torch.equal(x.full_tensor(), torch.arange(12.).reshape(3, 4))
+    y = DistTensor.from_local(torch.ones(3, 4), mesh, [Shard(0)])
+    assert y.placements == (Shard(0), Replicate()) and y.shape == torch.Size([3, 4])
+
+
+def test_validation_errors():
+    with pytest.raises(ValueError, match="ragged"):
+        ProcessMesh([[0, 1], [2]])
+    with pytest.raises(ValueError, match="duplicate"):
+        ProcessMesh([0, 0])
+    with pytest.raises(ValueError, match="dim_names"):
+        ProcessMesh([0, 1], dim_names=["a", "b"])
+    mesh = ProcessMesh([0])
+    with pytest.raises(ValueError, match="local shape"):
+        DistTensor.from_local(torch.ones(3, 4), mesh, [Shard(0)], global_shape=(5, 4))
+    with pytest.raises(ValueError, match="out of range"):
+        shard_tensor(torch.ones(3), mesh, [Shard(1)])
+    with pytest.raises(ValueError, match="different meshes"):
+        shard_tensor(torch.ones(3), mesh, [Replicate()]) + \
+            shard_tensor(torch.ones(3), ProcessMesh([1]), [Replicate()])
+    with pytest.raises(NotImplementedError, match="no DistTensor SPMD rule"):
+        torch.tanh(shard_tensor(torch.ones(3), mesh, [Replicate()]))
+
+
+def test_submesh():
+    mesh = ProcessMesh([[0, 1, 2], [3, 4, 5]], dim_names=["pp", "tp"])
+    s1 = mesh.get_submesh("pp", 1)
+    assert s1.process_ids == (3, 4, 5) and s1.dim_names == ("tp",)
+    assert mesh.get_submesh("tp", 2).process_ids == (2, 5)
+    assert mesh.dim_groups("pp") == [(0, 3), (1, 4), (2, 5)]
+    assert mesh.coordinate(4) == (1, 1) and 4 in mesh and 7 not in mesh
+
+
+def test_clipped_rank_infers_shapes_and_allocates_nothing():
+    mesh = ProcessMesh([1, 2], dim_names=["tp"])          # this process (rank 0) is outside
+    x = shard_tensor(torch.randn(6, 5, 8), mesh, [Shard(0)])
+    w = shard_tensor(torch.randn(8, 12), mesh, [Shard(1)]).requires_grad_()
+    b = shard_tensor(torch.randn(12), mesh, [Shard(0)]).requires_grad_()
+    ln_w = shard_tensor(torch.randn(12), mesh, [Replicate()]).requires_grad_()
+    h = F.layer_norm(F.gelu(x @ w + b), (12,), ln_w)
+    s = h.softmax(-1).sum(dim=1)
+    loss = s.mean()
+    # x @ w gathers x (the weight's column shard wins), layer_norm needs the last dim whole.
+    expect = {"h": (h, (6, 5, 12), (Replicate(),)), "s": (s, (6, 12), (Replicate(),)),
+              "loss": (loss, (), (Replicate(),)), "xsum": (x.sum(), (), (Partial(),)),
+              "mm": (x @ w, (6, 5, 12), (Shard(2),))}
+    for name, (t, shape, pl) in expect.items():
+        assert not t.is_initialized(), name
+        assert t.shape == torch.Size(shape) and t.placements == pl and t.dtype == torch.float32, name
+        assert t.to_local().numel() == 0 and t.to_local().untyped_storage().nbytes() == 0, name
+    loss.backward()
+    for p, shape in ((w, (8, 12)), (b, (12,)), (ln_w, (12,))):
+        assert p.grad is not None and not p.grad.is_initialized() and p.grad.shape == shape
+    with pytest.raises(ValueError, match="outside"):
+        loss.full_tensor()
+    with pytest.raises(NotImplementedError, match="depends on the data"):
+        torch.nonzero(x)
