@@ -369,3 +369,21 @@ def spawn_probe_body(rank: int, world: int, fail_rank: int) -> tuple[int, int, O
     if rank == fail_rank:
         raise ValueError(f"rank {rank} fails on purpose")
     return rank, int(t), os.environ.get("TRITON_INTERPRET")
+
+
+def edge_shapes_body(rank: int, world: int) -> int:
+    """Degenerate sizes: one row, one column, k = 1, empty inputs, fewer rows than ranks (two-shot
+    owners without rows)."""
+    dev = torch.device("cpu")
+    group = dist.group.WORLD
+    presize(group, dev)
+    cases = [("ag", 1, 1, 1), ("ag_v2", 0, 5, 3), ("rs", 1, 1, 1), ("rs", 0, 4, 3), ("ar_two", 0, 3, 2),
+             ("ar_one", 0, 2, 1), ("ar_two", 1, 1, 1), ("ag_v2", 2, 3, 0)]
+    for seed, (op, m_local, k, n) in enumerate(cases):
+        xs, ws, b = make_inputs(op, world, m_local, k, n, True, seed)
+        if op.startswith("ar") and m_local == 0:
+            xs = [x[:1] for x in xs]  # a single row: two-shot owners 1.. hold none
+        what = f"edge {op} W={world} rows={xs[0].shape[0]} k={k} n={n} rank={rank}"
+        scramble(group, dev)
+        assert_close(what, run_op(op, xs[rank], ws[rank], b, group), reference(op, xs, ws, b, rank), torch.float32)
+    return len(cases)

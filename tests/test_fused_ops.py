@@ -61,3 +61,7 @@ def test_unavailable_reason_names_why():
 def test_fused_op_gpu(op, dtype):
     # Two processes on the GPU(s) at hand (sharing one GPU through CUDA IPC when only one exists).
     assert fused_cases.run_gpu_ranks(fused_cases.correctness_body, 2, op, dtype, "cuda") == [4, 4]
+
+
+def test_fused_edge_shapes():
+    assert run_ranks(fused_cases.edge_shapes_body, 3) == [8, 8, 8]
