@@ -577,6 +577,9 @@ def _run_backward(root: DistTensor, gradient: Optional[DistTensor], retain_graph
         n.grad = None
         if g is None:
             continue
+        if n.backward is None:
+            raise RuntimeError("backward() through a graph whose buffers were already freed; pass "
+                               "retain_graph=True to the first backward() to go through it twice")
         for x, gx in zip(n.inputs, n.backward(n, g)):
             if x is None or gx is None:
                 continue
@@ -585,7 +588,8 @@ def _run_backward(root: DistTensor, gradient: Optional[DistTensor], retain_graph
             else:
                 x._grad = _accumulate(x._grad, gx)
         if not retain_graph:
-            n.inputs = [None] * len(n.inputs)
+            n.backward = None
+            n.ctx = None
 
 
 # -- overlapped matmul + collective (kernels) --------------------------------------------------------

@@ -74,3 +74,26 @@ def test_clipped_rank_infers_shapes_and_allocates_nothing():
         loss.full_tensor()
     with pytest.raises(NotImplementedError, match="depends on the data"):
         torch.nonzero(x)
+
+
+def test_sync_gradients_on_a_module_and_second_backward():
+    from autopar import sync_gradients
+
+    mesh = ProcessMesh([0], dim_names=["dp"])
+    model = torch.nn.Module()
+    model.inner = torch.nn.Module()
+    model.w = shard_tensor(torch.randn(4, 3), mesh, [Replicate()]).requires_grad_()
+    model.inner.v = shard_tensor(torch.randn(3), mesh, [Replicate()]).requires_grad_()
+    x = shard_tensor(torch.randn(5, 4), mesh, [Shard(0)])
+    loss = ((x @ model.w) * model.inner.v).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert model.w.grad.placements == (Partial(),)
+    assert sync_gradients(model) == [("dp",), ("dp",)]
+    assert model.w.grad.placements == (Replicate(),)
+    w, v = model.w.full_tensor().requires_grad_(), model.inner.v.full_tensor().requires_grad_()
+    (2 * ((x.full_tensor() @ w) * v).sum()).backward()        # two backward passes accumulate
+    torch.testing.assert_close(model.w.grad.full_tensor(), w.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.inner.v.grad.full_tensor(), v.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
