@@ -8,5 +8,5 @@ from .mesh import ProcessMesh
 from .placements import Partial, Placement, Replicate, Shard
 from .dist_tensor import DistTensor, shard_tensor
 from .reshard import reshard
-from .grad_sync import sync_gradients
+from .grad_sync import attach_local_grads, sync_gradients
 from .pipeline import is_clipped, stage_meshes, to_stage

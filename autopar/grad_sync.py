@@ -76,3 +76,26 @@ def sync_gradients(module_or_params: Union[torch.nn.Module, Iterable, DistTensor
                                 p.shape, dtype)
             offset += n
     return reduced
+
+
+def attach_local_grads(module_or_params: Union[torch.nn.Module, Iterable, DistTensor]
+                       ) -> list[torch.Tensor]:
+    """Expose synced gradients to a ``torch.optim`` optimizer working on the local pieces.
+
+    DistTensors are not ``torch.Tensor``s, so an optimizer is built over their local pieces
+    (``[p.to_local() for p in params]``, which are the parameters' own storage). This sets each
+    local piece's ``.grad`` to the local piece of ``p.grad`` (call it after
+    :func:`sync_gradients`) and returns the local pieces, in order. Ranks outside a parameter's
+    mesh get zero-element pieces, which optimizers skip harmlessly.
+    """
+    locals_ = []
+    for p in _collect(module_or_params):
+        local = p.to_local()
+        if p.grad is not None and p.is_initialized():
+            if p.grad.placements != p.placements:
+                raise ValueError(f"attach_local_grads: the gradient is {list(p.grad.placements)} "
+                                 f"but the parameter is {list(p.placements)}; call "
+                                 f"sync_gradients first")
+            local.grad = p.grad.to_local()
+        locals_.append(local)
+    return locals_

@@ -97,3 +97,19 @@ def test_sync_gradients_on_a_module_and_second_backward():
     torch.testing.assert_close(model.inner.v.grad.full_tensor(), v.grad, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="retain_graph"):
         loss.backward()
+
+
+def test_optimizer_steps_on_local_pieces():
+    from autopar import attach_local_grads, sync_gradients
+
+    mesh = ProcessMesh([0], dim_names=["dp"])
+    W = torch.randn(4, 3)
+    w = shard_tensor(W, mesh, [Replicate()]).requires_grad_()
+    opt = torch.optim.SGD([w.to_local()], lr=0.1)
+    x = shard_tensor(torch.randn(5, 4), mesh, [Shard(0)])
+    (x @ w).sum().backward()
+    sync_gradients([w])
+    attach_local_grads([w])
+    opt.step()
+    expected = W - 0.1 * x.full_tensor().sum(0, keepdim=True).T.expand(4, 3)
+    torch.testing.assert_close(w.full_tensor(), expected)
