@@ -281,8 +281,8 @@ def predict(op: str, backend: str, world: int, gemm_shape: tuple[int, int, int],
     if kind == "fused":
         if not link.models_fused:
             return None
-        if world == 1:
-            return g_full * (1 + link.fused_gemm_slowdown)
+        if world == 1:  # nothing to communicate: the fused kernel is its GEMM core
+            return g_full
         g_chunk = g_full / world * (1 + link.fused_gemm_slowdown)
         shard = nbytes / world
         if coll == "all_gather":
