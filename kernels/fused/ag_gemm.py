@@ -3,11 +3,13 @@
 Launch sequence on rank ``r`` for call epoch ``e`` (W ranks, heap region ``G [W * m_local, k]``):
 
 1. wait until every peer's ``DONE >= e - 1`` (it no longer reads its ``G`` of the previous call);
-2. push ``x`` into rows ``[r * m_local, (r + 1) * m_local)`` of every rank's ``G`` and then set flag
-   ``AG[r] = e`` on every rank (GPU: copy engine on a side stream, so the GEMM below already runs);
+2. push ``x`` into rows ``[r * m_local, (r + 1) * m_local)`` of every rank's ``G`` chunk by chunk
+   (chunks of whole row tiles), setting flag ``AG[r, c] = e`` on every rank after chunk ``c``
+   (GPU: copy engine on a side stream, so the GEMM below already runs);
 3. GEMM kernel: programs walk this rank's rows first, then the ring ``r + 1, r + 2, ...``; a program
-   waits for ``AG[src] >= e`` before loading the rows of shard ``src`` from the local ``G``;
-   with ``return_gathered`` the ``n``-tile-0 programs also write the rows they load to ``x_gathered``;
+   waits for ``AG[src, c] >= e`` of the chunk holding its rows before loading them from the local
+   ``G``; with ``return_gathered`` the ``n``-tile-0 programs also write the rows they load to
+   ``x_gathered``;
 4. set ``DONE[r] = e`` on every rank.
 
 Each rank only reads its own ``G`` and only peers write it, so step 1 is the whole flow control.
@@ -30,25 +32,27 @@ from .gemm import acc_dtype, block_config, matmul, tile_matmul
 
 
 @triton.jit
-def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_LOCAL, N, K,
+def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_LOCAL, N, K, n_tiles, chunk_rows,
                     stride_wn, stride_wk, stride_ym, stride_yn, rank, epoch, timeout, flag_offset,
-                    WORLD: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
+                    WORLD: tl.constexpr, CHANNEL: tl.constexpr, FLAG_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
                     USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_shard = tl.cdiv(M_LOCAL, BLOCK_M)
     pid_m = pid // n_tiles
     pid_n = pid % n_tiles
     # Own shard first (already local), then ring order: the flags arrive roughly in that order.
     src = (rank + pid_m // tiles_per_shard) % WORLD
-    local_rows = (pid_m % tiles_per_shard) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    first_row = (pid_m % tiles_per_shard) * BLOCK_M
+    # chunk_rows is a multiple of BLOCK_M, so a tile lies in exactly one chunk.
+    flag = flag_offset + src * FLAG_STRIDE + first_row // chunk_rows
+    local_rows = first_row + tl.arange(0, BLOCK_M).to(tl.int64)
     mask_m = local_rows < M_LOCAL
     offs_m = src * M_LOCAL + local_rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < N
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    ok = signals.wait_signal(pad + flag_offset + src, epoch, pad, timeout, 1 + src + WORLD * CHANNEL, USE_GLOBALTIMER)
+    ok = signals.wait_signal(pad + flag, epoch, pad, timeout, 1 + src + WORLD * CHANNEL, USE_GLOBALTIMER)
     if ok:
         # Only the n-tile-0 programs write x_gathered (the interpreter cannot broadcast a scalar
         # predicate into a mask, hence the vector form).
@@ -61,16 +65,21 @@ def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_
                  mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _push_shard(call: runtime.FusedCall, x: torch.Tensor, side: Optional[torch.cuda.Stream]) -> None:
+def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side: Optional[torch.cuda.Stream]
+                ) -> None:
+    """Copy ``x`` chunk by chunk into row block ``r`` of every rank's gather buffer, flag after each chunk."""
     heap, r, w = call.heap, call.rank, call.world_size
     m_local, k = x.shape
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        for step in range(w):
-            dst = (r + step) % w
-            heap.data_view(dst, x.dtype, (w * m_local, k))[r * m_local:(r + 1) * m_local].copy_(x, non_blocking=True)
-    runtime.push_signal(call, signals.CH_AG, call.epoch, side)
+    targets = [heap.data_view((r + step) % w, x.dtype, (w * m_local, k))[r * m_local:(r + 1) * m_local]
+               for step in range(w)]
+    for c, start in enumerate(range(0, m_local, chunk_rows)):
+        rows = slice(start, min(start + chunk_rows, m_local))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for target in targets:
+                target[rows].copy_(x[rows], non_blocking=True)
+        runtime.push_signal(call, signals.CH_AG, call.epoch, side, index=r * signals.AG_MAX_SPLITS + c)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -113,25 +122,27 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     heap = call.heap
     if call.epoch > 1:
         signals.wait_all(heap, signals.CH_DONE, call.epoch - 1, call.timeout_ticks, call.use_globaltimer)
+    cfg = block_config(x.device)
+    chunk_rows = max(1, triton.cdiv(triton.cdiv(m_local, cfg.ag_splits), cfg.block_m)) * cfg.block_m
     side = _side_stream(x.device) if x.device.type == "cuda" else None
-    _push_shard(call, x, side)
+    _push_shard(call, x, chunk_rows, side)
     y = torch.empty((w * m_local, n), dtype=x.dtype, device=x.device)
     x_gathered = torch.empty((w * m_local, k), dtype=x.dtype, device=x.device) if return_gathered else y
-    cfg = block_config(x.device)
-    grid = (w * triton.cdiv(m_local, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    # With n == 0 the V2 op still needs one column of programs to copy the gathered rows out.
+    n_tiles = max(triton.cdiv(n, cfg.block_n), 1 if return_gathered else 0)
+    grid = (w * triton.cdiv(m_local, cfg.block_m) * n_tiles,)
     if grid[0] > 0:
         _ag_gemm_kernel[grid](heap.data_ptrs, heap.sig_ptrs, weight, bias if bias is not None else y, y, x_gathered,
-                              m_local, n, k, weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+                              m_local, n, k, n_tiles, chunk_rows, weight.stride(0), weight.stride(1),
+                              y.stride(0), y.stride(1),
                               call.rank, call.epoch, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
-                              WORLD=w, CHANNEL=signals.CH_AG, HAS_BIAS=bias is not None, STORE_A=return_gathered,
+                              WORLD=w, CHANNEL=signals.CH_AG, FLAG_STRIDE=signals.AG_MAX_SPLITS,
+                              HAS_BIAS=bias is not None, STORE_A=return_gathered,
                               USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if side is not None:
         # Work the caller queues next (which may overwrite or free x) must follow the pushes of x;
         # they end about when the GEMM does, since every rank's GEMM waits for every rank's push.
         torch.cuda.current_stream(x.device).wait_stream(side)
-    if return_gathered and n == 0:
-        signals.wait_all(heap, signals.CH_AG, call.epoch, call.timeout_ticks, call.use_globaltimer)
-        x_gathered.copy_(heap.data_view(call.rank, x.dtype, (w * m_local, k)))
     runtime.finish(call)
     return (y, x_gathered) if return_gathered else y

@@ -18,19 +18,24 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """Tile sizes and launch parameters; identical on every rank (tile counts drive the signal targets)."""
+    """Tile sizes and launch parameters; identical on every rank (tile counts drive the signal targets).
+
+    ``ag_splits``: chunks per all-gather shard, each with its own ready flag, so the GEMM starts on
+    a shard's first rows before the rest arrive (at most ``signals.AG_MAX_SPLITS``).
+    """
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    ag_splits: int
 
 
 # The interpreter costs per program and per loop step, so CPU tiles stay small to keep tests fast
 # while still crossing tile boundaries with test shapes of a few dozen rows.
-CPU_BLOCKS = BlockConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
-GPU_BLOCKS = BlockConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+CPU_BLOCKS = BlockConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1, ag_splits=2)
+GPU_BLOCKS = BlockConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, ag_splits=4)
 
 
 def block_config(device: torch.device) -> BlockConfig:

@@ -81,19 +81,22 @@ def check(call: FusedCall) -> None:
         f"the peer is dead, stuck, or did not make the same call")
 
 
-def push_signal(call: FusedCall, channel: int, value: int, stream: Optional[torch.cuda.Stream] = None) -> None:
-    """Set this rank's ``channel`` flag to ``value`` on every rank after the data pushed before it.
+def push_signal(call: FusedCall, channel: int, value: int, stream: Optional[torch.cuda.Stream] = None,
+                index: Optional[int] = None) -> None:
+    """Set flag ``index`` (default: this rank's) of ``channel`` to ``value`` on every rank, after the
+    data pushed before it.
 
     On GPU the flag is a host-to-device copy from pinned memory on ``stream``, queued behind the data
     copies, so it needs the copy engine only and never an SM the spinning GEMM may hold. On CPU the
     copies before it are synchronous and a one-program kernel does release stores.
     """
     heap = call.heap
+    index = heap.rank if index is None else index
     if heap.device.type != "cuda":
-        signals.signal_all(heap, channel, value)
+        signals.signal_all(heap, channel, value, index)
         return
     src = torch.tensor([value], dtype=torch.int64).pin_memory()
-    offset = signals.channel_offset(channel, heap.world_size) + heap.rank
+    offset = signals.channel_offset(channel, heap.world_size) + index
     with torch.cuda.stream(stream):
         for dst in range(heap.world_size):
             # The pinned allocator records an event on this stream, so ``src`` outlives the copy.

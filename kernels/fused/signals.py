@@ -5,7 +5,9 @@ Pad layout (int64 words of each rank's signal pad; ``W`` = world size)::
     word 0            clock (CPU heaps: ms since heap creation, written by a host thread)
     word 1            error code of this rank's last failed wait (0 = none), written by this rank only
     DONE  + src       epoch of the last call ``src`` finished (it no longer reads its heap for it)
-    AG    + src       epoch whose input shard ``src`` has pushed into this rank's gather buffer
+    AG    + src * AG_MAX_SPLITS + c
+                      epoch whose chunk ``c`` of its input shard ``src`` has pushed into this
+                      rank's gather buffer
     RS    + src       cumulative count of partial-product tiles ``src`` has pushed to this rank
     AR    + src       cumulative count of reduced-row tiles ``src`` (their owner) has pushed here
 
@@ -35,6 +37,9 @@ CH_AG = 1
 CH_RS = 2
 CH_AR = 3
 NUM_CHANNELS = 4
+# Most chunks an all-gather shard is split into (one flag each); the AG channel is this many
+# times wider than the others.
+AG_MAX_SPLITS = 8
 
 PHASES = {
     CH_DONE: "finish its previous fused call",
@@ -44,12 +49,16 @@ PHASES = {
 }
 
 
+def _channel_width(channel: int, world_size: int) -> int:
+    return world_size * (AG_MAX_SPLITS if channel == CH_AG else 1)
+
+
 def sig_words(world_size: int) -> int:
-    return HEADER_WORDS + NUM_CHANNELS * world_size
+    return HEADER_WORDS + sum(_channel_width(c, world_size) for c in range(NUM_CHANNELS))
 
 
 def channel_offset(channel: int, world_size: int) -> int:
-    return HEADER_WORDS + channel * world_size
+    return HEADER_WORDS + sum(_channel_width(c, world_size) for c in range(channel))
 
 
 def error_code(channel: int, peer: int, world_size: int) -> int:
@@ -126,10 +135,10 @@ def _wait_all_kernel(sig_tab_ptr, rank, offset, target, timeout, channel,
 
 
 @triton.jit
-def _signal_all_kernel(sig_tab_ptr, rank, offset, value, WORLD: tl.constexpr):
+def _signal_all_kernel(sig_tab_ptr, index, offset, value, WORLD: tl.constexpr):
     for dst in tl.static_range(WORLD):
         pad = peer_ptr(sig_tab_ptr, dst, tl.int64)
-        send_signal(pad + offset + rank, value)
+        send_signal(pad + offset + index, value)
 
 
 def wait_all(heap, channel: int, target: int, timeout: int, use_globaltimer: bool) -> None:
@@ -139,7 +148,8 @@ def wait_all(heap, channel: int, target: int, timeout: int, use_globaltimer: boo
                            WORLD=w, USE_GLOBALTIMER=use_globaltimer)
 
 
-def signal_all(heap, channel: int, value: int) -> None:
-    """Release-store ``value`` into this rank's ``channel`` flag on every rank (itself included)."""
+def signal_all(heap, channel: int, value: int, index: int | None = None) -> None:
+    """Release-store ``value`` into flag ``index`` (default: this rank's) of ``channel`` on every rank."""
     w = heap.world_size
-    _signal_all_kernel[(1,)](heap.sig_ptrs, heap.rank, channel_offset(channel, w), value, WORLD=w)
+    index = heap.rank if index is None else index
+    _signal_all_kernel[(1,)](heap.sig_ptrs, index, channel_offset(channel, w), value, WORLD=w)
