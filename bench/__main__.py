@@ -276,6 +276,18 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
                       repeats=_count(args.repeats, defaults["repeats"], device_type, 7, 50), seed=args.seed,
                       progress=not args.no_progress, calibrate=args.calibrate, gpu_generation=gen,
                       model=not args.no_model, stat=args.stat)
+    if device_type == "cuda" and not torchrun:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        too_big = sorted({c.world for c in cases if c.world > gpus})
+        if too_big:
+            report.say(f"skipping world sizes {too_big}: this node has {gpus} GPU(s), one per rank")
+            skipped += [{"case": c.label, "reason": f"world size {c.world} > {gpus} GPUs"} for c in cases
+                        if c.world > gpus]
+            cases = [c for c in cases if c.world <= gpus]
+    if device_type == "cpu" and any(c.flops > 5e10 for c in cases):
+        report.say("note: these are GPU-sized shapes; on CPU each case takes minutes (try --suite tiny or cpu)")
     worlds = sorted({c.world for c in cases})
     results = []
     if torchrun:

@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from bench.runner import FUSED_FALLBACK, CHECK_TOL, TORCH_DTYPES, Progress, RunOptions, fallback_reason
 from bench.model import chunk_rows
+from bench.runner import FUSED_FALLBACK, TORCH_DTYPES, Progress, RunOptions, check_tol, fallback_reason
 from bench.suites import OP_SHORT, Case
 from bench.timing import Timer
 
@@ -39,7 +39,7 @@ def gemm_core() -> tuple[Optional[Callable[[torch.Tensor, torch.Tensor], torch.T
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> bool:
-    tol = CHECK_TOL[dtype]
+    tol = check_tol(dtype, ref.device)
     scale = ref.float().abs().max().item()
     return bool(torch.allclose(out.float(), ref.float(), atol=tol * max(scale, 1e-30), rtol=tol))
 
