@@ -449,7 +449,9 @@ _RETAIN = [False]
 def _reshard_nograd(x: DistTensor, placements: tuple) -> DistTensor:
     if not x._init:
         return _uninit(x._mesh, placements, x._shape, x._dtype)
-    local = _rs.redistribute_local(x._local, x._shape, x._mesh, x._placements, placements)
+    local = _fused_reduce(x, placements) if type(x) is _PendingMatmul else None
+    if local is None:
+        local = _rs.redistribute_local(x._local, x._shape, x._mesh, x._placements, placements)
     return DistTensor(local, x._mesh, placements, x._shape, x._dtype)
 
 
@@ -465,11 +467,7 @@ def _reshard_backward(node: _Node, g: DistTensor) -> list[Optional[DistTensor]]:
 
 def _reshard_same_mesh(x: DistTensor, placements: tuple) -> DistTensor:
     _rs.check_placements_reachable(x._placements, placements)
-    local = _fused_reduce(x, placements) if type(x) is _PendingMatmul else None
-    if local is not None:
-        out = DistTensor(local, x._mesh, placements, x._shape, x._dtype)
-    else:
-        out = _reshard_nograd(x, placements)
+    out = _reshard_nograd(x, placements)
     if x._requires_grad and torch.is_grad_enabled():
         out._requires_grad = True
         out._node = _Node([x], _reshard_backward, x._placements)
@@ -621,6 +619,16 @@ class _PendingMatmul(DistTensor):
 _LOCAL_SLOT = DistTensor.__dict__["_local"]
 
 
+def _pending(x_local: torch.Tensor, w_local: torch.Tensor, mesh: ProcessMesh, placements: tuple,
+             shape: torch.Size, dtype: torch.dtype, mesh_dim: int,
+             pid: Optional[int] = None) -> "_PendingMatmul":
+    """A DistTensor standing for ``x_local @ w_local.T`` (Partial on ``mesh_dim``), not computed."""
+    out = _PendingMatmul.__new__(_PendingMatmul)
+    DistTensor.__init__(out, None, mesh, placements, shape, dtype, True, pid)
+    out._x, out._w, out._mesh_dim = x_local, w_local, mesh_dim
+    return out
+
+
 def _kernels():
     import kernels
 
@@ -650,6 +658,14 @@ def _mm_backward(node: _Node, g: DistTensor) -> list[Optional[DistTensor]]:
             continue
         gl = g._local
         if i == 0:
+            partial = [m for m, p in enumerate(pl) if type(p) is Partial]
+            if len(partial) == 1 and mesh.shape[partial[0]] > 1 and gl.ndim >= 2:
+                # dgrad that is Partial on one mesh dim (e.g. Megatron's sequence-parallel column
+                # backward): left pending, so the reshard that follows (reduce-scatter back to
+                # Shard(0)) runs as one overlapped matmul_reduce_scatter.
+                grads.append(_pending(gl, w_local.mT, mesh, pl, in_shapes[i], in_dtypes[i],
+                                      partial[0]))
+                continue
             lg = torch.matmul(gl, w_local)
         else:
             lg = gl.reshape(-1, gl.shape[-1]).T @ x_local.reshape(-1, x_local.shape[-1])
@@ -690,10 +706,8 @@ def _matmul_like(key: tuple, rule: Callable[[], RuleResult], local_fn: Callable,
     if a._pid == in_pids[0]:
         if pend_dim >= 0 and mesh.shape[pend_dim] > 1:
             w_local = b._local.mT if transposed else b._local
-            out = _PendingMatmul.__new__(_PendingMatmul)
-            DistTensor.__init__(out, None, mesh, res.out_placements, res.out_shape,
-                                torch.promote_types(a._dtype, b._dtype), True, out_pid)
-            out._x, out._w, out._mesh_dim = a._local, w_local, pend_dim
+            out = _pending(a._local, w_local, mesh, res.out_placements, res.out_shape,
+                           torch.promote_types(a._dtype, b._dtype), pend_dim, out_pid)
             _record_mm(out, a, b, a._local, w_local, res, transposed)
             return out
         if not ((a._requires_grad or b._requires_grad) and torch.is_grad_enabled()):

@@ -1,7 +1,7 @@
 """The overlapped ops from ``kernels`` inside DistTensor matmuls, against plain math.
 
 A matmul whose output is Partial on one mesh dim, resharded to Replicate or Shard(0), must run
-``kernels.matmul_all_reduce`` / ``kernels.matmul_reduce_scatter``; a Shard(0) input gathered into
+``kernels.matmul_all_reduce`` / ``kernels.matmul_reduce_scatter`` (the backward's dgrad too); a Shard(0) input gathered into
 a column-sharded matmul must run ``kernels.all_gather_matmul``. The ranks wrap those three ops to
 count calls, run forward and backward, and compare with single-process torch. With
 ``COC_PARALLEL_NUM=2`` the chunked backend runs; with the default the sequential one. Tolerance:
@@ -85,5 +85,7 @@ def _fused_case(rank, world):
 def test_overlapped_ops_are_used_and_exact(world, parallel_num):
     results = run_ranks(_fused_case, world, env={"COC_PARALLEL_NUM": parallel_num})
     for calls in results:
-        assert calls == {"matmul_all_reduce": 1, "matmul_reduce_scatter": 1,
+        # matmul_reduce_scatter twice: the row layer's forward and the sequence-parallel column
+        # layer's dgrad (Partial over tp, reduce-scattered back to x's Shard(0)).
+        assert calls == {"matmul_all_reduce": 1, "matmul_reduce_scatter": 2,
                          "all_gather_matmul": 1}, calls
