@@ -28,7 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-CLOCK_WORD = 0
+# Word 0 is the clock (``kernels.heap.shm.CLOCK_WORD``); the kernels address words 0 and 1 of the
+# pad directly, so these two positions are fixed.
 ERROR_WORD = 1
 HEADER_WORDS = 8
 
@@ -61,12 +62,9 @@ def channel_offset(channel: int, world_size: int) -> int:
     return HEADER_WORDS + sum(_channel_width(c, world_size) for c in range(channel))
 
 
-def error_code(channel: int, peer: int, world_size: int) -> int:
-    return 1 + peer + world_size * channel
-
-
 def decode_error(code: int, world_size: int) -> tuple[int, int]:
-    """``(channel, peer)`` of an error code stored by :func:`wait_signal`."""
+    """``(channel, peer)`` of an error code stored by :func:`wait_signal` (kernels store
+    ``1 + peer + world_size * channel``)."""
     return (code - 1) // world_size, (code - 1) % world_size
 
 
