@@ -12,7 +12,7 @@ setup(
     include_package_data=True,
     install_requires=["torch>=2.4", "triton>=3.0", "pyyaml>=5.4"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "megatron-core>=0.9"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "megatron-core>=0.9", "matplotlib>=3.5"],
         "cuda": ["cupy-cuda12x>=13"],
         "plot": ["matplotlib>=3.5"],
     },
