@@ -34,7 +34,8 @@ from .gemm import acc_dtype, block_config, matmul, tile_matmul
 @triton.jit
 def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_LOCAL, N, K, n_tiles, chunk_rows,
                     stride_wn, stride_wk, stride_ym, stride_yn, rank, epoch, timeout, flag_offset,
-                    WORLD: tl.constexpr, CHANNEL: tl.constexpr, FLAG_STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
+                    WORLD: tl.constexpr, CHANNEL: tl.constexpr, FLAG_STRIDE: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
                     USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
@@ -139,7 +140,8 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                               WORLD=w, CHANNEL=signals.CH_AG, FLAG_STRIDE=signals.AG_MAX_SPLITS,
                               HAS_BIAS=bias is not None, STORE_A=return_gathered,
                               USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
-                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if side is not None:
         # Work the caller queues next (which may overwrite or free x) must follow the pushes of x;
         # they end about when the GEMM does, since every rank's GEMM waits for every rank's push.

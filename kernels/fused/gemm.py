@@ -52,7 +52,8 @@ def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m
                 g_ptr, stride_gm, g_mask_m,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_A: tl.constexpr,
                 ACC_DTYPE: tl.constexpr):
-    """``ACC_DTYPE`` ``a[offs_m, :] @ b[offs_n, :].T``; with ``STORE_A`` also copies the A rows selected by ``g_mask_m`` to ``g``.
+    """``a[offs_m, :] @ b[offs_n, :].T`` accumulated in ``ACC_DTYPE``; with ``STORE_A`` also copies the
+    A rows selected by ``g_mask_m`` to ``g``.
 
     ``offs_m``/``offs_n`` are int64 so addresses of large matrices cannot overflow.
     """

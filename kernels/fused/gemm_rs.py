@@ -34,7 +34,8 @@ from .gemm import BlockConfig, acc_dtype, block_config, matmul, tile_matmul
 def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_OWN,
                          stride_xm, stride_xk, stride_wn, stride_wk, rank, epoch, timeout,
                          done_offset, cnt_offset,
-                         WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                         WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+                         ACC_DTYPE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -129,7 +130,8 @@ def scatter_partials(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Ten
                                    x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
                                    call.rank, call.epoch, call.timeout_ticks,
                                    signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
-                                   WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
+                                   WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
+                                   ACC_DTYPE=acc_dtype(x.dtype),
                                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return heap.add_count(signals.CH_RS, per_owner)
