@@ -65,3 +65,7 @@ def test_fused_op_gpu(op, dtype):
 
 def test_fused_edge_shapes():
     assert run_ranks(fused_cases.edge_shapes_body, 3) == [8, 8, 8]
+
+
+def test_public_ops_select_fused_by_environment():
+    assert run_ranks(fused_cases.public_api_body, 2, env={"USE_COC_FUSED_KERNEL": "1"}) == [3, 3]
