@@ -120,7 +120,7 @@ def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab
                              BLOCK_M, BLOCK_N, BLOCK_K)
     tile = acc.to(x_ptr.dtype.element_ty)
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    slot_offs = rank * ROWS_OWN * N + local_rows[:, None] * N + offs_n[None, :]
+    slot_offs = (rank * ROWS_OWN + local_rows)[:, None] * N + offs_n[None, :]
     slot_mask = mask_m[:, None] & mask_n[None, :]
     if BROADCAST:
         for i in tl.static_range(WORLD):
