@@ -260,3 +260,44 @@ def test_column_parallel_linear_matches_reference(world: int, parallel_num: int,
 @pytest.mark.parametrize("world", WORLDS)
 def test_row_parallel_linear_matches_reference(world: int, parallel_num: int) -> None:
     _assert_no_errors(run_ranks(row_cases, world, env={"COC_PARALLEL_NUM": str(parallel_num)}))
+
+
+def _count_fused_calls(body: Any, *args: Any) -> tuple[list[str], int]:
+    """Run ``body`` in this rank counting calls that reached the fused Triton ops (not a fallback)."""
+    from kernels import fused
+
+    names = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+    originals = {name: getattr(fused, name) for name in names}
+    calls = [0]
+
+    def counted(fn: Any) -> Any:
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            calls[0] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(fused, name, counted(fn))
+    try:
+        return body(*args), calls[0]
+    finally:
+        for name, fn in originals.items():
+            setattr(fused, name, fn)
+
+
+def fused_column_cases(rank: int, world: int, yamls: dict) -> tuple[list[str], int]:
+    return _count_fused_calls(column_cases, rank, world, yamls)
+
+
+def fused_row_cases(rank: int, world: int) -> tuple[list[str], int]:
+    return _count_fused_calls(row_cases, rank, world)
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_linears_on_the_fused_kernels(world: int, coc_yamls: dict) -> None:
+    """USE_COC_FUSED_KERNEL=1: forward and every gradient through the Triton kernels (interpreter)."""
+    env = {"USE_COC_FUSED_KERNEL": "1"}
+    for results in (run_ranks(fused_column_cases, world, coc_yamls, env=env, timeout=300),
+                    run_ranks(fused_row_cases, world, env=env, timeout=300)):
+        _assert_no_errors([errors for errors, _ in results])
+        assert all(calls > 0 for _, calls in results), results
