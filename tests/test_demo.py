@@ -25,9 +25,11 @@ def test_demo_runs_every_path_and_matches_the_reference() -> None:
             assert row, f"no passing row for {label} sequence_parallel={sp}:\n{out}"
             step_ms, loss_diff, grad_diff = (float(v) for v in row.groups())
             assert step_ms > 0 and loss_diff <= 1e-4 and grad_diff <= 1e-4
-    # The fused path either ran and passed or says why it was skipped; it never fails the demo.
+    # On CPU the fused kernels run under the Triton interpreter (the demo selects it), so both
+    # fused rows must have run and passed; with GPUs a row may say why it was skipped instead.
     fused = re.findall(r"^fused\s.*$", out, re.M)
-    assert len(fused) == 2 and all(" ok" in line or "skipped:" in line for line in fused), out
+    accepted = (" ok",) if not torch.cuda.is_available() else (" ok", "skipped:")
+    assert len(fused) == 2 and all(any(a in line for a in accepted) for line in fused), out
 
 
 def test_table_flags_a_run_that_differs_from_the_reference() -> None:
