@@ -69,3 +69,33 @@ def test_fused_edge_shapes():
 
 def test_public_ops_select_fused_by_environment():
     assert run_ranks(fused_cases.public_api_body, 2, env={"USE_COC_FUSED_KERNEL": "1"}) == [3, 3]
+
+
+_NO_PG_SCRIPT = """
+import torch, torch.distributed as dist, kernels
+assert not dist.is_initialized()
+x, w, b = torch.randn(3, 2, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+want = x @ w.T + b
+y, x_gathered = kernels.all_gather_matmul(x, w, b, backend="fused", return_gathered=True)
+assert torch.allclose(y, want) and torch.equal(x_gathered, x)
+assert torch.allclose(kernels.matmul_reduce_scatter(x, w, b, backend="fused"), want)
+assert torch.allclose(kernels.matmul_all_reduce(x, w, b, backend="fused"), want)
+qweight, scale = kernels.quantize_weight(w.float(), mode="per_channel")
+got = kernels.quantized_matmul_all_reduce(x.float(), qweight, scale, b.float(), backend="fused")
+assert torch.allclose(got, x.float() @ (qweight.float() * scale[:, None]).T + b.float(), atol=1e-4)
+print("ok")
+"""
+
+
+def test_fused_without_process_group_is_plain_gemm():
+    # api.md: W == 1 is valid without torch.distributed initialized; the fused path once asked the
+    # (missing) default group for its size. A fresh interpreter guarantees no group exists.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _NO_PG_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .ag_gemm import all_gather_matmul
 from .gemm_ar import matmul_all_reduce
 from .gemm_rs import matmul_reduce_scatter
-from .runtime import resolve_group, triton_interpreted
+from .runtime import resolve_group, triton_interpreted, world_size
 
 __all__ = ["unavailable_reason", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
 
@@ -46,7 +46,7 @@ def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device)
     rank of the group must make it, as every rank makes the op call itself. The answer is cached.
     """
     group = resolve_group(group)
-    if dist.get_world_size(group) == 1:
+    if world_size(group) == 1:
         return None if device.type == "cuda" or triton_interpreted() else (
             "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before kernels is imported)")
     key = (id(group), str(device))

@@ -113,7 +113,7 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     Raises RuntimeError naming the missing peer if a wait exceeds ``COC_TIMEOUT``.
     """
     group = runtime.resolve_group(group)
-    w = dist.get_world_size(group)
+    w = runtime.world_size(group)
     if w == 1:
         y = matmul(x, weight, bias)
         return (y, x.clone(memory_format=torch.contiguous_format)) if return_gathered else y

@@ -79,7 +79,7 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
     group = runtime.resolve_group(group)
-    w = dist.get_world_size(group)
+    w = runtime.world_size(group)
     if w == 1:
         return matmul(x, weight, bias)
     m = x.shape[0]

@@ -213,7 +213,7 @@ def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch
     """
     del deterministic  # the fixed-order reduce of gemm_rs is always used
     group = runtime.resolve_group(group)
-    w = dist.get_world_size(group)
+    w = runtime.world_size(group)
     if w == 1:
         return matmul_w8a16(x, qweight, scale, offset, group_size, bias)
     m, _ = x.shape

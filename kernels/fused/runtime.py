@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..checks import group_size
 from ..config import get_config
 from ..heap import SymmetricHeap, destroy_heap, get_heap
 from . import signals
@@ -16,6 +17,11 @@ from . import signals
 
 def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
+
+
+def world_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Size of ``group``; 1 without torch.distributed initialized (api.md: W == 1 needs no process group)."""
+    return group_size(group)
 
 
 def triton_interpreted() -> bool:
