@@ -729,7 +729,7 @@ def _param_device(config: Any) -> torch.device:
 
 
 class _ExtraStateMixin:
-    """Megatron/TE state-dict compatibility: an empty ``_extra_state`` entry."""
+    """Megatron/TE state-dict compatibility: an empty ``_extra_state`` entry, sharded checkpoints."""
 
     def _register_extra_state_hook(self) -> None:
         self._register_load_state_dict_pre_hook(
@@ -741,6 +741,22 @@ class _ExtraStateMixin:
     def get_extra_state(self) -> None:
         """Keep compatibility with TE state dicts."""
         return None
+
+    def _sharded_state_dict(self, prefix: str, sharded_offsets: tuple, metadata: Optional[dict],
+                            tp_axis_map: dict[str, int]) -> dict:
+        # Megatron's distributed checkpointing calls this on every submodule that has it and
+        # otherwise treats the parameters as replicated over TP, which would save one rank's
+        # shard as the whole tensor; so the TP axes must be declared as Megatron's modules do.
+        try:
+            from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                                         make_sharded_tensors_for_checkpoint)
+        except ImportError as e:
+            raise ImportError("sharded_state_dict() is Megatron's distributed checkpointing and "
+                              f"needs megatron-core (pip install megatron-core): {e}") from e
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, tp_axis_map, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
 
 
 class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
@@ -828,6 +844,11 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
     def backward_dw(self) -> None:
         """Delayed weight-gradient computation is not supported (as in Megatron's module)."""
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """Megatron distributed checkpointing: weight and bias sharded along axis 0 over TP."""
+        return self._sharded_state_dict(prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0})
+
     def __repr__(self) -> str:
         tp = self.output_size // self.output_size_per_partition
         return (f"{type(self).__name__}(in_features={self.input_size}, "
@@ -899,6 +920,11 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         ``input_is_parallel``) -> ``(output [s, b, output_size] or [s/W, b, output_size] with
         sequence parallelism, output_bias)``."""
         return row_parallel_forward(self, input_)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """Megatron distributed checkpointing: weight sharded along axis 1 over TP, bias whole."""
+        return self._sharded_state_dict(prefix, sharded_offsets, metadata, {"weight": 1})
 
     def __repr__(self) -> str:
         tp = self.input_size // self.input_size_per_partition

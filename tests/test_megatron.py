@@ -90,6 +90,25 @@ def _inputs(kind: str, rank: int, world: int) -> tuple[torch.Tensor, torch.Tenso
             torch.randn(S, B, K, generator=gen, dtype=torch.float64))
 
 
+def _sharded_layout(layer: torch.nn.Module) -> dict[str, Any]:
+    sd = layer.sharded_state_dict(prefix="layer.", metadata={"dp_cp_group": None})
+    return {key: (type(v).__name__, getattr(v, "global_shape", None), getattr(v, "global_offset", None),
+                  getattr(v, "axis_fragmentations", None), getattr(v, "replica_id", None))
+            for key, v in sd.items()}
+
+
+def _same_sharded_state_dict(theirs: torch.nn.Module, mine: torch.nn.Module, tag: str,
+                             errors: list[str]) -> None:
+    """Megatron's dist checkpointing must see the TP shards (without ``sharded_state_dict`` it
+    would save each parameter as replicated, i.e. one rank's shard as the whole tensor)."""
+    if not hasattr(mine, "sharded_state_dict"):
+        errors.append(f"{tag}: no sharded_state_dict")
+        return
+    a, b = _sharded_layout(theirs), _sharded_layout(mine)
+    if a != b:
+        errors.append(f"{tag}: sharded_state_dict {b} != Megatron's {a}")
+
+
 def against_megatron(rank: int, world: int) -> list[str]:
     """Unpatched Megatron vs autopar, explicit tp_group, sequence parallelism off."""
     from autopar import unpatch_megatron
@@ -110,6 +129,7 @@ def against_megatron(rank: int, world: int) -> list[str]:
                 errors.append(f"{tag}: state_dict keys {sorted(mine.state_dict())} != Megatron's "
                               f"{sorted(theirs.state_dict())}")
             mine.load_state_dict(theirs.state_dict())  # strict: Megatron checkpoints load as they are
+            _same_sharded_state_dict(theirs, mine, tag, errors)
             x, g = _inputs(kind, rank, world)
             a, b = _run(theirs, x, g), _run(mine, x, g)
             if a["grad_fn"] in OURS or b["grad_fn"] not in OURS:
