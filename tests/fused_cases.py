@@ -24,7 +24,7 @@ def make_inputs(op: str, world: int, m_local: int, k: int, n: int, bias: bool, s
 
     ``ag``: x ``[m_local, k]`` per rank, one weight ``[n, k]``; ``rs``: x ``[m_local * W, k]``;
     ``ar``: x ``[2 * m_local + 1, k]`` (not a multiple of W nor of a tile). With ``noncontig`` x and
-    weight are transposed views, so the kernels must honour strides.
+    weight are transposed views and bias a stride-2 view, so the kernels must honour strides.
     """
     g = torch.Generator().manual_seed(seed)
     rows = {"ag": m_local, "ag_v2": m_local, "rs": m_local * world}.get(op, 2 * m_local + 1)
@@ -40,6 +40,9 @@ def make_inputs(op: str, world: int, m_local: int, k: int, n: int, bias: bool, s
     else:
         ws = [rand(n, k) for _ in range(world)]
     b = torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None
+    if b is not None and noncontig:
+        # Every other element of a [2n] tensor: the kernels must not assume a unit bias stride.
+        b = torch.stack([b, torch.full_like(b, float("nan"))], dim=1)[:, 0]
     return xs, ws, b
 
 

@@ -119,6 +119,8 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         return (y, x.clone(memory_format=torch.contiguous_format)) if return_gathered else y
     m_local, k = x.shape
     n = weight.shape[0]
+    # The kernel indexes bias with unit stride.
+    bias = bias.contiguous() if bias is not None else None
     call = runtime.begin("all_gather_matmul", group, x.device, w * m_local * k * x.element_size())
     heap = call.heap
     if call.epoch > 1:

@@ -178,6 +178,8 @@ def matmul_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, of
     cfg = block_config(x.device)
     mode = _mode_of(scale, group_size, cfg)
     s, o, stride_sn, stride_sg = _quant_args(scale, offset)
+    # The kernel indexes bias with unit stride.
+    bias = bias.contiguous() if bias is not None else None
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_w8a16_kernel[grid](x, qweight, s, o, bias if bias is not None else out, out, m, n, k, group_size,
                                x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), stride_sn, stride_sg,

@@ -146,6 +146,8 @@ def reduce_slots(call: runtime.FusedCall, out: torch.Tensor, bias: Optional[torc
     heap, w = call.heap, call.world_size
     grid = (tiles(rows_own, n, cfg),)
     push = push_base is not None
+    # The kernel indexes bias with unit stride.
+    bias = bias.contiguous() if bias is not None else None
     if grid[0] > 0:
         _reduce_slots_kernel[grid](heap.data_ptrs, heap.sig_ptrs, bias if bias is not None else out, out,
                                    rows_own, rows_valid, n, out.stride(0), out.stride(1),
