@@ -28,7 +28,8 @@ def check_backend(backend: object) -> None:
 
 
 def check_parallel_num(parallel_num: object) -> None:
-    if parallel_num is not None and (isinstance(parallel_num, bool) or parallel_num not in PARALLEL_NUMS):
+    # 2.0 == 2 would pass the membership test, then break the integer split arithmetic downstream.
+    if parallel_num is not None and (type(parallel_num) is not int or parallel_num not in PARALLEL_NUMS):
         raise ValueError(f"parallel_num={parallel_num!r} is not accepted; use None or one of {PARALLEL_NUMS}")
 
 
@@ -69,9 +70,10 @@ def check_matmul_operands(x: object, weight: object, bias: object, *, weight_dty
             raise TypeError(f"bias dtype {bias.dtype} does not match x dtype {x.dtype}")
         if bias.device != x.device:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in (x, weight, bias)):
+    needs_grad = [name for name, t in (("x", x), ("weight", weight), ("bias", bias))
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+    if torch.is_grad_enabled() and needs_grad:
         # The collectives inside are not differentiable; returning a detached result would drop
         # gradients silently. The autopar linears wrap these ops in autograd Functions.
-        raise TypeError("kernels ops are forward-only and an input requires grad; call them under "
+        raise TypeError(f"kernels ops are forward-only and {', '.join(needs_grad)} requires grad; call them under "
                         "torch.no_grad() or inside an autograd.Function (as autopar's linears do)")

@@ -28,6 +28,7 @@ B = torch.randn(5)
     ((X, W), {"backend": "nccl"}, ValueError, "backend='nccl' is not accepted"),
     ((X, W), {"parallel_num": 3}, ValueError, "parallel_num=3 is not accepted"),
     ((X, W), {"parallel_num": True}, ValueError, "parallel_num=True is not accepted"),
+    ((X, W), {"parallel_num": 2.0}, ValueError, "parallel_num=2.0 is not accepted"),
     ((X, W), {"group": "tp"}, TypeError, "group must be a torch.distributed ProcessGroup"),
 ])
 def test_bad_input(op, args, kwargs, exc, needle):
@@ -53,7 +54,7 @@ def test_device_mismatch():
 
 def test_requires_grad_is_refused_not_silently_detached():
     w = W.clone().requires_grad_()
-    with pytest.raises(TypeError, match="forward-only"):
+    with pytest.raises(TypeError, match="forward-only and weight requires grad"):
         kernels.matmul_all_reduce(X, w)
     with torch.no_grad():
         torch.testing.assert_close(kernels.matmul_all_reduce(X, w), X @ W.T)
