@@ -44,6 +44,20 @@ def split_rows(rows: int, parallel_num: int) -> list[tuple[int, int]]:
     return bounds
 
 
+class _StreamWork:
+    """Local work queued on a CUDA stream; ``wait`` orders the caller's current stream after it,
+    as the ``wait`` of NCCL work does."""
+
+    def __init__(self, stream: "torch.cuda.Stream"):
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+        self.device = stream.device
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+        return True
+
+
 class _CommIssuer:
     """Launches async collectives on a side stream (CUDA) or directly (CPU / gloo)."""
 
@@ -63,6 +77,10 @@ class _CommIssuer:
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             work = collective()
+            if isinstance(work, comm._Done):
+                # A group of one copies on this stream instead of communicating, and _Done.wait()
+                # does nothing: without the event the caller would read the copy's output early.
+                work = _StreamWork(self.stream)
         for buf in buffers:
             buf.record_stream(self.stream)
         return work

@@ -112,6 +112,29 @@ def test_op_matches_torch_nccl(op, backend):
         run_ranks(CHECKS[op], world, backend, parallel_num, backend="nccl")
 
 
+@pytest.mark.gpu
+def test_chunked_single_rank_cuda_waits_for_local_copies():
+    """World 1 on CUDA (no process group): the chunked path's stand-in copies run on its comm
+    stream, and every piece must be read only after its copy (large pieces make a race visible)."""
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(8192, 1024, device=dev, generator=g)
+    w = torch.randn(256, 1024, device=dev, generator=g)
+    want = x @ w.T
+    for deterministic in (False, True):
+        # Freed NaN blocks of these sizes are what an early read of a fresh buffer would see.
+        torch.full_like(x, float("nan"))
+        torch.full_like(want, float("nan"))
+        got = kernels.all_gather_matmul(x, w, backend="chunked", parallel_num=8)
+        torch.testing.assert_close(got, want, **TOL)
+        got = kernels.matmul_reduce_scatter(x, w, backend="chunked", parallel_num=8,
+                                            deterministic=deterministic)
+        torch.testing.assert_close(got, want, **TOL)
+        got = kernels.matmul_all_reduce(x, w, backend="chunked", parallel_num=8, deterministic=deterministic)
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def _ops_with_soc_padding(rank, world, yaml_path):
     """matmul_soc_friendly active (as on CUDA) through every op and backend: results unchanged."""
     import os
