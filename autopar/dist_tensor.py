@@ -389,7 +389,8 @@ def _grad_placement(in_pl: tuple, others: list[tuple], out_pl: tuple, g_pl: tupl
     caller made the output gradient Replicate there); a Replicate input gets a Replicate gradient
     only if nothing in the op varied along that mesh dim (every operand and the output Replicate,
     the output gradient Replicate), else a Partial one: each rank's product covered only its
-    shard of the data, and the true gradient is the sum over the mesh dim.
+    shard of the data, and the true gradient is the sum over the mesh dim, or the mean when the
+    output is ``Partial("avg")`` (its value is the mean of the ranks' local results).
     """
     out = []
     for m, p in enumerate(in_pl):
@@ -401,9 +402,14 @@ def _grad_placement(in_pl: tuple, others: list[tuple], out_pl: tuple, g_pl: tupl
         elif type(g_pl[m]) is Replicate and type(out_pl[m]) is Replicate and \
                 all(type(o[m]) is Replicate for o in others):
             out.append(REPLICATE)
+        elif out_pl[m] == _PARTIAL_AVG:
+            out.append(_PARTIAL_AVG)
         else:
             out.append(PARTIAL_SUM)
     return tuple(out)
+
+
+_PARTIAL_AVG = Partial("avg")
 
 
 def _local_vjp_backward(node: _Node, g: DistTensor) -> list[Optional[DistTensor]]:
@@ -740,7 +746,8 @@ def _matmul_like(key: tuple, rule: Callable[[], RuleResult], local_fn: Callable,
 def _fused_reduce(x: "_PendingMatmul", placements: tuple) -> Optional[torch.Tensor]:
     """The local result of resharding a pending matmul, through one overlapped op, or None."""
     m = x._mesh_dim
-    if _LOCAL_SLOT.__get__(x, DistTensor) is not None:
+    if _LOCAL_SLOT.__get__(x, DistTensor) is not None or x._placements[m] != PARTIAL_SUM:
+        # The overlapped ops sum; a Partial("avg") dgrad takes the generic reshard.
         return None
     if any(p != q for k, (p, q) in enumerate(zip(x._placements, placements)) if k != m):
         return None

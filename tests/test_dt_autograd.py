@@ -55,6 +55,9 @@ def _ops_case(rank, world, mesh_shape):
                      [A], [pl(Shard(1))]),
         "mixed_plain": (lambda a: B[0] + a @ B, [A], [pl(Shard(0))]),
         "partial_input": (lambda a, b: a @ b, [A, B], [pl(Partial()), pl(Replicate())]),
+        # The output is Partial("avg") too: a Replicate operand's local vjps are averaged, not summed.
+        "partial_avg_input": (lambda a, b, c: (a @ b) * 2.0 + F.linear(a, W) + (a * c) @ b, [A, B, C],
+                              [pl(Partial("avg")), pl(Replicate()), pl(Replicate())]),
     }
     done = []
     for name, (fn, tensors, pls) in cases.items():
@@ -77,7 +80,7 @@ def _ops_case(rank, world, mesh_shape):
 
 @pytest.mark.parametrize("world,mesh_shape", [(2, (2,)), (4, (2, 2))], ids=["1d-2", "2x2"])
 def test_ops_forward_backward(world, mesh_shape):
-    assert len(run_ranks(_ops_case, world, mesh_shape)[0]) == 13
+    assert len(run_ranks(_ops_case, world, mesh_shape)[0]) == 14
 
 
 # -- gradient synchronization: a two-layer MLP ---------------------------------------------------
