@@ -117,6 +117,9 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if w == 1:
         y = matmul(x, weight, bias)
         return (y, x.clone(memory_format=torch.contiguous_format)) if return_gathered else y
+    # A strided x would make the side stream's pushes elementwise copy kernels, which need SMs the
+    # spinning GEMM may all hold; contiguous rows copy as memcpys on the copy engine.
+    x = x.contiguous()
     m_local, k = x.shape
     n = weight.shape[0]
     # The kernel indexes bias with unit stride.
