@@ -38,7 +38,7 @@ from .rules import RuleResult, broadcast_labels, einsum_rule, matmul_labels, red
 _SEQ = itertools.count()
 _RULE_CACHE: dict[tuple, tuple] = {}
 _MM_CACHE: dict[tuple, tuple] = {}
-_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 _PIDS: dict[tuple, int] = {}
@@ -53,10 +53,12 @@ def _pid(placements: tuple) -> int:
     return pid
 
 
-def _empty(dtype: torch.dtype) -> torch.Tensor:
-    t = _EMPTY.get(dtype)
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # On the data's device (zero elements allocate nothing): a clipped rank's placeholder tells a
+    # later cross-mesh receive where to put the data (NCCL receives only into CUDA tensors).
+    t = _EMPTY.get((dtype, device))
     if t is None:
-        t = _EMPTY[dtype] = torch.empty(0, dtype=dtype)
+        t = _EMPTY[(dtype, device)] = torch.empty(0, dtype=dtype, device=device)
     return t
 
 
@@ -105,7 +107,7 @@ class DistTensor:
         if mesh.my_coordinate is None:
             if global_shape is None:
                 raise ValueError("from_local on a rank outside the mesh needs global_shape")
-            return _uninit(mesh, pl, torch.Size(global_shape), local.dtype)
+            return _uninit(mesh, pl, torch.Size(global_shape), local.dtype, local.device)
         if global_shape is None:
             shape = list(local.shape)
             for m, p in enumerate(pl):
@@ -278,8 +280,9 @@ class DistTensor:
         return matmul(self, other)
 
 
-def _uninit(mesh: ProcessMesh, placements: tuple, shape: torch.Size, dtype: torch.dtype) -> DistTensor:
-    return DistTensor(_empty(dtype), mesh, placements, shape, dtype, init=False)
+def _uninit(mesh: ProcessMesh, placements: tuple, shape: torch.Size, dtype: torch.dtype,
+            device: torch.device) -> DistTensor:
+    return DistTensor(_empty(dtype, device), mesh, placements, shape, dtype, init=False)
 
 
 def shard_tensor(data: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Placement]) -> DistTensor:
@@ -296,7 +299,7 @@ def shard_tensor(data: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Pla
     pl = normalize_placements(placements, mesh.ndim, data.ndim)
     shape = data.shape
     if mesh.my_coordinate is None:
-        return _uninit(mesh, pl, shape, data.dtype)
+        return _uninit(mesh, pl, shape, data.dtype, data.device)
     local = data.detach()
     coord = mesh.my_coordinate
     for m, p in enumerate(pl):
@@ -321,7 +324,7 @@ def _as_dist(x: Any, mesh: ProcessMesh) -> DistTensor:
     if isinstance(x, torch.Tensor):
         pl = (REPLICATE,) * mesh.ndim
         if mesh.my_coordinate is None:
-            return _uninit(mesh, pl, x.shape, x.dtype)
+            return _uninit(mesh, pl, x.shape, x.dtype, x.device)
         return DistTensor(x, mesh, pl, x.shape, x.dtype)
     raise TypeError(f"expected a DistTensor or torch.Tensor, got {type(x).__name__}")
 
@@ -352,7 +355,8 @@ def _apply(key: tuple, rule: Callable[[], RuleResult], local_fn: Callable, input
     needs_grad = needs_grad and torch.is_grad_enabled()
     if mesh._coord is None:
         dtype = out_dtype or _promote(inputs)
-        out = DistTensor(_empty(dtype), mesh, res.out_placements, res.out_shape, dtype, False, out_pid)
+        out = DistTensor(_empty(dtype, inputs[0]._local.device), mesh, res.out_placements,
+                         res.out_shape, dtype, False, out_pid)
         if needs_grad:
             _record(out, inputs, None, None, res)
         return out
@@ -428,7 +432,7 @@ def _local_vjp_backward(node: _Node, g: DistTensor) -> list[Optional[DistTensor]
                 grads.append(None)
                 continue
             pl = _grad_placement(in_pls[i], in_pls[:i] + in_pls[i + 1:], out_pl, g._placements)
-            grads.append(_uninit(mesh, pl, in_shapes[i], in_dtypes[i]))
+            grads.append(_uninit(mesh, pl, in_shapes[i], in_dtypes[i], g._local.device))
         return grads
     want_idx = [i for i, x in enumerate(node.inputs) if x is not None]
     local_grads = torch.autograd.grad(local, [leaves[i] for i in want_idx], g._local,
@@ -454,7 +458,7 @@ _RETAIN = [False]
 
 def _reshard_nograd(x: DistTensor, placements: tuple) -> DistTensor:
     if not x._init:
-        return _uninit(x._mesh, placements, x._shape, x._dtype)
+        return _uninit(x._mesh, placements, x._shape, x._dtype, x._local.device)
     local = _fused_reduce(x, placements) if type(x) is _PendingMatmul else None
     if local is None:
         local = _rs.redistribute_local(x._local, x._shape, x._mesh, x._placements, placements)
@@ -489,9 +493,10 @@ def _move_backward(node: _Node, g: DistTensor) -> list[Optional[DistTensor]]:
         g = _reshard_nograd(g, (REPLICATE,) * dst_mesh.ndim)
     g_pl = g._placements if same else (REPLICATE,) * src_mesh.ndim
     recv_shape = _rs.local_shape(shape, src_mesh, g_pl) if src_mesh._coord is not None else None
-    local = _rs.move_across_meshes(g._local if g._init else None, dst_mesh, src_mesh, recv_shape, dtype)
+    local = _rs.move_across_meshes(g._local if g._init else None, dst_mesh, src_mesh, recv_shape, dtype,
+                                   g._local.device)
     if local is None:
-        return [_uninit(src_mesh, g_pl, shape, dtype)]
+        return [_uninit(src_mesh, g_pl, shape, dtype, g._local.device)]
     return [DistTensor(local, src_mesh, g_pl, shape, dtype)]
 
 
@@ -500,8 +505,9 @@ def _move(x: DistTensor, mesh: ProcessMesh) -> DistTensor:
     same = x._mesh.shape == mesh.shape
     pl = x._placements if same else (REPLICATE,) * mesh.ndim
     recv_shape = _rs.local_shape(x._shape, mesh, pl) if mesh._coord is not None else None
-    local = _rs.move_across_meshes(x._local if x._init else None, x._mesh, mesh, recv_shape, x._dtype)
-    out = _uninit(mesh, pl, x._shape, x._dtype) if local is None else \
+    local = _rs.move_across_meshes(x._local if x._init else None, x._mesh, mesh, recv_shape, x._dtype,
+                                   x._local.device)
+    out = _uninit(mesh, pl, x._shape, x._dtype, x._local.device) if local is None else \
         DistTensor(local, mesh, pl, x._shape, x._dtype)
     if x._requires_grad and torch.is_grad_enabled():
         out._requires_grad = True
@@ -561,7 +567,7 @@ def _run_backward(root: DistTensor, gradient: Optional[DistTensor], retain_graph
         pl = (REPLICATE,) * root._mesh.ndim
         gradient = DistTensor(torch.ones_like(root._local), root._mesh, pl, root._shape,
                               root._dtype) if root._init else _uninit(root._mesh, pl, root._shape,
-                                                                      root._dtype)
+                                                                      root._dtype, root._local.device)
     if root._node is None:
         root._grad = _accumulate(root._grad, gradient)
         return
@@ -660,7 +666,7 @@ def _mm_backward(node: _Node, g: DistTensor) -> list[Optional[DistTensor]]:
             continue
         pl = _grad_placement(in_pls[i], in_pls[:i] + in_pls[i + 1:], out_pl, g._placements)
         if not g._init:
-            grads.append(_uninit(mesh, pl, in_shapes[i], in_dtypes[i]))
+            grads.append(_uninit(mesh, pl, in_shapes[i], in_dtypes[i], g._local.device))
             continue
         gl = g._local
         if i == 0:

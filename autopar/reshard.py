@@ -201,12 +201,14 @@ def check_placements_reachable(src: Sequence[Placement], dst: Sequence[Placement
 # -- cross-mesh moves (pipeline stages) ----------------------------------------------------------
 
 def move_across_meshes(x: torch.Tensor | None, src_mesh: ProcessMesh, dst_mesh: ProcessMesh,
-                       recv_shape: Sequence[int] | None, dtype: torch.dtype) -> torch.Tensor | None:
+                       recv_shape: Sequence[int] | None, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor | None:
     """Send the local piece of every coordinate of ``src_mesh`` to ``dst_mesh``.
 
     Same mesh shape: flat position ``i`` of ``src_mesh`` sends to flat position ``i`` of
     ``dst_mesh`` (placements carry over unchanged). Different shapes: the tensor is Replicate on
-    both, and destination ``j`` receives from source ``j % |src|``. Returns the received piece on
+    both, and destination ``j`` receives from source ``j % |src|``. Pieces are received on
+    ``device`` (the data's device, which clipped ranks' placeholders carry). Returns the received piece on
     destination ranks and None elsewhere. Every send is matched by exactly one receive in program
     order, and ranks in both meshes use non-blocking ops so nothing deadlocks.
     """
@@ -221,7 +223,7 @@ def move_across_meshes(x: torch.Tensor | None, src_mesh: ProcessMesh, dst_mesh: 
         elif src_rank == me:
             ops.append(dist.P2POp(dist.isend, x.contiguous(), dst_rank))
         elif dst_rank == me:
-            out = torch.empty(tuple(recv_shape), dtype=dtype)
+            out = torch.empty(tuple(recv_shape), dtype=dtype, device=device)
             ops.append(dist.P2POp(dist.irecv, out, src_rank))
     if ops:
         for work in dist.batch_isend_irecv(ops):

@@ -76,6 +76,22 @@ def test_clipped_rank_infers_shapes_and_allocates_nothing():
         torch.nonzero(x)
 
 
+def test_clipped_placeholders_keep_the_data_device():
+    """A clipped rank's placeholders, forward and backward, sit on the data's device (allocating
+    nothing): a cross-mesh receive allocates there, and NCCL cannot receive into CPU tensors."""
+    mesh = ProcessMesh([1, 2], dim_names=["tp"])          # this process (rank 0) is outside
+    dev = torch.device("meta")
+    x = shard_tensor(torch.empty(6, 5, 8, device=dev), mesh, [Shard(0)])
+    w = shard_tensor(torch.empty(8, 12, device=dev), mesh, [Shard(1)]).requires_grad_()
+    y = F.gelu(x @ w + torch.zeros(12, device=dev))
+    loss = y.sum()
+    loss.backward()
+    for name, t in (("x", x), ("y", y), ("loss", loss), ("w.grad", w.grad)):
+        assert not t.is_initialized() and t.to_local().device == dev, name
+    local = DistTensor.from_local(torch.empty(3, 8, device=dev), mesh, [Shard(0)], global_shape=(6, 8))
+    assert local.to_local().device == dev
+
+
 def test_sync_gradients_on_a_module_and_second_backward():
     from autopar import sync_gradients
 
