@@ -55,11 +55,12 @@ def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m
     """``a[offs_m, :] @ b[offs_n, :].T`` accumulated in ``ACC_DTYPE``; with ``STORE_A`` also copies the
     A rows selected by ``g_mask_m`` to ``g``.
 
-    ``offs_m``/``offs_n`` are int64 so addresses of large matrices cannot overflow.
+    ``offs_m``/``offs_n``/``offs_k`` are int64 so addresses of large matrices cannot overflow (with a
+    transposed operand such as ``weight.t()``, ``offs_k * stride`` reaches the operand's numel).
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+        offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         mask_k = offs_k < K
         a_mask = mask_m[:, None] & mask_k[None, :]
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak, mask=a_mask, other=0.0)
