@@ -268,13 +268,13 @@ class DistTensor:
         return _unary("gelu", self, approximate)
 
     def softmax(self, dim: int, dtype=None):
-        return softmax(self, dim)
+        return softmax(self, dim, dtype=dtype)
 
     def sum(self, dim=None, keepdim: bool = False, dtype=None):
-        return _reduce("sum", self, dim, keepdim)
+        return _reduce("sum", self, dim, keepdim, dtype)
 
     def mean(self, dim=None, keepdim: bool = False, dtype=None):
-        return _reduce("mean", self, dim, keepdim)
+        return _reduce("mean", self, dim, keepdim, dtype)
 
     def matmul(self, other):
         return matmul(self, other)
@@ -874,7 +874,13 @@ def _unary(op: str, x: DistTensor, approximate: str = "none") -> DistTensor:
 def softmax(x: DistTensor, dim: int, _stacklevel: int = 3, dtype=None) -> DistTensor:
     d = dim % x.ndim
     key = ("softmax", x._shape, x._pid, d)
-    return _apply(key, _elementwise_rule(x, "nonlinear", [d]), lambda t: torch.softmax(t, d), [x])
+    return _apply(key, _elementwise_rule(x, "nonlinear", [d]),
+                  lambda t: torch.softmax(t, d, dtype=dtype), [x], dtype)
+
+
+def _torch_softmax(x: DistTensor, dim: int, dtype=None) -> DistTensor:
+    """``torch.softmax(x, dim, dtype)`` / ``Tensor.softmax``: dtype is the third positional."""
+    return softmax(x, dim, dtype=dtype)
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -> DistTensor:
@@ -904,7 +910,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -
     return _apply(key, rule, local_fn, ops)
 
 
-def _reduce(op: str, x: DistTensor, dim, keepdim: bool) -> DistTensor:
+def _reduce(op: str, x: DistTensor, dim, keepdim: bool, dtype: Optional[torch.dtype] = None
+            ) -> DistTensor:
     if dim is None:
         dims = tuple(range(x.ndim))
     else:
@@ -923,7 +930,7 @@ def _reduce(op: str, x: DistTensor, dim, keepdim: bool) -> DistTensor:
 
     if op == "sum":
         def local_fn(t):
-            return t.sum(dim=dims, keepdim=keepdim)
+            return t.sum(dim=dims, keepdim=keepdim, dtype=dtype)
     else:
         # mean over a sharded dim: each rank sums its piece and divides by the *global* count, so
         # the Partial(sum) of the pieces is the global mean.
@@ -932,16 +939,16 @@ def _reduce(op: str, x: DistTensor, dim, keepdim: bool) -> DistTensor:
             count *= x._shape[d]
 
         def local_fn(t):
-            return t.sum(dim=dims, keepdim=keepdim) / count
-    return _apply(key, rule, local_fn, [x])
+            return t.sum(dim=dims, keepdim=keepdim, dtype=dtype) / count
+    return _apply(key, rule, local_fn, [x], dtype)
 
 
 def _sum(x, dim=None, keepdim=False, dtype=None, **kw):
-    return _reduce("sum", x, dim, keepdim)
+    return _reduce("sum", x, dim, keepdim, dtype)
 
 
 def _mean(x, dim=None, keepdim=False, dtype=None, **kw):
-    return _reduce("mean", x, dim, keepdim)
+    return _reduce("mean", x, dim, keepdim, dtype)
 
 
 def _relu(x, inplace=False):
@@ -973,7 +980,7 @@ _HANDLERS: dict[Any, Callable] = {
     torch.Tensor.div: _bin("div"),
     torch.relu: _relu, F.relu: _relu, torch.Tensor.relu: _relu,
     F.gelu: _gelu,
-    torch.softmax: softmax, F.softmax: softmax, torch.Tensor.softmax: softmax,
+    torch.softmax: _torch_softmax, F.softmax: softmax, torch.Tensor.softmax: _torch_softmax,
     F.layer_norm: layer_norm,
     torch.sum: _sum, torch.Tensor.sum: _sum, torch.mean: _mean, torch.Tensor.mean: _mean,
 }

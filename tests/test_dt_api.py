@@ -92,6 +92,33 @@ def test_clipped_placeholders_keep_the_data_device():
     assert local.to_local().device == dev
 
 
+def test_dtype_argument_of_reductions_and_softmax():
+    """``dtype=`` of sum / mean / softmax is honoured as torch does, on computing and clipped ranks."""
+    X = torch.randn(4, 6)
+    f64 = torch.float64
+    cases = {
+        "sum": (lambda t: t.sum(dtype=f64), lambda t: t.sum(dtype=f64)),
+        "torch.sum": (lambda t: torch.sum(t, 1, dtype=f64), lambda t: torch.sum(t, 1, dtype=f64)),
+        "mean": (lambda t: t.mean(0, keepdim=True, dtype=f64), lambda t: t.mean(0, keepdim=True, dtype=f64)),
+        "torch.softmax": (lambda t: torch.softmax(t, -1, f64), lambda t: torch.softmax(t, -1, f64)),
+        "softmax": (lambda t: t.softmax(-1, dtype=f64), lambda t: t.softmax(-1, dtype=f64)),
+        "F.softmax": (lambda t: F.softmax(t, -1, dtype=f64), lambda t: F.softmax(t, -1, dtype=f64)),
+    }
+    for name, (fn, ref_fn) in cases.items():
+        ref_x = X.clone().requires_grad_()
+        ref = ref_fn(ref_x)
+        ref.sum().backward()
+        x = shard_tensor(X, ProcessMesh([0]), [Shard(0)]).requires_grad_()
+        out = fn(x)
+        assert out.dtype == f64 and out.to_local().dtype == f64, name
+        torch.testing.assert_close(out.full_tensor(), ref.detach(), msg=name)
+        out.sum().backward()
+        assert x.grad.dtype == torch.float32, name
+        torch.testing.assert_close(x.grad.full_tensor(), ref_x.grad, msg=name)
+        clipped = fn(shard_tensor(X, ProcessMesh([1]), [Shard(0)]))   # rank 0 is outside
+        assert not clipped.is_initialized() and clipped.dtype == f64, name
+
+
 def test_sync_gradients_on_a_module_and_second_backward():
     from autopar import sync_gradients
 
