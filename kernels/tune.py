@@ -10,9 +10,9 @@ do), and:
    this group) runs once to warm up and then :data:`TUNE_REPS` times under the wall clock; the
    per-candidate medians are all-reduced with MAX (exact, so every rank holds the same numbers)
    and the fastest is taken (ties go to the smaller split count, identically on every rank);
-3. the choice is kept in memory for the life of the process and rank 0 merges it into the cache
-   file. Later calls of the key return the cached choice without any communication or timing,
-   so nothing is re-tuned inside a training step after warm-up.
+3. the choice is kept in memory per group for the life of the process and rank 0 merges it into
+   the cache file. Later calls of the key return the cached choice without any communication or
+   timing, so nothing is re-tuned inside a training step after warm-up.
 
 The choice is logged once per key (logger ``kernels.tune``, INFO, on group rank 0). Tuning runs
 the real op on the caller's inputs (the ops are pure, so this has no side effect) with
@@ -44,7 +44,10 @@ _FUSED = "fused"
 
 log = logging.getLogger("kernels.tune")
 
-_memory: dict[str, Choice] = {}
+# Keyed by (tuning key, the group's global ranks): a rank in several groups of one size (the dims
+# of a square mesh) must not reuse one group's choice in another, whose other ranks may hold a
+# different one (they would then run mismatched collectives).
+_memory: dict[tuple[str, tuple[int, ...]], Choice] = {}
 _file_cache: dict[tuple[str, int], dict[str, Choice]] = {}
 
 
@@ -53,6 +56,13 @@ def tuning_key(op: str, m: int, k: int, n: int, dtype: torch.dtype, world: int, 
     """The cache key: one line of text, readable in the JSON file."""
     candidates = "fused+chunked" if allow_fused else "chunked"
     return f"{op} m={m} k={k} n={n} {str(dtype).replace('torch.', '')} W={world} {device_type} {candidates}"
+
+
+def memory_key(key: str, group: Optional[dist.ProcessGroup], world: int) -> tuple[str, tuple[int, ...]]:
+    """The in-memory cache key of ``key`` on ``group``: the choice is agreed per group, not per size."""
+    if world == 1:
+        return key, ()
+    return key, tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
 def clear_memory_cache() -> None:
@@ -207,7 +217,8 @@ def choose_parallel_num(op: str, x: torch.Tensor, weight: torch.Tensor,
     """
     key = tuning_key(op, x.shape[0], x.shape[1], weight.shape[0], x.dtype, world, x.device.type,
                      allow_fused)
-    choice = _memory.get(key)
+    mem_key = memory_key(key, group, world)
+    choice = _memory.get(mem_key)
     if choice is not None:
         return choice
     path = get_config().tune_cache
@@ -236,5 +247,5 @@ def choose_parallel_num(op: str, x: torch.Tensor, weight: torch.Tensor,
             log.info("COC_PARALLEL_NUM=auto: %s -> %s (tuned; %s)", key, choice, timings)
             if path is not None:
                 write_cache_entry(path, key, choice)
-    _memory[key] = choice
+    _memory[mem_key] = choice
     return choice

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import kernels
 from kernels import chunked, dispatch, sequential, tune
@@ -127,13 +128,13 @@ def _auto(rank, world, cache_path):
         for y in results:
             torch.testing.assert_close(y, ref, **TOL)
         key = tune.tuning_key("matmul_all_reduce", 16, 12, 10, torch.float32, world, "cpu", True)
-        first = tune._memory[key]
+        first = tune._memory[tune.memory_key(key, None, world)]
         in_file = tune.read_cache_file(cache_path).get(key)
         # A fresh process (memory cleared) reads the file back instead of tuning again.
         tune.clear_memory_cache()
         with _Spy() as spy_reload:
             kernels.matmul_all_reduce(xs[rank], ws[rank])
-        reloaded = tune._memory[key]
+        reloaded = tune._memory[tune.memory_key(key, None, world)]
         return dict(first=first, in_file=in_file, reloaded=reloaded, measured=measured, calls=spy.calls,
                     reload_calls=spy_reload.calls, logs=handler.messages)
     finally:
@@ -197,7 +198,7 @@ def _auto_quantized(rank, world):
         q, s = kernels.quantize_weight(torch.randn(10, 12), "per_group", 4)
         y = kernels.quantized_matmul_all_reduce(x, q, s, backend="chunked")
         key = tune.tuning_key("quantized_matmul_all_reduce", 5, 12, 10, torch.float32, world, "cpu", False)
-        return tune._memory[key], y.shape
+        return tune._memory[tune.memory_key(key, None, world)], y.shape
     finally:
         tune.clear_memory_cache()
 
@@ -206,6 +207,33 @@ def test_auto_tunes_the_quantized_op():
     res = run_ranks(_auto_quantized, 2, env={"COC_PARALLEL_NUM": "auto"})
     assert res[0][0] in (1, 2, 4, 8) and res[0][0] == res[1][0]
     assert res[0][1] == (5, 10)
+
+
+def _choices_per_group(rank, world):
+    """Ranks of a 2 x 2 mesh tune along rows, then along columns (groups of the same size)."""
+    tune.clear_memory_cache()
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    # Each group "measures" a different winner, as timing noise can make it.
+    winners = {(0, 1): 2, (2, 3): 4, (0, 2): 8, (1, 3): 1}
+    real_measure = tune._measure
+    tune._measure = lambda op, x, w, group, world, candidates: (
+        winners[tuple(dist.get_process_group_ranks(group))], [])
+    try:
+        x, w = torch.randn(6, 12), torch.randn(10, 12)
+        row = tune.choose_parallel_num("matmul_all_reduce", x, w, rows[rank // 2], 2, allow_fused=False)
+        col = tune.choose_parallel_num("matmul_all_reduce", x, w, cols[rank % 2], 2, allow_fused=False)
+        return row, col
+    finally:
+        tune._measure = real_measure
+        tune.clear_memory_cache()
+
+
+def test_auto_choice_is_kept_per_group_not_per_size():
+    res = run_ranks(_choices_per_group, 4)
+    assert [r[0] for r in res] == [2, 2, 4, 4]
+    # Ranks 0 and 2 (1 and 3) share a column group: they must run the same split count.
+    assert [r[1] for r in res] == [8, 1, 8, 1]
 
 
 def test_auto_single_process(monkeypatch, tmp_path):
