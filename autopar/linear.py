@@ -263,7 +263,9 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         ctx.weight_param = weight
         ctx.main_grad = _main_grad_for(weight, wgrad_opts)
         x, weight, bias = _autocast(x, weight, bias)
-        ctx.save_for_backward(x, weight)
+        # x is read by the weight gradient only: a frozen weight (a LoRA base, say) keeps none.
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        ctx.x_shape = x.shape
         ctx.has_bias = bias is not None
         ctx.group = group
         ctx.allreduce_dgrad = allreduce_dgrad and _world(group) > 1
@@ -285,7 +287,7 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
                 grad_x = grad_y2d.matmul(weight)
                 if ctx.allreduce_dgrad:
                     handle = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
-            grad_x = grad_x.view(x.shape)
+            grad_x = grad_x.view(ctx.x_shape)
         grad_w = None
         if need_w:
             deferred = _defer_wgrad(grad_y, ctx.wgrad_opts)
@@ -335,9 +337,12 @@ class ColumnParallelLinearSPFunction(torch.autograd.Function):
         x_shard_s, weight, bias = _autocast(x_shard_s, weight, bias)
         world = _world(group)
         x2d = _rows(x_shard_s)
-        if recompute_all_gather:
+        need_w = ctx.needs_input_grad[1]
+        if recompute_all_gather or not need_w:
+            # The input (shard or gathered) is read by the weight gradient only: a frozen weight
+            # keeps none, in particular not the W-times larger gathered input.
             y2d = _all_gather_matmul(x2d, weight, bias, group, return_gathered=False)
-            ctx.save_for_backward(x2d, weight)
+            ctx.save_for_backward(x2d if need_w else None, weight)
         else:
             y2d, x_full2d = _all_gather_matmul(x2d, weight, bias, group, return_gathered=True)
             ctx.save_for_backward(x_full2d, weight)
@@ -415,7 +420,9 @@ class RowParallelLinearFunction(torch.autograd.Function):
         ctx.weight_param = weight
         ctx.main_grad = _main_grad_for(weight, wgrad_opts)
         x_shard_k, weight, bias = _autocast(x_shard_k, weight, bias)
-        ctx.save_for_backward(x_shard_k, weight)
+        # x is read by the weight gradient only: a frozen weight keeps none.
+        ctx.save_for_backward(x_shard_k if ctx.needs_input_grad[1] else None, weight)
+        ctx.x_shape = x_shard_k.shape
         ctx.has_bias = bias is not None
         ctx.wgrad_opts = wgrad_opts
         y2d = _matmul_all_reduce(_rows(x_shard_k), weight, bias, group)
@@ -427,7 +434,7 @@ class RowParallelLinearFunction(torch.autograd.Function):
         x_shard_k, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_y2d = _rows(grad_y.contiguous())
-        grad_x = grad_y2d.matmul(weight).view(x_shard_k.shape) if need_x else None
+        grad_x = grad_y2d.matmul(weight).view(ctx.x_shape) if need_x else None
         grad_w = (_weight_grad(ctx.weight_param, ctx.main_grad, ctx.wgrad_opts, grad_y2d, _rows(x_shard_k))
                   if need_w else None)
         grad_b = grad_y2d.sum(dim=0) if (ctx.has_bias and need_b) else None
@@ -471,7 +478,9 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
             raise ValueError(f"sequence-parallel RowParallelLinear needs the sequence dim (dim 0) of "
                              f"the input divisible by the tensor-parallel size W={world}, got input "
                              f"shape {tuple(x_shard_k.shape)}")
-        ctx.save_for_backward(x_shard_k, weight)
+        # x is read by the weight gradient only: a frozen weight keeps none.
+        ctx.save_for_backward(x_shard_k if ctx.needs_input_grad[1] else None, weight)
+        ctx.x_shape = x_shard_k.shape
         ctx.has_bias = bias is not None
         ctx.group = group
         ctx.wgrad_opts = wgrad_opts
@@ -489,7 +498,7 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
         if need_x:
             grad_x2d, grad_y2d = _all_gather_matmul(grad_y_shard2d, weight.t(), None, group,
                                                     return_gathered=True)
-            grad_x = grad_x2d.view(x_shard_k.shape)
+            grad_x = grad_x2d.view(ctx.x_shape)
         elif need_w:
             grad_y2d, _ = _gather_rows(grad_y_shard2d, group, async_op=False)
         grad_w = (_weight_grad(ctx.weight_param, ctx.main_grad, ctx.wgrad_opts, grad_y2d, _rows(x_shard_k))

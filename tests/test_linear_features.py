@@ -3,6 +3,7 @@ single-process use, ParallelConfig validation and the errors for impossible shap
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -92,6 +93,35 @@ def main_grad_cases(rank: int, world: int) -> list[str]:
     return errors
 
 
+def _frozen_weight_keeps_no_activation(layer: torch.nn.Module, kind: str, sp: bool,
+                                       x: torch.Tensor) -> list[str]:
+    """Only the weight gradient reads the input, so a frozen layer's autograd node must not keep
+    it (with recompute_all_gather=False, not the gathered input either)."""
+    import tempfile
+
+    errors = []
+    saved_env = os.environ.get("COC_CONFIG")
+    with tempfile.TemporaryDirectory() as tmp:
+        for recompute in (True, False):
+            path = os.path.join(tmp, f"r{int(recompute)}.yaml")
+            with open(path, "w") as f:
+                f.write(f"recompute_all_gather: {str(recompute).lower()}\n")
+            os.environ["COC_CONFIG"] = path
+            try:
+                y, _ = layer(x.clone().requires_grad_())
+            finally:
+                if saved_env is None:
+                    os.environ.pop("COC_CONFIG", None)
+                else:
+                    os.environ["COC_CONFIG"] = saved_env
+            kept = [tuple(t.shape) for t in y.grad_fn.saved_tensors
+                    if t is not None and t.shape != layer.weight.shape]
+            if kept:
+                errors.append(f"{kind} sp={sp} recompute={recompute}: a frozen layer keeps "
+                              f"activations {kept} for its backward")
+    return errors
+
+
 def frozen_and_supplied_weight_cases(rank: int, world: int) -> list[str]:
     from autopar import ColumnParallelLinear
 
@@ -108,6 +138,7 @@ def frozen_and_supplied_weight_cases(rank: int, world: int) -> list[str]:
                 errors.append(f"{kind} sp={sp}: frozen weight gave a weight grad or a different input grad")
             if frozen.bias.grad is None or not torch.allclose(frozen.bias.grad, ref.bias.grad):
                 errors.append(f"{kind} sp={sp}: frozen weight changed the bias gradient")
+            errors += _frozen_weight_keeps_no_activation(frozen, kind, sp, x)
 
     # skip_weight_param_allocation: the weight comes with each forward (Megatron's shared embedding).
     torch.manual_seed(3)
