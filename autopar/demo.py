@@ -241,9 +241,16 @@ def format_table(rows: list[Row], world: int, backend: str, device: torch.device
     return "\n".join(lines)
 
 
+def gpus_for_every_rank(world: int) -> bool:
+    """One GPU per rank of this node: NCCL. Under torchrun the ranks of a node are
+    ``LOCAL_WORLD_SIZE``, not the whole (possibly multi-node) world."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+
+
 def _rank_main(rank: int, world: int, init_method: str, args: argparse.Namespace,
                local_rank: int) -> bool:
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    use_cuda = gpus_for_every_rank(world)
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
         torch.cuda.set_device(local_rank)

@@ -43,3 +43,17 @@ def test_table_flags_a_run_that_differs_from_the_reference() -> None:
     assert re.search(r"^chunked/2 .* FAIL$", table, re.M), table
     assert "skipped: no peer memory" in table
     assert table.splitlines()[-1].startswith("FAILED: 2/3"), table
+
+
+def test_torchrun_on_several_nodes_uses_the_node_gpus(monkeypatch) -> None:
+    """Under torchrun a node needs a GPU per local rank, not per rank of the whole world."""
+    from autopar.demo import gpus_for_every_rank
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert gpus_for_every_rank(16)              # 2 nodes x 8 GPUs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert not gpus_for_every_rank(16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert gpus_for_every_rank(4) and not gpus_for_every_rank(16)   # spawned: the world is local
