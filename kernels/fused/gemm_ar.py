@@ -15,7 +15,7 @@ bitwise identical outputs: that is the default, ``deterministic=True`` costs not
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import block_config, matmul
+from .gemm import BlockConfig, block_config, matmul
 from .gemm_rs import reduce_slots, scatter_partials
 
 # Outputs up to this many bytes use one-shot: latency (one exchange, no second kernel round) wins
@@ -88,17 +88,35 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if algorithm == "auto":
         algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
     cfg = block_config(x.device)
+    return all_reduce_partials("matmul_all_reduce", group, x, n, bias, algorithm, cfg,
+                               lambda call, rows_own, broadcast: scatter_partials(call, x, weight, rows_own,
+                                                                                  broadcast, cfg))
+
+
+def all_reduce_partials(op: str, group: dist.ProcessGroup, x: torch.Tensor, n: int, bias: Optional[torch.Tensor],
+                        algorithm: str, cfg: BlockConfig, scatter: Callable[[runtime.FusedCall, int, bool], int]
+                        ) -> torch.Tensor:
+    """The exchange of a fused GEMM + all-reduce, ``algorithm`` "one_shot" or "two_shot", around a
+    scatter GEMM.
+
+    ``scatter(call, rows_own, broadcast)`` launches the GEMM that pushes the partial-product tiles
+    of ``x`` (as :func:`gemm_rs.scatter_partials`) and returns the cumulative ``RS`` target; the
+    plain and the w8A16 ops differ only there. Returns ``y [m, n]`` in ``x.dtype``.
+    """
+    w = runtime.world_size(group)
+    m = x.shape[0]
+    size = x.element_size()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if algorithm == "one_shot":
-        call = runtime.begin("matmul_all_reduce", group, x.device, w * m * n * size)
-        target = scatter_partials(call, x, weight, m, True, cfg)
+        call = runtime.begin(op, group, x.device, w * m * n * size)
+        target = scatter(call, m, True)
         reduce_slots(call, out, bias, m, m, n, target, None, cfg)
         runtime.finish(call)
         return out
     rows_own = triton.cdiv(m, w)
     slots = w * rows_own * n
-    call = runtime.begin("matmul_all_reduce", group, x.device, 2 * slots * size)
-    target = scatter_partials(call, x, weight, rows_own, False, cfg)
+    call = runtime.begin(op, group, x.device, 2 * slots * size)
+    target = scatter(call, rows_own, False)
     rows_valid = min(rows_own, max(0, m - call.rank * rows_own))
     # ``out`` is only a dtype/stride carrier here: the reduced rows go to every rank's O region.
     ar_target = reduce_slots(call, out, bias, rows_own, rows_valid, n, target, slots, cfg)

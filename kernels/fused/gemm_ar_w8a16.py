@@ -20,8 +20,8 @@ import triton.language as tl
 
 from . import runtime, signals
 from .gemm import BlockConfig, block_config
-from .gemm_ar import ONE_SHOT_MAX_BYTES, _gather_rows_kernel
-from .gemm_rs import reduce_slots, tiles
+from .gemm_ar import ONE_SHOT_MAX_BYTES, all_reduce_partials
+from .gemm_rs import tiles
 
 # Scale layouts (kernels.quant.QuantSpec.mode) as kernel constants. PER_GROUP_ALIGNED is
 # per_group with ``group_size % BLOCK_K == 0``: a k-tile lies inside one group, so one [BLOCK_N]
@@ -224,26 +224,8 @@ def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch
     cfg = block_config(x.device)
     mode = _mode_of(scale, group_size, cfg)
     quant = _quant_args(scale, offset)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m * n * size <= ONE_SHOT_MAX_BYTES:
-        call = runtime.begin("quantized_matmul_all_reduce", group, x.device, w * m * n * size)
-        target = _scatter(call, x, qweight, quant, mode, offset is not None, group_size, m, True, cfg)
-        reduce_slots(call, out, bias, m, m, n, target, None, cfg)
-        runtime.finish(call)
-        return out
-    rows_own = triton.cdiv(m, w)
-    slots = w * rows_own * n
-    call = runtime.begin("quantized_matmul_all_reduce", group, x.device, 2 * slots * size)
-    target = _scatter(call, x, qweight, quant, mode, offset is not None, group_size, rows_own, False, cfg)
-    rows_valid = min(rows_own, max(0, m - call.rank * rows_own))
-    ar_target = reduce_slots(call, out, bias, rows_own, rows_valid, n, target, slots, cfg)
-    heap = call.heap
-    grid = (w * triton.cdiv(rows_own, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    if grid[0] > 0:
-        _gather_rows_kernel[grid](heap.data_ptrs, heap.sig_ptrs, out, m, n, rows_own, out.stride(0), out.stride(1),
-                                  call.rank, ar_target, call.timeout_ticks, slots,
-                                  signals.channel_offset(signals.CH_AR, w), WORLD=w, CHANNEL=signals.CH_AR,
-                                  USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                  num_warps=cfg.num_warps)
-    runtime.finish(call)
-    return out
+    algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
+    return all_reduce_partials("quantized_matmul_all_reduce", group, x, n, bias, algorithm, cfg,
+                               lambda call, rows_own, broadcast: _scatter(call, x, qweight, quant, mode,
+                                                                          offset is not None, group_size,
+                                                                          rows_own, broadcast, cfg))
