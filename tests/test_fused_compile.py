@@ -30,7 +30,7 @@ def _compile(fn, signature: dict, constexprs: dict) -> int:
 def main() -> None:
     import triton.language as tl
 
-    from kernels.fused import ag_gemm, gemm_ar, gemm_rs, signals
+    from kernels.fused import ag_gemm, gemm_ar, gemm_ar_w8a16, gemm_rs, signals
 
     i32, i64, f16, tab = "i32", "i64", "*fp16", "*i64"
     timer = dict(USE_GLOBALTIMER=True)
@@ -48,6 +48,13 @@ def main() -> None:
                       stride_xm=i32, stride_xk=i32, stride_wn=i32, stride_wk=i32, rank=i32, epoch=i64, timeout=i64,
                       done_offset=i32, cnt_offset=i32),
                  dict(WORLD=4, BROADCAST=True, **timer, **acc, **BLOCKS)),
+        # The w8A16 scatter in the other (owner) mode, with the per-group scale gather.
+        _compile(gemm_ar_w8a16._gemm_w8a16_scatter_kernel,
+                 dict(x_ptr=f16, q_ptr="*i8", s_ptr=f16, o_ptr="*fp32", data_tab_ptr=tab, sig_tab_ptr=tab, M=i32,
+                      N=i32, K=i32, ROWS_OWN=i32, GROUP_SIZE=i32, stride_xm=i32, stride_xk=i32, stride_qn=i32,
+                      stride_qk=i32, stride_sn=i32, stride_sg=i32, rank=i32, epoch=i64, timeout=i64,
+                      done_offset=i32, cnt_offset=i32),
+                 dict(MODE=gemm_ar_w8a16.PER_GROUP, HAS_OFFSET=True, WORLD=4, BROADCAST=False, **timer, **BLOCKS)),
         _compile(gemm_rs._reduce_slots_kernel,
                  dict(data_tab_ptr=tab, sig_tab_ptr=tab, bias_ptr=f16, out_ptr=f16, ROWS_OWN=i32, ROWS_VALID=i32,
                       N=i32, stride_om=i32, stride_on=i32, rank=i32, epoch=i64, target=i64, timeout=i64,

@@ -21,7 +21,7 @@ import triton.language as tl
 from . import runtime, signals
 from .gemm import BlockConfig, block_config
 from .gemm_ar import ONE_SHOT_MAX_BYTES, all_reduce_partials
-from .gemm_rs import tiles
+from .gemm_rs import push_tile, scatter_tile, tiles
 
 # Scale layouts (kernels.quant.QuantSpec.mode) as kernel constants. PER_GROUP_ALIGNED is
 # per_group with ``group_size % BLOCK_K == 0``: a k-tile lies inside one group, so one [BLOCK_N]
@@ -100,40 +100,15 @@ def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab
                                MODE: tl.constexpr, HAS_OFFSET: tl.constexpr, WORLD: tl.constexpr,
                                BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Tile order, slot layout and signalling are those of gemm_rs._gemm_scatter_kernel, so the
-    # shared reduce (gemm_rs.reduce_slots) and gather (gemm_ar) kernels consume the tiles.
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    tiles_per_owner = tl.cdiv(ROWS_OWN, BLOCK_M) * n_tiles
-    rem = pid % tiles_per_owner
-    if BROADCAST:
-        owner = 0
-    else:
-        owner = (rank + 1 + pid // tiles_per_owner) % WORLD
-    local_rows = (rem // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_m = owner * ROWS_OWN + local_rows
-    mask_m = (local_rows < ROWS_OWN) & (offs_m < M)
-    offs_n = (rem % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_n = offs_n < N
+    # gemm_rs's tile mapping and push, so its reduce (gemm_rs.reduce_slots) and gemm_ar's gather
+    # kernel consume these tiles unchanged.
+    owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, M, N, ROWS_OWN,
+                                                                     WORLD, BROADCAST, BLOCK_M, BLOCK_N)
     acc = _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk, s_ptr, o_ptr, stride_sn,
                              stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE, MODE, HAS_OFFSET,
                              BLOCK_M, BLOCK_N, BLOCK_K)
-    tile = acc.to(x_ptr.dtype.element_ty)
-    pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    slot_offs = (rank * ROWS_OWN + local_rows)[:, None] * N + offs_n[None, :]
-    slot_mask = mask_m[:, None] & mask_n[None, :]
-    if BROADCAST:
-        for i in tl.static_range(WORLD):
-            dst = (rank + 1 + i) % WORLD
-            ok = signals.wait_signal(pad + done_offset + dst, epoch - 1, pad, timeout, 1 + dst, USE_GLOBALTIMER)
-            if ok:
-                tl.store(signals.peer_ptr(data_tab_ptr, dst, x_ptr.dtype.element_ty) + slot_offs, tile, mask=slot_mask)
-                signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + cnt_offset + rank, 1)
-    else:
-        ok = signals.wait_signal(pad + done_offset + owner, epoch - 1, pad, timeout, 1 + owner, USE_GLOBALTIMER)
-        if ok:
-            tl.store(signals.peer_ptr(data_tab_ptr, owner, x_ptr.dtype.element_ty) + slot_offs, tile, mask=slot_mask)
-            signals.add_signal(signals.peer_ptr(sig_tab_ptr, owner, tl.int64) + cnt_offset + rank, 1)
+    push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, mask_n,
+              N, ROWS_OWN, rank, epoch, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
 
 
 def _quant_args(scale: torch.Tensor, offset: Optional[torch.Tensor]) -> tuple:

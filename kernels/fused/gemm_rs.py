@@ -31,18 +31,14 @@ from .gemm import BlockConfig, acc_dtype, block_config, matmul, tile_matmul
 
 
 @triton.jit
-def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_OWN,
-                         stride_xm, stride_xk, stride_wn, stride_wk, rank, epoch, timeout,
-                         done_offset, cnt_offset,
-                         WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
-                         ACC_DTYPE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
+def scatter_tile(pid, rank, M, N, ROWS_OWN, WORLD: tl.constexpr, BROADCAST: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile of scatter-GEMM program ``pid``: ``(owner, local_rows, offs_m, mask_m, offs_n, mask_n)``."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_owner = tl.cdiv(ROWS_OWN, BLOCK_M) * n_tiles
     rem = pid % tiles_per_owner
     if BROADCAST:
-        owner = 0
+        owner = pid * 0
     else:
         # Peers' rows first (r + 1 first), own rows last: remote stores start as early as possible.
         owner = (rank + 1 + pid // tiles_per_owner) % WORLD
@@ -51,9 +47,16 @@ def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_
     mask_m = (local_rows < ROWS_OWN) & (offs_m < M)
     offs_n = (rem % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < N
-    acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
-                      x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE)
-    tile = acc.to(x_ptr.dtype.element_ty)
+    return owner, local_rows, offs_m, mask_m, offs_n, mask_n
+
+
+@triton.jit
+def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, mask_n, N, ROWS_OWN, rank, epoch,
+              timeout, done_offset, cnt_offset,
+              WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
+    """Store ``tile`` into slot ``[rank]`` of its owner (of every rank with ``BROADCAST``), each once
+    that rank's ``DONE`` shows it no longer reads its slots of the previous call, then bump its
+    ``RS[rank]`` counter."""
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     # Row index first (small), then the int64 multiply by N: slot offsets can exceed 2**31.
     slot_offs = (rank * ROWS_OWN + local_rows)[:, None] * N + offs_n[None, :]
@@ -63,13 +66,28 @@ def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_
             dst = (rank + 1 + i) % WORLD
             ok = signals.wait_signal(pad + done_offset + dst, epoch - 1, pad, timeout, 1 + dst, USE_GLOBALTIMER)
             if ok:
-                tl.store(signals.peer_ptr(data_tab_ptr, dst, x_ptr.dtype.element_ty) + slot_offs, tile, mask=slot_mask)
+                tl.store(signals.peer_ptr(data_tab_ptr, dst, tile.dtype) + slot_offs, tile, mask=slot_mask)
                 signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + cnt_offset + rank, 1)
     else:
         ok = signals.wait_signal(pad + done_offset + owner, epoch - 1, pad, timeout, 1 + owner, USE_GLOBALTIMER)
         if ok:
-            tl.store(signals.peer_ptr(data_tab_ptr, owner, x_ptr.dtype.element_ty) + slot_offs, tile, mask=slot_mask)
+            tl.store(signals.peer_ptr(data_tab_ptr, owner, tile.dtype) + slot_offs, tile, mask=slot_mask)
             signals.add_signal(signals.peer_ptr(sig_tab_ptr, owner, tl.int64) + cnt_offset + rank, 1)
+
+
+@triton.jit
+def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_OWN,
+                         stride_xm, stride_xk, stride_wn, stride_wk, rank, epoch, timeout,
+                         done_offset, cnt_offset,
+                         WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
+                         ACC_DTYPE: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, M, N, ROWS_OWN,
+                                                                     WORLD, BROADCAST, BLOCK_M, BLOCK_N)
+    acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
+                      x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE)
+    push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, mask_n,
+              N, ROWS_OWN, rank, epoch, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
 
 
 @triton.jit
