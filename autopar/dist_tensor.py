@@ -671,7 +671,8 @@ def _mm_backward(node: _Node, g: DistTensor) -> list[Optional[DistTensor]]:
         gl = g._local
         if i == 0:
             partial = [m for m, p in enumerate(pl) if type(p) is Partial]
-            if len(partial) == 1 and mesh.shape[partial[0]] > 1 and gl.ndim >= 2:
+            if len(partial) == 1 and mesh.shape[partial[0]] > 1 and gl.ndim >= 2 and \
+                    _pieces_nonempty(res.out_shape[-1], mesh.shape[partial[0]]):
                 # dgrad that is Partial on one mesh dim (e.g. Megatron's sequence-parallel column
                 # backward): left pending, so the reshard that follows (reduce-scatter back to
                 # Shard(0)) runs as one overlapped matmul_reduce_scatter.
@@ -680,7 +681,7 @@ def _mm_backward(node: _Node, g: DistTensor) -> list[Optional[DistTensor]]:
                 continue
             lg = torch.matmul(gl, w_local)
         else:
-            lg = gl.reshape(-1, gl.shape[-1]).T @ x_local.reshape(-1, x_local.shape[-1])
+            lg = gl.flatten(0, -2).T @ x_local.flatten(0, -2)
             if transposed:
                 lg = lg.T
         grads.append(DistTensor(lg, mesh, pl, in_shapes[i], lg.dtype))
@@ -716,7 +717,8 @@ def _matmul_like(key: tuple, rule: Callable[[], RuleResult], local_fn: Callable,
     if mesh._coord is None or b._pid != in_pids[1]:
         return _apply(key, rule, local_fn, [a, b])
     if a._pid == in_pids[0]:
-        if pend_dim >= 0 and mesh.shape[pend_dim] > 1:
+        if pend_dim >= 0 and mesh.shape[pend_dim] > 1 and \
+                _pieces_nonempty(a._shape[-1], mesh.shape[pend_dim]):
             w_local = b._local.mT if transposed else b._local
             out = _pending(a._local, w_local, mesh, res.out_placements, res.out_shape,
                            torch.promote_types(a._dtype, b._dtype), pend_dim, out_pid)
@@ -747,6 +749,15 @@ def _matmul_like(key: tuple, rule: Callable[[], RuleResult], local_fn: Callable,
     out = DistTensor(y, mesh, res.out_placements, res.out_shape, y.dtype, True, out_pid)
     _record_mm(out, a_full, b, gathered, w_local, res, transposed)
     return out
+
+
+def _pieces_nonempty(size: int, world: int) -> bool:
+    """Whether every ``torch.chunk`` piece of ``size`` over ``world`` ranks is non-empty.
+
+    The overlapped ops need ``k > 0`` on every rank, and all ranks must choose the same path, so
+    the choice is made from the global size of the contracted dim, never from a local piece.
+    """
+    return -(-size // world) * (world - 1) < size
 
 
 def _fused_reduce(x: "_PendingMatmul", placements: tuple) -> Optional[torch.Tensor]:

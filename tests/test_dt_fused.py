@@ -89,3 +89,32 @@ def test_overlapped_ops_are_used_and_exact(world, parallel_num):
         # layer's dgrad (Partial over tp, reduce-scattered back to x's Shard(0)).
         assert calls == {"matmul_all_reduce": 1, "matmul_reduce_scatter": 2,
                          "all_gather_matmul": 1}, calls
+
+
+def _empty_piece_case(rank, world):
+    """The hidden dim (6) over 4 ranks splits 2, 2, 2, 0: the last rank holds empty pieces of the
+    contracted dim. Its weight gradient must still come out (zero-sized), and every rank must pick
+    the same path (the overlapped ops need k > 0, so here the plain product and reshard)."""
+    from autopar import ProcessMesh, Shard, reshard, shard_tensor
+
+    mesh = ProcessMesh(list(range(world)), ["tp"])
+    X, W1, W2, bias = _rand(8, 3, 8, seed=1), _rand(8, 6, seed=2), _rand(5, 6, seed=3), _rand(6, seed=4)
+    ref = [t.clone().requires_grad_() for t in (X, W1, W2, bias)]
+    y_ref = F.linear(F.gelu(ref[0] @ ref[1] + ref[3]), ref[2])
+    (y_ref * y_ref).mean().backward()
+
+    x = shard_tensor(X, mesh, [Shard(0)]).requires_grad_()
+    w1 = shard_tensor(W1, mesh, [Shard(1)]).requires_grad_()
+    w2 = shard_tensor(W2, mesh, [Shard(1)]).requires_grad_()
+    b = shard_tensor(bias, mesh, [Shard(0)]).requires_grad_()
+    y = reshard(F.linear(F.gelu(x @ w1 + b), w2), mesh, [Shard(0)])
+    (y * y).mean().backward()
+    torch.testing.assert_close(y.full_tensor(), y_ref.detach(), **TOL)
+    for name, d, r in zip(["x", "w1", "w2", "bias"], [x, w1, w2, b], ref):
+        torch.testing.assert_close(d.grad.full_tensor(), r.grad, **TOL, msg=name)
+    return w2.grad.to_local().shape[1]
+
+
+@pytest.mark.parametrize("parallel_num", [None, "2"], ids=["sequential", "chunked-2"])
+def test_empty_pieces_of_the_contracted_dim(parallel_num):
+    assert run_ranks(_empty_piece_case, 4, env={"COC_PARALLEL_NUM": parallel_num}) == [2, 2, 2, 0]
