@@ -29,8 +29,9 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 # allclose(atol = tol * max|ref|, rtol = tol) against the sequential result. Backends differ from it
 # only in summation order (chunk boundaries, reduction order), whose error grows with the reduced
 # length; these are the tolerances peers use for the same ops (Triton-distributed: fp16 1e-2,
-# bf16 6e-2), and 1e-4 for fp32 on CPU. On GPUs fp32 gets 5e-3: Triton's tl.dot multiplies fp32
-# operands as TF32 (10-bit mantissa) unless told otherwise, cuBLAS does not.
+# bf16 6e-2), and 1e-4 for fp32 on CPU. On GPUs fp32 gets 5e-3: with
+# torch.backends.cuda.matmul.allow_tf32 on, cuBLAS and the fused kernels multiply fp32 as TF32
+# (10-bit mantissa), each with its own summation order.
 CHECK_TOL = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 6e-2}
 CHECK_TOL_FP32_GPU = 5e-3
 

@@ -30,11 +30,12 @@ def _compile(fn, signature: dict, constexprs: dict) -> int:
 def main() -> None:
     import triton.language as tl
 
-    from kernels.fused import ag_gemm, gemm_ar, gemm_ar_w8a16, gemm_rs, signals
+    from kernels.fused import ag_gemm, gemm, gemm_ar, gemm_ar_w8a16, gemm_rs, signals
 
     i32, i64, f16, tab = "i32", "i64", "*fp16", "*i64"
     timer = dict(USE_GLOBALTIMER=True)
     acc = dict(ACC_DTYPE=tl.float32)
+    dot = dict(DOT_PRECISION="tf32")
     sizes = [
         _compile(signals._wait_all_kernel, dict(sig_tab_ptr=tab, rank=i32, offset=i32, target=i64, timeout=i64,
                                                 channel=i32), dict(WORLD=4, **timer)),
@@ -42,12 +43,18 @@ def main() -> None:
                  dict(data_tab_ptr=tab, sig_tab_ptr=tab, w_ptr=f16, bias_ptr=f16, y_ptr=f16, g_ptr=f16, M_LOCAL=i32,
                       N=i32, K=i32, n_tiles=i32, chunk_rows=i32, stride_wn=i32, stride_wk=i32, stride_ym=i32,
                       stride_yn=i32, rank=i32, epoch=i64, timeout=i64, flag_offset=i32),
-                 dict(WORLD=4, CHANNEL=1, FLAG_STRIDE=8, HAS_BIAS=True, STORE_A=True, **timer, **acc, **BLOCKS)),
+                 dict(WORLD=4, CHANNEL=1, FLAG_STRIDE=8, HAS_BIAS=True, STORE_A=True, **timer, **acc, **dot,
+                      **BLOCKS)),
         _compile(gemm_rs._gemm_scatter_kernel,
                  dict(x_ptr=f16, w_ptr=f16, data_tab_ptr=tab, sig_tab_ptr=tab, M=i32, N=i32, K=i32, ROWS_OWN=i32,
                       stride_xm=i32, stride_xk=i32, stride_wn=i32, stride_wk=i32, rank=i32, epoch=i64, timeout=i64,
                       done_offset=i32, cnt_offset=i32),
-                 dict(WORLD=4, BROADCAST=True, **timer, **acc, **BLOCKS)),
+                 dict(WORLD=4, BROADCAST=True, **timer, **acc, **dot, **BLOCKS)),
+        # fp32 with TF32 off (torch's default): the exact-fp32 dot.
+        _compile(gemm._matmul_kernel,
+                 dict(a_ptr="*fp32", b_ptr="*fp32", bias_ptr="*fp32", c_ptr="*fp32", M=i32, N=i32, K=i32,
+                      stride_am=i32, stride_ak=i32, stride_bn=i32, stride_bk=i32, stride_cm=i32, stride_cn=i32),
+                 dict(HAS_BIAS=True, ACC_DTYPE=tl.float32, DOT_PRECISION="ieee", **BLOCKS)),
         # The w8A16 scatter in the other (owner) mode, with the per-group scale gather.
         _compile(gemm_ar_w8a16._gemm_w8a16_scatter_kernel,
                  dict(x_ptr=f16, q_ptr="*i8", s_ptr=f16, o_ptr="*fp32", data_tab_ptr=tab, sig_tab_ptr=tab, M=i32,

@@ -46,6 +46,22 @@ def test_gemm_core_matches_torch():
     assert matmul(torch.empty(0, 4), torch.empty(3, 4)).shape == (0, 3)
 
 
+def test_fp32_dot_precision_follows_torch_tf32_switch():
+    """fp32 on CUDA is exact unless torch allows TF32 (as for the sequential path's cuBLAS GEMM)."""
+    from kernels.fused.gemm import dot_precision
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert dot_precision(torch.float32, cuda) == "ieee"
+        assert dot_precision(torch.bfloat16, cuda) == dot_precision(torch.float32, cpu) == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert dot_precision(torch.float32, cuda) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def test_unavailable_reason_names_why():
     results = run_ranks(fused_cases.reasons_body, 2)
     for ok, meta, hosts in results:

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import acc_dtype, block_config, matmul, tile_matmul
+from .gemm import acc_dtype, block_config, dot_precision, matmul, tile_matmul
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_
                     stride_wn, stride_wk, stride_ym, stride_yn, rank, epoch, timeout, flag_offset,
                     WORLD: tl.constexpr, CHANNEL: tl.constexpr, FLAG_STRIDE: tl.constexpr,
                     HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
-                    USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                    USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     tiles_per_shard = tl.cdiv(M_LOCAL, BLOCK_M)
@@ -59,7 +59,8 @@ def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_
         # predicate into a mask, hence the vector form).
         g_local = signals.peer_ptr(data_tab_ptr, rank, y_ptr.dtype.element_ty)
         acc = tile_matmul(g_local, K, 1, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
-                          g_ptr, K, mask_m & ((offs_m * 0 + pid_n) == 0), BLOCK_M, BLOCK_N, BLOCK_K, STORE_A, ACC_DTYPE)
+                          g_ptr, K, mask_m & ((offs_m * 0 + pid_n) == 0), BLOCK_M, BLOCK_N, BLOCK_K, STORE_A, ACC_DTYPE,
+                          DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
@@ -145,6 +146,7 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                               WORLD=w, CHANNEL=signals.CH_AG, FLAG_STRIDE=signals.AG_MAX_SPLITS,
                               HAS_BIAS=bias is not None, STORE_A=return_gathered,
                               USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
+                              DOT_PRECISION=dot_precision(x.dtype, x.device),
                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if side is not None:

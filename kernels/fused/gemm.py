@@ -47,11 +47,20 @@ def acc_dtype(dtype: torch.dtype) -> tl.dtype:
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
+    """``tl.dot``'s input precision. Triton multiplies fp32 operands as TF32 by default; on CUDA fp32
+    follows ``torch.backends.cuda.matmul.allow_tf32`` instead (off by default), as the sequential
+    path's cuBLAS GEMM does, so the fused result stays within fp32 tolerance of it."""
+    if dtype == torch.float32 and device.type == "cuda" and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
 @triton.jit
 def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m, mask_m, offs_n, mask_n, K,
                 g_ptr, stride_gm, g_mask_m,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_A: tl.constexpr,
-                ACC_DTYPE: tl.constexpr):
+                ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """``a[offs_m, :] @ b[offs_n, :].T`` accumulated in ``ACC_DTYPE``; with ``STORE_A`` also copies the
     A rows selected by ``g_mask_m`` to ``g``.
 
@@ -68,13 +77,13 @@ def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         if STORE_A:
             tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_k[None, :], a, mask=g_mask_m[:, None] & mask_k[None, :])
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     return acc
 
 
 @triton.jit
 def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                   stride_cm, stride_cn, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr,
+                   stride_cm, stride_cn, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
@@ -83,7 +92,7 @@ def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak,
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m, mask_m, offs_n, mask_n, K,
-                      c_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE)
+                      c_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
@@ -108,6 +117,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_kernel[grid](x, weight, bias_arg, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
                          weight.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
-                         ACC_DTYPE=acc_dtype(x.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         ACC_DTYPE=acc_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype, x.device),
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import BlockConfig, acc_dtype, block_config, matmul, tile_matmul
+from .gemm import BlockConfig, acc_dtype, block_config, dot_precision, matmul, tile_matmul
 
 
 @triton.jit
@@ -80,12 +80,12 @@ def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_
                          stride_xm, stride_xk, stride_wn, stride_wk, rank, epoch, timeout,
                          done_offset, cnt_offset,
                          WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
-                         ACC_DTYPE: tl.constexpr,
+                         ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, M, N, ROWS_OWN,
                                                                      WORLD, BROADCAST, BLOCK_M, BLOCK_N)
     acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
-                      x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE)
+                      x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE, DOT_PRECISION)
     push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, mask_n,
               N, ROWS_OWN, rank, epoch, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
 
@@ -149,7 +149,7 @@ def scatter_partials(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Ten
                                    call.rank, call.epoch, call.timeout_ticks,
                                    signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
                                    WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
-                                   ACC_DTYPE=acc_dtype(x.dtype),
+                                   ACC_DTYPE=acc_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype, x.device),
                                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return heap.add_count(signals.CH_RS, per_owner)
