@@ -79,3 +79,23 @@ def _reduce_scatter_bad_rows(rank, world):
 
 def test_reduce_scatter_rows_not_divisible():
     assert run_ranks(_reduce_scatter_bad_rows, 3) == [True] * 3
+
+
+def _empty_dims(rank, world):
+    """k == 0 (a rank whose shard of the contracted dim is empty) and m == 0 are valid shapes."""
+    out = {}
+    for backend in ("sequential", "chunked"):
+        w0 = torch.zeros(5, 0)
+        y = kernels.matmul_all_reduce(torch.zeros(4, 2, 0), w0, B, backend=backend, parallel_num=2)
+        torch.testing.assert_close(y, B.expand(4, 2, 5))  # the empty sum is 0, plus bias
+        y = kernels.matmul_reduce_scatter(torch.zeros(2 * world, 0), w0, backend=backend)
+        assert y.shape == (2, 5) and not y.any()
+        y, xg = kernels.all_gather_matmul(torch.zeros(3, 0), w0, backend=backend, return_gathered=True)
+        assert y.shape == (3 * world, 5) and xg.shape == (3 * world, 0) and not y.any()
+        y = kernels.all_gather_matmul(torch.zeros(0, 6), W, backend=backend, parallel_num=4)
+        out[backend] = tuple(y.shape)
+    return out
+
+
+def test_empty_k_and_m():
+    assert run_ranks(_empty_dims, 2) == [{"sequential": (0, 5), "chunked": (0, 5)}] * 2
