@@ -6,7 +6,7 @@ setup(
     description="Fused and overlapped communication-computation operators for tensor parallelism",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     packages=find_packages(include=["kernels", "kernels.*", "autopar", "autopar.*", "bench", "bench.*"]),
     package_data={"": ["*.yaml"]},
     include_package_data=True,
