@@ -26,12 +26,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from kernels import comm as kernel_comm
+
 from .mesh import ProcessMesh
 from .placements import REPLICATE, Partial, Placement, Replicate, Shard, chunk_bounds
-
-# torch >= 2.10 renamed the tensor collectives (the old names warn); older torch has only those.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                "min": dist.ReduceOp.MIN}
@@ -62,7 +60,7 @@ def all_gather(x: torch.Tensor, dim: int, size: int, group, world: int) -> torch
     c = -(-size // world)
     xt = _pad_dim0(x.movedim(dim, 0), c)
     out = xt.new_empty((c * world,) + tuple(xt.shape[1:]))
-    _all_gather_single(out, xt, group=group)
+    kernel_comm.all_gather(out, xt, group)
     # Short and empty pieces are all at the end (torch.chunk), so the data is the first `size` rows.
     return out[:size].movedim(0, dim)
 
@@ -86,7 +84,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, reduce_type: str, group, world: in
     c = -(-size // world)
     xt = _pad_dim0(x.movedim(dim, 0), c * world)
     out = xt.new_empty((c,) + tuple(xt.shape[1:]))
-    _reduce_scatter_single(out, xt, group=group)
+    kernel_comm.reduce_scatter(out, xt, group)
     if reduce_type == "avg":
         out.div_(world)
     return out[:e - s].movedim(0, dim)
