@@ -115,3 +115,16 @@ def test_fused_without_process_group_is_plain_gemm():
     done = subprocess.run([sys.executable, "-c", _NO_PG_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_locality_reason_is_the_same_verdict_on_every_rank():
+    from kernels.fused import _locality_reason
+
+    same_host = [(None, "h0", 0, ()), (None, "h0", 1, ())]
+    assert _locality_reason(same_host) is None
+    # One-directional peer access: GPU 1 cannot reach GPU 0 although 0 reaches 1. The verdict
+    # comes from the exchanged data only, so rank 0 falls back too (no rank runs fused alone).
+    one_way = [(None, "h0", 0, ()), (None, "h0", 1, (0,))]
+    assert _locality_reason(one_way) == "GPU 1 has no peer access to GPU 0"
+    assert "spans 2 hosts" in _locality_reason([(None, "h0", 0, ()), (None, "h1", 0, ())])
+    assert _locality_reason([(None, "h0", -1, ()), ("no cupy", "h0", -1, ())]) == "no cupy"

@@ -25,17 +25,23 @@ __all__ = ["unavailable_reason", "all_gather_matmul", "matmul_reduce_scatter", "
 _REASONS: dict[tuple[int, str], tuple[dist.ProcessGroup, Optional[str]]] = {}
 
 
-def _locality_reason(infos: list[tuple[Optional[str], str, int]], index: int) -> Optional[str]:
-    """Can every rank map every peer's memory? ``infos``: per rank (local reason, host, GPU index)."""
-    local = next((r for r, _, _ in infos if r), None)
+def _locality_reason(infos: list[tuple[Optional[str], str, int, tuple[int, ...]]]) -> Optional[str]:
+    """Can every rank map every peer's memory?
+
+    ``infos``: per rank (local reason, host, GPU index, GPU indices it has no peer access to). The
+    answer depends on ``infos`` alone, which every rank holds, so all ranks reach the same verdict
+    even when peer access is one-directional.
+    """
+    local = next((r for r, _, _, _ in infos if r), None)
     if local is not None:
         return local
-    hosts = sorted({host for _, host, _ in infos})
+    hosts = sorted({host for _, host, _, _ in infos})
     if len(hosts) > 1:
         return f"the group spans {len(hosts)} hosts ({', '.join(hosts)}); peer memory needs one host"
-    for _, _, peer_index in infos:
-        if index >= 0 and peer_index != index and not torch.cuda.can_device_access_peer(index, peer_index):
-            return f"GPU {index} has no peer access to GPU {peer_index}"
+    for _, _, index, no_access in infos:
+        for _, _, peer_index, _ in infos:
+            if peer_index in no_access:
+                return f"GPU {index} has no peer access to GPU {peer_index}"
     return None
 
 
@@ -67,13 +73,15 @@ def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device)
             reason = "no /dev/shm for POSIX shared memory on this system"
     else:
         reason = f"no symmetric heap backend for device type {device.type!r}"
-    index = -1
+    index, no_access = -1, ()
     if device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
+        no_access = tuple(j for j in range(torch.cuda.device_count())
+                          if j != index and not torch.cuda.can_device_access_peer(index, j))
     # Every rank takes part in the exchange even when it already knows its own answer, and all
     # ranks adopt the first reason any rank found, so they all choose the same backend.
     infos: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(infos, (reason, socket.gethostname(), index), group=group)
-    reason = _locality_reason(infos, index)
+    dist.all_gather_object(infos, (reason, socket.gethostname(), index, no_access), group=group)
+    reason = _locality_reason(infos)
     _REASONS[key] = (group, reason)
     return reason
