@@ -5,7 +5,9 @@ For each local GEMM shape of the chosen cases:
 * the Triton GEMM core (``kernels.fused.gemm``) against ``torch.nn.functional.linear`` (cuBLAS);
 * each op with ``backend="fused"`` at world size 1 against the bare GEMM (the fusion's overhead);
 * each op with ``backend="chunked", parallel_num=4`` at world size 1 against ``"sequential"``
-  (what splitting the GEMM costs).
+  (what splitting the GEMM costs);
+* on shapes whose k or n is not tensor-core aligned, ``matmul_soc_friendly``'s padded GEMM
+  (``kernels.soc.linear``) against the unpadded one (what the padding buys or costs).
 
 GPU only: on CPU the Triton kernels run in the interpreter and their times mean nothing.
 """
@@ -44,6 +46,24 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> bool:
     return bool(torch.allclose(out.float(), ref.float(), atol=tol * max(scale, 1e-30), rtol=tol))
 
 
+def _soc_effect(rec: dict[str, Any], x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, dtype: str,
+                timer: Timer, opts: RunOptions, t_torch: float) -> None:
+    """Time the padded GEMM of ``matmul_soc_friendly`` where the padding changes the shape."""
+    from kernels import soc
+    from kernels.config import get_config
+
+    config = get_config()
+    k, n = x.shape[1], w.shape[0]
+    if soc.padded_shape(k, n, x.dtype, config.k_min, config.k_max) == (k, n):
+        return
+    out = soc.linear(x, w, force=True)
+    rec["soc_correct"] = _check(out, ref, dtype)
+    if rec["soc_correct"]:
+        t_soc = timer.run(lambda: soc.linear(x, w, force=True), opts.warmup, opts.repeats)
+        rec["soc_ms"] = t_soc.to_ms()
+        rec["soc_speedup"] = t_torch / t_soc.median
+
+
 def run_single(rank: int, world: int, device: torch.device, cases: list[Case], opts: RunOptions) -> dict[str, Any]:
     import kernels
 
@@ -76,6 +96,7 @@ def run_single(rank: int, world: int, device: torch.device, cases: list[Case], o
                 rec["core_vs_torch"] = t_torch.median / t_core.median
         else:
             rec["core_skipped"] = core_name
+        _soc_effect(rec, x, w, ref, dtype, timer, opts, t_torch.median)
         # The model's view of 4-way chunking at world 1: the four smaller GEMMs, timed bare.
         chunk_ms = 0.0
         for rows in chunk_rows(m, 4):
@@ -117,16 +138,17 @@ def run_single(rank: int, world: int, device: torch.device, cases: list[Case], o
 
 
 def single_table(records: list[dict[str, Any]]) -> str:
-    head = ["gemm [m, k, n]", "dtype", "torch ms", "core ms", "core/torch speed", "op", "fused/gemm",
-            "chunked4/seq", "model chunked4/seq"]
+    head = ["gemm [m, k, n]", "dtype", "torch ms", "core ms", "core/torch speed", "soc pad speed", "op",
+            "fused/gemm", "chunked4/seq", "model chunked4/seq"]
     lines = [head]
     for rec in records:
         core_ms = rec.get("core_ms", {}).get("median")
         first = [str(rec["gemm_shape"]), rec["dtype"], f"{rec['torch_ms']['median']:.3f}",
                  f"{core_ms:.3f}" if core_ms else "-",
-                 f"{rec['core_vs_torch']:.3f}x" if "core_vs_torch" in rec else "-"]
+                 f"{rec['core_vs_torch']:.3f}x" if "core_vs_torch" in rec else "-",
+                 f"{rec['soc_speedup']:.3f}x" if "soc_speedup" in rec else "-"]
         for i, row in enumerate(rec["ops"] or [{"op": "-"}]):
-            lines.append((first if i == 0 else [""] * 5) + [
+            lines.append((first if i == 0 else [""] * len(first)) + [
                 OP_SHORT.get(row["op"], row["op"]),
                 f"{row['fused_over_gemm']:.3f}" if "fused_over_gemm" in row else "-",
                 f"{row['chunked4_over_sequential']:.3f}" if "chunked4_over_sequential" in row else "-",
@@ -135,10 +157,15 @@ def single_table(records: list[dict[str, Any]]) -> str:
     out = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in lines]
     out.insert(1, "-" * len(out[0]))
     out.append("")
-    out.append("core/torch speed = t_torch / t_core (target >= 0.95 on bf16 LLaMA-70B TP8 shapes); "
+    out.append("core/torch speed = t_torch / t_core (target >= 0.95 on bf16 LLaMA-70B TP8 shapes); soc pad "
+               "speed = t_torch / t_padded for shapes matmul_soc_friendly pads (k within [k_min, k_max] or n "
+               "not 128-byte aligned; '-' = already aligned); "
                "fused/gemm = fused op at world 1 / bare GEMM (target <= 1.03); chunked4/seq = 4-way "
                "chunked / sequential at world 1 (target <= 1.05 at M >= 4096); model chunked4/seq = MODEL: the "
                "four quarter-row GEMMs timed bare over the whole GEMM (leaves out per-chunk host cost)")
+    for rec in records:
+        if rec.get("soc_correct") is False:
+            out.append(f"{rec['gemm_shape']} soc padding: result differs from torch linear beyond tolerance")
     for rec in records:
         if "core_skipped" in rec:
             out.append(f"Triton GEMM core skipped: {rec['core_skipped']}")

@@ -108,6 +108,23 @@ def test_single_mode_skips_cleanly_on_cpu(tmp_path):
     assert "needs a CUDA GPU" in r.stdout
 
 
+def test_single_mode_code_path_on_cpu(tmp_path):
+    """--allow-cpu runs single mode end to end (interpreter times mean nothing; the checks do)."""
+    r = _bench(["--mode", "single", "--allow-cpu", "--suite", "tiny", "--tokens", "40", "--repeats", "1",
+                "--warmup", "0", "--no-progress"], tmp_path, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = json.loads((tmp_path / "out.json").read_text())["records"]
+    shapes = {tuple(rec["gemm_shape"]): rec for rec in records}
+    assert set(shapes) == {(40, 96, 80), (40, 96, 160), (40, 192, 80)}
+    for (m, k, n), rec in shapes.items():
+        assert rec["core_correct"] is True
+        # fp32 rows are 128-byte aligned at multiples of 32 elements: n = 80 is padded, 160 is not.
+        assert ("soc_speedup" in rec) == (n % 32 != 0) and rec.get("soc_correct", True) is True
+        for row in rec["ops"]:
+            assert {"fused_ms", "chunked4_ms", "sequential_ms"} <= set(row), row
+    assert "soc pad speed" in r.stdout
+
+
 def test_correctness_gate_flags_a_wrong_result():
     case = Case("t", "l", "matmul_all_reduce", 37, 24, 19, 1, "fp32")
     timer = Timer(torch.device("cpu"))
