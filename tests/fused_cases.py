@@ -390,3 +390,34 @@ def edge_shapes_body(rank: int, world: int) -> int:
         scramble(group, dev)
         assert_close(what, run_op(op, xs[rank], ws[rank], b, group), reference(op, xs, ws, b, rank), torch.float32)
     return len(cases)
+
+
+def failed_call_body(rank: int, world: int, op: str) -> float:
+    """One fused call fails on every rank after its first launch; the next call must run normally.
+
+    Returns how long the next (correct) call took: it must not sit out a COC_TIMEOUT waiting for
+    a ``DONE`` signal of the abandoned call.
+    """
+    from kernels.fused import gemm_ar, gemm_rs
+
+    group = dist.group.WORLD
+    xs, ws, b = make_inputs(op, world, 5, 12, 9, True, 3, False, torch.float32, "cpu")
+    check_case(rank, world, op, 5, 12, 9, True, 1, False, group, torch.float32, torch.device("cpu"))
+
+    def injected(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected failure")
+
+    saved = gemm_rs.reduce_slots
+    gemm_rs.reduce_slots = gemm_ar.reduce_slots = injected
+    try:
+        run_op(op, xs[rank], ws[rank], b, group)
+        raise AssertionError("the injected failure did not propagate")
+    except RuntimeError as e:
+        assert "injected failure" in str(e), e
+    finally:
+        gemm_rs.reduce_slots = gemm_ar.reduce_slots = saved
+    start = time.monotonic()
+    got = run_op(op, xs[rank], ws[rank], b, group)
+    elapsed = time.monotonic() - start
+    assert_close(f"{op} after a failed call, rank {rank}", got, reference(op, xs, ws, b, rank), torch.float32)
+    return elapsed

@@ -37,3 +37,9 @@ def test_gpu_spawner_reports_results_and_failures():
     assert fused_cases.run_gpu_ranks(fused_cases.spawn_probe_body, 2, -1, timeout=120) == [(0, 1, None), (1, 1, None)]
     with pytest.raises(AssertionError, match="rank 1 fails on purpose"):
         fused_cases.run_gpu_ranks(fused_cases.spawn_probe_body, 2, 1, timeout=120)
+
+
+@pytest.mark.parametrize("op", ["rs", "ar_two"])
+def test_call_after_a_failed_call_runs_normally(op):
+    elapsed = run_ranks(fused_cases.failed_call_body, 2, op, env={"COC_TIMEOUT": "5"}, timeout=120)
+    assert all(t < 4 for t in elapsed), elapsed

@@ -125,33 +125,33 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     n = weight.shape[0]
     # The kernel indexes bias with unit stride.
     bias = bias.contiguous() if bias is not None else None
-    call = runtime.begin("all_gather_matmul", group, x.device, w * m_local * k * x.element_size())
-    heap = call.heap
-    if call.epoch > 1:
-        signals.wait_all(heap, signals.CH_DONE, call.epoch - 1, call.timeout_ticks, call.use_globaltimer)
-    cfg = block_config(x.device)
-    chunk_rows = max(1, triton.cdiv(triton.cdiv(m_local, cfg.ag_splits), cfg.block_m)) * cfg.block_m
-    side = _side_stream(x.device) if x.device.type == "cuda" else None
-    _push_shard(call, x, chunk_rows, side)
-    y = torch.empty((w * m_local, n), dtype=x.dtype, device=x.device)
-    x_gathered = torch.empty((w * m_local, k), dtype=x.dtype, device=x.device) if return_gathered else y
-    # With n == 0 the V2 op still needs one column of programs to copy the gathered rows out.
-    n_tiles = max(triton.cdiv(n, cfg.block_n), 1 if return_gathered else 0)
-    grid = (w * triton.cdiv(m_local, cfg.block_m) * n_tiles,)
-    if grid[0] > 0:
-        _ag_gemm_kernel[grid](heap.data_ptrs, heap.sig_ptrs, weight, bias if bias is not None else y, y, x_gathered,
-                              m_local, n, k, n_tiles, chunk_rows, weight.stride(0), weight.stride(1),
-                              y.stride(0), y.stride(1),
-                              call.rank, call.epoch, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
-                              WORLD=w, CHANNEL=signals.CH_AG, FLAG_STRIDE=signals.AG_MAX_SPLITS,
-                              HAS_BIAS=bias is not None, STORE_A=return_gathered,
-                              USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
-                              DOT_PRECISION=dot_precision(x.dtype, x.device),
-                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if side is not None:
-        # Work the caller queues next (which may overwrite or free x) must follow the pushes of x;
-        # they end about when the GEMM does, since every rank's GEMM waits for every rank's push.
-        torch.cuda.current_stream(x.device).wait_stream(side)
-    runtime.finish(call)
+    data_bytes = w * m_local * k * x.element_size()
+    with runtime.fused_call("all_gather_matmul", group, x.device, data_bytes) as call:
+        heap = call.heap
+        if call.epoch > 1:
+            signals.wait_all(heap, signals.CH_DONE, call.epoch - 1, call.timeout_ticks, call.use_globaltimer)
+        cfg = block_config(x.device)
+        chunk_rows = max(1, triton.cdiv(triton.cdiv(m_local, cfg.ag_splits), cfg.block_m)) * cfg.block_m
+        side = _side_stream(x.device) if x.device.type == "cuda" else None
+        _push_shard(call, x, chunk_rows, side)
+        y = torch.empty((w * m_local, n), dtype=x.dtype, device=x.device)
+        x_gathered = torch.empty((w * m_local, k), dtype=x.dtype, device=x.device) if return_gathered else y
+        # With n == 0 the V2 op still needs one column of programs to copy the gathered rows out.
+        n_tiles = max(triton.cdiv(n, cfg.block_n), 1 if return_gathered else 0)
+        grid = (w * triton.cdiv(m_local, cfg.block_m) * n_tiles,)
+        if grid[0] > 0:
+            _ag_gemm_kernel[grid](heap.data_ptrs, heap.sig_ptrs, weight, bias if bias is not None else y, y, x_gathered,
+                                  m_local, n, k, n_tiles, chunk_rows, weight.stride(0), weight.stride(1),
+                                  y.stride(0), y.stride(1),
+                                  call.rank, call.epoch, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
+                                  WORLD=w, CHANNEL=signals.CH_AG, FLAG_STRIDE=signals.AG_MAX_SPLITS,
+                                  HAS_BIAS=bias is not None, STORE_A=return_gathered,
+                                  USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
+                                  DOT_PRECISION=dot_precision(x.dtype, x.device),
+                                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if side is not None:
+            # Work the caller queues next (which may overwrite or free x) must follow the pushes of x;
+            # they end about when the GEMM does, since every rank's GEMM waits for every rank's push.
+            torch.cuda.current_stream(x.device).wait_stream(side)
     return (y, x_gathered) if return_gathered else y

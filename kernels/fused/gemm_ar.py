@@ -108,25 +108,23 @@ def all_reduce_partials(op: str, group: dist.ProcessGroup, x: torch.Tensor, n: i
     size = x.element_size()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if algorithm == "one_shot":
-        call = runtime.begin(op, group, x.device, w * m * n * size)
-        target = scatter(call, m, True)
-        reduce_slots(call, out, bias, m, m, n, target, None, cfg)
-        runtime.finish(call)
+        with runtime.fused_call(op, group, x.device, w * m * n * size) as call:
+            target = scatter(call, m, True)
+            reduce_slots(call, out, bias, m, m, n, target, None, cfg)
         return out
     rows_own = triton.cdiv(m, w)
     slots = w * rows_own * n
-    call = runtime.begin(op, group, x.device, 2 * slots * size)
-    target = scatter(call, rows_own, False)
-    rows_valid = min(rows_own, max(0, m - call.rank * rows_own))
-    # ``out`` is only a dtype/stride carrier here: the reduced rows go to every rank's O region.
-    ar_target = reduce_slots(call, out, bias, rows_own, rows_valid, n, target, slots, cfg)
-    heap = call.heap
-    grid = (w * triton.cdiv(rows_own, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    if grid[0] > 0:
-        _gather_rows_kernel[grid](heap.data_ptrs, heap.sig_ptrs, out, m, n, rows_own, out.stride(0), out.stride(1),
-                                  call.rank, ar_target, call.timeout_ticks, slots,
-                                  signals.channel_offset(signals.CH_AR, w), WORLD=w, CHANNEL=signals.CH_AR,
-                                  USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                  num_warps=cfg.num_warps)
-    runtime.finish(call)
+    with runtime.fused_call(op, group, x.device, 2 * slots * size) as call:
+        target = scatter(call, rows_own, False)
+        rows_valid = min(rows_own, max(0, m - call.rank * rows_own))
+        # ``out`` is only a dtype/stride carrier here: the reduced rows go to every rank's O region.
+        ar_target = reduce_slots(call, out, bias, rows_own, rows_valid, n, target, slots, cfg)
+        heap = call.heap
+        grid = (w * triton.cdiv(rows_own, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        if grid[0] > 0:
+            _gather_rows_kernel[grid](heap.data_ptrs, heap.sig_ptrs, out, m, n, rows_own, out.stride(0), out.stride(1),
+                                      call.rank, ar_target, call.timeout_ticks, slots,
+                                      signals.channel_offset(signals.CH_AR, w), WORLD=w, CHANNEL=signals.CH_AR,
+                                      USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                      num_warps=cfg.num_warps)
     return out

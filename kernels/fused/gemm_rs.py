@@ -204,9 +204,9 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     n = weight.shape[0]
     rows_own = m // w
     cfg = block_config(x.device)
-    call = runtime.begin("matmul_reduce_scatter", group, x.device, w * rows_own * n * x.element_size())
-    target = scatter_partials(call, x, weight, rows_own, False, cfg)
-    out = torch.empty((rows_own, n), dtype=x.dtype, device=x.device)
-    reduce_slots(call, out, bias, rows_own, rows_own, n, target, None, cfg)
-    runtime.finish(call)
+    data_bytes = w * rows_own * n * x.element_size()
+    with runtime.fused_call("matmul_reduce_scatter", group, x.device, data_bytes) as call:
+        target = scatter_partials(call, x, weight, rows_own, False, cfg)
+        out = torch.empty((rows_own, n), dtype=x.dtype, device=x.device)
+        reduce_slots(call, out, bias, rows_own, rows_own, n, target, None, cfg)
     return out

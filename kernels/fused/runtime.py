@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,27 @@ def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: i
     ticks = int(timeout * 1e9) if use_globaltimer else max(1, int(timeout * 1e3))
     heap.arm_clock(True)
     return FusedCall(op, heap, heap.next_epoch(), timeout, ticks, use_globaltimer)
+
+
+@contextlib.contextmanager
+def fused_call(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int) -> Iterator[FusedCall]:
+    """``begin`` ... ``finish`` around the launches of one fused call.
+
+    An exception between them (a compile error, an interrupt) still marks the call done: the
+    next call of every peer starts by waiting for this rank's ``DONE >= epoch``, which would
+    otherwise never come and turn one failed call into a timeout of the next. The heap is kept,
+    so its epochs stay in step with the peers'.
+    """
+    call = begin(op, group, device, data_bytes)
+    try:
+        yield call
+    except BaseException:
+        try:
+            signals.signal_all(call.heap, signals.CH_DONE, call.epoch)
+        finally:
+            call.heap.arm_clock(False)
+        raise
+    finish(call)
 
 
 def finish(call: FusedCall) -> None:
