@@ -229,8 +229,20 @@ def absent_peer_body(rank: int, world: int, op: str, dtype: torch.dtype = torch.
     try:
         run_op(op, xs[rank], ws[rank], b, group)
     except RuntimeError as e:
-        return time.monotonic() - start, str(e)
-    raise AssertionError("the second call returned although rank 1 never made it")
+        elapsed, message = time.monotonic() - start, str(e)
+    else:
+        raise AssertionError("the second call returned although rank 1 never made it")
+    # Fail-stop: the group's ranks disagree on the call sequence now, so every later fused call on
+    # it raises at once instead of pairing its heap rebuild with some other call of a peer.
+    start = time.monotonic()
+    try:
+        run_op(op, xs[rank], ws[rank], b, group)
+    except RuntimeError as e:
+        assert "earlier fused call on this process group timed out" in str(e), e
+        assert time.monotonic() - start < 1.0
+    else:
+        raise AssertionError("a fused call on a group with a timed-out call ran")
+    return elapsed, message
 
 
 def singleton_body(rank: int, world: int) -> int:

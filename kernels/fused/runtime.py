@@ -50,8 +50,21 @@ class FusedCall:
         return self.heap.world_size
 
 
+# Groups on which a fused wait timed out, with the error (the group is kept alive so its id is not
+# reused). After a timeout the ranks no longer agree on how many fused calls they have made: the
+# one that gave up drops its heap and would rebuild it at its next call, pairing that heap-creation
+# collective with a peer's later call. Failing every further call on the group keeps that from
+# ever silently mixing two calls' data.
+_FAILED_GROUPS: dict[int, tuple[dist.ProcessGroup, str]] = {}
+
+
 def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int) -> FusedCall:
     """Get (or grow) the group's heap for ``data_bytes`` and open the next epoch on it."""
+    failed = _FAILED_GROUPS.get(id(group))
+    if failed is not None and failed[0] is group:
+        raise RuntimeError(f"fused {op}: an earlier fused call on this process group timed out ({failed[1]}); "
+                           "its ranks no longer agree on the call sequence, so the fused path refuses the group. "
+                           "Create a new process group (or restart the job) to use it again")
     world = dist.get_world_size(group)
     heap = get_heap(group, device, data_bytes, signals.sig_words(world))
     timeout = get_config().timeout
@@ -99,14 +112,15 @@ def check(call: FusedCall) -> None:
     if code == 0:
         return
     channel, peer = signals.decode_error(code, heap.world_size)
-    # The flags of a heap whose peer vanished mid-call are inconsistent: drop it, a later call
-    # starts a fresh one (which needs the peers again).
-    destroy_heap(heap.group, heap.device)
-    raise RuntimeError(
+    message = (
         f"fused {call.op}: rank {heap.global_ranks[heap.rank]} (group rank {heap.rank}) waited more than "
         f"COC_TIMEOUT={call.timeout_s:g} s for rank {heap.global_ranks[peer]} (group rank {peer}) to "
         f"{signals.PHASES.get(channel, f'signal channel {channel}')} (epoch {call.epoch}); "
         f"the peer is dead, stuck, or did not make the same call")
+    # The flags of a heap whose peer vanished mid-call are inconsistent: free its memory now.
+    destroy_heap(heap.group, heap.device)
+    _FAILED_GROUPS[id(heap.group)] = (heap.group, message)
+    raise RuntimeError(message)
 
 
 def push_signal(call: FusedCall, channel: int, value: int, stream: Optional[torch.cuda.Stream] = None,
