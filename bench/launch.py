@@ -122,6 +122,13 @@ def spawn(fn: Callable[..., Any], world: int, device_type: str, timeout_s: float
         deadline = time.monotonic() + timeout_s
         got: dict[int, tuple[bool, Any]] = {}
         error: str | None = None
+
+        def receive(wait_s: float) -> str | None:
+            """Record one rank's result (raises queue.Empty if none came); its error, if it raised."""
+            rank, ok, value = results.get(timeout=wait_s)
+            got[rank] = (ok, value)
+            return None if ok else f"rank {rank} raised:\n{value}"
+
         try:
             while len(got) < world and error is None:
                 if time.monotonic() > deadline:
@@ -129,10 +136,7 @@ def spawn(fn: Callable[..., Any], world: int, device_type: str, timeout_s: float
                     error = f"ranks {missing} did not finish within {timeout_s:.0f} s (see --timeout)"
                     break
                 try:
-                    rank, ok, value = results.get(timeout=0.2)
-                    got[rank] = (ok, value)
-                    if not ok:
-                        error = f"rank {rank} raised:\n{value}"
+                    error = receive(0.2)
                     continue
                 except queue.Empty:
                     pass
@@ -140,11 +144,7 @@ def spawn(fn: Callable[..., Any], world: int, device_type: str, timeout_s: float
                 if dead:
                     # Give its result a moment to arrive through the queue before calling it dead.
                     try:
-                        rank, ok, value = results.get(timeout=2.0)
-                        got[rank] = (ok, value)
-                        if not ok:
-                            error = f"rank {rank} raised:\n{value}"
-                        continue
+                        error = receive(2.0)
                     except queue.Empty:
                         error = f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
         finally:

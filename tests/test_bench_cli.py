@@ -179,3 +179,21 @@ def test_run_mode_on_one_gpu(tmp_path):
     assert doc["meta"]["device"]["type"] == "cuda" and doc["meta"]["dist_backend"] == "nccl"
     for rec in doc["records"]:
         assert all(b["status"] in ("ok", "skipped") for b in rec["backends"]), rec
+
+
+def _launch_probe(rank, world, device, mode):
+    if mode == "raise" and rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    if mode == "die" and rank == 1:
+        os._exit(7)
+    return (rank, world, device.type)
+
+
+def test_spawned_ranks_report_results_errors_and_deaths():
+    from bench.launch import LaunchError, spawn
+
+    assert spawn(_launch_probe, 2, "cpu", 60, "ok") == (0, 2, "cpu")
+    with pytest.raises(LaunchError, match="(?s)rank 1 raised:.*fails on purpose"):
+        spawn(_launch_probe, 2, "cpu", 60, "raise")
+    with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] died \(exit codes \[7\]\)"):
+        spawn(_launch_probe, 2, "cpu", 60, "die")
