@@ -24,7 +24,8 @@ ENV_FUSED = "USE_COC_FUSED_KERNEL"
 ENV_CONFIG = "COC_CONFIG"
 ENV_TIMEOUT = "COC_TIMEOUT"
 ENV_TUNE_CACHE = "COC_TUNE_CACHE"
-_ENV_VARS = (ENV_PARALLEL_NUM, ENV_FUSED, ENV_CONFIG, ENV_TIMEOUT, ENV_TUNE_CACHE)
+ENV_CHECK = "COC_CHECK"
+_ENV_VARS = (ENV_PARALLEL_NUM, ENV_FUSED, ENV_CONFIG, ENV_TIMEOUT, ENV_TUNE_CACHE, ENV_CHECK)
 
 DEFAULT_CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                    "configs", "coc.yaml")
@@ -34,7 +35,7 @@ ShapeKey = tuple[int, int, int]
 
 @dataclass(frozen=True)
 class CocConfig:
-    """Resolved settings. Defaults are those of ``configs/coc.yaml`` and api.md section 3."""
+    """Resolved settings. Defaults are those of ``configs/coc.yaml`` and docs/api.md section 3."""
 
     parallel_num: Union[int, str] = 1
     use_fused: bool = False
@@ -46,6 +47,7 @@ class CocConfig:
     k_min: int = 1024
     k_max: int = 4096
     tune_cache: Optional[str] = None  # JSON file of COC_PARALLEL_NUM=auto choices (kernels.tune)
+    check: bool = False  # COC_CHECK=1: ranks compare call descriptors before communicating (kernels.agree)
 
     def parallel_num_for(self, m: int, k: int, n: int) -> Union[int, str]:
         """The split count for an op of shape ``[m, k, n]``: ``customized_coc`` wins over the env."""
@@ -76,10 +78,10 @@ def _parse_parallel_num(raw: str, source: str) -> Union[int, str]:
     return num
 
 
-def _parse_fused(raw: str) -> bool:
+def _parse_switch(name: str, raw: str) -> bool:
     value = raw.strip()
     if value not in ("0", "1"):
-        raise ValueError(f"{ENV_FUSED}={raw!r} is not accepted; use 0 or 1")
+        raise ValueError(f"{name}={raw!r} is not accepted; use 0 or 1 (or leave it empty for the default)")
     return value == "1"
 
 
@@ -157,7 +159,7 @@ def _load_yaml(path: str) -> dict[str, Any]:
 
 def _parse_tune_cache(raw: str) -> str:
     path = os.path.abspath(os.path.expanduser(raw))
-    if not raw.strip() or os.path.isdir(path) or not os.path.isdir(os.path.dirname(path)):
+    if os.path.isdir(path) or not os.path.isdir(os.path.dirname(path)):
         raise ValueError(f"{ENV_TUNE_CACHE}={raw!r} is not accepted; use the path of a JSON file "
                          "(it may not exist yet) in an existing directory")
     return path
@@ -165,6 +167,8 @@ def _parse_tune_cache(raw: str) -> str:
 
 def build_config(env: Mapping[str, str]) -> CocConfig:
     """Build and validate a config from environment-like values (the one place of validation)."""
+    # An empty (or blank) value means unset: shells and launchers often export VAR= to clear one.
+    env = {name: value for name, value in env.items() if value is not None and value.strip()}
     values: dict[str, Any] = {}
     path = env.get(ENV_CONFIG)
     if path:
@@ -177,11 +181,13 @@ def build_config(env: Mapping[str, str]) -> CocConfig:
     if env.get(ENV_PARALLEL_NUM) is not None:
         values["parallel_num"] = _parse_parallel_num(env[ENV_PARALLEL_NUM], ENV_PARALLEL_NUM)
     if env.get(ENV_FUSED) is not None:
-        values["use_fused"] = _parse_fused(env[ENV_FUSED])
+        values["use_fused"] = _parse_switch(ENV_FUSED, env[ENV_FUSED])
     if env.get(ENV_TIMEOUT) is not None:
         values["timeout"] = _parse_timeout(env[ENV_TIMEOUT])
     if env.get(ENV_TUNE_CACHE) is not None:
         values["tune_cache"] = _parse_tune_cache(env[ENV_TUNE_CACHE])
+    if env.get(ENV_CHECK) is not None:
+        values["check"] = _parse_switch(ENV_CHECK, env[ENV_CHECK])
     return CocConfig(**values)
 
 

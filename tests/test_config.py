@@ -14,7 +14,8 @@ from kernels import dispatch
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in ("COC_PARALLEL_NUM", "USE_COC_FUSED_KERNEL", "COC_CONFIG", "COC_TIMEOUT"):
+    for name in ("COC_PARALLEL_NUM", "USE_COC_FUSED_KERNEL", "COC_CONFIG", "COC_TIMEOUT", "COC_TUNE_CACHE",
+                 "COC_CHECK"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -63,9 +64,10 @@ def test_yaml_overrides_and_reload(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name,value,needle", [
     ("COC_PARALLEL_NUM", "3", "use one of (1, 2, 4, 8)"),
     ("COC_PARALLEL_NUM", "two", "'two'"),
-    ("COC_PARALLEL_NUM", "", "''"),
     ("USE_COC_FUSED_KERNEL", "true", "use 0 or 1"),
     ("USE_COC_FUSED_KERNEL", "2", "'2'"),
+    ("COC_CHECK", "yes", "use 0 or 1"),
+    ("COC_CHECK", "2", "'2'"),
     ("COC_TIMEOUT", "0", "> 0"),
     ("COC_TIMEOUT", "-1", "'-1'"),
     ("COC_TIMEOUT", "nan", "'nan'"),
@@ -78,6 +80,30 @@ def test_bad_env_value(monkeypatch, name, value, needle):
     with pytest.raises(ValueError) as e:
         kernels.get_config()
     assert name in str(e.value) and needle in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_empty_env_values_mean_unset(monkeypatch, tmp_path, value):
+    """``VAR=`` (how shells and launchers clear a variable) gives the default, never an error."""
+    names = ("COC_PARALLEL_NUM", "USE_COC_FUSED_KERNEL", "COC_CONFIG", "COC_TIMEOUT", "COC_TUNE_CACHE",
+             "COC_CHECK")
+    for name in names:
+        monkeypatch.setenv(name, value)
+    assert dataclasses.asdict(kernels.get_config()) == dataclasses.asdict(cfg.CocConfig())
+    # An empty value also overrides nothing that another source set: the YAML file still applies
+    # when only the others are empty.
+    path = tmp_path / "coc.yaml"
+    path.write_text("k_min: 8\n")
+    monkeypatch.setenv("COC_CONFIG", str(path))
+    assert kernels.get_config().k_min == 8 and kernels.get_config().parallel_num == 1
+
+
+def test_coc_check_switch(monkeypatch):
+    assert kernels.get_config().check is False
+    monkeypatch.setenv("COC_CHECK", "1")
+    assert kernels.get_config().check is True
+    monkeypatch.setenv("COC_CHECK", " 0 ")
+    assert kernels.get_config().check is False
 
 
 @pytest.mark.parametrize("text,needle", [
