@@ -52,7 +52,8 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     world = _validate(x, weight, bias, group, backend, parallel_num, "return_gathered", return_gathered)
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num = dispatch.resolve("all_gather_matmul", backend, parallel_num, x2d, weight, group, world)
+    name, num = dispatch.resolve("all_gather_matmul", backend, parallel_num, x2d, weight, group, world,
+                                 bias=bias, flag=return_gathered)
     out = dispatch.run("all_gather_matmul", name, num, x2d, weight, bias, group, world, return_gathered)
     gathered_lead = (lead[0] * world,) + tuple(lead[1:])
     if return_gathered:
@@ -82,7 +83,8 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
                          f"{tuple(x.shape)}) is not divisible by the group size W={world}")
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num = dispatch.resolve("matmul_reduce_scatter", backend, parallel_num, x2d, weight, group, world)
+    name, num = dispatch.resolve("matmul_reduce_scatter", backend, parallel_num, x2d, weight, group, world,
+                                 bias=bias, flag=deterministic)
     out = dispatch.run("matmul_reduce_scatter", name, num, x2d, weight, bias, group, world, deterministic)
     return out.view((lead[0] // world,) + tuple(lead[1:]) + (weight.shape[0],))
 
@@ -103,7 +105,8 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     world = _validate(x, weight, bias, group, backend, parallel_num, "deterministic", deterministic)
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num = dispatch.resolve("matmul_all_reduce", backend, parallel_num, x2d, weight, group, world)
+    name, num = dispatch.resolve("matmul_all_reduce", backend, parallel_num, x2d, weight, group, world,
+                                 bias=bias, flag=deterministic)
     out = dispatch.run("matmul_all_reduce", name, num, x2d, weight, bias, group, world, deterministic)
     return out.view(tuple(lead) + (weight.shape[0],))
 
@@ -133,7 +136,8 @@ def quantized_matmul_all_reduce(x: torch.Tensor, qweight: torch.Tensor, scale: t
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
     name, num = dispatch.resolve("quantized_matmul_all_reduce", backend, parallel_num, x2d, qweight,
-                                 group, world)
+                                 group, world, bias=bias, flag=deterministic,
+                                 quant=(spec.mode, spec.group_size))
     out = quant.matmul_all_reduce(x2d, qweight, scale, bias, spec, offset, group, world, deterministic,
                                   name, num)
     return out.view(tuple(lead) + (qweight.shape[0],))

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import chunked, sequential
+from . import agree, chunked, sequential
 from .config import get_config
 
 _warned: set[str] = set()
@@ -42,10 +42,18 @@ def _warn_fallback(op: str, reason: str) -> None:
 
 
 def resolve(op: str, backend: Optional[str], parallel_num: Optional[int], x: torch.Tensor,
-            weight: torch.Tensor, group: Optional[dist.ProcessGroup], world: int
-            ) -> tuple[str, int]:
-    """``(backend, parallel_num)`` to run ``op`` with; ``x`` is the 2-D input as the op sees it."""
+            weight: torch.Tensor, group: Optional[dist.ProcessGroup], world: int, *,
+            bias: Optional[torch.Tensor] = None, flag: bool = False,
+            quant: Optional[tuple[str, int]] = None) -> tuple[str, int]:
+    """``(backend, parallel_num)`` to run ``op`` with; ``x`` is the 2-D input as the op sees it.
+
+    Under ``COC_CHECK=1`` the ranks first compare their calls (``kernels.agree``; ``bias``,
+    ``flag`` and ``quant``, the ``(mode, group_size)`` of a w8A16 weight, are compared too):
+    resolving may already communicate, so the check comes first.
+    """
     config = get_config()
+    if config.check and world > 1:
+        agree.check_call(op, x, weight, bias, flag, backend, parallel_num, quant, config, group, world)
     if backend == "sequential":
         return backend, 1
     if backend is None and config.use_fused:

@@ -1,0 +1,173 @@
+"""Rank agreement: the ranks of a group must call an op with matching descriptors.
+
+A descriptor is a fixed-length tuple of ints describing one call as a rank sees it (op, shapes,
+dtype, bias, flags, backend request, split count, quantization layout), so every rank can
+publish it in one small fixed-size message whatever its shapes are, and ranks that disagree can
+be told apart before any collective sized from those shapes is entered (mismatched sizes abort
+gloo and hang or corrupt NCCL).
+
+Not every field must be equal: column-parallel weights may be sharded unevenly along n, so
+``all_gather_matmul`` ranks may differ in n; row-parallel weights may be sharded unevenly along
+k (even to an empty shard), so the reducing ops' ranks may differ in k. Those differences are
+valid calls and are never reported.
+
+Used by the sequential and chunked paths under ``COC_CHECK=1`` (:func:`check_call`, one
+all-gather of ``DESCRIPTOR_LEN`` int64 per call) and, with the same descriptor and message, by
+the fused path, which carries the descriptor in its own signals.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .config import CocConfig
+
+DESCRIPTOR_VERSION = 1
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "quantized_matmul_all_reduce")
+FIELDS = ("version", "op", "m", "k", "n", "dtype", "bias", "return_gathered", "deterministic", "backend",
+          "parallel_num", "quant_mode", "group_size")
+DESCRIPTOR_LEN = len(FIELDS)
+
+_BACKENDS = (None, "sequential", "chunked", "fused")
+_QUANT_MODES = (None, "per_tensor", "per_channel", "per_group")
+# Every dtype torch defines, in a fixed order: identical on ranks running the same torch build.
+_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+_NOT_APPLICABLE = -1
+_AUTO = -1
+
+_COMMON = ("version", "op", "dtype", "bias", "backend", "parallel_num")
+_REDUCING = _COMMON + ("m", "n", "deterministic")
+_MUST_AGREE = {
+    "all_gather_matmul": _COMMON + ("m", "k", "return_gathered"),
+    "matmul_reduce_scatter": _REDUCING,
+    "matmul_all_reduce": _REDUCING,
+    "quantized_matmul_all_reduce": _REDUCING + ("quant_mode", "group_size"),
+}
+
+Descriptor = tuple[int, ...]
+
+
+def describe_call(op: str, m: int, k: int, n: int, dtype: torch.dtype, *, bias: bool, flag: bool,
+                  backend: Optional[str] = None, parallel_num: Union[int, str, None] = None,
+                  quant_mode: Optional[str] = None, group_size: int = 0) -> Descriptor:
+    """The descriptor of one call: ``DESCRIPTOR_LEN`` ints in the order of :data:`FIELDS`.
+
+    ``m`` is the row count the op sees (``m_local`` for ``all_gather_matmul``); ``flag`` is
+    ``return_gathered`` for ``all_gather_matmul`` and ``deterministic`` otherwise; ``backend``
+    and ``parallel_num`` are what the call asks for before resolution (None: no request,
+    ``"auto"``: tuned); ``group_size`` is the per_group quantization group (0 otherwise).
+    """
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is not accepted; use one of {OPS}")
+    gathers = op == "all_gather_matmul"
+    if parallel_num == "auto":
+        num = _AUTO
+    elif parallel_num is None:
+        num = 0
+    else:
+        num = int(parallel_num)
+    return (DESCRIPTOR_VERSION, OPS.index(op), int(m), int(k), int(n), _DTYPES.index(dtype), int(bool(bias)),
+            int(flag) if gathers else _NOT_APPLICABLE, _NOT_APPLICABLE if gathers else int(flag),
+            _BACKENDS.index(backend), num, _QUANT_MODES.index(quant_mode), int(group_size))
+
+
+def _shown(name: str, code: int) -> str:
+    """A descriptor field as the user wrote it (dtype names, flags as bools, ``auto``)."""
+    lookup: dict[str, Sequence[object]] = {"op": OPS, "dtype": _DTYPES, "backend": _BACKENDS,
+                                           "quant_mode": _QUANT_MODES}
+    if name in lookup:
+        table = lookup[name]
+        return str(table[code]) if 0 <= code < len(table) else f"<unknown code {code}>"
+    if name in ("bias", "return_gathered", "deterministic"):
+        return "n/a" if code == _NOT_APPLICABLE else str(bool(code))
+    if name == "parallel_num":
+        return {_AUTO: "auto", 0: "None"}.get(code, str(code))
+    return str(code)
+
+
+def _field_name(name: str, op_code: int) -> str:
+    # all_gather_matmul's m is the local row count (the gathered one is W times larger).
+    if name == "m" and 0 <= op_code < len(OPS) and OPS[op_code] == "all_gather_matmul":
+        return "m_local"
+    return name
+
+
+def format_mismatch(op: str, rank_a: Union[int, str], desc_a: Sequence[int], rank_b: Union[int, str],
+                    desc_b: Sequence[int]) -> Optional[str]:
+    """The error message for two ranks' descriptors, or None when they agree.
+
+    Only the fields the op needs equal are compared (see the module docstring); when the ops
+    themselves differ, the fields both ops need equal are. Ranks are named as given (an int or a
+    label such as ``"1 (global 3)"``).
+    """
+    if len(desc_a) != DESCRIPTOR_LEN or len(desc_b) != DESCRIPTOR_LEN or desc_a[0] != desc_b[0]:
+        return (f"{op}: ranks disagree: rank {rank_a} and rank {rank_b} sent call descriptors of "
+                f"different versions ({list(desc_a)} vs {list(desc_b)}); run the same build on every rank")
+    needed = set(FIELDS)
+    for code in (desc_a[1], desc_b[1]):
+        needed &= set(_MUST_AGREE[OPS[code]] if 0 <= code < len(OPS) else _COMMON)
+    parts = []
+    for i, name in enumerate(FIELDS):
+        if name in needed and desc_a[i] != desc_b[i]:
+            shown = _field_name(name, desc_a[1])
+            parts.append(f"rank {rank_a} has {shown}={_shown(name, desc_a[i])}, "
+                         f"rank {rank_b} has {shown}={_shown(name, desc_b[i])}")
+    if not parts:
+        return None
+    return f"{op}: ranks disagree: " + "; ".join(parts)
+
+
+def first_mismatch(op: str, table: Sequence[Sequence[int]], labels: Optional[Sequence[str]] = None
+                   ) -> Optional[str]:
+    """The message comparing group rank 0's descriptor with the first rank that disagrees, or None.
+
+    Every rank that holds the same table gets the same message, so all of them raise alike.
+    """
+    labels = labels if labels is not None else [str(r) for r in range(len(table))]
+    for r in range(1, len(table)):
+        message = format_mismatch(op, labels[0], table[0], labels[r], table[r])
+        if message is not None:
+            return message
+    return None
+
+
+def _rank_labels(group: Optional[dist.ProcessGroup], world: int) -> list[str]:
+    if group is None or group == dist.group.WORLD:
+        return [str(r) for r in range(world)]
+    return [f"{r} (global {g})" for r, g in enumerate(dist.get_process_group_ranks(group))]
+
+
+def check_call(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], flag: bool,
+               backend: Optional[str], parallel_num: Optional[int], quant: Optional[tuple[str, int]],
+               config: CocConfig, group: Optional[dist.ProcessGroup], world: int) -> None:
+    """Compare this call's descriptor with every rank of ``group``; raise ``RuntimeError`` on all
+    of them when any disagrees (``COC_CHECK=1``).
+
+    ``x`` is the 2-D input as the op sees it. The backend and split count compared are the ones
+    requested (the argument, else the environment), before resolution: resolving may tune
+    (``COC_PARALLEL_NUM=auto``), which runs collectives sized from the shapes.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    requested = backend if backend is not None else ("fused" if config.use_fused else None)
+    if requested == "sequential":
+        num: Union[int, str] = 1  # a sequential request ignores every split count
+    else:
+        num = parallel_num if parallel_num is not None else config.parallel_num_for(m, k, n)
+    mode, group_size = quant if quant is not None else (None, 0)
+    mine = describe_call(op, m, k, n, x.dtype, bias=bias is not None, flag=flag, backend=requested,
+                         parallel_num=num, quant_mode=mode, group_size=group_size if mode == "per_group" else 0)
+    # One fixed-size message on the device the op itself communicates from, so it goes through
+    # the same group (gloo on CPU, NCCL on CUDA) whatever the shapes are.
+    local = torch.tensor([mine], dtype=torch.int64, device=x.device)
+    table = local.new_empty((world, DESCRIPTOR_LEN))
+    comm.all_gather(table, local, group)
+    message = first_mismatch(op, table.tolist(), None)
+    if message is not None:
+        message = first_mismatch(op, table.tolist(), _rank_labels(group, world))
+        raise RuntimeError(f"{message} (found by COC_CHECK=1 before any communication of the op; "
+                           "every rank refused the call, and the group stays usable)")
