@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.nn.parameter import Parameter
 
 import kernels
-from kernels import comm
+from kernels import checks, comm
 from kernels.config import get_config
 
 try:  # Apex's fused wgrad GEMM; Megatron uses it for gradient_accumulation_fusion on CUDA.
@@ -614,6 +614,8 @@ def column_parallel_forward(module: torch.nn.Module, input_: torch.Tensor,
         if tuple(weight.shape) != expected_shape:
             raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, "
                                f"not {expected_shape} as expected")
+    checks.check_input_k(input_, weight.shape[1], name="input_",
+                         expected=f"weight has k={weight.shape[1]} (shape {tuple(weight.shape)})")
     group = module.tp_group
     bias = module.bias if not module.skip_bias_add else None
     config = module.config
@@ -651,6 +653,13 @@ def row_parallel_forward(module: torch.nn.Module, input_: torch.Tensor
     parallelism); ``output_bias`` is the bias when ``skip_bias_add``, else None.
     """
     group = module.tp_group
+    k_local = module.weight.shape[1]
+    if module.input_is_parallel:
+        checks.check_input_k(input_, k_local, name="input_",
+                             expected=f"weight has k={k_local} (shape {tuple(module.weight.shape)})")
+    else:
+        checks.check_input_k(input_, module.input_size, name="input_",
+                             expected=f"input_is_parallel=False needs the full input_size={module.input_size}")
     if module.input_is_parallel:
         input_parallel = input_
     else:

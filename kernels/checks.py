@@ -38,6 +38,17 @@ def check_flag(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def check_input_k(x: object, k: int, *, name: str, expected: str) -> None:
+    """A layer's input ``[..., k]`` checked before the layer flattens it to rows, so the error
+    names the shape the caller passed. ``expected`` says where ``k`` comes from, e.g.
+    ``"weight has k=6 (shape (4, 6))"``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        got = x.shape[-1] if x.dim() else None
+        raise ValueError(f"k mismatch: {name} has k={got} (shape {tuple(x.shape)}) but {expected}")
+
+
 def check_matmul_operands(x: object, weight: object, bias: object, *, weight_dtypes: tuple = ()) -> None:
     """``x [..., k]``, ``weight [n, k]``, ``bias [n]`` or None: same device, same dtype.
 

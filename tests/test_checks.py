@@ -99,3 +99,32 @@ def _empty_dims(rank, world):
 
 def test_empty_k_and_m():
     assert run_ranks(_empty_dims, 2) == [{"sequential": (0, 5), "chunked": (0, 5)}] * 2
+
+
+def _layer_k_mismatch(rank, world):
+    """The TP linears flatten [s, b, k] to rows: a wrong k must be reported with the shape passed."""
+    import autopar
+
+    messages = []
+    for sp in (False, True):
+        cfg = autopar.ParallelConfig(sequence_parallel=sp)
+        layers = [autopar.ColumnParallelLinear(6, 8, config=cfg, init_method=torch.nn.init.normal_),
+                  autopar.RowParallelLinear(6, 8, config=cfg, init_method=torch.nn.init.normal_, bias=True,
+                                            input_is_parallel=True, skip_bias_add=False)]
+        if not sp:
+            layers.append(autopar.RowParallelLinear(6, 8, config=cfg, init_method=torch.nn.init.normal_,
+                                                    bias=True, input_is_parallel=False, skip_bias_add=False))
+        for layer in layers:
+            with pytest.raises(ValueError) as e:
+                layer(torch.randn(4, 3, 5))
+            messages.append(str(e.value))
+    return messages
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_layer_k_mismatch_names_the_shape_passed(world):
+    for messages in run_ranks(_layer_k_mismatch, world):
+        assert len(messages) == 5
+        for message in messages:
+            assert message.startswith("k mismatch: input_ has k=5 (shape (4, 3, 5)) but "), message
+        assert "input_is_parallel=False needs the full input_size=6" in messages[2]
