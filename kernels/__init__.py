@@ -6,6 +6,10 @@ tensor with the leading dims restored. ``backend=None`` resolves from the COC_* 
 (``kernels.config``); every backend gives the result of ``"sequential"`` within floating-point
 tolerance. The ops are forward-only building blocks: the autopar linears wrap them in autograd
 Functions.
+
+Each function validates, chooses the backend (``kernels.dispatch``) and makes one call to a
+registered torch operator (``torch.ops.coc.*``, ``kernels.library``), so the ops trace whole
+under ``torch.compile(fullgraph=True)``: one opaque call per op in the graph.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import checks, dispatch, quant
+from . import checks, dispatch, library, quant
 from .config import CocConfig, get_config
 from .quant import quantize_weight
 
@@ -52,14 +56,14 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     world = _validate(x, weight, bias, group, backend, parallel_num, "return_gathered", return_gathered)
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num = dispatch.resolve("all_gather_matmul", backend, parallel_num, x2d, weight, group, world,
-                                 bias=bias, flag=return_gathered)
-    out = dispatch.run("all_gather_matmul", name, num, x2d, weight, bias, group, world, return_gathered)
+    name, num, group_name = dispatch.decide("all_gather_matmul", backend, parallel_num, x2d, weight, bias,
+                                            return_gathered, group, world)
     gathered_lead = (lead[0] * world,) + tuple(lead[1:])
     if return_gathered:
-        y, x_gathered = out
+        y, x_gathered = library.all_gather_matmul_gathered(x2d, weight, bias, group_name, world, name, num)
         return y.view(gathered_lead + (weight.shape[0],)), x_gathered.view(gathered_lead + (x.shape[-1],))
-    return out.view(gathered_lead + (weight.shape[0],))
+    y = library.all_gather_matmul(x2d, weight, bias, group_name, world, name, num)
+    return y.view(gathered_lead + (weight.shape[0],))
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -83,9 +87,9 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
                          f"{tuple(x.shape)}) is not divisible by the group size W={world}")
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num = dispatch.resolve("matmul_reduce_scatter", backend, parallel_num, x2d, weight, group, world,
-                                 bias=bias, flag=deterministic)
-    out = dispatch.run("matmul_reduce_scatter", name, num, x2d, weight, bias, group, world, deterministic)
+    name, num, group_name = dispatch.decide("matmul_reduce_scatter", backend, parallel_num, x2d, weight, bias,
+                                            deterministic, group, world)
+    out = library.matmul_reduce_scatter(x2d, weight, bias, group_name, world, name, num, deterministic)
     return out.view((lead[0] // world,) + tuple(lead[1:]) + (weight.shape[0],))
 
 
@@ -105,9 +109,9 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     world = _validate(x, weight, bias, group, backend, parallel_num, "deterministic", deterministic)
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num = dispatch.resolve("matmul_all_reduce", backend, parallel_num, x2d, weight, group, world,
-                                 bias=bias, flag=deterministic)
-    out = dispatch.run("matmul_all_reduce", name, num, x2d, weight, bias, group, world, deterministic)
+    name, num, group_name = dispatch.decide("matmul_all_reduce", backend, parallel_num, x2d, weight, bias,
+                                            deterministic, group, world)
+    out = library.matmul_all_reduce(x2d, weight, bias, group_name, world, name, num, deterministic)
     return out.view(tuple(lead) + (weight.shape[0],))
 
 
@@ -135,9 +139,8 @@ def quantized_matmul_all_reduce(x: torch.Tensor, qweight: torch.Tensor, scale: t
                       weight_dtypes=(torch.int8,))
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num = dispatch.resolve("quantized_matmul_all_reduce", backend, parallel_num, x2d, qweight,
-                                 group, world, bias=bias, flag=deterministic,
-                                 quant=(spec.mode, spec.group_size))
-    out = quant.matmul_all_reduce(x2d, qweight, scale, bias, spec, offset, group, world, deterministic,
-                                  name, num)
+    name, num, group_name = dispatch.decide("quantized_matmul_all_reduce", backend, parallel_num, x2d, qweight,
+                                            bias, deterministic, group, world, quant=(spec.mode, spec.group_size))
+    out = library.quantized_matmul_all_reduce(x2d, qweight, scale, bias, offset, spec.mode, spec.group_size,
+                                              group_name, world, name, num, deterministic)
     return out.view(tuple(lead) + (qweight.shape[0],))

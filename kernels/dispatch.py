@@ -5,32 +5,29 @@ Order (design.md, "Choosing a path"): an explicit ``backend=`` wins; else
 ``customized_coc[m, k, n]`` or ``COC_PARALLEL_NUM`` -> chunked; else sequential. A fused request
 on a group whose ranks cannot map each other's memory runs the chunked path instead and warns
 once per reason.
+
+Under ``torch.compile`` the choice is made once, while tracing, and is a constant of the graph
+(:func:`decide` is marked ``assume_constant_result``): the graph holds one registered operator call
+(``kernels.library``) with the backend and split count as arguments. A changed environment takes
+effect in a compiled function after ``torch._dynamo.reset()``. The choice depends on the shape only
+through ``customized_coc``, ``COC_PARALLEL_NUM=auto`` and ``COC_CHECK=1``; without them, a graph
+compiled with dynamic shapes needs no shape at all to decide.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from . import agree, chunked, sequential
+from . import agree, library
+from .backends import fused_unavailable as _fused_unavailable
 from .config import get_config
+from .tune import choose_parallel_num
 
 _warned: set[str] = set()
-
-
-def _fused_module() -> Any:
-    try:
-        from . import fused
-    except ImportError as e:
-        raise NotImplementedError(f"the fused backend is not available in this build ({e})") from e
-    return fused
-
-
-def _fused_unavailable(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
-    return _fused_module().unavailable_reason(group, device)
 
 
 def _warn_fallback(op: str, reason: str) -> None:
@@ -38,7 +35,78 @@ def _warn_fallback(op: str, reason: str) -> None:
         return
     _warned.add(reason)
     warnings.warn(f"{op}: the fused backend cannot run here ({reason}); using the chunked path "
-                  "instead (this warning is shown once per reason)", RuntimeWarning, stacklevel=4)
+                  "instead (this warning is shown once per reason)", RuntimeWarning, stacklevel=5)
+
+
+def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` without its memory (one element, expanded): what the agreement check
+    and the tuner's key read is the shape, dtype and device, never the values."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
+@torch.compiler.assume_constant_result
+def needs_shape(backend: Optional[str], parallel_num: Optional[int]) -> bool:
+    """Whether the choice for these arguments depends on the op's shape in the current environment."""
+    config = get_config()
+    if config.check:
+        return True
+    if backend == "sequential" or parallel_num is not None:
+        return False
+    if backend is None and config.use_fused:
+        return False
+    return config.parallel_num == "auto" or bool(config.customized_coc)
+
+
+@torch.compiler.assume_constant_result
+def _decide(op: str, backend: Optional[str], parallel_num: Optional[int], m: int, k: int, n: int,
+            dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device, has_bias: bool, flag: bool,
+            quant: Optional[tuple[str, int]], group_name: str, world: int) -> tuple[str, int]:
+    config = get_config()
+    group = library.resolve_group(group_name)
+    if config.check and world > 1:
+        bias = _stand_in((n,), dtype, device) if has_bias else None
+        agree.check_call(op, _stand_in((m, k), dtype, device), _stand_in((n, k), weight_dtype, device), bias,
+                         flag, backend, parallel_num, quant, config, group, world)
+    if backend == "sequential":
+        return backend, 1
+    if backend is None and config.use_fused:
+        backend = "fused"
+    if backend == "fused":
+        reason = _fused_unavailable(group, device)
+        if reason is None:
+            return backend, 1
+        _warn_fallback(op, reason)
+        backend = "chunked"
+    num: Union[int, str] = parallel_num if parallel_num is not None else config.parallel_num_for(m, k, n)
+    if num == "auto":
+        # Fused is a candidate only when nothing forced a backend (an unavailable fused request
+        # has become "chunked" above).
+        num = choose_parallel_num(op, _stand_in((m, k), dtype, device), _stand_in((n, k), weight_dtype, device),
+                                  group, world, allow_fused=backend is None)
+        if num == "fused":
+            return "fused", 1
+    assert isinstance(num, int)
+    if backend is None:
+        backend = "chunked" if num > 1 else "sequential"
+    return backend, num
+
+
+def decide(op: str, backend: Optional[str], parallel_num: Optional[int], x: torch.Tensor, weight: torch.Tensor,
+           bias: Optional[torch.Tensor], flag: bool, group: Optional[dist.ProcessGroup], world: int,
+           quant: Optional[tuple[str, int]] = None) -> tuple[str, int, str]:
+    """``(backend, parallel_num, group name)`` for a call of ``op`` on 2-D ``x``."""
+    name = library.group_name(group)
+    # _decide and needs_shape are assume_constant_result: while tracing, dynamo calls them with the
+    # constant arguments and keeps the result, instead of tracing the environment reads, caches and
+    # collectives inside. A shape is passed only when the choice depends on it, so a graph
+    # compiled with dynamic shapes stays dynamic.
+    if torch.compiler.is_compiling() and not needs_shape(backend, parallel_num):
+        m = k = n = 0
+    else:
+        m, k, n = x.shape[0], x.shape[1], weight.shape[0]
+    chosen, num = _decide(op, backend, parallel_num, m, k, n, x.dtype, weight.dtype, x.device, bias is not None,
+                          flag, quant, name, world)
+    return chosen, num, name
 
 
 def resolve(op: str, backend: Optional[str], parallel_num: Optional[int], x: torch.Tensor,
@@ -51,42 +119,6 @@ def resolve(op: str, backend: Optional[str], parallel_num: Optional[int], x: tor
     ``flag`` and ``quant``, the ``(mode, group_size)`` of a w8A16 weight, are compared too):
     resolving may already communicate, so the check comes first.
     """
-    config = get_config()
-    if config.check and world > 1:
-        agree.check_call(op, x, weight, bias, flag, backend, parallel_num, quant, config, group, world)
-    if backend == "sequential":
-        return backend, 1
-    if backend is None and config.use_fused:
-        backend = "fused"
-    if backend == "fused":
-        reason = _fused_unavailable(group, x.device)
-        if reason is None:
-            return backend, 1
-        _warn_fallback(op, reason)
-        backend = "chunked"
-    num: Union[int, str] = parallel_num if parallel_num is not None else config.parallel_num_for(
-        x.shape[0], x.shape[1], weight.shape[0])
-    if num == "auto":
-        from .tune import choose_parallel_num
+    chosen, num, _ = decide(op, backend, parallel_num, x, weight, bias, flag, group, world, quant)
+    return chosen, num
 
-        # Fused is a candidate only when nothing forced a backend (an unavailable fused request
-        # has become "chunked" above).
-        num = choose_parallel_num(op, x, weight, group, world, allow_fused=backend is None)
-        if num == "fused":
-            return "fused", 1
-    assert isinstance(num, int)
-    if backend is None:
-        backend = "chunked" if num > 1 else "sequential"
-    return backend, num
-
-
-def run(op: str, backend: str, parallel_num: int, x: torch.Tensor, weight: torch.Tensor,
-        bias: Optional[torch.Tensor], group: Optional[dist.ProcessGroup], world: int,
-        flag: bool) -> Any:
-    """Run ``op`` on 2-D ``x``; ``flag`` is ``return_gathered`` for the all-gather op and
-    ``deterministic`` for the reducing ops."""
-    if backend == "fused":
-        return getattr(_fused_module(), op)(x, weight, bias, group, flag)
-    if backend == "chunked":
-        return getattr(chunked, op)(x, weight, bias, group, world, flag, parallel_num)
-    return getattr(sequential, op)(x, weight, bias, group, world, flag)

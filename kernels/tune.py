@@ -15,9 +15,10 @@ do), and:
    timing, so nothing is re-tuned inside a training step after warm-up.
 
 The choice is logged once per key (logger ``kernels.tune``, INFO, on group rank 0). Tuning runs
-the real op on the caller's inputs (the ops are pure, so this has no side effect) with
+the registered op on random inputs of the call's shapes (seeded alike on every rank) with
 ``deterministic=False`` and, for the w8A16 op, unit per-channel scales: the split count trades
-matmul efficiency against overlap, which the scale layout does not change.
+matmul efficiency against overlap, which neither the values nor the scale layout change. Under
+``torch.compile`` it runs while tracing, once, like every other part of the backend choice.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from . import backends, library
 from .config import ENV_TUNE_CACHE, PARALLEL_NUMS, get_config
 
 Choice = Union[int, str]
@@ -144,10 +146,8 @@ def _src_global_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def _fused_available(group: Optional[dist.ProcessGroup], device: torch.device, world: int) -> bool:
-    from . import dispatch
-
     try:
-        ok = dispatch._fused_unavailable(group, device) is None
+        ok = backends.fused_unavailable(group, device) is None
     except (NotImplementedError, ImportError, AttributeError):
         ok = False
     if world > 1:
@@ -160,14 +160,19 @@ def _fused_available(group: Optional[dist.ProcessGroup], device: torch.device, w
 
 def _runner(op: str, x: torch.Tensor, weight: torch.Tensor, group: Optional[dist.ProcessGroup],
             world: int) -> Callable[[str, int], Any]:
-    from . import dispatch, quant
-
+    # Random operands of the call's shapes: the caller may pass stand-ins without memory (a
+    # compiled call decides while tracing, on fake tensors), and the timing does not depend on
+    # the values. The same seed on every rank keeps the operands, and so the work, identical.
+    gen = torch.Generator(device=x.device).manual_seed(0)
+    x = torch.randn(tuple(x.shape), dtype=x.dtype, device=x.device, generator=gen)
+    name = library.group_name(group)
     if op == "quantized_matmul_all_reduce":
+        qweight = torch.randint(-127, 128, tuple(weight.shape), dtype=torch.int8, device=x.device, generator=gen)
         scale = torch.ones(weight.shape[0], dtype=x.dtype, device=x.device)
-        spec = quant.QuantSpec("per_channel", weight.shape[1], 1)
-        return lambda backend, num: quant.matmul_all_reduce(x, weight, scale, None, spec, None, group,
-                                                            world, False, backend, num)
-    return lambda backend, num: dispatch.run(op, backend, num, x, weight, None, group, world, False)
+        return lambda backend, num: library.quantized_matmul_all_reduce(
+            x, qweight, scale, None, None, "per_channel", qweight.shape[1], name, world, backend, num, False)
+    weight = torch.randn(tuple(weight.shape), dtype=x.dtype, device=x.device, generator=gen)
+    return lambda backend, num: library.call(op, backend, num, x, weight, None, name, world, False)
 
 
 def _time(fn: Callable[[], Any], device: torch.device, group: Optional[dist.ProcessGroup],
