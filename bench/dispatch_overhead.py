@@ -1,11 +1,12 @@
 """Per-op host overhead of autopar.DistTensor versus PyTorch DTensor on tiny CPU ops.
 
-``python -m bench.dispatch_overhead [--iters N] [--repeats R] [--json PATH]``
+``python -m bench.dispatch_overhead [--world W] [--iters N] [--repeats R] [--json PATH]``
 
-Runs in one process on a one-rank gloo group, with the same placements on both sides (activation
+Runs on a ``W``-rank gloo group (default 2; rank 0 measures while the other ranks wait in a
+barrier, so they do not compete for the CPU), with the same placements on both sides (activation
 ``Shard(0)``, weight ``Replicate()``), so no op communicates and the measured time is dispatch:
 rule lookup or sharding propagation, wrapping, plus the local op. The local op's own time is
-measured on plain tensors and reported beside it. Each figure is the minimum over ``repeats`` interleaved
+measured on plain tensors of the local shapes and reported beside it. Each figure is the minimum over ``repeats`` interleaved
 rounds of the mean over ``iters`` calls, forward only, no autograd recording.
 """
 
@@ -14,19 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _time(fns: list[Callable[[], object]], iters: int, repeats: int) -> list[float]:
@@ -49,22 +43,25 @@ def _time(fns: list[Callable[[], object]], iters: int, repeats: int) -> list[flo
 
 
 def run(iters: int = 1000, repeats: int = 15) -> dict:
+    """Time the ops on this rank; the caller has initialized the default process group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate as DR, Shard as DS, distribute_tensor
 
     import autopar
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    world = dist.get_world_size()
     torch.set_num_threads(1)
+    torch.manual_seed(0)
     x = torch.randn(8, 16)
     w = torch.randn(16, 16)
-    dmesh = init_device_mesh("cpu", (1,))
-    mesh = autopar.ProcessMesh([0], ["dp"])
+    dmesh = init_device_mesh("cpu", (world,))
+    mesh = autopar.ProcessMesh(list(range(world)), ["dp"])
     dx, dw = distribute_tensor(x, dmesh, [DS(0)]), distribute_tensor(w, dmesh, [DR()])
     ax, aw = autopar.shard_tensor(x, mesh, [autopar.Shard(0)]), autopar.shard_tensor(w, mesh, [autopar.Replicate()])
+    # The baseline is the local op on this rank's piece: what both wrappers end up computing.
+    x = ax.to_local().clone()
+    if dist.get_rank() != 0:
+        return {}
     ops = {
         "matmul": (lambda a, b: a @ b),
         "gelu": (lambda a, b: F.gelu(a)),
@@ -78,28 +75,67 @@ def run(iters: int = 1000, repeats: int = 15) -> dict:
             rows.append({"op": name, "torch_us": t_torch * 1e6, "dtensor_us": t_dtensor * 1e6,
                          "autopar_us": t_autopar * 1e6, "autopar_over_dtensor": t_autopar / t_dtensor,
                          "overhead_ratio": (t_autopar - t_torch) / (t_dtensor - t_torch)})
-    return {"torch": torch.__version__, "iters": iters, "repeats": repeats, "shape_x": [8, 16],
-            "shape_w": [16, 16], "rows": rows}
+    return {"torch": torch.__version__, "world": world, "iters": iters, "repeats": repeats,
+            "shape_x": [8, 16], "shape_w": [16, 16], "rows": rows}
+
+
+def _rank_main(rank: int, world: int, store_path: str, iters: int, repeats: int, out: str) -> None:
+    import datetime
+
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        res = run(iters, repeats)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(res, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, iters: int, repeats: int) -> dict:
+    """``run`` on ``world`` spawned gloo ranks; returns rank 0's figures."""
+    import tempfile
+
+    import torch.multiprocessing as tmp
+
+    if world < 1:
+        raise ValueError(f"--world must be >= 1, got {world}")
+    with tempfile.TemporaryDirectory(prefix="coc-dispatch-") as d:
+        out = os.path.join(d, "result.json")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        tmp.spawn(_rank_main, args=(world, os.path.join(d, "store"), iters, repeats, out),
+                  nprocs=world, join=True)
+        with open(out) as f:
+            return json.load(f)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2, help="gloo ranks (rank 0 measures)")
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     args = ap.parse_args()
-    res = run(args.iters, args.repeats)
-    print(f"per-op time on CPU, torch {res['torch']}, x [8, 16] Shard(0), w [16, 16] Replicate()")
+    res = run_world(args.world, args.iters, args.repeats)
+    print(f"per-op time on CPU, torch {res['torch']}, world {res['world']}, x [8, 16] Shard(0), "
+          f"w [16, 16] Replicate()")
     print(f"{'op':8s} {'torch us':>10s} {'DTensor us':>11s} {'autopar us':>11s} "
           f"{'autopar/DTensor':>16s} {'overhead ratio':>15s}")
     for r in res["rows"]:
         print(f"{r['op']:8s} {r['torch_us']:10.1f} {r['dtensor_us']:11.1f} {r['autopar_us']:11.1f} "
               f"{r['autopar_over_dtensor']:16.2f} {r['overhead_ratio']:15.2f}")
+    tot = {k: sum(r[k] for r in res["rows"]) for k in ("torch_us", "dtensor_us", "autopar_us")}
+    print(f"{'together':8s} {tot['torch_us']:10.1f} {tot['dtensor_us']:11.1f} {tot['autopar_us']:11.1f} "
+          f"{tot['autopar_us'] / tot['dtensor_us']:16.2f} "
+          f"{(tot['autopar_us'] - tot['torch_us']) / (tot['dtensor_us'] - tot['torch_us']):15.2f}")
     print("overhead ratio = (autopar - torch) / (DTensor - torch): the added host time per op")
+    print(f"load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,22 @@ def test_validation_errors():
         shard_tensor(torch.ones(3), mesh, [Replicate()]) + \
             shard_tensor(torch.ones(3), ProcessMesh([1]), [Replicate()])
     with pytest.raises(NotImplementedError, match="no DistTensor SPMD rule"):
-        torch.tanh(shard_tensor(torch.ones(3), mesh, [Replicate()]))
+        torch.cumsum(shard_tensor(torch.ones(3), mesh, [Replicate()]), 0)
+
+
+def test_elementwise_ops_without_rule_need_one_non_partial_layout():
+    """Elementwise ATen ops (what optimizers use) run on the pieces when all operands share one
+    layout and none is Partial; otherwise they raise instead of returning a wrong value."""
+    mesh = ProcessMesh([0], dim_names=["dp"])
+    X = torch.randn(4, 3)
+    x = shard_tensor(X, mesh, [Shard(0)])
+    y = torch.tanh(x)
+    assert isinstance(y, DistTensor) and y.placements == (Shard(0),)
+    torch.testing.assert_close(y.full_tensor(), torch.tanh(X))
+    with pytest.raises(NotImplementedError, match="Partial"):
+        torch.tanh(shard_tensor(X, mesh, [Partial()]))
+    with pytest.raises(NotImplementedError, match="share mesh, global shape and placements"):
+        torch.maximum(x, shard_tensor(X, mesh, [Replicate()]))
 
 
 def test_submesh():

@@ -96,7 +96,7 @@ def _mlp_reference(X, params):
 
 def _mlp_case(rank, world, mesh_nested, dim_names, x_pl, param_pls):
     from autopar import ProcessMesh, Replicate, Shard, shard_tensor, sync_gradients
-    from autopar.dist_tensor import _reshard_nograd
+    from autopar.dtensor.autograd import reshard_nograd as _reshard_nograd
 
     mesh = ProcessMesh(mesh_nested, dim_names)
     X = _rand(4, 6, 8, seed=11)          # [batch, sequence, hidden]

@@ -78,7 +78,7 @@ def _check_transitions(rank, world, mesh_shape):
     from torch.distributed.device_mesh import DeviceMesh
 
     from autopar import Partial, ProcessMesh, reshard
-    from autopar.reshard import local_shape
+    from autopar.dtensor.redistribute import local_shape
 
     ranks = list(range(world))
     nested = ranks if len(mesh_shape) == 1 else [ranks[i:i + mesh_shape[1]]

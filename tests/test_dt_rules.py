@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from autopar import Partial, Replicate, Shard
-from autopar.placements import from_dims_mapping, normalize_placements, to_dims_mapping, \
+from autopar.dtensor.placements import from_dims_mapping, normalize_placements, to_dims_mapping, \
     to_partial_status
-from autopar.rules import broadcast_labels, einsum_rule, matmul_labels, reduction_labels
+from autopar.dtensor.rules import broadcast_labels, einsum_rule, matmul_labels, reduction_labels
 
 R, P = Replicate(), Partial()
 

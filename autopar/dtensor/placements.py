@@ -65,6 +65,9 @@ class Replicate(Placement):
     def is_replicate(self) -> bool:
         return True
 
+    def __reduce__(self):
+        return (Replicate, ())
+
     def __eq__(self, other: object) -> bool:
         return type(other) is Replicate
 

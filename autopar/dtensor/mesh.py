@@ -11,6 +11,7 @@ meshes sharing a row or column share its group.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -54,7 +55,7 @@ class ProcessMesh:
     """N-D mesh of global ranks. ``ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])``."""
 
     __slots__ = ("shape", "process_ids", "dim_names", "_strides", "_coord", "_groups", "_key",
-                 "_my_rank")
+                 "_my_rank", "__weakref__")
 
     def __init__(self, mesh: Union[Sequence, torch.Tensor], dim_names: Optional[Sequence[str]] = None):
         shape, ids = _nested_shape(mesh)
@@ -86,6 +87,7 @@ class ProcessMesh:
         self._groups: list[Any] = [None] * len(shape)
         if dist.is_initialized():
             self._create_groups()
+        _LIVE[(self.shape, self.process_ids, self.dim_names)] = self
 
     def _create_groups(self) -> None:
         # Every rank walks every group of every dim in the same order: new_group is collective.
@@ -176,6 +178,21 @@ class ProcessMesh:
     def __getitem__(self, index: int) -> "ProcessMesh":
         return self.get_submesh(0, index)
 
+    def tolist(self) -> Any:
+        """The ranks as a nested list of the mesh's shape."""
+        nested: Any = list(self.process_ids)
+        for n in reversed(self.shape[1:]):
+            nested = [nested[i:i + n] for i in range(0, len(nested), n)]
+        return nested
+
+    def __reduce__(self):
+        # Process groups do not pickle; an unpickled mesh is rebuilt from its ranks and names.
+        return (_rebuild_mesh, (self.tolist(), list(self.dim_names)))
+
+    def __deepcopy__(self, memo: dict) -> "ProcessMesh":
+        # A mesh names process groups, which are shared, never copied.
+        return self
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ProcessMesh) and other._key == self._key
 
@@ -185,3 +202,18 @@ class ProcessMesh:
     def __repr__(self) -> str:
         return f"ProcessMesh(shape={list(self.shape)}, process_ids={list(self.process_ids)}, " \
                f"dim_names={list(self.dim_names)})"
+
+
+_LIVE: "weakref.WeakValueDictionary[tuple, ProcessMesh]" = weakref.WeakValueDictionary()
+
+
+def _rebuild_mesh(ranks: Any, dim_names: list[str]) -> ProcessMesh:
+    """Unpickling target. Reuses a live mesh with the same ranks and names; otherwise builds one,
+    which creates its process groups (collective over the default group, as any ``ProcessMesh``):
+    every rank must then load the same objects in the same order."""
+    shape, ids = _nested_shape(ranks)
+    key = (tuple(shape), tuple(ids), tuple(dim_names))
+    mesh = _LIVE.get(key)
+    if mesh is None:
+        mesh = ProcessMesh(ranks, dim_names)
+    return mesh

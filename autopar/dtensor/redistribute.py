@@ -1,4 +1,6 @@
-"""Reshard: move a tensor between placements (and meshes) with the fewest collectives.
+"""Local-piece redistribution: the collectives behind ``reshard``, on plain torch tensors.
+
+This module knows nothing of ``DistTensor`` (it is imported by it, never the reverse).
 
 Transition table along one mesh dim (``W`` ranks, ``i`` this rank's coordinate), with uneven
 shards in ``torch.chunk`` order (pieces of ``ceil(n / W)``, trailing ones short or empty):
@@ -16,7 +18,7 @@ S->P, P->P S->R->P and P->R->P
 
 N-D meshes change one mesh dim at a time: first every mesh dim whose shard goes away (S->R or
 S->S), then the others, so a tensor dim is never sharded by two mesh dims at once. Across meshes
-(pipeline stages) see :func:`reshard`.
+(pipeline stages) see :func:`move_across_meshes`.
 """
 
 from __future__ import annotations
@@ -228,9 +230,3 @@ def move_across_meshes(x: torch.Tensor | None, src_mesh: ProcessMesh, dst_mesh: 
             work.wait()
     return out
 
-
-def reshard(dt, mesh: ProcessMesh, placements: Sequence[Placement]):
-    """``autopar.reshard(dt, mesh, placements)``: differentiable; see :mod:`autopar.dist_tensor`."""
-    from .dist_tensor import reshard as _reshard
-
-    return _reshard(dt, mesh, placements)

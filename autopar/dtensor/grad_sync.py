@@ -14,15 +14,18 @@ from typing import Iterable, Union
 
 import torch
 
-from .dist_tensor import DistTensor, _reshard_nograd
+from .autograd import reshard_nograd
 from .placements import Partial, Replicate
+from .tensor import DistTensor, make
 
 
 def _collect(module_or_params: Union[torch.nn.Module, Iterable]) -> list[DistTensor]:
     if isinstance(module_or_params, DistTensor):
         items: Iterable = [module_or_params]
     elif isinstance(module_or_params, torch.nn.Module):
-        items = [v for m in module_or_params.modules() for v in vars(m).values()]
+        # Registered parameters, and DistTensors set as plain attributes (not nn.Parameter).
+        items = list(module_or_params.parameters()) + \
+            [v for m in module_or_params.modules() for v in vars(m).values()]
     else:
         items = module_or_params
     seen, out = set(), []
@@ -37,7 +40,8 @@ def sync_gradients(module_or_params: Union[torch.nn.Module, Iterable, DistTensor
                    ) -> list[tuple[str, ...]]:
     """Reshard every DistTensor parameter's gradient to the parameter's placements.
 
-    ``module_or_params``: a module (its DistTensor attributes, recursively), or DistTensors.
+    ``module_or_params``: a module (its DistTensor parameters and attributes, recursively), or
+    DistTensors. Then ``optimizer.step()`` updates each parameter's local piece.
     Gradients that only need all-reduces are coalesced into one flat buffer per (mesh, layout,
     dtype), so a model costs a few collectives, not one per parameter. Returns, per parameter, the
     names of the mesh dims that were reduced (empty when nothing was to do).
@@ -59,31 +63,31 @@ def sync_gradients(module_or_params: Union[torch.nn.Module, Iterable, DistTensor
         if all_reduce_only and g.is_initialized():
             buckets.setdefault((p.process_mesh, g.placements, p.placements, g.dtype), []).append(p)
         else:
-            p.grad = _reshard_nograd(g, p.placements)
+            p.grad = reshard_nograd(g, p.placements)
     for (mesh, g_pl, p_pl, dtype), ps in buckets.items():
         flat = torch.cat([p.grad.to_local().reshape(-1) for p in ps])
         flat_pl = tuple(pl if isinstance(pl, Partial) else Replicate() for pl in g_pl)
         dst_pl = tuple(Replicate() for _ in p_pl)
         # The flat buffer is elementwise-aligned across ranks (same local shapes along every
         # reduced mesh dim), so one all-reduce per reduced mesh dim serves every parameter.
-        flat_dt = DistTensor(flat, mesh, flat_pl, flat.shape, dtype)
-        flat = _reshard_nograd(flat_dt, dst_pl).to_local()
+        flat_dt = make(flat, mesh, flat_pl, flat.shape, dtype)
+        flat = reshard_nograd(flat_dt, dst_pl).to_local()
         offset = 0
         for p in ps:
             local = p.grad.to_local()
             n = local.numel()
-            p.grad = DistTensor(flat[offset:offset + n].view_as(local), mesh, p.placements,
-                                p.shape, dtype)
+            p.grad = make(flat[offset:offset + n].view_as(local), mesh, p.placements, p.shape, dtype)
             offset += n
     return reduced
 
 
 def attach_local_grads(module_or_params: Union[torch.nn.Module, Iterable, DistTensor]
                        ) -> list[torch.Tensor]:
-    """Expose synced gradients to a ``torch.optim`` optimizer working on the local pieces.
+    """Expose synced gradients to an optimizer built over the local pieces.
 
-    DistTensors are not ``torch.Tensor``s, so an optimizer is built over their local pieces
-    (``[p.to_local() for p in params]``, which are the parameters' own storage). This sets each
+    Not needed with ``torch.optim`` on the DistTensor parameters themselves (they are tensors);
+    this serves code that keeps an optimizer over ``[p.to_local() for p in params]`` (the
+    parameters' own storage). It sets each
     local piece's ``.grad`` to the local piece of ``p.grad`` (call it after
     :func:`sync_gradients`) and returns the local pieces, in order. Ranks outside a parameter's
     mesh get zero-element pieces, which optimizers skip harmlessly.

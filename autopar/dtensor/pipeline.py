@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
-from .dist_tensor import DistTensor, reshard
+from .autograd import reshard
 from .mesh import ProcessMesh
 from .placements import Placement
+from .tensor import DistTensor
 
 
 def stage_meshes(mesh: ProcessMesh, pp_dim: Union[int, str] = 0) -> list[ProcessMesh]:

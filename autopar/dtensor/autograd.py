@@ -1,0 +1,277 @@
+"""Gradients of DistTensor ops through torch's autograd engine, and ``reshard``.
+
+Every recorded op is one ``torch.autograd.Function`` node (:class:`_Op`) whose backward derives
+the gradient's *placements* as well as its values: the gradient of a Replicate input is Partial
+exactly on the mesh dims where it met data it does not shard (a sharded batch, sequence or
+context dim, a sharded output column, ...), which is what ``sync_gradients`` later reduces. The
+local vector-Jacobian product comes from torch: the op's local computation is recorded on
+detached copies of the input pieces, and the node's backward runs ``torch.autograd.grad`` on that
+small local graph. The engine walks nodes in the same order on every rank (all ranks build the
+same graph, clipped pipeline ranks included), so the collectives inside backward match.
+
+Sums of gradient contributions with different placements (a Replicate weight met Shard(0) data
+and a Partial activation) are unified in :func:`accumulate`, which the engine reaches through
+``__torch_dispatch__`` (``aten.add``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import redistribute as _rd
+from .mesh import ProcessMesh
+from .placements import PARTIAL_SUM, REPLICATE, Partial, Placement, Replicate, Shard, \
+    normalize_placements
+from .tensor import DistTensor, PendingMatmul, make, uninit
+
+_PARTIAL_AVG = Partial("avg")
+
+
+class Node:
+    """What one recorded op needs in backward. ``saved`` tensors go through ``save_for_backward``
+    (freed by the engine after a backward without ``retain_graph``); ``ctx`` is the rest."""
+
+    __slots__ = ("backward", "ctx", "saved", "out")
+
+    def __init__(self, backward: Callable, ctx: Any, saved: Sequence[torch.Tensor] = ()):
+        self.backward = backward
+        self.ctx = ctx
+        self.saved = tuple(saved)
+        self.out: Optional[DistTensor] = None
+
+
+class _Op(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, node: Node, *inputs: DistTensor) -> DistTensor:
+        ctx.node = node
+        ctx.save_for_backward(*node.saved)
+        out, node.out, node.saved = node.out, None, ()
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: DistTensor):
+        # Reading saved_tensors raises torch's "backward through the graph a second time" error
+        # after a backward that did not retain the graph.
+        saved = ctx.saved_tensors
+        return (None,) + tuple(ctx.node.backward(ctx.node.ctx, saved, g))
+
+
+def record(out: DistTensor, inputs: Sequence[DistTensor], backward: Callable, ctx: Any,
+           saved: Sequence[torch.Tensor] = ()) -> DistTensor:
+    """Attach ``out`` to the autograd graph of ``inputs``; returns the tensor to hand out."""
+    node = Node(backward, ctx, saved)
+    node.out = out
+    return _Op.apply(node, *inputs)
+
+
+def requires_grad(x: torch.Tensor) -> bool:
+    return torch.Tensor.requires_grad.__get__(x)
+
+
+# -- placements of gradients ---------------------------------------------------------------------
+
+def grad_placement(in_pl: tuple, others: list[tuple], out_pl: tuple, g_pl: tuple) -> tuple:
+    """Placements of an input's gradient from a local vector-Jacobian product.
+
+    Per mesh dim: a sharded input gets a sharded gradient; a Partial input a Replicate one (the
+    caller made the output gradient Replicate there); a Replicate input gets a Replicate gradient
+    only if nothing in the op varied along that mesh dim (every operand and the output Replicate,
+    the output gradient Replicate), else a Partial one: each rank's product covered only its
+    shard of the data, and the true gradient is the sum over the mesh dim, or the mean when the
+    output is ``Partial("avg")`` (its value is the mean of the ranks' local results).
+    """
+    out = []
+    for m, p in enumerate(in_pl):
+        tp = type(p)
+        if tp is Shard:
+            out.append(p)
+        elif tp is Partial:
+            out.append(REPLICATE)
+        elif type(g_pl[m]) is Replicate and type(out_pl[m]) is Replicate and \
+                all(type(o[m]) is Replicate for o in others):
+            out.append(REPLICATE)
+        elif out_pl[m] == _PARTIAL_AVG:
+            out.append(_PARTIAL_AVG)
+        else:
+            out.append(PARTIAL_SUM)
+    return tuple(out)
+
+
+def output_grad(g: DistTensor, out_pl: tuple) -> DistTensor:
+    """The gradient of a Partial output is Replicate; of a sharded output sharded the same way."""
+    want = tuple(REPLICATE if type(o) is Partial else (o if type(o) is Shard else gp)
+                 for o, gp in zip(out_pl, g._placements))
+    return reshard_nograd(g, want) if want != g._placements else g
+
+
+def local_vjp_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[Optional[DistTensor]]:
+    res, in_pls, in_shapes, in_dtypes, need = ctx
+    out_pl = res.out_placements
+    g = output_grad(g, out_pl)
+    mesh = g._mesh
+    pls = [grad_placement(in_pls[i], in_pls[:i] + in_pls[i + 1:], out_pl, g._placements)
+           if need[i] else None for i in range(len(need))]
+    if mesh._coord is None or not g._init:
+        return [uninit(mesh, pl, in_shapes[i], in_dtypes[i], g._local.device) if pl else None
+                for i, pl in enumerate(pls)]
+    local, leaves = saved[0], saved[1:]
+    # retain_graph: this local graph belongs to the node, and torch frees it with the node's
+    # saved tensors (after a backward without retain_graph), not here.
+    local_grads = iter(torch.autograd.grad(local, leaves, g._local, retain_graph=True,
+                                           allow_unused=True))
+    grads: list[Optional[DistTensor]] = []
+    k = 0
+    for i, pl in enumerate(pls):
+        if pl is None:
+            grads.append(None)
+            continue
+        lg = next(local_grads)
+        if lg is None:
+            lg = torch.zeros_like(leaves[k])
+        k += 1
+        grads.append(make(lg, mesh, pl, in_shapes[i], lg.dtype))
+    return grads
+
+
+# -- reshard (same mesh and cross-mesh) ---------------------------------------------------------
+
+def _kernels():
+    import kernels
+
+    return kernels
+
+
+def pieces_nonempty(size: int, world: int) -> bool:
+    """Whether every ``torch.chunk`` piece of ``size`` over ``world`` ranks is non-empty.
+
+    The overlapped ops need ``k > 0`` on every rank, and all ranks must choose the same path, so
+    the choice is made from the global size of the contracted dim, never from a local piece.
+    """
+    return -(-size // world) * (world - 1) < size
+
+
+def _fused_reduce(x: PendingMatmul, placements: tuple) -> Optional[torch.Tensor]:
+    """The local result of resharding a pending matmul, through one overlapped op, or None."""
+    m = x._mesh_dim
+    if x.is_computed() or x._placements[m] != PARTIAL_SUM:
+        # The overlapped ops sum; a Partial("avg") dgrad takes the generic reshard.
+        return None
+    if any(p != q for k, (p, q) in enumerate(zip(x._placements, placements)) if k != m):
+        return None
+    dst = placements[m]
+    group = x._mesh.get_group(m)
+    if type(dst) is Replicate:
+        return _kernels().matmul_all_reduce(x._x, x._w, group=group)
+    if dst == Shard(0) and x._shape[0] % x._mesh.shape[m] == 0 and x.ndim >= 2:
+        return _kernels().matmul_reduce_scatter(x._x, x._w, group=group)
+    return None
+
+
+def reshard_nograd(x: DistTensor, placements: tuple) -> DistTensor:
+    if not x._init:
+        return uninit(x._mesh, placements, x._shape, x._dtype, x._local.device)
+    local = _fused_reduce(x, placements) if type(x) is PendingMatmul else None
+    if local is None:
+        local = _rd.redistribute_local(x._local, x._shape, x._mesh, x._placements, placements)
+    return make(local, x._mesh, placements, x._shape, x._dtype)
+
+
+def reshard_backward(src: tuple, saved: tuple, g: DistTensor) -> list[DistTensor]:
+    # Back to the input's layout: sharded stays sharded, a Partial input's gradient is Replicate,
+    # a Replicate input keeps a Replicate or Partial gradient as it comes (no communication).
+    want = tuple(s if type(s) is Shard else
+                 (REPLICATE if type(s) is Partial or type(gp) is Shard else gp)
+                 for s, gp in zip(src, g._placements))
+    return [reshard_nograd(g, want)]
+
+
+def reshard_same_mesh(x: DistTensor, placements: tuple) -> DistTensor:
+    _rd.check_placements_reachable(x._placements, placements)
+    out = reshard_nograd(x, placements)
+    if torch.is_grad_enabled() and requires_grad(x):
+        return record(out, [x], reshard_backward, x._placements)
+    return out
+
+
+def convert(x: DistTensor, placements: tuple) -> DistTensor:
+    """Reshard ``x`` on its mesh (recorded for autograd) if the rule needs other placements."""
+    if x._placements == placements:
+        return x
+    return reshard_same_mesh(x, placements)
+
+
+def _move_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[DistTensor]:
+    src_mesh, src_pl, shape, dtype = ctx
+    dst_mesh = g._mesh
+    same = src_mesh.shape == dst_mesh.shape
+    if not same and any(type(p) is not Replicate for p in g._placements):
+        # The forward move carried a Replicate tensor; send back the reduced gradient.
+        g = reshard_nograd(g, (REPLICATE,) * dst_mesh.ndim)
+    g_pl = g._placements if same else (REPLICATE,) * src_mesh.ndim
+    recv_shape = _rd.local_shape(shape, src_mesh, g_pl) if src_mesh._coord is not None else None
+    local = _rd.move_across_meshes(g._local if g._init else None, dst_mesh, src_mesh, recv_shape,
+                                   dtype, g._local.device)
+    if local is None:
+        return [uninit(src_mesh, g_pl, shape, dtype, g._local.device)]
+    return [make(local, src_mesh, g_pl, shape, dtype)]
+
+
+def _move(x: DistTensor, mesh: ProcessMesh) -> DistTensor:
+    """Same placements (same-shape meshes) or Replicate (different shapes) on another mesh."""
+    same = x._mesh.shape == mesh.shape
+    pl = x._placements if same else (REPLICATE,) * mesh.ndim
+    recv_shape = _rd.local_shape(x._shape, mesh, pl) if mesh._coord is not None else None
+    local = _rd.move_across_meshes(x._local if x._init else None, x._mesh, mesh, recv_shape,
+                                   x._dtype, x._local.device)
+    out = uninit(mesh, pl, x._shape, x._dtype, x._local.device) if local is None else \
+        make(local, mesh, pl, x._shape, x._dtype)
+    if torch.is_grad_enabled() and requires_grad(x):
+        return record(out, [x], _move_backward, (x._mesh, x._placements, x._shape, x._dtype))
+    return out
+
+
+def reshard(dt: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement]) -> DistTensor:
+    """Move ``dt`` to ``placements`` on ``mesh`` (its own mesh, or another: a pipeline stage).
+
+    Differentiable: the backward moves the gradient back. Across meshes every rank of both meshes
+    must call it (all ranks run the same program); a rank in neither does nothing.
+    """
+    if not isinstance(dt, DistTensor):
+        raise TypeError(f"reshard(dt): expected a DistTensor, got {type(dt).__name__}")
+    if not isinstance(mesh, ProcessMesh):
+        raise TypeError(f"reshard(mesh): expected a ProcessMesh, got {type(mesh).__name__}")
+    pl = normalize_placements(placements, mesh.ndim, dt.ndim)
+    if mesh == dt._mesh:
+        return convert(dt, pl)
+    if any(type(p) is Partial for p in dt._placements):
+        dt = convert(dt, tuple(REPLICATE if type(p) is Partial else p for p in dt._placements))
+    if dt._mesh.shape == mesh.shape:
+        return _move(convert(dt, pl), mesh) if not any(type(p) is Partial for p in pl) else \
+            convert(_move(dt, mesh), pl)
+    moved = _move(convert(dt, (REPLICATE,) * dt._mesh.ndim), mesh)
+    return convert(moved, pl)
+
+
+def _sum_placement(pa: Placement, pb: Placement) -> Placement:
+    if any(type(p) is Partial and p.reduce_type in ("max", "min") for p in (pa, pb)):
+        return REPLICATE          # max(a) + max(b) is not max(a + b): reduce first
+    if pa == pb:
+        return pa
+    if {type(pa), type(pb)} <= {Partial, Replicate}:
+        return PARTIAL_SUM        # R -> P keeps the value on coordinate 0: free
+    return pa                     # anything else follows the first contribution's layout
+
+
+def accumulate(a: DistTensor, b: DistTensor) -> DistTensor:
+    """``a + b`` for two gradient contributions, unifying their placements first."""
+    target = tuple(_sum_placement(pa, pb) for pa, pb in zip(a._placements, b._placements))
+    a = reshard_nograd(a, target) if a._placements != target else a
+    b = reshard_nograd(b, target) if b._placements != target else b
+    if not a._init:
+        return a
+    return make(a._local + b._local, a._mesh, a._placements, a._shape,
+                torch.promote_types(a._dtype, b._dtype))

@@ -1,0 +1,118 @@
+"""Conversion to and from PyTorch DTensor, sharing the local piece (no copy).
+
+``ProcessMesh`` <-> ``DeviceMesh``: the same ranks in the same N-D layout and the same dim names.
+Placements map one to one: ``Shard(d)``, ``Replicate()``, ``Partial(op)`` for op in
+sum/avg/max/min (DTensor's other reduce ops, such as ``product``, have no autopar counterpart and
+raise). Both libraries split uneven shards like ``torch.chunk``, so the local pieces mean the same
+thing and are handed over as they are.
+
+Building a mesh for the first time is collective over the default group (both libraries create
+process groups for it), so every rank must convert in the same order; later conversions on the
+same mesh reuse the cached one and do not communicate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .mesh import ProcessMesh
+from .placements import Partial, Placement, Replicate, Shard
+from .tensor import DistTensor, make, uninit
+
+_DEVICE_MESHES: dict[tuple, Any] = {}
+_PROCESS_MESHES: dict[tuple, ProcessMesh] = {}
+
+
+def _dtensor_api():
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial as DPartial, Replicate as DReplicate, \
+        Shard as DShard
+
+    return DeviceMesh, DTensor, DShard, DReplicate, DPartial
+
+
+def device_mesh_of(mesh: ProcessMesh, device_type: str = "cpu") -> Any:
+    """The DeviceMesh with ``mesh``'s ranks and dim names (built once; collective then)."""
+    DeviceMesh = _dtensor_api()[0]
+    key = (mesh.shape, mesh.process_ids, mesh.dim_names, device_type)
+    dm = _DEVICE_MESHES.get(key)
+    if dm is None:
+        dm = DeviceMesh(device_type, torch.tensor(mesh.tolist(), dtype=torch.int64),
+                        mesh_dim_names=mesh.dim_names)
+        _DEVICE_MESHES[key] = dm
+    return dm
+
+
+def process_mesh_of(device_mesh: Any) -> ProcessMesh:
+    """The ProcessMesh with ``device_mesh``'s ranks and dim names (built once; collective then)."""
+    ranks = device_mesh.mesh.tolist()
+    names = device_mesh.mesh_dim_names
+    key = (tuple(device_mesh.mesh.shape), tuple(device_mesh.mesh.flatten().tolist()),
+           tuple(names) if names else None)
+    mesh = _PROCESS_MESHES.get(key)
+    if mesh is None:
+        mesh = _PROCESS_MESHES[key] = ProcessMesh(ranks, list(names) if names else None)
+    return mesh
+
+
+def _to_dtensor_placement(p: Placement) -> Any:
+    _, _, DShard, DReplicate, DPartial = _dtensor_api()
+    if type(p) is Shard:
+        return DShard(p.dim)
+    if type(p) is Replicate:
+        return DReplicate()
+    supported = getattr(DPartial, "ALL_REDUCE_OPS", ("sum", "avg"))
+    if p.reduce_type not in supported:
+        raise ValueError(f"to_dtensor: this torch's DTensor has no Partial({p.reduce_type!r}) "
+                         f"(it supports {list(supported)}); reshard to Replicate first")
+    return DPartial(p.reduce_type)
+
+
+def _from_dtensor_placement(p: Any) -> Placement:
+    if p.is_shard():
+        return Shard(p.dim)
+    if p.is_replicate():
+        return Replicate()
+    if p.is_partial():
+        op = getattr(p, "reduce_op", "sum")
+        if op not in ("sum", "avg", "max", "min"):
+            raise ValueError(f"from_dtensor: DTensor placement Partial({op!r}) has no autopar "
+                             f"counterpart (sum, avg, max, min); redistribute it first")
+        return Partial(op)
+    raise ValueError(f"from_dtensor: unsupported DTensor placement {p!r}")
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def to_dtensor(t: DistTensor) -> Any:
+    """A ``torch.distributed.tensor.DTensor`` viewing ``t``'s local piece (no copy, not tracked)."""
+    if not isinstance(t, DistTensor):
+        raise TypeError(f"to_dtensor(t): expected an autopar DistTensor, got {type(t).__name__}")
+    _, DTensor, _, _, _ = _dtensor_api()
+    local = t._local
+    dm = device_mesh_of(t._mesh, local.device.type)
+    placements = [_to_dtensor_placement(p) for p in t._placements]
+    return DTensor.from_local(local.detach(), dm, placements, run_check=False, shape=t._shape,
+                              stride=_contiguous_stride(t._shape))
+
+
+def from_dtensor(t: Any) -> DistTensor:
+    """An autopar DistTensor around ``t``'s local piece (no copy, not tracked)."""
+    _, DTensor, _, _, _ = _dtensor_api()
+    if not isinstance(t, DTensor):
+        raise TypeError(f"from_dtensor(t): expected a torch DTensor, got {type(t).__name__}")
+    mesh = process_mesh_of(t.device_mesh)
+    placements = tuple(_from_dtensor_placement(p) for p in t.placements)
+    local = t._local_tensor.detach()
+    shape = torch.Size(t.shape)
+    if mesh.my_coordinate is None:
+        return uninit(mesh, placements, shape, t.dtype, local.device)
+    return make(local, mesh, placements, shape, t.dtype)
