@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import queue
 import sys
@@ -74,6 +75,14 @@ def _entry(rank: int, world: int, device_type: str, store_path: str, timeout_s: 
            fn: Callable[..., Any], args: tuple, results: Any) -> None:
     os.environ.update(rank_env(device_type, cpu_threads))
     sys.path.insert(0, REPO_ROOT)
+    # A rank that sends tensors serves them from a socket in its multiprocessing temp dir
+    # (pymp-*), removed only on a clean exit; made under the launch's own temp dir, it goes with
+    # that dir when a failed rank is killed. tempfile.tempdir is restored for everything else.
+    saved_tempdir, tempfile.tempdir = tempfile.tempdir, os.path.dirname(store_path)
+    try:
+        mp_util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved_tempdir
     try:
         device = _set_device(device_type, rank, world, cpu_threads)
         store = dist.FileStore(store_path, world)

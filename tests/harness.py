@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import queue
 import sys
@@ -52,10 +53,28 @@ class _Outcome:
     value: Any
 
 
+def _private_pymp_dir(parent: str) -> None:
+    """Make this process's multiprocessing temp dir (``pymp-*``) under ``parent``.
+
+    torch passes tensors between processes as file descriptors, served by multiprocessing's
+    resource sharer from a listening socket in that dir, which only a clean exit removes. The pool
+    kills ranks (after a failure, a timeout, or a slow close): under the pool's own temporary dir
+    the leftovers go when kill() removes it. Only this one dir moves: ``tempfile.tempdir`` is
+    restored, so other temp files (compiler caches) stay where they were.
+    """
+    saved = tempfile.tempdir
+    tempfile.tempdir = parent
+    try:
+        mp_util.get_temp_dir()  # created now and kept for the life of the process
+    finally:
+        tempfile.tempdir = saved
+
+
 def _worker(rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any,
             env: dict[str, str]) -> None:
     os.environ.update(env)
     sys.path.insert(0, REPO_ROOT)
+    _private_pymp_dir(os.path.dirname(store_path))
     import datetime
 
     import torch
