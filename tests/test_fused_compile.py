@@ -37,8 +37,17 @@ def main() -> None:
     acc = dict(ACC_DTYPE=tl.float32)
     dot = dict(DOT_PRECISION="tf32")
     sizes = [
-        _compile(signals._wait_all_kernel, dict(sig_tab_ptr=tab, rank=i32, offset=i32, target=i64, timeout=i64,
-                                                channel=i32), dict(WORLD=4, **timer)),
+        _compile(signals._check_call_kernel,
+                 dict(sig_tab_ptr=tab, rank=i32, epoch=i64, timeout=i64, must_agree=i64,
+                      **{f"d{i}": i64 for i in range(13)}),
+                 dict(WORLD=4, DESC_LEN=13, DESC_OFFSET=100, **timer)),
+        _compile(signals._finish_call_kernel,
+                 dict(sig_tab_ptr=tab, out0_ptr=f16, n0=i64, out1_ptr=f16, n1=i64, rank=i32, epoch=i64),
+                 dict(WORLD=4, DONE_OFFSET=8, OUTPUTS=2, BLOCK=1024)),
+        _compile(ag_gemm._push_shard_kernel,
+                 dict(x_ptr=f16, data_tab_ptr=tab, sig_tab_ptr=tab, M_LOCAL=i32, K=i32, stride_xm=i32, stride_xk=i32,
+                      chunk_rows=i32, n_chunks=i32, rank=i32, epoch=i64),
+                 dict(WORLD=4, FLAG_OFFSET=12, FLAG_STRIDE=8, BLOCK_R=32, BLOCK_K=256)),
         _compile(ag_gemm._ag_gemm_kernel,
                  dict(data_tab_ptr=tab, sig_tab_ptr=tab, w_ptr=f16, bias_ptr=f16, y_ptr=f16, g_ptr=f16, M_LOCAL=i32,
                       N=i32, K=i32, n_tiles=i32, chunk_rows=i32, stride_wn=i32, stride_wk=i32, stride_ym=i32,

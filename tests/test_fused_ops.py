@@ -128,3 +128,21 @@ def test_locality_reason_is_the_same_verdict_on_every_rank():
     assert _locality_reason(one_way) == "GPU 1 has no peer access to GPU 0"
     assert "spans 2 hosts" in _locality_reason([(None, "h0", 0, ()), (None, "h1", 0, ())])
     assert _locality_reason([(None, "h0", -1, ()), ("no cupy", "h0", -1, ())]) == "no cupy"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_raise_naming_the_field(world):
+    results = run_ranks(fused_cases.mismatch_body, world, timeout=300)
+    cases = list(fused_cases.MISMATCH_CASES) + [("rs", "n", None)]
+    last = world - 1
+    for rank, messages in enumerate(results):
+        assert len(messages) == len(cases)
+        for (op, field, _), message in zip(cases, messages):
+            name = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}[op]
+            assert message.startswith(f"fused {name}: ranks disagree"), message
+            # Both ranks named, with the field: this rank and the odd one out (which names some peer).
+            assert f"has {field}=" in message, (field, message)
+            if rank != last:
+                assert f"rank {rank} has" in message and f"rank {last} has" in message, message
+            else:
+                assert f"rank {last} has" in message, message

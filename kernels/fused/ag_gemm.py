@@ -2,21 +2,24 @@
 
 Launch sequence on rank ``r`` for call epoch ``e`` (W ranks, heap region ``G [W * m_local, k]``):
 
-1. wait until every peer's ``DONE >= e - 1`` (it no longer reads its ``G`` of the previous call);
-2. push ``x`` into rows ``[r * m_local, (r + 1) * m_local)`` of every rank's ``G`` chunk by chunk
-   (chunks of whole row tiles), setting flag ``AG[r, c] = e`` on every rank after chunk ``c``
-   (GPU: copy engine on a side stream, so the GEMM below already runs);
+1. call check (:func:`runtime.begin`): publish this call's descriptor to every peer and wait for
+   theirs of epoch ``e``. A peer publishes only after its kernels of call ``e - 1`` finished, so
+   once the check passes no peer still reads its ``G`` of the previous call;
+2. push kernel (GPU: on a high-priority side stream): copy ``x`` into rows
+   ``[r * m_local, (r + 1) * m_local)`` of every rank's ``G`` chunk by chunk (chunks of whole row
+   tiles), ranks in the order ``r, r - 1, r - 2, ...`` (the order in which they need shard ``r``),
+   setting flag ``AG[r, c] = e`` on the receiving rank after chunk ``c``; skipped entirely if the
+   check failed;
 3. GEMM kernel: programs walk this rank's rows first, then the ring ``r + 1, r + 2, ...``; a program
    waits for ``AG[src, c] >= e`` of the chunk holding its rows before loading them from the local
    ``G``; with ``return_gathered`` the ``n``-tile-0 programs also write the rows they load to
    ``x_gathered``;
-4. set ``DONE[r] = e`` on every rank.
+4. finish kernel: set ``DONE[r] = e`` on every rank, or fill the outputs with NaN after a failure.
 
 Each rank only reads its own ``G`` and only peers write it, so step 1 is the whole flow control.
 Under the interpreter the GEMM of step 3 waits only on other ranks' step 2, never on a later program
 of its own launch.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -31,9 +34,9 @@ from . import runtime, signals
 from .gemm import acc_dtype, block_config, dot_precision, matmul, tile_matmul
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
 def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_LOCAL, N, K, n_tiles, chunk_rows,
-                    stride_wn, stride_wk, stride_ym, stride_yn, rank, epoch, timeout, flag_offset,
+                    stride_wn, stride_wk, stride_ym, stride_yn, rank, epoch: tl.int64, timeout: tl.int64, flag_offset,
                     WORLD: tl.constexpr, CHANNEL: tl.constexpr, FLAG_STRIDE: tl.constexpr,
                     HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
                     USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -67,21 +70,59 @@ def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_
                  mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit(do_not_specialize=["rank", "epoch"])
+def _push_shard_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, M_LOCAL, K, stride_xm, stride_xk, chunk_rows, n_chunks,
+                       rank, epoch: tl.int64, WORLD: tl.constexpr, FLAG_OFFSET: tl.constexpr,
+                       FLAG_STRIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (step, c) copies chunk c of x into row block ``rank`` of rank (rank - step)'s gather
+    # buffer and then raises that rank's flag AG[rank, c]. Step 0 is this rank (its GEMM reads its
+    # own rows first); rank d reads shard d + 1 right after its own, so rank - 1 is served next.
+    pid = tl.program_id(0)
+    step = pid // n_chunks
+    c = pid % n_chunks
+    dst = (rank - step + WORLD) % WORLD
+    pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
+    # The call check of this epoch ran before this kernel: if it failed (a peer missing, or a peer
+    # described another call), nothing may be written into any peer.
+    if signals.failed(pad) == 0:
+        g = signals.peer_ptr(data_tab_ptr, dst, x_ptr.dtype.element_ty)
+        end = tl.minimum(c * chunk_rows + chunk_rows, M_LOCAL)
+        for r0 in range(c * chunk_rows, end, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+            mask_r = rows < end
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+                mask = mask_r[:, None] & (ks < K)[None, :]
+                tile = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=mask)
+                tl.store(g + (rank * M_LOCAL + rows)[:, None] * K + ks[None, :], tile, mask=mask)
+        signals.send_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + FLAG_OFFSET + rank * FLAG_STRIDE + c,
+                            epoch)
+
+
 def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side: Optional[torch.cuda.Stream]
                 ) -> None:
-    """Copy ``x`` chunk by chunk into row block ``r`` of every rank's gather buffer, flag after each chunk."""
+    """Copy ``x`` chunk by chunk into row block ``r`` of every rank's gather buffer, flag after each chunk.
+
+    One kernel, so the pushes are skipped on the device when the call check failed: copies queued
+    by the host could not be (the host learns of a failure only later) and would overwrite the
+    gather buffer of a slow but alive peer still reading its previous call. On GPU it runs on a
+    high-priority side stream, queued before the GEMM: its few programs get SMs before the GEMM's
+    spinning programs, and the GEMM starts on this rank's own rows at once.
+    """
     heap, r, w = call.heap, call.rank, call.world_size
     m_local, k = x.shape
-    if side is not None:
+    n_chunks = triton.cdiv(m_local, chunk_rows)
+    if n_chunks == 0:
+        return
+    gpu = side is not None
+    if gpu:
         side.wait_stream(torch.cuda.current_stream(x.device))
-    targets = [heap.data_view((r + step) % w, x.dtype, (w * m_local, k))[r * m_local:(r + 1) * m_local]
-               for step in range(w)]
-    for c, start in enumerate(range(0, m_local, chunk_rows)):
-        rows = slice(start, min(start + chunk_rows, m_local))
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            for target in targets:
-                target[rows].copy_(x[rows], non_blocking=True)
-        runtime.push_signal(call, signals.CH_AG, call.epoch, side, index=r * signals.AG_MAX_SPLITS + c)
+    with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
+        _push_shard_kernel[(w * n_chunks,)](x, heap.data_ptrs, heap.sig_ptrs, m_local, k, x.stride(0), x.stride(1),
+                                            chunk_rows, n_chunks, r, call.epoch, WORLD=w,
+                                            FLAG_OFFSET=signals.channel_offset(signals.CH_AG, w),
+                                            FLAG_STRIDE=signals.AG_MAX_SPLITS, BLOCK_R=32 if gpu else 16,
+                                            BLOCK_K=256 if gpu else 64, num_warps=4 if gpu else 1)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -118,24 +159,23 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if w == 1:
         y = matmul(x, weight, bias)
         return (y, x.clone(memory_format=torch.contiguous_format)) if return_gathered else y
-    # A strided x would make the side stream's pushes elementwise copy kernels, which need SMs the
-    # spinning GEMM may all hold; contiguous rows copy as memcpys on the copy engine.
-    x = x.contiguous()
     m_local, k = x.shape
     n = weight.shape[0]
     # The kernel indexes bias with unit stride.
     bias = bias.contiguous() if bias is not None else None
     data_bytes = w * m_local * k * x.element_size()
-    with runtime.fused_call("all_gather_matmul", group, x.device, data_bytes) as call:
+    descriptor = runtime.describe("all_gather_matmul", m_local, k, n, x.dtype, bias is not None, return_gathered)
+    # The call check waits for every peer's descriptor of this epoch, which each peer publishes
+    # only after its previous call's kernels finished: its gather buffer is free to overwrite.
+    with runtime.fused_call("all_gather_matmul", group, x.device, data_bytes, descriptor) as call:
         heap = call.heap
-        if call.epoch > 1:
-            signals.wait_all(heap, signals.CH_DONE, call.epoch - 1, call.timeout_ticks, call.use_globaltimer)
         cfg = block_config(x.device)
         chunk_rows = max(1, triton.cdiv(triton.cdiv(m_local, cfg.ag_splits), cfg.block_m)) * cfg.block_m
         side = _side_stream(x.device) if x.device.type == "cuda" else None
         _push_shard(call, x, chunk_rows, side)
         y = torch.empty((w * m_local, n), dtype=x.dtype, device=x.device)
         x_gathered = torch.empty((w * m_local, k), dtype=x.dtype, device=x.device) if return_gathered else y
+        call.outputs = (y, x_gathered) if return_gathered else (y,)
         # With n == 0 the V2 op still needs one column of programs to copy the gathered rows out.
         n_tiles = max(triton.cdiv(n, cfg.block_n), 1 if return_gathered else 0)
         grid = (w * triton.cdiv(m_local, cfg.block_m) * n_tiles,)

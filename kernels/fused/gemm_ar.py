@@ -75,7 +75,6 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     API and costs nothing). Raises RuntimeError naming the missing peer if a wait exceeds
     ``COC_TIMEOUT``.
     """
-    del deterministic  # always deterministic, see the docstring
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
     group = runtime.resolve_group(group)
@@ -88,33 +87,39 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     if algorithm == "auto":
         algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
     cfg = block_config(x.device)
-    return all_reduce_partials("matmul_all_reduce", group, x, n, bias, algorithm, cfg,
+    # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
+    descriptor = runtime.describe("matmul_all_reduce", m, x.shape[1], n, x.dtype, bias is not None, deterministic)
+    return all_reduce_partials("matmul_all_reduce", group, x, n, bias, algorithm, cfg, descriptor,
                                lambda call, rows_own, broadcast: scatter_partials(call, x, weight, rows_own,
                                                                                   broadcast, cfg))
 
 
 def all_reduce_partials(op: str, group: dist.ProcessGroup, x: torch.Tensor, n: int, bias: Optional[torch.Tensor],
-                        algorithm: str, cfg: BlockConfig, scatter: Callable[[runtime.FusedCall, int, bool], int]
+                        algorithm: str, cfg: BlockConfig, descriptor: tuple[int, ...],
+                        scatter: Callable[[runtime.FusedCall, int, bool], int]
                         ) -> torch.Tensor:
     """The exchange of a fused GEMM + all-reduce, ``algorithm`` "one_shot" or "two_shot", around a
     scatter GEMM.
 
     ``scatter(call, rows_own, broadcast)`` launches the GEMM that pushes the partial-product tiles
     of ``x`` (as :func:`gemm_rs.scatter_partials`) and returns the cumulative ``RS`` target; the
-    plain and the w8A16 ops differ only there. Returns ``y [m, n]`` in ``x.dtype``.
+    plain and the w8A16 ops differ only there. ``descriptor`` is this rank's call descriptor
+    (:func:`runtime.describe`), checked against every peer's before any data moves. Returns ``y [m, n]`` in ``x.dtype``.
     """
     w = runtime.world_size(group)
     m = x.shape[0]
     size = x.element_size()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if algorithm == "one_shot":
-        with runtime.fused_call(op, group, x.device, w * m * n * size) as call:
+        with runtime.fused_call(op, group, x.device, w * m * n * size, descriptor) as call:
+            call.outputs = (out,)
             target = scatter(call, m, True)
             reduce_slots(call, out, bias, m, m, n, target, None, cfg)
         return out
     rows_own = triton.cdiv(m, w)
     slots = w * rows_own * n
-    with runtime.fused_call(op, group, x.device, 2 * slots * size) as call:
+    with runtime.fused_call(op, group, x.device, 2 * slots * size, descriptor) as call:
+        call.outputs = (out,)
         target = scatter(call, rows_own, False)
         rows_valid = min(rows_own, max(0, m - call.rank * rows_own))
         # ``out`` is only a dtype/stride carrier here: the reduced rows go to every rank's O region.

@@ -188,7 +188,6 @@ def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch
 
     Always deterministic, as :func:`gemm_ar.matmul_all_reduce` (``deterministic`` costs nothing).
     """
-    del deterministic  # the fixed-order reduce of gemm_rs is always used
     group = runtime.resolve_group(group)
     w = runtime.world_size(group)
     if w == 1:
@@ -200,7 +199,11 @@ def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch
     mode = _mode_of(scale, group_size, cfg)
     quant = _quant_args(scale, offset)
     algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
-    return all_reduce_partials("quantized_matmul_all_reduce", group, x, n, bias, algorithm, cfg,
+    # The fixed-order reduce of gemm_rs is always used; ``deterministic`` is compared across ranks only.
+    layout = ("per_tensor", "per_channel", "per_group")[scale.dim()]
+    descriptor = runtime.describe("quantized_matmul_all_reduce", m, x.shape[1], n, x.dtype, bias is not None,
+                                  deterministic, layout, group_size if layout == "per_group" else 0)
+    return all_reduce_partials("quantized_matmul_all_reduce", group, x, n, bias, algorithm, cfg, descriptor,
                                lambda call, rows_own, broadcast: _scatter(call, x, qweight, quant, mode,
                                                                           offset is not None, group_size,
                                                                           rows_own, broadcast, cfg))

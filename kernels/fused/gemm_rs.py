@@ -195,7 +195,6 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     ``deterministic`` says (it costs nothing here). Raises RuntimeError naming the missing peer if a
     wait exceeds ``COC_TIMEOUT``.
     """
-    del deterministic  # always deterministic, see the docstring
     group = runtime.resolve_group(group)
     w = runtime.world_size(group)
     if w == 1:
@@ -205,8 +204,11 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     rows_own = m // w
     cfg = block_config(x.device)
     data_bytes = w * rows_own * n * x.element_size()
-    with runtime.fused_call("matmul_reduce_scatter", group, x.device, data_bytes) as call:
+    # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
+    descriptor = runtime.describe("matmul_reduce_scatter", m, x.shape[1], n, x.dtype, bias is not None, deterministic)
+    with runtime.fused_call("matmul_reduce_scatter", group, x.device, data_bytes, descriptor) as call:
         target = scatter_partials(call, x, weight, rows_own, False, cfg)
         out = torch.empty((rows_own, n), dtype=x.dtype, device=x.device)
+        call.outputs = (out,)
         reduce_slots(call, out, bias, rows_own, rows_own, n, target, None, cfg)
     return out

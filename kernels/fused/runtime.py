@@ -1,18 +1,31 @@
-"""Host-side plumbing shared by the fused ops: group, heap and epoch per call, timeout, error check."""
+"""Host-side plumbing shared by the fused ops: group, heap and epoch per call, call check, errors.
+
+A fused call never reads device memory on the host. Kernels that fail (a wait that timed out, a
+peer whose call descriptor differs) store a code in the heap's error record, a small tensor in
+pinned host memory (a plain CPU tensor under the interpreter) that the kernels reach through
+unified addressing. The host reads that record with ordinary CPU loads, without synchronizing,
+at the end of every call, at the start of the next call on the group and in :func:`check_errors`.
+Under the interpreter every kernel has finished when its launch returns, so the failing call
+itself raises; on a GPU the failure surfaces at the first of those reads after the kernel ran.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import agree
 from ..checks import group_size
 from ..config import get_config
-from ..heap import SymmetricHeap, destroy_heap, get_heap
+from ..heap import CallMismatch, SymmetricHeap, destroy_heap, get_heap, heaps_of, peek_heap
 from . import signals
 
 
@@ -30,16 +43,42 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def describe(op: str, m: int, k: int, n: int, dtype: torch.dtype, bias: bool, flag: bool,
+             quant_mode: Optional[str] = None, group_size: int = 0) -> tuple[int, ...]:
+    """This rank's descriptor of a fused call (:func:`kernels.agree.describe_call`, backend ``"fused"``)."""
+    return agree.describe_call(op, m, k, n, dtype, bias=bias, flag=flag, backend="fused", parallel_num=None,
+                               quant_mode=quant_mode, group_size=group_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _must_agree_mask(op: str, descriptor: tuple[int, ...]) -> int:
+    """Bit ``i`` set when field ``i`` of ``op``'s descriptor must be equal on every rank.
+
+    Derived from :func:`kernels.agree.format_mismatch` itself (a field must agree exactly when a
+    difference in it alone is reported), so the kernel compares what the message will name.
+    """
+    mask = 0
+    for i in range(len(descriptor)):
+        other = list(descriptor)
+        other[i] += 1
+        if agree.format_mismatch(op, 0, descriptor, 1, other) is not None:
+            mask |= 1 << i
+    return mask
+
+
 @dataclass
 class FusedCall:
-    """One fused call on a heap: its epoch and the spin bound in the kernels' clock ticks."""
+    """One fused call on a heap: its epoch, descriptor and the spin bound in the kernels' clock ticks."""
 
     op: str
     heap: SymmetricHeap
     epoch: int
+    descriptor: tuple[int, ...]
     timeout_s: float
     timeout_ticks: int
     use_globaltimer: bool
+    # The tensors the call returns: filled with NaN if a wait or the check failed.
+    outputs: tuple[torch.Tensor, ...] = ()
 
     @property
     def rank(self) -> int:
@@ -50,96 +89,209 @@ class FusedCall:
         return self.heap.world_size
 
 
-# Groups on which a fused wait timed out, with the error (the group is kept alive so its id is not
-# reused). After a timeout the ranks no longer agree on how many fused calls they have made: the
-# one that gave up drops its heap and would rebuild it at its next call, pairing that heap-creation
-# collective with a peer's later call. Failing every further call on the group keeps that from
-# ever silently mixing two calls' data.
+# Groups on which a fused call failed (a timed-out wait or ranks that disagreed on a call), with
+# the error; the group is kept alive so its id is not reused. On a GPU the ranks learn of a failure
+# asynchronously, at different later calls, so they no longer agree on how many calls they made
+# (and a rank that dropped its heap would pair its rebuild with a peer's later call). Failing every
+# further call on the group keeps that from ever silently mixing two calls' data.
 _FAILED_GROUPS: dict[int, tuple[dist.ProcessGroup, str]] = {}
+# Recent calls per heap, by epoch: an error record found later names the call that failed.
+_RECENT = 64
 
 
-def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int) -> FusedCall:
-    """Get (or grow) the group's heap for ``data_bytes`` and open the next epoch on it."""
+def _refuse(op: str, group: dist.ProcessGroup, device: torch.device) -> None:
     failed = _FAILED_GROUPS.get(id(group))
     if failed is not None and failed[0] is group:
-        raise RuntimeError(f"fused {op}: an earlier fused call on this process group timed out ({failed[1]}); "
+        raise RuntimeError(f"fused {op}: an earlier fused call on this process group failed ({failed[1]}); "
                            "its ranks no longer agree on the call sequence, so the fused path refuses the group. "
                            "Create a new process group (or restart the job) to use it again")
-    world = dist.get_world_size(group)
-    heap = get_heap(group, device, data_bytes, signals.sig_words(world))
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        first = peek_heap(group, device) is None
+        raise RuntimeError(
+            f"fused {op}: called inside CUDA-graph capture; the fused path is not capturable yet (each call's "
+            "epoch and counter targets are host integers a graph would freeze)"
+            + ("; this is also the group's first fused call, which creates its heap with collectives" if first
+               else "") + ". Capture the chunked path instead (backend='chunked' or COC_PARALLEL_NUM)")
+
+
+_mps_warned = False
+
+
+def _warn_if_mps(device: torch.device) -> None:
+    global _mps_warned
+    if _mps_warned or device.type != "cuda":
+        return
+    _mps_warned = True
+    # A running MPS daemon has a control pipe in its pipe directory (default /tmp/nvidia-mps).
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
+    if os.path.exists(os.path.join(pipes, "control")):
+        warnings.warn("fused kernels under CUDA MPS: kernels of several processes share the GPU at once, and a "
+                      "spinning grid larger than its share can starve a peer's producer until COC_TIMEOUT",
+                      RuntimeWarning, stacklevel=4)
+
+
+def _attach_record(heap: SymmetricHeap) -> np.ndarray:
+    """The heap's host error record as a NumPy view (created on first use; its address goes into the pad)."""
+    if heap.error_record is None:
+        pinned = heap.device.type == "cuda"
+        record = torch.zeros(signals.RECORD_WORDS, dtype=torch.int64, pin_memory=pinned)
+        address = torch.tensor([record.data_ptr()], dtype=torch.int64)
+        # Once per heap, before its first kernel: a blocking copy is fine here.
+        heap.sig_view(heap.rank)[signals.RECORD_WORD:signals.RECORD_WORD + 1].copy_(address)
+        heap.error_record = record
+        heap.error_view = record.numpy()
+    return heap.error_view
+
+
+def _verdict(op: str, group: dist.ProcessGroup) -> "functools.partial[Optional[str]]":
+    """The judge of the descriptors exchanged when the group's heap is created."""
+    return functools.partial(_first_mismatch, op, group)
+
+
+def _labels(group: dist.ProcessGroup) -> list[str]:
+    """Rank names as :mod:`kernels.agree` writes them: the group rank, and the global one if it differs."""
+    ranks = dist.get_process_group_ranks(group)
+    return [str(r) if r == g else f"{r} (global {g})" for r, g in enumerate(ranks)]
+
+
+def _first_mismatch(op: str, group: dist.ProcessGroup, descriptors: Sequence[object]) -> Optional[str]:
+    labels = _labels(group)
+    me = dist.get_rank(group)
+    for peer, theirs in enumerate(descriptors):
+        if peer != me:
+            message = agree.format_mismatch(op, labels[me], descriptors[me], labels[peer], theirs)
+            if message is not None:
+                return (f"fused {message} (found at the group's first fused call, before its heap was created; "
+                        "nothing was allocated and the group stays usable)")
+    return None
+
+
+def _open(op: str, heap: SymmetricHeap, descriptor: tuple[int, ...]) -> FusedCall:
+    """Next epoch on ``heap`` and its call check (descriptor exchange and comparison) queued."""
+    _attach_record(heap)
     timeout = get_config().timeout
-    use_globaltimer = device.type == "cuda"
+    use_globaltimer = heap.device.type == "cuda"
     # GPU spins read %globaltimer (ns); interpreter spins read the pad clock (ms).
     ticks = int(timeout * 1e9) if use_globaltimer else max(1, int(timeout * 1e3))
+    epoch = heap.next_epoch()
+    heap.recent_calls[epoch] = (op, descriptor)
+    heap.recent_calls.pop(epoch - _RECENT, None)
     heap.arm_clock(True)
-    return FusedCall(op, heap, heap.next_epoch(), timeout, ticks, use_globaltimer)
+    signals.check_call(heap, epoch, descriptor, _must_agree_mask(op, descriptor), ticks, use_globaltimer)
+    return FusedCall(op, heap, epoch, descriptor, timeout, ticks, use_globaltimer)
+
+
+def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int,
+          descriptor: tuple[int, ...]) -> FusedCall:
+    """Open the next call on the group's heap: check it against every peer's, then grow the heap if needed.
+
+    The heap is created (first call) with the descriptors exchanged alongside the handles, so ranks
+    that disagree raise together before anything is allocated. Later calls compare descriptors in
+    the check kernel; a call that needs a larger heap first waits for that verdict (growth
+    synchronizes the device anyway), so no rank enters the growth collective unless every peer
+    described the same call, which implies the same size.
+    """
+    _refuse(op, group, device)
+    _warn_if_mps(device)
+    words = signals.sig_words(dist.get_world_size(group))
+    heap = peek_heap(group, device)
+    if heap is None:
+        heap = get_heap(group, device, data_bytes, words, descriptor, _verdict(op, group))
+    else:
+        raise_recorded(heap)
+    call = _open(op, heap, descriptor)
+    if heap.data_bytes < data_bytes:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        raise_recorded(heap)
+        heap.arm_clock(False)
+        heap = get_heap(group, device, data_bytes, words, descriptor, _verdict(op, group))
+        call = _open(op, heap, descriptor)
+    return call
 
 
 @contextlib.contextmanager
-def fused_call(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int) -> Iterator[FusedCall]:
+def fused_call(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int,
+               descriptor: tuple[int, ...]) -> Iterator[FusedCall]:
     """``begin`` ... ``finish`` around the launches of one fused call.
 
-    An exception between them (a compile error, an interrupt) still marks the call done: the
-    next call of every peer starts by waiting for this rank's ``DONE >= epoch``, which would
-    otherwise never come and turn one failed call into a timeout of the next. The heap is kept,
-    so its epochs stay in step with the peers'.
+    The body sets ``call.outputs`` (the tensors it returns), which ``finish`` fills with NaN if a
+    wait or the check failed. An exception between the launches (a compile error, an interrupt)
+    still marks the call done: the next call of every peer starts by waiting for this rank's
+    descriptor, queued after this ``DONE``, which would otherwise cost a timeout.
     """
-    call = begin(op, group, device, data_bytes)
+    try:
+        call = begin(op, group, device, data_bytes, descriptor)
+    except CallMismatch as e:
+        raise RuntimeError(str(e)) from None
     try:
         yield call
     except BaseException:
         try:
-            signals.signal_all(call.heap, signals.CH_DONE, call.epoch)
+            signals.finish_call(call.heap, call.epoch, (), 1)
         finally:
             call.heap.arm_clock(False)
         raise
-    finish(call)
+    finish(call, call.outputs)
 
 
-def finish(call: FusedCall) -> None:
-    """Tell every peer this rank is done with the call's heap regions, then raise if any wait timed out."""
-    try:
-        signals.signal_all(call.heap, signals.CH_DONE, call.epoch)
-        check(call)
-    finally:
-        call.heap.arm_clock(False)
-
-
-def check(call: FusedCall) -> None:
-    """Raise ``RuntimeError`` naming op, rank and peer if a wait of this call timed out (syncs on GPU)."""
+def finish(call: FusedCall, outputs: Sequence[Optional[torch.Tensor]] = ()) -> None:
+    """Signal ``DONE`` (or poison ``outputs`` after a failure) and raise if a failure is already known."""
     heap = call.heap
-    code = int(heap.sig_view(heap.rank)[signals.ERROR_WORD].item())
+    try:
+        largest = max((o.numel() for o in outputs if o is not None), default=0)
+        programs = 1 if triton_interpreted() else max(1, min(132, -(-largest // 1024)))
+        signals.finish_call(heap, call.epoch, tuple(outputs), programs)
+    finally:
+        heap.arm_clock(False)
+    raise_recorded(heap)
+
+
+def _message(heap: SymmetricHeap, code: int, epoch: int, peer_words: Sequence[int]) -> str:
+    phase, peer = signals.decode_error(code, heap.world_size)
+    op, mine = heap.recent_calls.get(epoch, ("(an earlier call)", None))
+    me = f"rank {heap.global_ranks[heap.rank]} (group rank {heap.rank})"
+    them = f"rank {heap.global_ranks[peer]} (group rank {peer})"
+    if phase == signals.MISMATCH:
+        labels = _labels(heap.group)
+        detail = agree.format_mismatch(op, labels[heap.rank], mine, labels[peer], peer_words) if mine else None
+        if detail is None:
+            detail = f"{op}: ranks disagree: {me} and {them} described different calls"
+        return (f"fused {detail} (epoch {epoch}; found by the call check before any data moved: no output of that "
+                "call holds a result (NaN), and the fused path refuses this group from now on)")
+    timeout = get_config().timeout
+    what = signals.PHASES.get(phase, f"signal phase {phase}")
+    return (f"fused {op}: {me} waited more than COC_TIMEOUT={timeout:g} s for {them} to {what} (epoch {epoch}); "
+            "the peer is dead, stuck, or did not make the same call")
+
+
+def raise_recorded(heap: SymmetricHeap) -> None:
+    """Raise ``RuntimeError`` if a kernel recorded a failure on ``heap`` (a CPU read, no device sync).
+
+    The group is then refused by the fused path and the heap freed (its flags are inconsistent).
+    """
+    if heap.error_record is None or heap.closed:
+        return
+    view = heap.error_view
+    code = int(view[signals.RECORD_CODE])
     if code == 0:
         return
-    channel, peer = signals.decode_error(code, heap.world_size)
-    message = (
-        f"fused {call.op}: rank {heap.global_ranks[heap.rank]} (group rank {heap.rank}) waited more than "
-        f"COC_TIMEOUT={call.timeout_s:g} s for rank {heap.global_ranks[peer]} (group rank {peer}) to "
-        f"{signals.PHASES.get(channel, f'signal channel {channel}')} (epoch {call.epoch}); "
-        f"the peer is dead, stuck, or did not make the same call")
-    # The flags of a heap whose peer vanished mid-call are inconsistent: free its memory now.
-    destroy_heap(heap.group, heap.device)
+    epoch = int(view[signals.RECORD_EPOCH])
+    peer_words = [int(v) for v in view[signals.RECORD_DESC:signals.RECORD_DESC + len(agree.FIELDS)]]
+    message = _message(heap, code, epoch, peer_words)
+    if heap.device.type == "cuda":
+        # Kernels queued after the failure still reference the heap (they skip their work).
+        torch.cuda.synchronize(heap.device)
     _FAILED_GROUPS[id(heap.group)] = (heap.group, message)
+    destroy_heap(heap.group, heap.device)
     raise RuntimeError(message)
 
 
-def push_signal(call: FusedCall, channel: int, value: int, stream: Optional[torch.cuda.Stream] = None,
-                index: Optional[int] = None) -> None:
-    """Set flag ``index`` (default: this rank's) of ``channel`` to ``value`` on every rank, after the
-    data pushed before it.
+def check_errors(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Raise the ``RuntimeError`` of a failed fused call not reported yet (on ``group``, or any group if None).
 
-    On GPU the flag is a host-to-device copy from pinned memory on ``stream``, queued behind the data
-    copies, so it needs the copy engine only and never an SM the spinning GEMM may hold. On CPU the
-    copies before it are synchronous and a one-program kernel does release stores.
+    Reads host memory only, so it never waits for the device: on a GPU it reports the failures of
+    kernels that have run by now (after ``torch.cuda.synchronize()``: of every call made so far).
     """
-    heap = call.heap
-    index = heap.rank if index is None else index
-    if heap.device.type != "cuda":
-        signals.signal_all(heap, channel, value, index)
-        return
-    src = torch.tensor([value], dtype=torch.int64).pin_memory()
-    offset = signals.channel_offset(channel, heap.world_size) + index
-    with torch.cuda.stream(stream):
-        for dst in range(heap.world_size):
-            # The pinned allocator records an event on this stream, so ``src`` outlives the copy.
-            heap.sig_view(dst)[offset:offset + 1].copy_(src, non_blocking=True)
+    for heap in heaps_of(group):
+        raise_recorded(heap)

@@ -3,24 +3,38 @@
 Pad layout (int64 words of each rank's signal pad; ``W`` = world size)::
 
     word 0            clock (CPU heaps: ms since heap creation, written by a host thread)
-    word 1            error code of this rank's last failed wait (0 = none), written by this rank only
+    word 1            error code of this rank's first failed wait or check (0 = none), this rank only
+    word 2            address of this rank's host error record (pinned host memory on GPU)
+    word 3            epoch of this rank's call in progress (error records carry it)
     DONE  + src       epoch of the last call ``src`` finished (it no longer reads its heap for it)
     AG    + src * AG_MAX_SPLITS + c
                       epoch whose chunk ``c`` of its input shard ``src`` has pushed into this
                       rank's gather buffer
     RS    + src       cumulative count of partial-product tiles ``src`` has pushed to this rank
     AR    + src       cumulative count of reduced-row tiles ``src`` (their owner) has pushed here
+    DESC  + (src * 2 + epoch % 2) * DESC_SLOT
+                      ``src``'s call descriptor for ``epoch``: word 0 the epoch (stored last, with
+                      release), words 1.. the descriptor of :func:`kernels.agree.describe_call`
 
-Flags are never reset: ``DONE``/``AG`` carry the call's epoch (``heap.epoch``, the same on every
-rank) and ``RS``/``AR`` are counters whose cumulative target every rank computes from the shapes.
-A writer pushes into a peer's heap for call ``e`` only after seeing the peer's ``DONE >= e - 1``,
-so a fast rank can never overwrite data or flags a slow peer is still reading (no host barrier).
+Flags are never reset: ``DONE``/``AG``/``DESC`` carry the call's epoch (``heap.epoch``, the same on
+every rank) and ``RS``/``AR`` are counters whose cumulative target every rank computes from the
+shapes. Every call starts with :func:`check_call`: each rank stores its descriptor into every
+peer's pad and waits for every peer's descriptor of the same epoch, so a rank passes the check of
+call ``e`` only once every peer has finished its stream's work of call ``e - 1`` (its check kernel
+of ``e`` is queued after it). Nothing is pushed into a peer before that, which is the whole flow
+control; there is no host barrier per call.
 
-Every wait spins on this rank's own pad (peers write remotely, spins stay local) with acquire
-loads and gives up after ``timeout`` ticks: nanoseconds of ``%globaltimer`` on GPU, milliseconds of
-the pad clock under the interpreter. A timed-out wait stores an error code naming the phase and
-the peer into word 1; later waits see the error and return at once, so a dead peer costs one
-timeout, not one per wait. The host reads word 1 after the call and raises.
+Why a descriptor slot is never overwritten before it is read: rank ``p`` writes its slot of parity
+``e % 2`` in rank ``r``'s pad at epoch ``e``; that slot was last written at epoch ``e - 2``. ``p``
+reaches epoch ``e`` only after passing its check of ``e - 1``, which needs ``r``'s descriptor of
+``e - 1``, which ``r`` stores only after its check of ``e - 2`` (the one reading the slot) finished.
+
+Every wait spins on this rank's own pad (peers write remotely, spins stay local) and gives up after
+``timeout`` ticks: nanoseconds of ``%globaltimer`` on GPU, milliseconds of the pad clock under the
+interpreter. A failed wait or check stores an error code naming the phase and the peer into word 1
+(first failure wins) and into the host error record, which the host reads without synchronizing
+(:mod:`kernels.fused.runtime`). Later waits see the error and return at once, later pushes and the
+``DONE`` signal are skipped, and the outputs of the call are filled with NaN.
 """
 
 from __future__ import annotations
@@ -28,30 +42,60 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Word 0 is the clock (``kernels.heap.shm.CLOCK_WORD``); the kernels address words 0 and 1 of the
-# pad directly, so these two positions are fixed.
+# Word 0 is the clock (``kernels.heap.shm.CLOCK_WORD``); the kernels address the header words
+# directly, so these positions are fixed.
 ERROR_WORD = 1
+RECORD_WORD = 2
+EPOCH_WORD = 3
 HEADER_WORDS = 8
 
 CH_DONE = 0
 CH_AG = 1
 CH_RS = 2
 CH_AR = 3
-NUM_CHANNELS = 4
+CH_DESC = 4
+NUM_CHANNELS = 5
+# Error codes are ``1 + peer + W * phase``; a descriptor that differs from this rank's is phase
+# MISMATCH (no signal channel of that number exists).
+MISMATCH = NUM_CHANNELS
 # Most chunks an all-gather shard is split into (one flag each); the AG channel is this many
 # times wider than the others.
 AG_MAX_SPLITS = 8
+# Words per descriptor slot: the epoch and up to DESC_SLOT - 1 descriptor words.
+DESC_SLOT = 16
+# Host error record: code, epoch of the failed call, then the peer's descriptor (mismatch only).
+RECORD_CODE, RECORD_EPOCH, RECORD_DESC = 0, 1, 2
+RECORD_WORDS = RECORD_DESC + DESC_SLOT
+# Upper bound of the spin back-off (ns): how late a waiter may notice a flag.
+MAX_BACKOFF_NS = 512
+
+# The same constants as seen from inside kernels (Triton reads only constexpr globals).
+_ERROR = tl.constexpr(ERROR_WORD)
+_RECORD = tl.constexpr(RECORD_WORD)
+_EPOCH = tl.constexpr(EPOCH_WORD)
+_SLOT = tl.constexpr(DESC_SLOT)
+_PHASE_DESC = tl.constexpr(CH_DESC)
+_PHASE_MISMATCH = tl.constexpr(MISMATCH)
+_REC_CODE = tl.constexpr(RECORD_CODE)
+_REC_EPOCH = tl.constexpr(RECORD_EPOCH)
+_REC_DESC = tl.constexpr(RECORD_DESC)
+_MAX_BACKOFF = tl.constexpr(MAX_BACKOFF_NS)
 
 PHASES = {
     CH_DONE: "finish its previous fused call",
     CH_AG: "push its input shard",
     CH_RS: "push its partial products",
     CH_AR: "push its reduced rows",
+    CH_DESC: "publish its call descriptor (start the same fused call)",
 }
 
 
 def _channel_width(channel: int, world_size: int) -> int:
-    return world_size * (AG_MAX_SPLITS if channel == CH_AG else 1)
+    if channel == CH_AG:
+        return world_size * AG_MAX_SPLITS
+    if channel == CH_DESC:
+        return world_size * 2 * DESC_SLOT
+    return world_size
 
 
 def sig_words(world_size: int) -> int:
@@ -63,8 +107,8 @@ def channel_offset(channel: int, world_size: int) -> int:
 
 
 def decode_error(code: int, world_size: int) -> tuple[int, int]:
-    """``(channel, peer)`` of an error code stored by :func:`wait_signal` (kernels store
-    ``1 + peer + world_size * channel``)."""
+    """``(phase, peer)`` of an error code (kernels store ``1 + peer + world_size * phase``); phase is a
+    channel for a timed-out wait, :data:`MISMATCH` for a peer whose descriptor differs."""
     return (code - 1) // world_size, (code - 1) % world_size
 
 
@@ -78,35 +122,86 @@ def _now(clock_ptr, USE_GLOBALTIMER: tl.constexpr):
 
 
 @triton.jit
+def _sleep(ns):
+    """``nanosleep`` (sm_70+): a spinning thread yields its issue slots to the SM's other warps."""
+    tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def peer_ptr(table_ptr, peer, ELEM: tl.constexpr):
-    """Pointer to ``peer``'s region from an int64 address table."""
-    return tl.load(table_ptr + peer).to(tl.pointer_type(ELEM))
+    """Pointer to ``peer``'s region from an int64 address table, declared 16-byte aligned.
+
+    Every table entry is a heap base (data region or signal pad): 2 MiB aligned on CUDA, page
+    aligned on CPU (``kernels.heap``). Without the hint a pointer loaded from memory has alignment 1
+    to the compiler, and every access through it is one element per instruction (no vector
+    loads/stores, no cp.async pipelining of GEMM operands). Offsets added to it are analysed as
+    usual, so an odd row length still yields narrow, correct accesses.
+    """
+    return tl.multiple_of(tl.load(table_ptr + peer).to(tl.pointer_type(ELEM)), 16)
+
+
+@triton.jit
+def claim_error(pad_ptr, code):
+    """Store ``code`` in the error word unless an earlier failure did; True if this call stored it.
+
+    The caller that wins completes the host record with :func:`publish_error` (after writing any
+    extra words), so the record always describes the failure held by the error word.
+    """
+    zero = tl.full((), 0, tl.int64)
+    # Only this GPU's kernels write the error word: GPU scope is enough. The returned value is
+    # broadcast to every thread, so the caller's branch on it is uniform.
+    old = tl.atomic_cas(pad_ptr + _ERROR, zero, zero + code, sem="relaxed", scope="gpu")
+    return old == 0
+
+
+@triton.jit
+def publish_error(pad_ptr, code):
+    """Write the epoch and then (release, system scope) the code into the host error record."""
+    record = tl.load(pad_ptr + _RECORD).to(tl.pointer_type(tl.int64))
+    tl.store(record + _REC_EPOCH, tl.load(pad_ptr + _EPOCH))
+    tl.debug_barrier()
+    tl.atomic_xchg(record + _REC_CODE, tl.full((), 0, tl.int64) + code, sem="release", scope="sys")
+
+
+@triton.jit
+def failed(pad_ptr):
+    """Whether an earlier wait or check of this rank failed (uniform across the program's threads)."""
+    return tl.atomic_add(pad_ptr + _ERROR, 0, sem="relaxed", scope="gpu") != 0
 
 
 @triton.jit
 def wait_signal(flag_ptr, target, pad_ptr, timeout, code, USE_GLOBALTIMER: tl.constexpr):
     """Spin until ``*flag_ptr >= target`` (acquire); False on timeout or an earlier error of this rank.
 
-    Every value that decides the loop comes from a scalar atomic, which Triton executes on one
-    thread and broadcasts, so all threads of the program leave the loop together (a thread left
-    behind would deadlock on the broadcasts' barriers). The clock is read per thread and only
-    decides what the compare-and-swap on the error word writes: the broadcast result of that swap
-    ends the loop one iteration later, uniformly.
+    The spin holds no barrier and no atomic: each thread polls the flag and the error word with
+    volatile loads, reads its clock and (GPU) sleeps with an exponential back-off, and leaves on its
+    own. Threads may leave at different iterations (their clocks differ by nanoseconds), which is
+    harmless because nothing inside the loop synchronizes them. The verdict after the loop comes
+    from one scalar acquire atomic (executed once, broadcast to every thread, so the result and
+    the branches on it are uniform); only then, on a failure, is the error word claimed with a
+    compare-and-swap, so a healthy wait costs no read-modify-write on the error word at all.
     """
-    err_ptr = pad_ptr + 1
-    value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    err = tl.atomic_add(err_ptr, 0, sem="relaxed", scope="sys")
+    value = tl.load(flag_ptr, volatile=True)
+    err = tl.load(pad_ptr + _ERROR, volatile=True)
     t0 = _now(pad_ptr, USE_GLOBALTIMER)
-    zero = err * 0
-    while (value < target) & (err == 0):
-        value = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        expired = (_now(pad_ptr, USE_GLOBALTIMER) - t0 >= timeout) & (value < target)
-        # The first failure wins (compare with 0), so the host names the peer actually missing.
-        # atomic_cas does not convert its operands, hence int64 ones built from ``zero``.
-        err = tl.atomic_cas(err_ptr, zero, tl.where(expired, zero + code, zero), sem="relaxed", scope="sys")
-    # Every thread of the program must see the data the flag guards, not only the one that spun.
+    alive = t0 == t0
+    delay = tl.full((), 32, tl.int32)
+    while (value < target) & (err == 0) & alive:
+        if USE_GLOBALTIMER:
+            _sleep(delay)
+            delay = tl.minimum(delay * 2, _MAX_BACKOFF)
+        value = tl.load(flag_ptr, volatile=True)
+        err = tl.load(pad_ptr + _ERROR, volatile=True)
+        alive = _now(pad_ptr, USE_GLOBALTIMER) - t0 < timeout
+    ok = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") >= target
+    if ok == 0:
+        # A timeout, or an earlier failure of this rank (then the swap finds the word taken).
+        if claim_error(pad_ptr, code):
+            publish_error(pad_ptr, code)
+    # Every thread of the program must see the data the flag guards, not only the one that acquired.
     tl.debug_barrier()
-    return value >= target
+    return ok
 
 
 @triton.jit
@@ -123,31 +218,97 @@ def add_signal(flag_ptr, increment):
     tl.atomic_add(flag_ptr, increment, sem="release", scope="sys")
 
 
-@triton.jit
-def _wait_all_kernel(sig_tab_ptr, rank, offset, target, timeout, channel,
-                     WORLD: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout", "must_agree", "d0", "d1", "d2", "d3", "d4", "d5", "d6",
+                               "d7", "d8", "d9", "d10", "d11", "d12"])
+def _check_call_kernel(sig_tab_ptr, rank, epoch: tl.int64, timeout: tl.int64, must_agree: tl.int64,
+                       d0: tl.int64, d1: tl.int64, d2: tl.int64, d3: tl.int64, d4: tl.int64, d5: tl.int64,
+                       d6: tl.int64, d7: tl.int64, d8: tl.int64, d9: tl.int64, d10: tl.int64, d11: tl.int64,
+                       d12: tl.int64,
+                       WORLD: tl.constexpr, DESC_LEN: tl.constexpr, DESC_OFFSET: tl.constexpr,
+                       USE_GLOBALTIMER: tl.constexpr):
     pad = peer_ptr(sig_tab_ptr, rank, tl.int64)
-    for src in tl.static_range(WORLD):
-        if src != rank:
-            wait_signal(pad + offset + src, target, pad, timeout, 1 + src + WORLD * channel, USE_GLOBALTIMER)
+    # Read by publish_error of any later kernel of this call; stream order makes it visible there.
+    tl.store(pad + _EPOCH, epoch)
+    idx = tl.arange(0, _SLOT)
+    words = (idx >= 1) & (idx <= DESC_LEN)
+    mine = tl.zeros((_SLOT,), dtype=tl.int64)
+    mine = tl.where(idx == 1, d0, mine)
+    mine = tl.where(idx == 2, d1, mine)
+    mine = tl.where(idx == 3, d2, mine)
+    mine = tl.where(idx == 4, d3, mine)
+    mine = tl.where(idx == 5, d4, mine)
+    mine = tl.where(idx == 6, d5, mine)
+    mine = tl.where(idx == 7, d6, mine)
+    mine = tl.where(idx == 8, d7, mine)
+    mine = tl.where(idx == 9, d8, mine)
+    mine = tl.where(idx == 10, d9, mine)
+    mine = tl.where(idx == 11, d10, mine)
+    mine = tl.where(idx == 12, d11, mine)
+    mine = tl.where(idx == 13, d12, mine)
+    compared = words & (((must_agree >> tl.maximum(idx - 1, 0).to(tl.int64)) & 1) != 0)
+    parity = epoch % 2
+    if failed(pad) == 0:
+        for dst in tl.static_range(WORLD):
+            if dst != rank:
+                slot = peer_ptr(sig_tab_ptr, dst, tl.int64) + DESC_OFFSET + (rank * 2 + parity) * _SLOT
+                tl.store(slot + idx, mine, mask=words)
+                send_signal(slot, epoch)
+        for src in tl.static_range(WORLD):
+            if src != rank:
+                slot = pad + DESC_OFFSET + (src * 2 + parity) * _SLOT
+                if wait_signal(slot, epoch, pad, timeout, 1 + src + WORLD * _PHASE_DESC, USE_GLOBALTIMER):
+                    theirs = tl.load(slot + idx, mask=words, other=0)
+                    if tl.sum((compared & (theirs != mine)).to(tl.int32), axis=0) > 0:
+                        code = 1 + src + WORLD * _PHASE_MISMATCH
+                        if claim_error(pad, code):
+                            record = tl.load(pad + _RECORD).to(tl.pointer_type(tl.int64))
+                            tl.store(record + _REC_DESC - 1 + idx, theirs, mask=words)
+                            publish_error(pad, code)
 
 
-@triton.jit
-def _signal_all_kernel(sig_tab_ptr, index, offset, value, WORLD: tl.constexpr):
-    for dst in tl.static_range(WORLD):
-        pad = peer_ptr(sig_tab_ptr, dst, tl.int64)
-        send_signal(pad + offset + index, value)
+@triton.jit(do_not_specialize=["rank", "epoch", "n0", "n1"])
+def _finish_call_kernel(sig_tab_ptr, out0_ptr, n0, out1_ptr, n1, rank, epoch: tl.int64,
+                        WORLD: tl.constexpr, DONE_OFFSET: tl.constexpr, OUTPUTS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    pad = peer_ptr(sig_tab_ptr, rank, tl.int64)
+    if failed(pad):
+        # A wait or the check failed: no peer may be told this rank is done (it skipped pushes
+        # peers count on), and no output may look like a result.
+        if OUTPUTS > 0:
+            step = tl.num_programs(0) * BLOCK
+            for start in range(pid * BLOCK, n0, step):
+                offs = start + tl.arange(0, BLOCK).to(tl.int64)
+                tl.store(out0_ptr + offs, float("nan"), mask=offs < n0)
+            if OUTPUTS > 1:
+                for start in range(pid * BLOCK, n1, step):
+                    offs = start + tl.arange(0, BLOCK).to(tl.int64)
+                    tl.store(out1_ptr + offs, float("nan"), mask=offs < n1)
+    elif pid == 0:
+        for dst in tl.static_range(WORLD):
+            send_signal(peer_ptr(sig_tab_ptr, dst, tl.int64) + DONE_OFFSET + rank, epoch)
 
 
-def wait_all(heap, channel: int, target: int, timeout: int, use_globaltimer: bool) -> None:
-    """Wait (in a one-program kernel) until every peer's ``channel`` flag in this pad reaches ``target``."""
+def check_call(heap, epoch: int, descriptor: tuple[int, ...], must_agree: int, timeout: int,
+               use_globaltimer: bool) -> None:
+    """Publish this rank's descriptor for ``epoch`` to every peer and compare theirs (one program)."""
     w = heap.world_size
-    _wait_all_kernel[(1,)](heap.sig_ptrs, heap.rank, channel_offset(channel, w), target, timeout, channel,
-                           WORLD=w, USE_GLOBALTIMER=use_globaltimer)
+    if len(descriptor) != 13:
+        raise ValueError(f"descriptor: {len(descriptor)} words, the check kernel takes 13")
+    _check_call_kernel[(1,)](heap.sig_ptrs, heap.rank, epoch, timeout, must_agree, *descriptor,
+                             WORLD=w, DESC_LEN=len(descriptor), DESC_OFFSET=channel_offset(CH_DESC, w),
+                             USE_GLOBALTIMER=use_globaltimer)
 
 
-def signal_all(heap, channel: int, value: int, index: int | None = None) -> None:
-    """Release-store ``value`` into flag ``index`` (default: this rank's) of ``channel`` on every rank."""
+def finish_call(heap, epoch: int, outputs: tuple, programs: int) -> None:
+    """Signal ``DONE = epoch`` to every rank, or, if a wait or the check of this rank failed, skip
+    that and fill ``outputs`` (contiguous float tensors, at most two) with NaN."""
     w = heap.world_size
-    index = heap.rank if index is None else index
-    _signal_all_kernel[(1,)](heap.sig_ptrs, index, channel_offset(channel, w), value, WORLD=w)
+    outs = [o for o in outputs if o is not None and o.numel() > 0]
+    if len(outs) > 2:
+        raise ValueError(f"outputs: at most 2 tensors, got {len(outs)}")
+    padded = outs + [heap.sig_ptrs] * (2 - len(outs))
+    sizes = [o.numel() for o in outs] + [0] * (2 - len(outs))
+    _finish_call_kernel[(programs,)](heap.sig_ptrs, padded[0], sizes[0], padded[1], sizes[1], heap.rank, epoch,
+                                     WORLD=w, DONE_OFFSET=channel_offset(CH_DONE, w), OUTPUTS=len(outs),
+                                     BLOCK=1024)

@@ -17,14 +17,31 @@ from shapes all ranks share (which the fused ops do: their sizes depend only on 
 from __future__ import annotations
 
 import atexit
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from .base import SymmetricHeap
+from .base import CallMismatch, SymmetricHeap, Verdict
 
-__all__ = ["SymmetricHeap", "get_heap", "peek_heap", "destroy_heap", "destroy_all_heaps"]
+__all__ = ["SymmetricHeap", "CallMismatch", "get_heap", "peek_heap", "heaps_of", "destroy_heap", "destroy_all_heaps",
+           "cupy_install_hint", "import_cupy"]
+
+
+def cupy_install_hint() -> str:
+    """How to install the CuPy wheel matching torch's CUDA (CuPy ships one wheel per CUDA major)."""
+    major = (torch.version.cuda or "12").split(".")[0]
+    extra = "cuda13" if major == "13" else "cuda12"
+    return f"pip install coc[{extra}] (CuPy for CUDA {major}: cupy-cuda{major}x)"
+
+
+def import_cupy() -> Any:
+    """``cupy`` from whichever wheel provides it (cupy-cuda12x or -13x); else an ImportError naming the wheel."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError(f"CUDA IPC heaps need CuPy: {cupy_install_hint()}") from e
+    return cupy
 
 _HEAPS: dict[tuple[int, str], tuple[object, SymmetricHeap]] = {}
 
@@ -45,14 +62,23 @@ def peek_heap(group: dist.ProcessGroup, device: torch.device) -> Optional[Symmet
     return None if entry is None else entry[1]
 
 
-def get_heap(group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int
-             ) -> SymmetricHeap:
+def heaps_of(group: Optional[dist.ProcessGroup]) -> list[SymmetricHeap]:
+    """The cached heaps of ``group`` on every device (of every group when None); no collective."""
+    return [heap for (gid, _), (_, heap) in list(_HEAPS.items()) if group is None or gid == id(group)]
+
+
+def get_heap(group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int,
+             descriptor: object = None, verdict: Optional[Verdict] = None) -> SymmetricHeap:
     """The group's heap on ``device`` with at least ``data_bytes`` of data and ``sig_words`` int64 flags.
 
     Collective only when the heap is created or grown: every rank of ``group`` must call with the
     same sizes in the same order. Growth at least doubles, so a sequence of growing shapes costs a
     logarithmic number of collectives. A grown heap starts with zeroed signal pads, so its users must
     restart their epochs (see :attr:`SymmetricHeap.epoch`).
+
+    ``descriptor`` travels with the handle exchange; ``verdict`` judges every rank's and a
+    disagreement raises :class:`CallMismatch` on every rank before anything is mapped (the heap
+    is then neither created nor grown, and the old one stays).
     """
     key = _key(group, device)
     entry = _HEAPS.get(key)
@@ -69,11 +95,11 @@ def get_heap(group: dist.ProcessGroup, device: torch.device, data_bytes: int, si
     if device.type == "cuda":
         from .cuda_ipc import CudaIpcHeap
 
-        heap: SymmetricHeap = CudaIpcHeap(group, device, size, words)
+        heap: SymmetricHeap = CudaIpcHeap(group, device, size, words, descriptor, verdict)
     elif device.type == "cpu":
         from .shm import ShmHeap
 
-        heap = ShmHeap(group, device, size, words)
+        heap = ShmHeap(group, device, size, words, descriptor, verdict)
     else:
         raise ValueError(f"device: no symmetric heap backend for device type {device.type!r}")
     _HEAPS[key] = (group, heap)

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Callable, Optional, Sequence
+
 import torch
 import torch.distributed as dist
+
+# Judges the descriptors every rank brought to a heap's creation: None when they agree, else the
+# error message (the same on every rank, since every rank judges the same gathered list).
+Verdict = Callable[[Sequence[object]], Optional[str]]
+
+
+class CallMismatch(RuntimeError):
+    """The ranks creating a heap described different calls; every rank raised it, nothing was created."""
 
 
 class SymmetricHeap:
@@ -26,6 +36,11 @@ class SymmetricHeap:
         self.epoch = 0
         self.counters: dict[int, int] = {}
         self.closed = False
+        # Host memory the kernels write a failure into (set up by the heap's user, see kernels.fused.runtime).
+        self.error_record: Optional[torch.Tensor] = None
+        self.error_view: Optional[object] = None
+        # epoch -> (op, descriptor) of recent calls, so a failure read later names its call.
+        self.recent_calls: dict[int, tuple[str, tuple[int, ...]]] = {}
         self._raw: list[torch.Tensor] = []
         self.data_ptrs = torch.empty(0, dtype=torch.int64)
         self.sig_ptrs = torch.empty(0, dtype=torch.int64)
@@ -33,6 +48,17 @@ class SymmetricHeap:
     @property
     def total_bytes(self) -> int:
         return self.data_bytes + 8 * self.sig_words
+
+    @staticmethod
+    def judge(descriptors: Sequence[object], verdict: Optional[Verdict]) -> None:
+        """Raise :class:`CallMismatch` if ``verdict`` finds the gathered descriptors disagree.
+
+        Called by every rank right after the handle exchange, before anything is mapped or a second
+        collective is entered, so all ranks raise at the same point and none is left waiting.
+        """
+        message = verdict(descriptors) if verdict is not None else None
+        if message is not None:
+            raise CallMismatch(message)
 
     def _finish(self, raw: list[torch.Tensor]) -> None:
         """Take the per-rank uint8 views (``total_bytes`` each) and build the pointer tables."""

@@ -9,11 +9,12 @@ Tensors over the raw addresses are made through ``__cuda_array_interface__``.
 from __future__ import annotations
 
 import socket
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .base import SymmetricHeap
+from .base import SymmetricHeap, Verdict
 
 _LAZY_ENABLE_PEER_ACCESS = 1
 
@@ -27,14 +28,27 @@ class _CudaArray:
 
 
 def _as_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
+    """A uint8 tensor over ``nbytes`` at ``ptr``, never a copy.
+
+    ``torch.as_tensor`` with a ``device`` is zero-copy only where torch hands the device down to
+    ``from_blob``; otherwise it copies, and the pointer table would then name private copies
+    nobody else writes (every wait would time out). The check makes that a clear error instead.
+    """
+    t = torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
+    if t.data_ptr() != ptr:
+        raise RuntimeError(f"symmetric heap: torch {torch.__version__} copied the CUDA IPC mapping at {ptr:#x} "
+                           f"into {t.data_ptr():#x} instead of viewing it; peer memory cannot be shared")
+    return t
 
 
 class CudaIpcHeap(SymmetricHeap):
     """Symmetric heap over CUDA IPC (ranks on one host with peer access, or sharing one GPU)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int):
-        import cupy
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int,
+                 descriptor: object = None, verdict: Optional[Verdict] = None):
+        from . import import_cupy
+
+        cupy = import_cupy()
 
         super().__init__(group, device, data_bytes, sig_words)
         self._runtime = cupy.cuda.runtime
@@ -47,11 +61,16 @@ class CudaIpcHeap(SymmetricHeap):
             self._runtime.deviceSynchronize()
             handle = bytes(self._runtime.ipcGetMemHandle(self._own))
             infos: list = [None] * self.world_size
-            dist.all_gather_object(infos, (socket.gethostname(), handle), group=group)
+            dist.all_gather_object(infos, (socket.gethostname(), handle, descriptor), group=group)
+            try:
+                self.judge([d for _, _, d in infos], verdict)
+            except BaseException:
+                self._release()
+                raise
             ptrs: list[int] = []
             error = ""
             try:
-                for peer, (host, peer_handle) in enumerate(infos):
+                for peer, (host, peer_handle, _) in enumerate(infos):
                     if peer == self.rank:
                         ptrs.append(self._own)
                     elif host != infos[self.rank][0]:

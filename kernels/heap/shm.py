@@ -24,11 +24,12 @@ import secrets
 import socket
 import threading
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .base import SymmetricHeap
+from .base import SymmetricHeap, Verdict
 
 SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "coc-heap-"
@@ -115,18 +116,24 @@ class _Clock(threading.Thread):
 class ShmHeap(SymmetricHeap):
     """Symmetric heap over POSIX shared memory (CPU tensors; ranks on one host)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int):
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int,
+                 descriptor: object = None, verdict: Optional[Verdict] = None):
         super().__init__(group, device, data_bytes, sig_words)
         self._maps: list[mmap.mmap] = []
         name = segment_name()
         own = create_segment(name, self.total_bytes)
         try:
             infos: list = [None] * self.world_size
-            dist.all_gather_object(infos, (socket.gethostname(), name), group=group)
+            dist.all_gather_object(infos, (socket.gethostname(), name, descriptor), group=group)
+            try:
+                self.judge([d for _, _, d in infos], verdict)
+            except BaseException:
+                own.close()
+                raise
             maps: list[mmap.mmap] = []
             error = ""
             try:
-                for peer, (host, peer_name) in enumerate(infos):
+                for peer, (host, peer_name, _) in enumerate(infos):
                     if peer == self.rank:
                         maps.append(own)
                     elif host != infos[self.rank][0]:
