@@ -24,12 +24,15 @@ import multiprocessing as mp
 import multiprocessing.util as mp_util
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from tests import program_order
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,6 +101,8 @@ def _worker(rank: int, world_size: int, backend: str, store_path: str, tasks: An
             if v is None:
                 os.environ.pop(k, None)
         try:
+            # Set by the call's env or inherited by the pool: read per call, like every other variable.
+            program_order.install_if_requested()
             value = fn(rank, world_size, *args, **kwargs)
             outcome = _Outcome(rank, True, value)
         except BaseException:
@@ -126,8 +131,11 @@ class RankPool:
         self.backend = backend
         self.dead = False
         ctx = mp.get_context("spawn")
-        self._tmp = tempfile.TemporaryDirectory(prefix="coc-pool-")
-        store_path = os.path.join(self._tmp.name, "store")
+        # Removed by kill(), after the ranks are gone, not by a TemporaryDirectory finalizer: that
+        # one runs at interpreter exit before close_pools() and would pull the dir from under
+        # ranks still removing their own pymp-* dir in it.
+        self._tmp = tempfile.mkdtemp(prefix="coc-pool-")
+        store_path = os.path.join(self._tmp, "store")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         env = dict(RANK_ENV) if backend == "gloo" else {"OMP_NUM_THREADS": "1"}
@@ -206,7 +214,7 @@ class RankPool:
                 p.kill()
         for p in self._procs:
             p.join(timeout=5)
-        self._tmp.cleanup()
+        shutil.rmtree(self._tmp, ignore_errors=True)
         self.dead = True
 
     def close(self) -> None:
