@@ -3,7 +3,8 @@
 Each case builds the source DistTensor from a known global value ``G`` (Partial sources get
 per-rank noise that cancels in the reduction), reshards, and checks: the local shape equals
 ``torch.chunk``'s (and DTensor's); ``full_tensor()`` equals ``G``; and, where PyTorch DTensor's
-``redistribute`` supports the transition (no Partial target), the local piece equals DTensor's.
+``redistribute`` supports the transition (no Partial target), the local piece equals DTensor's,
+reached through ``autopar.to_dtensor`` / ``autopar.from_dtensor``.
 Shards, slices, gathers and all-to-all move values without arithmetic, so they are compared
 exactly; reductions over W ranks of fp32 values add at most W roundings, hence ``1e-6``.
 R->P follows Paddle (coordinate 0 keeps the value, the others hold zeros) and S->P goes S->R->P;
@@ -57,26 +58,17 @@ def _make_source(G, mesh, placements, seed):
     return DistTensor.from_local(local, mesh, placements, global_shape=G.shape)
 
 
-def _dtensor_local(src_local, dmesh, src_pl, dst_pl, G):
-    from torch.distributed.tensor import DTensor, Partial as DP, Replicate as DR, Shard as DS
+def _dtensor_reshard(x, y):
+    """The same transition done by PyTorch DTensor, through autopar.to_dtensor / from_dtensor:
+    ``x`` converted (sharing its piece), redistributed to ``y``'s placements, converted back."""
+    from autopar import from_dtensor, to_dtensor
 
-    def conv(p):
-        from autopar import Partial, Shard
-
-        if isinstance(p, Shard):
-            return DS(p.dim)
-        if isinstance(p, Partial):
-            return DP(p.reduce_type)
-        return DR()
-
-    d = DTensor.from_local(src_local, dmesh, [conv(p) for p in src_pl], run_check=False,
-                           shape=G.shape, stride=G.stride())
-    return d.redistribute(dmesh, [conv(p) for p in dst_pl]).to_local()
+    d = to_dtensor(x)
+    assert d.to_local().data_ptr() == x.to_local().data_ptr()
+    return from_dtensor(d.redistribute(d.device_mesh, to_dtensor(y).placements))
 
 
 def _check_transitions(rank, world, mesh_shape):
-    from torch.distributed.device_mesh import DeviceMesh
-
     from autopar import Partial, ProcessMesh, reshard
     from autopar.dtensor.redistribute import local_shape
 
@@ -84,7 +76,6 @@ def _check_transitions(rank, world, mesh_shape):
     nested = ranks if len(mesh_shape) == 1 else [ranks[i:i + mesh_shape[1]]
                                                   for i in range(0, world, mesh_shape[1])]
     mesh = ProcessMesh(nested)
-    dmesh = DeviceMesh("cpu", torch.tensor(nested))
     checked = compared = 0
     for si, shape in enumerate(SHAPES):
         G = torch.randn(shape, generator=torch.Generator().manual_seed(si))
@@ -107,8 +98,9 @@ def _check_transitions(rank, world, mesh_shape):
                             not isinstance(src[m], Partial) and mesh.my_coordinate[m] != 0:
                         assert y.to_local().abs().sum() == 0, what
             elif not any(isinstance(p, Partial) and p.reduce_type == "max" for p in src):
-                ref = _dtensor_local(x.to_local(), dmesh, src, dst, G)
-                torch.testing.assert_close(y.to_local(), ref, **TOL, msg=what)
+                ref = _dtensor_reshard(x, y)
+                assert ref.placements == y.placements and ref.process_mesh == mesh, what
+                torch.testing.assert_close(y.to_local(), ref.to_local(), **TOL, msg=what)
                 compared += 1
             checked += 1
     return checked, compared

@@ -97,6 +97,10 @@ def to_dtensor(t: DistTensor) -> Any:
     if not isinstance(t, DistTensor):
         raise TypeError(f"to_dtensor(t): expected an autopar DistTensor, got {type(t).__name__}")
     _, DTensor, _, _, _ = _dtensor_api()
+    mixed = {p.reduce_type for p in t._placements if type(p) is Partial}
+    if len(mixed) > 1:
+        raise ValueError(f"to_dtensor: placements {list(t._placements)} mix Partial reduce types "
+                         f"{sorted(mixed)}, which DTensor does not support; reshard first")
     local = t._local
     dm = device_mesh_of(t._mesh, local.device.type)
     placements = [_to_dtensor_placement(p) for p in t._placements]
