@@ -24,7 +24,7 @@ from .config import CocConfig, get_config
 from .quant import quantize_weight
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "get_config",
-           "CocConfig", "quantize_weight", "quantized_matmul_all_reduce"]
+           "CocConfig", "quantize_weight", "quantized_matmul_all_reduce", "check_errors"]
 
 
 def _validate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: object,
@@ -144,3 +144,20 @@ def quantized_matmul_all_reduce(x: torch.Tensor, qweight: torch.Tensor, scale: t
     out = library.quantized_matmul_all_reduce(x2d, qweight, scale, bias, offset, spec.mode, spec.group_size,
                                               group_name, world, name, num, deterministic)
     return out.view(tuple(lead) + (qweight.shape[0],))
+
+
+def check_errors(group: Optional[dist.ProcessGroup] = None) -> None:
+    """Raise the ``RuntimeError`` of a fused call that failed and was not reported yet.
+
+    A fused call queues its kernels and returns without waiting for the device; a wait that timed
+    out or a peer that made a different call is recorded by the kernels in host memory, and
+    reported by the next fused call on the group or by this function (for ``group``, or every
+    group when None), naming the op, this rank, the peer and what was awaited. It reads host
+    memory only: call it after ``torch.cuda.synchronize()`` to cover every call made so far.
+    Nothing to report (or no fused call ever made) returns None.
+    """
+    import sys
+
+    # Without a fused call the fused package (and Triton) need not be imported at all.
+    if "kernels.fused.runtime" in sys.modules:
+        sys.modules["kernels.fused.runtime"].check_errors(group)

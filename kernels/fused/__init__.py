@@ -2,7 +2,8 @@
 
 Entry points called by the dispatcher (``kernels/dispatch.py``) with validated 2-D inputs:
 :func:`unavailable_reason`, :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
-:func:`matmul_all_reduce`. See ``docs/fused.md`` for the design, limits and fallbacks.
+:func:`matmul_all_reduce`; :func:`check_errors` reports failed calls. See ``docs/fused.md`` for the
+design, limits and fallbacks.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..heap import cupy_install_hint, import_cupy
 from .ag_gemm import all_gather_matmul
 from .gemm_ar import matmul_all_reduce
 from .gemm_rs import matmul_reduce_scatter
-from .runtime import resolve_group, triton_interpreted, world_size
+from .runtime import check_errors, resolve_group, triton_interpreted, world_size
 
-__all__ = ["unavailable_reason", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"]
+__all__ = ["unavailable_reason", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "check_errors"]
 
 # Values keep the group alive so its id cannot be reused by a later group while cached.
 _REASONS: dict[tuple[int, str], tuple[dist.ProcessGroup, Optional[str]]] = {}
@@ -61,9 +63,9 @@ def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device)
     reason: Optional[str] = None
     if device.type == "cuda":
         try:
-            import cupy  # noqa: F401
+            import_cupy()
         except ImportError:
-            reason = "CuPy is not installed (pip install cupy-cuda12x) and is needed for CUDA IPC handles"
+            reason = f"CuPy is not installed ({cupy_install_hint()}) and is needed for CUDA IPC handles"
         if triton_interpreted():
             reason = "TRITON_INTERPRET=1 is set, so Triton cannot run kernels on CUDA tensors"
     elif device.type == "cpu":
