@@ -3,8 +3,9 @@
 Every op and backend at world 2 (fused under the Triton interpreter, in the harness's rank
 processes) must trace into a graph that holds exactly one ``torch.ops.coc`` call and no other
 collective, with zero graph breaks, and give the eager result; the fake implementations must give
-the real outputs' shapes, dtypes, devices and strides. The linears' compile tests are in
-``tests/test_compile_linears.py``.
+the real outputs' shapes, dtypes, devices and strides. The linears (column then row, sequence
+parallel on and off, every column-backward option, chunked and fused) must compile whole, forward
+and backward, at worlds 2 and 3, and give eager's outputs and gradients.
 """
 
 from __future__ import annotations
@@ -201,3 +202,93 @@ def test_compiled_world1_dynamic_shapes_decide_without_the_shape() -> None:
             torch.testing.assert_close(fn(x), torch.nn.functional.linear(x, w))
     assert sum(counters["graph_break"].values()) == 0
     assert counters["stats"]["unique_graphs"] == 1
+
+
+LINEAR_SETTINGS = {
+    "chunked": {"COC_PARALLEL_NUM": "2"},
+    "fused": {"USE_COC_FUSED_KERNEL": "1"},
+}
+# The column backward's two switches (configs/coc.yaml keys): default, no recompute, and the
+# overlapped op in the backward.
+COLUMN_CONFIGS = {
+    "default": "",
+    "keep_gathered": "recompute_all_gather: false\n",
+    "coc_in_backward": "enable_coc_in_column_backward: true\n",
+}
+
+
+def _mlp(sp: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    import autopar
+
+    torch.manual_seed(3)
+    cfg = autopar.ParallelConfig(sequence_parallel=sp, use_cpu_initialization=True)
+    col = autopar.ColumnParallelLinear(6, 12, config=cfg, init_method=torch.nn.init.normal_)
+    row = autopar.RowParallelLinear(12, 5, config=cfg, init_method=torch.nn.init.normal_, bias=True,
+                                    input_is_parallel=True, skip_bias_add=False)
+    with torch.no_grad():
+        col.bias.uniform_()
+        row.bias.uniform_()
+    return col, row
+
+
+def _step(col: torch.nn.Module, row: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return row(torch.nn.functional.gelu(col(x)[0]))[0]
+
+
+def _grads(col: torch.nn.Module, row: torch.nn.Module, x: torch.Tensor, fn: Callable, g: torch.Tensor
+           ) -> list[torch.Tensor]:
+    for p in (*col.parameters(), *row.parameters()):
+        p.grad = None
+    x = x.clone().requires_grad_()
+    y = fn(col, row, x)
+    (y * g).sum().backward()
+    return [y.detach(), x.grad] + [p.grad for p in (*col.parameters(), *row.parameters())]
+
+
+def _compile_linears_rank(rank: int, world: int, config_dir: str) -> list[str]:
+    """Column then row linear, compiled whole; failures as text."""
+    import os
+
+    from torch._dynamo.utils import counters
+
+    failures = []
+    for name, text in COLUMN_CONFIGS.items():
+        path = os.path.join(config_dir, f"{name}.yaml")
+        if rank == 0:
+            with open(path + ".tmp", "w") as f:
+                f.write(text or "{}\n")
+            os.replace(path + ".tmp", path)
+        torch.distributed.barrier()
+        os.environ["COC_CONFIG"] = path
+        try:
+            for sp in (False, True):
+                col, row = _mlp(sp)
+                gen = torch.Generator().manual_seed(rank)
+                s_local = 3 if sp else 3 * world  # odd sequence length per rank
+                x = torch.randn(s_local, 2, 6, generator=gen)
+                g = torch.randn(s_local, 2, 5, generator=gen)
+                eager = _grads(col, row, x, _step, g)
+                torch._dynamo.reset()
+                counters.clear()
+                compiled_step = torch.compile(_step, fullgraph=True)
+                compiled = _grads(col, row, x, compiled_step, g)
+                tag = f"config={name} sp={sp}"
+                breaks = sum(counters["graph_break"].values())
+                if breaks:
+                    failures.append(f"{tag}: {breaks} graph breaks {dict(counters['graph_break'])}")
+                if counters["stats"]["unique_graphs"] != 1:
+                    failures.append(f"{tag}: {counters['stats']['unique_graphs']} graphs, expected 1")
+                for i, (a, b) in enumerate(zip(compiled, eager)):
+                    if a is None or b is None or a.shape != b.shape or not torch.allclose(a, b, rtol=1e-4,
+                                                                                        atol=1e-5):
+                        failures.append(f"{tag}: output/gradient {i} differs from eager")
+        finally:
+            os.environ.pop("COC_CONFIG", None)
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("backend", ["chunked", "fused"])
+def test_linears_compile_forward_and_backward(world: int, backend: str, tmp_path: Any) -> None:
+    results = run_ranks(_compile_linears_rank, world, str(tmp_path), env=LINEAR_SETTINGS[backend], timeout=900)
+    assert results == [[]] * world, results

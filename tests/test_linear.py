@@ -91,13 +91,13 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], g: t
 
 
 class _CountCalls:
-    """Count calls of the named ``kernels`` ops made through autopar.linear during a block."""
+    """Count calls of the named ``kernels`` ops made through the autopar linears during a block."""
 
     def __init__(self, *names: str) -> None:
         self.names, self.counts, self.saved = names, {n: 0 for n in names}, {}
 
     def __enter__(self) -> "_CountCalls":
-        import autopar.linear as lin
+        import autopar.tp.comm as lin
 
         for name in self.names:
             original = getattr(lin.kernels, name)
@@ -111,7 +111,7 @@ class _CountCalls:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import autopar.linear as lin
+        import autopar.tp.comm as lin
 
         for name, fn in self.saved.items():
             setattr(lin.kernels, name, fn)

@@ -144,7 +144,7 @@ def patch_switches_prebuilt_modules(rank: int, world: int) -> list[str]:
     from megatron.core.tensor_parallel import layers as mlayers
 
     import autopar
-    from autopar.megatron import is_megatron_patched
+    from autopar.tp.megatron import is_megatron_patched
 
     errors: list[str] = []
     original = {c: c.__dict__["forward"] for c in (mlayers.ColumnParallelLinear, mlayers.RowParallelLinear)}
@@ -315,7 +315,7 @@ def test_unpatch_without_patch_is_noop_and_patch_needs_no_distributed() -> None:
     from megatron.core.tensor_parallel import layers as mlayers
 
     import autopar
-    from autopar.megatron import is_megatron_patched
+    from autopar.tp.megatron import is_megatron_patched
 
     original = mlayers.ColumnParallelLinear.__dict__["forward"]
     autopar.unpatch_megatron()

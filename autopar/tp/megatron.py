@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .linear import column_parallel_forward, row_parallel_forward
+from .forward import column_parallel_forward, row_parallel_forward
 
 __all__ = ["patch_megatron", "unpatch_megatron", "is_megatron_patched"]
 

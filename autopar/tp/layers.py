@@ -1,0 +1,282 @@
+"""``ColumnParallelLinear`` and ``RowParallelLinear``: drop-in tensor-parallel linears with
+Megatron-core's signatures, on the overlapped ops.
+
+``ColumnParallelLinear`` (weight split along the output dim) and ``RowParallelLinear`` (weight split
+along the input dim) take the constructor and forward arguments of
+``megatron.core.tensor_parallel`` and return ``(output, output_bias)`` as Megatron does. Their
+forward and backward are four autograd Functions (:mod:`autopar.tp.functions`), one per (layer,
+sequence parallel) case, whose communication runs through :mod:`kernels`, so the backend
+(sequential, chunked, fused) follows the ``COC_*`` environment at call time.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch.nn.parameter import Parameter
+
+from .comm import Group, megatron_module, rank_of, resolve_tp_group, world_size
+from .forward import column_parallel_forward, row_parallel_forward
+
+
+def _set_tp_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    """Megatron's ``set_tensor_model_parallel_attributes`` (read by its optimizer, checkpointing
+    and gradient-norm code)."""
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what}={numerator} is not divisible by the tensor-parallel size "
+                         f"W={denominator}")
+    return numerator // denominator
+
+
+def _use_device_init(config: Any) -> bool:
+    """Megatron's GPU initialization (per-shard init under the model-parallel CUDA RNG).
+
+    Only with CUDA and Megatron's RNG tracker seeded (``model_parallel_cuda_manual_seed``);
+    otherwise the master-weight initialization runs: it gives every rank its own slice of one
+    full weight, where initializing shards from one unforked RNG would repeat them across ranks.
+    """
+    if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
+        return False
+    random = megatron_module("megatron.core.tensor_parallel.random")
+    return random is not None and random.get_cuda_rng_tracker().is_initialized()
+
+
+def _init_weight(weight: Parameter, *, output_size: int, input_size: int, per_partition: int,
+                 partition_dim: int, init_method: Callable, stride: int, return_master: bool,
+                 params_dtype: torch.dtype, rank: int, world: int, device_init: bool,
+                 is_expert: bool) -> Optional[torch.Tensor]:
+    """Megatron's ``_initialize_affine_weight_cpu`` / ``_gpu``: same values for the same seed."""
+    _set_tp_attributes(weight, True, partition_dim, stride)
+    if device_init:
+        from megatron.core.tensor_parallel.random import (get_cuda_rng_tracker,
+                                                          get_expert_parallel_rng_tracker_name)
+        tracker = get_cuda_rng_tracker()
+        with tracker.fork(get_expert_parallel_rng_tracker_name()) if is_expert else tracker.fork():
+            init_method(weight)
+        return None
+    master = torch.empty(output_size, input_size, dtype=torch.float, requires_grad=False)
+    init_method(master)
+    master = master.to(dtype=params_dtype)
+    per_stride = _divide(per_partition, stride, "per-partition size / stride")
+    pieces = torch.split(master, per_stride, dim=partition_dim)[rank::world]
+    with torch.no_grad():
+        weight.data.copy_(torch.cat(pieces, dim=partition_dim))
+    return master if return_master else None
+
+
+def _param_device(config: Any) -> torch.device:
+    if not getattr(config, "use_cpu_initialization", False) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _ExtraStateMixin:
+    """Megatron/TE state-dict compatibility: an empty ``_extra_state`` entry, sharded checkpoints."""
+
+    def _register_extra_state_hook(self) -> None:
+        self._register_load_state_dict_pre_hook(
+            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
+
+    def set_extra_state(self, state: Any) -> None:
+        """Extra state is ignored."""
+
+    def get_extra_state(self) -> None:
+        """Keep compatibility with TE state dicts."""
+        return None
+
+    def _sharded_state_dict(self, prefix: str, sharded_offsets: tuple, metadata: Optional[dict],
+                            tp_axis_map: dict[str, int]) -> dict:
+        # Megatron's distributed checkpointing calls this on every submodule that has it and
+        # otherwise treats the parameters as replicated over TP, which would save one rank's
+        # shard as the whole tensor; so the TP axes must be declared as Megatron's modules do.
+        try:
+            from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                                         make_sharded_tensors_for_checkpoint)
+        except ImportError as e:
+            raise ImportError("sharded_state_dict() is Megatron's distributed checkpointing and "
+                              f"needs megatron-core (pip install megatron-core): {e}") from e
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, tp_axis_map, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+
+
+class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
+    """``Y = X A^T + b`` with ``A [output_size, input_size]`` split along its rows (the output
+    features): each rank holds ``weight [output_size / W, input_size]`` and ``bias [output_size / W]``.
+
+    Constructor and forward arguments are Megatron-core's
+    ``megatron.core.tensor_parallel.ColumnParallelLinear``; ``tp_comm_buffer_name`` is accepted and
+    unused (as in Megatron's non-TE module). ``forward(input_, weight=None,
+    runtime_gather_output=None) -> (output, output_bias)``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable,
+                 bias: bool = True, gather_output: bool = False, stride: int = 1,
+                 keep_master_weight_for_test: bool = False, skip_bias_add: bool = False,
+                 skip_weight_param_allocation: bool = False,
+                 embedding_activation_buffer: Optional[list] = None,
+                 grad_output_buffer: Optional[list] = None, is_expert: bool = False,
+                 tp_comm_buffer_name: Optional[str] = None, disable_grad_reduce: bool = False,
+                 tp_group: Group = None) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.is_expert = is_expert
+        self.expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
+        self.embedding_activation_buffer = embedding_activation_buffer
+        self.grad_output_buffer = grad_output_buffer
+        self.config = config
+        self.disable_grad_reduce = disable_grad_reduce
+        self.tp_group = resolve_tp_group(tp_group, is_expert=is_expert)
+        world, rank = world_size(self.tp_group), rank_of(self.tp_group)
+        self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
+        self.output_size_per_partition = _divide(output_size, world, "output_size")
+        params_dtype = getattr(config, "params_dtype", torch.float32)
+        device = _param_device(config)
+        perform_init = getattr(config, "perform_initialization", True)
+
+        self.master_weight = None
+        if not skip_weight_param_allocation:
+            self.weight = Parameter(torch.empty(self.output_size_per_partition, input_size,
+                                                device=device, dtype=params_dtype))
+            if perform_init:
+                self.master_weight = _init_weight(
+                    self.weight, output_size=output_size, input_size=input_size,
+                    per_partition=self.output_size_per_partition, partition_dim=0,
+                    init_method=init_method, stride=stride,
+                    return_master=keep_master_weight_for_test, params_dtype=params_dtype,
+                    rank=rank, world=world, device_init=_use_device_init(config),
+                    is_expert=is_expert)
+            else:
+                _set_tp_attributes(self.weight, True, 0, stride)
+            self.weight.allreduce = not (self.is_expert and self.expert_parallel)
+        else:
+            self.weight = None
+
+        if bias:
+            self.bias = Parameter(torch.empty(self.output_size_per_partition, device=device,
+                                              dtype=params_dtype))
+            _set_tp_attributes(self.bias, True, 0, stride)
+            if perform_init:
+                with torch.no_grad():
+                    self.bias.zero_()
+            self.bias.allreduce = not (self.is_expert and self.expert_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        if self.sequence_parallel and world <= 1:
+            warnings.warn("`sequence_parallel` is set to `True`, but tensor model parallel size "
+                          f"is {world}. Disabling sequence parallel.")
+            self.sequence_parallel = False
+        self.allreduce_dgrad = world > 1 and not self.sequence_parallel and not disable_grad_reduce
+        self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
+        self._register_extra_state_hook()
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``input_ [s, b, input_size]`` (``[s/W, b, input_size]`` with sequence parallelism) ->
+        ``(output [s, b, output_size / W] or [s, b, output_size] when gathering, output_bias)``."""
+        return column_parallel_forward(self, input_, weight, runtime_gather_output)
+
+    def backward_dw(self) -> None:
+        """Delayed weight-gradient computation is not supported (as in Megatron's module)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """Megatron distributed checkpointing: weight and bias sharded along axis 0 over TP."""
+        return self._sharded_state_dict(prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0})
+
+    def __repr__(self) -> str:
+        tp = self.output_size // self.output_size_per_partition
+        return (f"{type(self).__name__}(in_features={self.input_size}, "
+                f"out_features={self.output_size}, bias={self.bias is not None}, TP={tp})")
+
+
+class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
+    """``Y = X A^T + b`` with ``A [output_size, input_size]`` split along its columns (the input
+    features): each rank holds ``weight [output_size, input_size / W]``; ``bias [output_size]`` is
+    whole and added once, after the reduction.
+
+    Constructor and forward arguments are Megatron-core's
+    ``megatron.core.tensor_parallel.RowParallelLinear``. ``forward(input_) -> (output, output_bias)``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable,
+                 bias: bool, input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
+                 keep_master_weight_for_test: bool = False, is_expert: bool = False,
+                 tp_comm_buffer_name: Optional[str] = None, tp_group: Group = None) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.config = config
+        self.is_expert = is_expert
+        self.expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
+        self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        if self.sequence_parallel and not input_is_parallel:
+            raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
+        self.tp_group = resolve_tp_group(tp_group, is_expert=is_expert)
+        world, rank = world_size(self.tp_group), rank_of(self.tp_group)
+        self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
+        self.input_size_per_partition = _divide(input_size, world, "input_size")
+        params_dtype = getattr(config, "params_dtype", torch.float32)
+        device = _param_device(config)
+        perform_init = getattr(config, "perform_initialization", True)
+
+        self.weight = Parameter(torch.empty(output_size, self.input_size_per_partition,
+                                            device=device, dtype=params_dtype))
+        self.master_weight = None
+        if perform_init:
+            self.master_weight = _init_weight(
+                self.weight, output_size=output_size, input_size=input_size,
+                per_partition=self.input_size_per_partition, partition_dim=1,
+                init_method=init_method, stride=stride, return_master=keep_master_weight_for_test,
+                params_dtype=params_dtype, rank=rank, world=world,
+                device_init=_use_device_init(config), is_expert=is_expert)
+        else:
+            _set_tp_attributes(self.weight, True, 1, stride)
+        self.weight.allreduce = not (self.is_expert and self.expert_parallel)
+
+        if bias:
+            self.bias = Parameter(torch.empty(output_size, device=device, dtype=params_dtype))
+            if perform_init:
+                with torch.no_grad():
+                    self.bias.zero_()
+            self.bias.allreduce = not (self.is_expert and self.expert_parallel)
+            # With sequence parallelism each rank's bias gradient covers its own rows only; the
+            # trainer all-reduces gradients of parameters carrying this flag over the TP group.
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+        self._register_extra_state_hook()
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``input_ [s, b, input_size / W]`` (or ``[s, b, input_size]`` when not
+        ``input_is_parallel``) -> ``(output [s, b, output_size] or [s/W, b, output_size] with
+        sequence parallelism, output_bias)``."""
+        return row_parallel_forward(self, input_)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """Megatron distributed checkpointing: weight sharded along axis 1 over TP, bias whole."""
+        return self._sharded_state_dict(prefix, sharded_offsets, metadata, {"weight": 1})
+
+    def __repr__(self) -> str:
+        tp = self.input_size // self.input_size_per_partition
+        return (f"{type(self).__name__}(in_features={self.input_size}, "
+                f"out_features={self.output_size}, bias={self.bias is not None}, TP={tp})")
