@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..heap import cupy_install_hint, import_cupy
+from . import interpreter_compat  # noqa: F401  (repairs Triton 3.6's interpreter under NumPy >= 2.4)
 from .ag_gemm import all_gather_matmul
 from .gemm_ar import matmul_all_reduce
 from .gemm_rs import matmul_reduce_scatter

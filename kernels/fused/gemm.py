@@ -77,7 +77,8 @@ def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         if STORE_A:
             tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_k[None, :], a, mask=g_mask_m[:, None] & mask_k[None, :])
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        # out_dtype must name the accumulator's type: Triton 3.6 rejects an fp64 acc with the fp32 default.
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
     return acc
 
 
