@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 import tempfile
@@ -270,6 +271,10 @@ def _rank_main(rank: int, world: int, init_method: str, args: argparse.Namespace
             print(format_table(rows, world, backend, device), flush=True)
         return ok
     finally:
+        # The TP modules hold the group; one still alive at destroy_process_group() can end the
+        # process in "terminate called without an active exception" (upstream torch). They were
+        # local to train_and_check: collect any reference cycle still keeping one.
+        gc.collect()
         dist.destroy_process_group()
 
 
