@@ -2,7 +2,7 @@
 
 A suite names tensor-parallel linear layers by their GLOBAL dims (``k`` in, ``n`` out) and lists
 token counts ``M`` (rows across the TP group), world sizes and dtypes. Each (layer, op, M, W, dtype)
-becomes one :class:`Case` whose per-rank shapes follow the op's contract (api.md section 1):
+becomes one :class:`Case` whose per-rank shapes follow the op's contract (docs/api.md section 1):
 
 * ``all_gather_matmul`` (column parallel, sequence parallel): x ``[M / W, k]``, weight ``[n / W, k]``;
   the local GEMM is ``[M, k] x [k, n / W]`` and the collective gathers ``M x k`` elements.

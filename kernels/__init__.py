@@ -1,4 +1,4 @@
-"""Fused and overlapped communication-computation operators (api.md section 1).
+"""Fused and overlapped communication-computation operators (docs/api.md section 1).
 
 Each op takes ``x`` with any number of leading dims (flattened to ``m`` rows; communication is
 along dim 0) and ``weight`` in ``torch.nn.functional.linear`` layout ``[n, k]``, and returns a

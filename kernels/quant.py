@@ -10,7 +10,7 @@ Convention (one place, every backend follows it)::
 
 ``offset`` (optional, same shape as ``scale``) defaults to 0; :func:`quantize_weight` is
 symmetric and never produces one. ``per_group`` groups run along k; when ``group_size`` does not
-divide k the last group is partial (api.md's ``ceil``). The op needs ``group_size`` to know where
+divide k the last group is partial (docs/api.md's ``ceil``). The op needs ``group_size`` to know where
 the groups start: it is inferred as ``k // G`` only when ``G`` (the scale's group count) divides
 k exactly, otherwise it must be passed.
 

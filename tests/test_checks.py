@@ -1,4 +1,4 @@
-"""Every bad-input rule of api.md section 1: ValueError/TypeError naming the argument and value."""
+"""Every bad-input rule of docs/api.md section 1: ValueError/TypeError naming the argument and value."""
 
 import pytest
 import torch

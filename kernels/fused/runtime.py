@@ -34,7 +34,7 @@ def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
 
 
 def world_size(group: Optional[dist.ProcessGroup]) -> int:
-    """Size of ``group``; 1 without torch.distributed initialized (api.md: W == 1 needs no process group)."""
+    """Size of ``group``; 1 without torch.distributed initialized (docs/api.md: W == 1 needs no process group)."""
     return group_size(group)
 
 
