@@ -6,6 +6,7 @@ Examples::
     python -m bench --suite llama2-70b --world-sizes 8 --ops ag,rs --backends sequential,chunked4,fused
     torchrun --nproc-per-node 8 -m bench --suite llama3-70b   # under torchrun: W = its world size
     python -m bench --mode single --suite llama2-70b --world-sizes 8   # single GPU: GEMM core, fixed costs
+    PYTHONPATH=. python3 -m bench --mode gpu-check --out-dir bench/results   # a GPU machine's whole report
     python -m bench --mode model --gpu H800 --suite flux-ref  # predictions only (no measurement)
 """
 
@@ -44,10 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
             "per rank for each world size (gloo on CPU, NCCL with one GPU per rank); under torchrun it runs "
             "the cases of torchrun's world size. Exit status 1 if any backend disagrees with sequential."),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("run", "single", "model"), default="run",
+    p.add_argument("--mode", choices=("run", "single", "model", "gpu-check"), default="run",
                    help="run: distributed benchmark (default); single: one-GPU fixed costs (Triton GEMM core "
                         "vs torch, fused op at world 1 vs bare GEMM, 4-way chunking at world 1); model: print "
-                        "the model's predictions for --gpu without measuring anything")
+                        "the model's predictions for --gpu without measuring anything; gpu-check: one "
+                        "command that writes a correctness and speed report of this GPU (bench/gpu_check.py; "
+                        "--allow-cpu runs it on CPU under the interpreter)")
+    p.add_argument("--sections", type=_csv(str), default=None, metavar="LIST",
+                   help="gpu-check only: comma list of sections to run, from a,b,c,d,e (default: all)")
     p.add_argument("--suite", action="append", default=None, metavar="NAME|PATH",
                    help="shape suite name or YAML path; repeatable (default: tiny)")
     p.add_argument("--ops", type=_csv(parse_op), default=None, metavar="LIST",
@@ -342,6 +347,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise SystemExit(f"error: --format: {f!r} not in json,csv,png,txt")
     if args.mode == "model":
         return main_model(args)
+    if args.mode == "gpu-check":
+        from bench import gpu_check
+
+        return gpu_check.main(args.out_dir, args.allow_cpu, args.sections)
     device_type = _device_type(args.device)
     if device_type == "cpu":
         # Must precede any import of triton in this process (world size 1 runs here).

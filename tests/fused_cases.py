@@ -514,3 +514,86 @@ def mismatch_body(rank: int, world: int) -> list[str]:
     assert mismatch_call("ag", rank, world, group, {"n": 6 + rank}).shape == (5 * world, 6 + rank)
     assert mismatch_call("rs", rank, world, group, {"k": 8 + rank}).shape == (2, 6)
     return messages
+
+
+# ----------------------------------------------------------------------------------- GPU-only bodies
+# Run by the gpu-marked tests through run_gpu_ranks: every rank is a process of its own on the GPU(s).
+
+
+def gpu_device() -> torch.device:
+    """The key the ops' heap is cached under: ``x.device`` of a CUDA tensor always carries its index,
+    so a bare ``"cuda"`` would find (and scramble) no heap, or a different one."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def gpu_wave_shape(world: int) -> tuple[int, int, int]:
+    """(m_local, k, n) with several 128-row tiles and all-gather chunks per shard (m_local odd) and,
+    for every op at W >= 2, a grid of more output tiles than the GPU has SMs (more than one wave)."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    m_local = 517  # 5 row tiles of 128 per shard: the 4 all-gather chunks each hold a tile or two
+    row_tiles = -(-min(2 * m_local + 1, world * m_local) // 128)
+    n_tiles = -(-(sms + 1) // row_tiles) + 1
+    return m_local, 256, n_tiles * 128 - 24
+
+
+def check_w8a16_case(rank: int, world: int, m_local: int, k: int, n: int, bias: bool, seed: int, group: Any,
+                     dtype: torch.dtype, device: torch.device) -> None:
+    """The fused w8A16 all-reduce against fp64 math on the weights it dequantizes (rounded to ``dtype``)."""
+    from kernels.fused.gemm_ar_w8a16 import matmul_all_reduce_w8a16
+    from kernels.quant import dequantize, quantize_weight
+
+    xs, ws, b = make_inputs("ar", world, m_local, k, n, bias, seed, False, dtype, str(device))
+    quantized = [quantize_weight(w.float(), mode="per_channel") for w in ws]
+    deq = [dequantize(q, s).to(dtype) for q, s in quantized]
+    scramble(group, device)
+    if rank == seed % world:
+        time.sleep(STRAGGLER_S)
+    q, s = quantized[rank]
+    got = matmul_all_reduce_w8a16(xs[rank], q, s, None, k, b, group, True)
+    assert_close(f"w8a16 W={world} m={xs[0].shape[0]} k={k} n={n} bias={bias} rank={rank}", got,
+                 reference("ar", xs, deq, b, rank), dtype)
+
+
+def gpu_correctness_body(rank: int, world: int, dtypes: tuple[torch.dtype, ...]) -> int:
+    """Every op (and w8A16) in each dtype on a heap scrambled before every call, with a straggler:
+    a grid over one wave with several tiles and chunks, and a single odd tile."""
+    dev = gpu_device()
+    group = dist.group.WORLD
+    presize(group, dev, 64 << 20)
+    big = gpu_wave_shape(world)
+    cases = [big + (True, False), (13, 24, 20, True, True)]
+    checked = 0
+    for dtype in dtypes:
+        for m_local, k, n, bias, noncontig in cases:
+            for op in OPS:
+                checked += 1
+                check_case(rank, world, op, m_local, k, n, bias, checked, noncontig, group, dtype, dev)
+            checked += 1
+            check_w8a16_case(rank, world, m_local, k, n, bias, checked, group, dtype, dev)
+    return checked
+
+
+def gpu_back_to_back_body(rank: int, world: int, calls: int, dtype: torch.dtype) -> int:
+    """``calls`` fused calls in a row on the GPU, ops and shapes changing, no barrier or sync between
+    them (the kernels' own flags order every call after the previous one), checked at the end."""
+    from kernels.heap import destroy_heap
+
+    dev = gpu_device()
+    group = dist.new_group(list(range(world)))
+    ops = ("ag", "rs", "ar", "ag_v2", "ar_two", "ar_one")
+    shapes = ((13, 64, 40), (300, 128, 200), (5, 16, 33), gpu_wave_shape(world))
+    plan = []
+    for i in range(calls):
+        op = ops[i % len(ops)]
+        m_local, k, n = shapes[(i // len(ops) + i) % len(shapes)]
+        xs, ws, b = make_inputs(op, world, m_local, k, n, i % 2 == 0, 100 + i, False, dtype, str(dev))
+        plan.append((op, xs, ws, b))
+    dist.barrier(group)
+    results = [run_op(op, xs[rank], ws[rank], b, group) for op, xs, ws, b in plan]
+    for i, ((op, xs, ws, b), got) in enumerate(zip(plan, results)):
+        assert_close(f"call {i} ({op}, rank {rank})", got, reference(op, xs, ws, b, rank), dtype)
+    torch.cuda.synchronize(dev)
+    dist.barrier(group)
+    destroy_heap(group)
+    return calls
+

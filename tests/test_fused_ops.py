@@ -72,11 +72,15 @@ def test_unavailable_reason_names_why():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", fused_cases.OPS)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fused_op_gpu(op, dtype):
-    # Two processes on the GPU(s) at hand (sharing one GPU through CUDA IPC when only one exists).
-    assert fused_cases.run_gpu_ranks(fused_cases.correctness_body, 2, op, dtype, "cuda") == [4, 4]
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fused_ops_gpu(world):
+    # W processes on the GPU(s) at hand (sharing one GPU through CUDA IPC when only one exists): every
+    # op and w8A16 in fp16 and bf16, on a grid larger than one wave with several tiles and all-gather
+    # chunks per shard, and on one odd tile; the heap the ops use is scrambled before every call.
+    pytest.importorskip("cupy", reason="the CUDA heap needs CuPy")
+    cases = 2 * 2 * (len(fused_cases.OPS) + 1)
+    assert fused_cases.run_gpu_ranks(fused_cases.gpu_correctness_body, world, (torch.float16, torch.bfloat16),
+                                     timeout=240) == [cases] * world
 
 
 def test_fused_edge_shapes():

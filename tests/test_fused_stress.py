@@ -25,11 +25,20 @@ def test_absent_peer_raises_within_timeout(op):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["ag", "rs", "ar_two"])
 def test_absent_peer_raises_within_timeout_gpu(op):
+    pytest.importorskip("cupy", reason="the CUDA heap needs CuPy")
     results = fused_cases.run_gpu_ranks(fused_cases.absent_peer_body, 2, op, torch.float16, "cuda", TIMEOUT_S + 3,
                                         env={"COC_TIMEOUT": str(TIMEOUT_S)}, timeout=120)
     elapsed, message = results[0]
     assert TIMEOUT_S * 0.9 <= elapsed <= TIMEOUT_S + 5, elapsed
     assert "rank 1" in message and "COC_TIMEOUT=2" in message, message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_fifty_back_to_back_calls_gpu(world):
+    pytest.importorskip("cupy", reason="the CUDA heap needs CuPy")
+    assert fused_cases.run_gpu_ranks(fused_cases.gpu_back_to_back_body, world, 50, torch.bfloat16,
+                                     timeout=240) == [50] * world
 
 
 def test_gpu_spawner_reports_results_and_failures():
