@@ -203,7 +203,7 @@ def make_case(op: str, world: int, rank: int, m_local: int, k: int, n: int, bias
         ws = [dequantize(qw, s).to(dtype) for qw, s in q]
     else:
         case["w"] = ws[rank].to(device)
-    # Sequential torch math in fp32 (TF32 off, see run_section) on the same device.
+    # Sequential torch math in fp32 on the same device (fused_world_body turns TF32 off).
     x32 = [x.to(device).float() for x in xs]
     w32 = [w.to(device).float() for w in ws]
     b32 = torch.zeros(n, device=device) if b is None else b.to(device).float()

@@ -107,3 +107,14 @@ def test_tolerance_grows_with_k_and_dtype_eps():
     bad = compare("x", want + 2 * a16, want, a16, 0.0)
     assert bad["status"] == "fail" and "exceeds the bound" in bad["detail"]
     assert compare("x", torch.ones(2, 3), want, 1.0, 1.0)["status"] == "fail"
+
+
+def test_gpu_check_without_gpu_or_allow_cpu_says_so(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    from bench import gpu_check
+
+    assert gpu_check.main(str(tmp_path), False) == 2
+    assert not list(tmp_path.iterdir())
