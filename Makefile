@@ -1,14 +1,19 @@
-# Two entry points, each self-contained on a fresh machine with Python 3 and git:
-#   make demo   build .venv, install the package, run the 4-rank demo (the main job)
-#   make test   build .venv, install the package with its test extra, run the test suite
+# Entry points, each self-contained on a fresh machine with Python 3 and git:
+#   make demo            build .venv, install the package, run the 4-rank demo (the main job)
+#   make test            build .venv, install the package with its test extra, run the test suite
+#   make test-triton36   build .venv-triton36 (same torch, the oldest supported Triton) and run the
+#                        tests that run or compile Triton kernels there (marked `triton` by tests/conftest.py)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU wheel where one is available locally; on a GPU machine pip picks the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+VENV_TRITON36 ?= .venv-triton36
+PY_TRITON36 := $(VENV_TRITON36)/bin/python
+TRITON36_VERSION ?= 3.6.0
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-triton36 bench venv venv-triton36 clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -18,14 +23,27 @@ $(VENV)/.installed: setup.py
 
 venv: $(VENV)/.installed
 
+# The CPU torch wheel names no Triton, so the pin below decides which one the tests import.
+$(VENV_TRITON36)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV_TRITON36)
+	$(PY_TRITON36) -m pip install -q "$(TORCH_SPEC)"
+	$(PY_TRITON36) -m pip install -q -e ".[test]" "triton==$(TRITON36_VERSION)"
+	$(PY_TRITON36) -c "import triton; assert triton.__version__ == '$(TRITON36_VERSION)', triton.__version__"
+	touch $@
+
+venv-triton36: $(VENV_TRITON36)/.installed
+
 demo: venv
 	$(PY) -m autopar.demo
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
+test-triton36: venv-triton36
+	$(PY_TRITON36) -m pytest tests -m triton $(PYTEST_ARGS)
+
 bench: venv
 	$(PY) -m bench --suite tiny
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV_TRITON36) build *.egg-info

@@ -10,10 +10,16 @@ setup(
     packages=find_packages(include=["kernels", "kernels.*", "autopar", "autopar.*", "bench", "bench.*"]),
     package_data={"": ["*.yaml"]},
     include_package_data=True,
-    install_requires=["torch>=2.4", "triton>=3.0", "pyyaml>=5.4"],
+    # Triton: CI runs the suite with the newest release and its Triton tests again with 3.6 (make
+    # test-triton36), both on torch 2.13 CPU. torch 2.11 is the GPU image's (with Triton 3.6): checked
+    # there by `python -m bench --mode gpu-check`, not in CI (no torch 2.11 CPU wheel on CI machines).
+    install_requires=["torch>=2.11", "triton>=3.6", "pyyaml>=5.4"],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.1", "megatron-core>=0.9", "matplotlib>=3.5"],
-        "cuda": ["cupy-cuda12x>=13"],
+        # One CuPy wheel per CUDA major, matching torch.version.cuda: two of them installed side by side
+        # would share one `cupy` package. The code imports `cupy` from whichever is installed.
+        "cuda12": ["cupy-cuda12x>=13"],
+        "cuda13": ["cupy-cuda13x>=14"],
         "plot": ["matplotlib>=3.5"],
     },
 )

@@ -15,7 +15,25 @@ if not torch.cuda.is_available():
 program_order.install_if_requested()
 
 
+# Modules whose tests run or compile Triton kernels (besides test_fused_*.py and tests named *fused*):
+# `make test-triton36` runs the tests marked `triton` again under the oldest supported Triton.
+TRITON_MODULES = {"test_heap", "test_dt_fused", "test_quant", "test_quant_linear", "test_soc", "test_program_order",
+                  "test_interpreter_compat", "test_gpu_check"}
+
+
+def _needs_triton(item: pytest.Item) -> bool:
+    module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
+    return module in TRITON_MODULES or module.startswith("test_fused") or "fused" in item.name
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "triton: runs or compiles Triton kernels (selected by make test-triton36)")
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _needs_triton(item):
+            item.add_marker(pytest.mark.triton)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")

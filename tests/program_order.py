@@ -1,10 +1,10 @@
 """Run the programs of each interpreted Triton launch in a permuted order (a test mode).
 
 On a GPU the programs of one launch run in any order and concurrently; the interpreter runs them
-one at a time in grid order. A launch whose program waits for a program of the same launch that
-comes later in grid order would hang on a GPU (or deadlock once the waiter holds every SM) yet
-passes under the interpreter in order. With ``COC_TEST_PROGRAM_ORDER`` set, the interpreter runs
-each launch's programs in another order, so such a dependency turns into a timeout in CI:
+one at a time in grid order. A program that waits for another program of its own launch passes
+under the interpreter whenever grid order runs that one first, yet on a GPU it may spin before the
+other starts, and deadlocks once the waiters hold every SM. With ``COC_TEST_PROGRAM_ORDER`` set,
+the interpreter runs each launch's programs in another order, so such a wait times out in CI:
 
 * ``grid`` (or unset, or empty): the interpreter's own order;
 * ``reverse``: last program first;

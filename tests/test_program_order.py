@@ -99,19 +99,19 @@ def test_programs_run_in_the_requested_order(monkeypatch):
     assert other_seed != first
 
 
-def test_wait_on_a_later_program_of_the_launch_fails_out_of_grid_order(monkeypatch):
+def test_wait_on_an_earlier_program_of_the_launch_fails_out_of_grid_order(monkeypatch):
     program_order.install()
     monkeypatch.delenv(ENV, raising=False)
     assert chain_ok(6) == [1] * 6
     monkeypatch.setenv(ENV, "reverse")
-    # Program 5 runs first and its predecessor never ran: every wait but program 0's times out.
+    # Program 5 runs first, before the program it waits for: every wait but program 0's times out.
     assert chain_ok(6) == [1, 0, 0, 0, 0, 0]
 
 
 def test_rank_processes_follow_the_call_order():
     assert run_ranks(record_body, 2, env={ENV: "reverse"}) == [list(range(11, -1, -1))] * 2
     # The pool's ranks read the variable per call: the next call without it is back in grid order.
-    assert run_ranks(record_body, 2) == [list(range(12))] * 2
+    assert run_ranks(record_body, 2, env={ENV: None}) == [list(range(12))] * 2
 
 
 @pytest.mark.parametrize("order", ["reverse", "shuffle:2026"])
