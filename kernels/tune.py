@@ -226,6 +226,10 @@ def choose_parallel_num(op: str, x: torch.Tensor, weight: torch.Tensor,
     choice = _memory.get(mem_key)
     if choice is not None:
         return choice
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # Tuning communicates, times on the host and synchronizes: none of it can be captured.
+        raise RuntimeError(f"COC_PARALLEL_NUM=auto: the first call of {key!r} is inside CUDA graph capture; "
+                           "run the op once (a warm-up step) before capturing, so its split count is chosen")
     path = get_config().tune_cache
     rank = _group_rank(group) if world > 1 else 0
     found: Optional[Choice] = None
