@@ -96,7 +96,8 @@ def source_fingerprint() -> str:
 
 
 def mps_status() -> tuple[bool, str]:
-    """Whether CUDA MPS is on: the pipe-directory variable, the default control pipe, or an MPS daemon."""
+    """Whether CUDA MPS is on: the pipe-directory variable, the default control pipe, an MPS daemon here,
+    or an MPS server among the GPU's processes (nvidia-smi)."""
     reasons = []
     pipe_dir = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
     if pipe_dir:
@@ -115,7 +116,14 @@ def mps_status() -> tuple[bool, str]:
                     reasons.append(f"process {comm} (pid {pid})")
     except OSError:
         pass
-    return bool(reasons), "; ".join(reasons) or "no MPS pipe variable, control pipe or daemon"
+    try:  # an MPS server started outside this container still shows among the GPU's processes
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=process_name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20, check=True).stdout
+        if "nvidia-cuda-mps-server" in apps:
+            reasons.append("nvidia-smi lists nvidia-cuda-mps-server")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return bool(reasons), "; ".join(reasons) or "no MPS pipe variable, control pipe, daemon or server process"
 
 
 def _nvidia_smi(query: str) -> Optional[str]:

@@ -118,3 +118,31 @@ def test_gpu_check_without_gpu_or_allow_cpu_says_so(tmp_path):
 
     assert gpu_check.main(str(tmp_path), False) == 2
     assert not list(tmp_path.iterdir())
+
+
+def test_mps_detected_from_the_pipe_variable(monkeypatch):
+    from bench.gpu_check_sections import mps_status
+
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/some-mps-pipe")
+    on, why = mps_status()
+    assert on and "CUDA_MPS_PIPE_DIRECTORY=/tmp/some-mps-pipe" in why
+
+
+def test_junit_results_per_test(tmp_path):
+    # On CPU every gpu test is skipped, so pass and fail parsing is checked on a JUnit file of its own.
+    from bench.gpu_check_sections import _junit_items
+
+    xml = tmp_path / "j.xml"
+    xml.write_text('<testsuites><testsuite name="pytest">'
+                   '<testcase classname="tests.test_a" name="test_ok[2]" time="1.5"/>'
+                   '<testcase classname="tests.test_a" name="test_bad" time="0.1"><failure message="assert 1 == 2">'
+                   'trace</failure></testcase>'
+                   '<testcase classname="tests.test_b" name="test_gone" time="0"><error message="Timeout >150.0s"/>'
+                   '</testcase>'
+                   '<testcase classname="tests.test_b" name="test_skip" time="0"><skipped message="needs a CUDA GPU"/>'
+                   '</testcase></testsuite></testsuites>')
+    got = {it["name"]: (it["status"], it["detail"]) for it in _junit_items(str(xml))}
+    assert got == {"tests/test_a.py::test_ok[2]": ("pass", "1.5 s"),
+                   "tests/test_a.py::test_bad": ("fail", "assert 1 == 2"),
+                   "tests/test_b.py::test_gone": ("fail", "Timeout >150.0s"),
+                   "tests/test_b.py::test_skip": ("skip", "needs a CUDA GPU")}
