@@ -155,6 +155,32 @@ def device_slug(device_type: str) -> str:
     return "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
 
 
+def speed_table(items: list[dict]) -> list[str]:
+    """Section e's measurements, one row per GEMM shape and dtype (markdown lines; none if nothing was timed)."""
+    from bench.suites import OP_SHORT
+
+    rows: dict[str, dict[str, str]] = {}
+    for it in items:
+        if "shape" not in it:
+            continue
+        row = rows.setdefault(it["shape"], {})
+        if it.get("kind") == "core" and it.get("core_vs_torch"):
+            row.update(cublas=f"{it['torch_tflops']:.0f}", core=f"{it['core_tflops']:.0f}",
+                       ratio=f"{it['core_vs_torch']:.3f}")
+        elif it.get("ratio") is not None:
+            key = "fused" if it["kind"] == "fused_w1" else "chunked"
+            cell = f"{OP_SHORT.get(it['op'], it['op'])} {it['ratio']:.3f}"
+            row[key] = f"{row[key]}, {cell}" if key in row else cell
+    if not rows:
+        return []
+    out = ["| dtype, shape, local GEMM [m, k, n] | cuBLAS TFLOP/s | core TFLOP/s | core / cuBLAS speed | "
+           "fused W=1 / GEMM time | chunked x4 / unchunked time |", "|---|---|---|---|---|---|"]
+    for shape, row in rows.items():
+        out.append(f"| {shape} | " + " | ".join(row.get(k, "-") for k in ("cublas", "core", "ratio", "fused",
+                                                                          "chunked")) + " |")
+    return out + [""]
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     meta = doc["meta"]
     lines = [f"# gpu-check report: {meta['device']}", "",
@@ -178,6 +204,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 lines.append(f"- {key}: `{json.dumps(value, default=str)}`")
         if sec["notes"] or sec["section"] == "a":
             lines.append("")
+        if sec["section"] == "e":
+            lines += speed_table(sec["items"])
         if sec["items"]:
             lines += ["| status | check | detail |", "|---|---|---|"]
             for it in sec["items"]:

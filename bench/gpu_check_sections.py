@@ -418,7 +418,7 @@ def _speed_items(out: Emitter, rec: dict, label: str) -> None:
         detail = (f"core {rec['core_tflops']:.1f} TFLOP/s, cuBLAS {rec['torch_tflops']:.1f} TFLOP/s, "
                   f"core/cuBLAS speed {rec['core_vs_torch']:.3f}x") if ok else "differs from torch beyond tolerance"
         out.item(f"core {shape}", "pass" if ok else "fail", detail,
-                 kind="core", dtype=rec["dtype"], m=m, core_vs_torch=rec.get("core_vs_torch"),
+                 kind="core", shape=shape, dtype=rec["dtype"], m=m, core_vs_torch=rec.get("core_vs_torch"),
                  core_tflops=rec.get("core_tflops"), torch_tflops=rec.get("torch_tflops"))
     for row in rec["ops"]:
         for label_key, ratio_key, kind in (("fused", "fused_over_gemm", "fused_w1"),
@@ -429,7 +429,8 @@ def _speed_items(out: Emitter, rec: dict, label: str) -> None:
                 out.item(name, "fail" if "differs" in skipped else "skip", skipped, kind=kind)
             elif ratio_key in row:
                 what = "fused at world 1 / bare GEMM" if kind == "fused_w1" else "chunked x4 / unchunked at world 1"
-                out.item(name, "pass", f"{what} = {row[ratio_key]:.3f}", kind=kind, dtype=rec["dtype"], m=m,
+                out.item(name, "pass", f"{what} = {row[ratio_key]:.3f}", kind=kind, shape=shape, op=row["op"],
+                         dtype=rec["dtype"], m=m,
                          ratio=row[ratio_key])
 
 

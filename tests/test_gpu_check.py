@@ -62,6 +62,7 @@ def test_gpu_check_allow_cpu_writes_both_reports(tmp_path):
     # d: chunked at W = 1 and 2; e: the code path of the speed section, whose times mean nothing on CPU.
     assert sections["d"]["verdict"] == "PASS" and any(n.startswith("W=2 chunked") for n in _items(sections["d"]))
     assert sections["e"]["verdict"] == "PASS" and sections["e"]["info"]["timings_meaningful"] is False
+    assert "| core / cuBLAS speed |" in md and "fp16 tiny/qkv M=64 gemm [64, 32, 48]" in md
     assert "correctness check only" in md and "No GPU: this run used `--allow-cpu`" in md
 
 
