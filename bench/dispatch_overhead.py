@@ -7,7 +7,8 @@ barrier, so they do not compete for the CPU), with the same placements on both s
 ``Shard(0)``, weight ``Replicate()``), so no op communicates and the measured time is dispatch:
 rule lookup or sharding propagation, wrapping, plus the local op. The local op's own time is
 measured on plain tensors of the local shapes and reported beside it. Each figure is the minimum over ``repeats`` interleaved
-rounds of the mean over ``iters`` calls, forward only, no autograd recording.
+rounds of the mean over ``iters`` calls, forward only, no autograd recording; a last row times one
+training step (forward and backward) of the three ops together.
 """
 
 from __future__ import annotations
@@ -75,8 +76,23 @@ def run(iters: int = 1000, repeats: int = 15) -> dict:
             rows.append({"op": name, "torch_us": t_torch * 1e6, "dtensor_us": t_dtensor * 1e6,
                          "autopar_us": t_autopar * 1e6, "autopar_over_dtensor": t_autopar / t_dtensor,
                          "overhead_ratio": (t_autopar - t_torch) / (t_dtensor - t_torch)})
+    # One training step of the same three ops: forward with a weight that requires grad, then
+    # backward through the autograd engine (not part of "together", which is forward only).
+    tw, dwg, awg = (w.clone().requires_grad_(), dw.detach().requires_grad_(),
+                    aw.detach().requires_grad_())
+
+    def step(a, b):
+        b.grad = None
+        (F.gelu(a @ b) + a).sum().backward()
+
+    t_torch, t_dtensor, t_autopar = _time([lambda: step(x, tw), lambda: step(dx, dwg),
+                                           lambda: step(ax, awg)], max(1, iters // 10), repeats)
+    train = {"op": "fwd+bwd", "torch_us": t_torch * 1e6, "dtensor_us": t_dtensor * 1e6,
+             "autopar_us": t_autopar * 1e6, "autopar_over_dtensor": t_autopar / t_dtensor,
+             "overhead_ratio": (t_autopar - t_torch) / (t_dtensor - t_torch)}
     return {"torch": torch.__version__, "world": world, "iters": iters, "repeats": repeats,
-            "shape_x": [8, 16], "shape_w": [16, 16], "rows": rows}
+            "shape_x": [8, 16], "shape_w": [16, 16], "rows": rows, "train": train,
+            "loadavg": list(os.getloadavg())}
 
 
 def _rank_main(rank: int, world: int, store_path: str, iters: int, repeats: int, out: str) -> None:
@@ -131,6 +147,9 @@ def main() -> None:
     print(f"{'together':8s} {tot['torch_us']:10.1f} {tot['dtensor_us']:11.1f} {tot['autopar_us']:11.1f} "
           f"{tot['autopar_us'] / tot['dtensor_us']:16.2f} "
           f"{(tot['autopar_us'] - tot['torch_us']) / (tot['dtensor_us'] - tot['torch_us']):15.2f}")
+    r = res["train"]
+    print(f"{r['op']:8s} {r['torch_us']:10.1f} {r['dtensor_us']:11.1f} {r['autopar_us']:11.1f} "
+          f"{r['autopar_over_dtensor']:16.2f} {r['overhead_ratio']:15.2f}   (gelu(x @ w) + x, sum, backward)")
     print("overhead ratio = (autopar - torch) / (DTensor - torch): the added host time per op")
     print(f"load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if args.json:

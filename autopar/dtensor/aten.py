@@ -147,7 +147,7 @@ def _install() -> None:
         aten.zero_.default: _zero, aten.copy_.default: _copy,
         aten.add.Tensor: _add, aten.add_.Tensor: _add,
     }
-    ATEN.update(table)
+    ATEN.update({id(op): fn for op, fn in table.items()})
     ATEN_DEFAULT[:] = [_default]
 
 

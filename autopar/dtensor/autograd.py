@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import redistribute as _rd
 from .mesh import ProcessMesh
@@ -52,7 +51,6 @@ class _Op(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g: DistTensor):
         # Reading saved_tensors raises torch's "backward through the graph a second time" error
         # after a backward that did not retain the graph.
@@ -65,11 +63,26 @@ def record(out: DistTensor, inputs: Sequence[DistTensor], backward: Callable, ct
     """Attach ``out`` to the autograd graph of ``inputs``; returns the tensor to hand out."""
     node = Node(backward, ctx, saved)
     node.out = out
-    return _Op.apply(node, *inputs)
+    # Function.apply checks its arguments for __torch_function__; with it disabled here the call
+    # goes straight to the engine instead of round-tripping through DistTensor's fallback.
+    with _NO_TORCH_FUNCTION():
+        return _APPLY(node, *inputs)
+
+
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
+# The C++ apply under Function.apply's Python wrapper, which only adds functorch and
+# setup_context handling that _Op does not use.
+_APPLY = super(torch.autograd.Function, _Op).apply
 
 
 def requires_grad(x: torch.Tensor) -> bool:
-    return torch.Tensor.requires_grad.__get__(x)
+    with _NO_TORCH_FUNCTION():
+        return x.requires_grad
+
+
+def requires_grads(xs: Sequence[torch.Tensor]) -> list[bool]:
+    with _NO_TORCH_FUNCTION():
+        return [x.requires_grad for x in xs]
 
 
 # -- placements of gradients ---------------------------------------------------------------------
@@ -108,8 +121,28 @@ def output_grad(g: DistTensor, out_pl: tuple) -> DistTensor:
     return reshard_nograd(g, want) if want != g._placements else g
 
 
-def local_vjp_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[Optional[DistTensor]]:
-    res, in_pls, in_shapes, in_dtypes, need = ctx
+def graph_vjp(saved: tuple, g: torch.Tensor, need: list[bool]) -> list[Optional[torch.Tensor]]:
+    """Local vjp from a recorded local graph: ``saved`` is (output, leaf per needed input)."""
+    local, leaves = saved[0], saved[1:]
+    # retain_graph: this local graph belongs to the node, and torch frees it with the node's
+    # saved tensors (after a backward without retain_graph), not here.
+    grads = iter(torch.autograd.grad(local, leaves, g, retain_graph=True, allow_unused=True))
+    out: list[Optional[torch.Tensor]] = []
+    k = 0
+    for n in need:
+        if not n:
+            out.append(None)
+            continue
+        lg = next(grads)
+        out.append(torch.zeros_like(leaves[k]) if lg is None else lg)
+        k += 1
+    return out
+
+
+def vjp_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[Optional[DistTensor]]:
+    """Backward of one op: the local vjp (``local_vjp(saved, g_local, need)``, an explicit formula
+    or :func:`graph_vjp`) and the placements of each input's gradient."""
+    res, in_pls, in_shapes, in_dtypes, need, local_vjp = ctx
     out_pl = res.out_placements
     g = output_grad(g, out_pl)
     mesh = g._mesh
@@ -118,23 +151,8 @@ def local_vjp_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[Optional
     if mesh._coord is None or not g._init:
         return [uninit(mesh, pl, in_shapes[i], in_dtypes[i], g._local.device) if pl else None
                 for i, pl in enumerate(pls)]
-    local, leaves = saved[0], saved[1:]
-    # retain_graph: this local graph belongs to the node, and torch frees it with the node's
-    # saved tensors (after a backward without retain_graph), not here.
-    local_grads = iter(torch.autograd.grad(local, leaves, g._local, retain_graph=True,
-                                           allow_unused=True))
-    grads: list[Optional[DistTensor]] = []
-    k = 0
-    for i, pl in enumerate(pls):
-        if pl is None:
-            grads.append(None)
-            continue
-        lg = next(local_grads)
-        if lg is None:
-            lg = torch.zeros_like(leaves[k])
-        k += 1
-        grads.append(make(lg, mesh, pl, in_shapes[i], lg.dtype))
-    return grads
+    return [None if lg is None else make(lg, mesh, pls[i], in_shapes[i], lg.dtype)
+            for i, lg in enumerate(local_vjp(saved, g._local, need))]
 
 
 # -- reshard (same mesh and cross-mesh) ---------------------------------------------------------

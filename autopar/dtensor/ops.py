@@ -15,8 +15,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .autograd import (convert, grad_placement, local_vjp_backward, output_grad, pieces_nonempty,
-                       record, requires_grad, reshard_backward, reshard_same_mesh)
+from .autograd import (grad_placement, graph_vjp, output_grad, pieces_nonempty, record,
+                       requires_grad, requires_grads, reshard_backward, reshard_same_mesh,
+                       vjp_backward)
 from .mesh import ProcessMesh
 from .placements import REPLICATE, Partial, Replicate, Shard
 from .rules import RuleResult, broadcast_labels, einsum_rule, matmul_labels, reduction_labels
@@ -24,6 +25,10 @@ from .tensor import HANDLERS, DistTensor, empty_local, make, lid_of, pending, un
 
 _RULE_CACHE: dict[tuple, tuple] = {}
 _MM_CACHE: dict[tuple, tuple] = {}
+# (op, input layout ids) -> (mesh, out placements, out shape, out layout id) for calls that need no
+# reshard, no overlapped kernel and no autograd: the per-op hot path of inference (and of
+# bench.dispatch_overhead). The mesh is compared by identity, so an entry serves one mesh only.
+_PLAIN: dict[tuple, tuple] = {}
 
 
 def _as_dist(x: Any, mesh: ProcessMesh) -> DistTensor:
@@ -58,43 +63,48 @@ def _rule_entry(key: tuple, rule: Callable[..., RuleResult], inputs: Sequence[Di
 _grad_enabled = torch.is_grad_enabled
 
 
-def _apply1(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, x: DistTensor
-            ) -> DistTensor:
+def _apply1(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, x: DistTensor,
+            vjp: Optional[Callable] = None) -> DistTensor:
     entry = _RULE_CACHE.get(key)
     if entry is not None and not _grad_enabled() and x._lid == entry[1][0] and \
             x._mesh._coord is not None:
         local = local_fn(x._local)
         res = entry[0]
+        _PLAIN[key] = (x._mesh, res.out_placements, res.out_shape, entry[2])
         return make(local, x._mesh, res.out_placements, res.out_shape, local.dtype, True, entry[2])
-    return _apply(key, rule, local_fn, [x])
+    return _apply(key, rule, local_fn, [x], vjp=vjp)
 
 
 def _apply2(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, a: DistTensor,
-            b: DistTensor) -> DistTensor:
+            b: DistTensor, vjp: Optional[Callable] = None) -> DistTensor:
     entry = _RULE_CACHE.get(key)
     if entry is not None and not _grad_enabled():
         in_lids = entry[1]
         if a._lid == in_lids[0] and b._lid == in_lids[1] and a._mesh._coord is not None:
             local = local_fn(a._local, b._local)
             res = entry[0]
+            _PLAIN[key] = (a._mesh, res.out_placements, res.out_shape, entry[2])
             return make(local, a._mesh, res.out_placements, res.out_shape, local.dtype, True,
                         entry[2])
-    return _apply(key, rule, local_fn, [a, b])
+    return _apply(key, rule, local_fn, [a, b], vjp=vjp)
 
 
 def _apply(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable,
-           inputs: list[DistTensor], out_dtype: Optional[torch.dtype] = None) -> DistTensor:
+           inputs: list[DistTensor], out_dtype: Optional[torch.dtype] = None,
+           vjp: Optional[Callable] = None) -> DistTensor:
     """Run one op: cached rule, reshard inputs, local op (or clip), record the autograd node.
 
     ``rule(*inputs)`` is called only when ``key`` is not cached (a module-level function, so the
-    hot path allocates no closure).
+    hot path allocates no closure). ``vjp(saved_input_pieces, grad_piece, need)``: the op's local
+    vector-Jacobian product; without one, the local op is recorded on torch's graph and
+    differentiated with ``torch.autograd.grad`` (a reentrant engine call, several times slower).
     """
     res, in_lids, out_lid = _rule_entry(key, rule, inputs)
     for i, x in enumerate(inputs):
         if x._lid != in_lids[i]:
             inputs[i] = reshard_same_mesh(x, res.in_placements[i])
     mesh = inputs[0]._mesh
-    need = [requires_grad(x) for x in inputs] if torch.is_grad_enabled() else None
+    need = requires_grads(inputs) if _grad_enabled() else None
     if need is None or not any(need):
         if mesh._coord is None:
             dtype = out_dtype or _promote(inputs)
@@ -103,17 +113,22 @@ def _apply(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable,
         local = local_fn(*[x._local for x in inputs])
         return make(local, mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
     ctx = (res, [x._placements for x in inputs], [x._shape for x in inputs],
-           [x._dtype for x in inputs], need)
+           [x._dtype for x in inputs], need, vjp or graph_vjp)
     if mesh._coord is None:
         dtype = out_dtype or _promote(inputs)
         out = make(empty_local(dtype, inputs[0]._local.device), mesh, res.out_placements,
                    res.out_shape, dtype, False, out_lid)
-        return record(out, inputs, local_vjp_backward, ctx)
+        return record(out, inputs, vjp_backward, ctx)
+    if vjp is not None:
+        pieces = [x._local for x in inputs]
+        local = local_fn(*pieces)
+        out = make(local, mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
+        return record(out, inputs, vjp_backward, ctx, pieces)
     leaves = [x._local.detach().requires_grad_() if n else x._local for x, n in zip(inputs, need)]
     with torch.enable_grad():
         local = local_fn(*leaves)
     out = make(local.detach(), mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
-    return record(out, inputs, local_vjp_backward, ctx,
+    return record(out, inputs, vjp_backward, ctx,
                   [local] + [leaf for leaf, n in zip(leaves, need) if n])
 
 
@@ -175,7 +190,7 @@ def _record_mm(out: DistTensor, x: DistTensor, b: DistTensor, x_local: torch.Ten
                w_local: torch.Tensor, res: RuleResult, transposed: bool) -> DistTensor:
     if not torch.is_grad_enabled():
         return out
-    need = [requires_grad(x), requires_grad(b)]
+    need = requires_grads((x, b))
     if not any(need):
         return out
     ctx = (res, [x._placements, b._placements], [x._shape, b._shape], [x._dtype, b._dtype], need,
@@ -209,10 +224,13 @@ def _matmul_like(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable
             out = pending(a._local, w_local, mesh, res.out_placements, res.out_shape,
                           torch.promote_types(a._dtype, b._dtype), pend_dim, out_lid)
             return _record_mm(out, a, b, a._local, w_local, res, transposed)
+        local = local_fn(a._local, b._local)
+        out = make(local, mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
         if not _grad_enabled():
-            local = local_fn(a._local, b._local)
-            return make(local, mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
-        return _apply(key, rule, local_fn, [a, b])
+            _PLAIN[key] = (mesh, res.out_placements, res.out_shape, out_lid)
+            return out
+        return _record_mm(out, a, b, a._local, b._local.mT if transposed else b._local, res,
+                          transposed)
     w_local = b._local.mT if transposed else b._local
     # all_gather_matmul: a is Shard(0) on exactly one mesh dim that the rule gathers, b is
     # sharded on the output columns there, and nothing else changes.
@@ -249,6 +267,11 @@ def _matmul_rule(a: DistTensor, b: DistTensor) -> RuleResult:
 
 
 def matmul(a, b) -> DistTensor:
+    if type(a) is DistTensor and type(b) is DistTensor:
+        f = _PLAIN.get(("matmul", a._lid, b._lid))
+        if f is not None and f[0] is a._mesh and f[0] is b._mesh and not _grad_enabled():
+            local = torch.matmul(a._local, b._local)
+            return make(local, f[0], f[1], f[2], local.dtype, True, f[3])
     if type(a) is not DistTensor or type(b) is not DistTensor or a._mesh is not b._mesh:
         mesh = _mesh_of(a, b)
         a, b = _as_dist(a, mesh), _as_dist(b, mesh)
@@ -285,11 +308,37 @@ def _broadcast_rule(kind: str) -> Callable[[DistTensor, DistTensor], RuleResult]
     return rule
 
 
-# op -> (local function, rule): + and - keep matching Partials, * is linear in each operand (one
-# Partial may stay), / is not linear in its divisor.
-_BINARY = {"add": (operator.add, _broadcast_rule("add")), "sub": (operator.sub, _broadcast_rule("add")),
-           "mul": (operator.mul, _broadcast_rule("linear")),
-           "div": (operator.truediv, _broadcast_rule("nonlinear"))}
+def _fit(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A broadcast gradient summed back to the input piece's shape and dtype."""
+    if g.shape != x.shape:
+        g = g.sum_to_size(x.shape)
+    return g if g.dtype == x.dtype else g.to(x.dtype)
+
+
+def _vjp_add(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
+    return [_fit(g, saved[0]) if need[0] else None, _fit(g, saved[1]) if need[1] else None]
+
+
+def _vjp_sub(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
+    return [_fit(g, saved[0]) if need[0] else None, _fit(-g, saved[1]) if need[1] else None]
+
+
+def _vjp_mul(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
+    a, b = saved
+    return [_fit(g * b, a) if need[0] else None, _fit(g * a, b) if need[1] else None]
+
+
+def _vjp_div(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
+    a, b = saved
+    return [_fit(g / b, a) if need[0] else None, _fit(-g * a / (b * b), b) if need[1] else None]
+
+
+# op -> (local function, rule, local vjp): + and - keep matching Partials, * is linear in each
+# operand (one Partial may stay), / is not linear in its divisor.
+_BINARY = {"add": (operator.add, _broadcast_rule("add"), _vjp_add),
+           "sub": (operator.sub, _broadcast_rule("add"), _vjp_sub),
+           "mul": (operator.mul, _broadcast_rule("linear"), _vjp_mul),
+           "div": (operator.truediv, _broadcast_rule("nonlinear"), _vjp_div)}
 
 
 def binary(op: str, a, b) -> DistTensor:
@@ -300,8 +349,8 @@ def binary(op: str, a, b) -> DistTensor:
             return _with_scalar(op, a if a_dt else b, b if a_dt else a, a_dt)
         mesh = _mesh_of(a, b)
         a, b = _as_dist(a, mesh), _as_dist(b, mesh)
-    fn, rule = _BINARY[op]
-    return _apply2((op, a._lid, b._lid), rule, fn, a, b)
+    fn, rule, vjp = _BINARY[op]
+    return _apply2((op, a._lid, b._lid), rule, fn, a, b, vjp)
 
 
 def _linear_elementwise_rule(x: DistTensor) -> RuleResult:
@@ -319,7 +368,8 @@ def _with_scalar(op: str, x: DistTensor, c: float, x_first: bool) -> DistTensor:
     """x * c and x / c scale (linear: a Partial stays Partial); x + c, c - x, c / x do not."""
     if op == "mul" or (op == "div" and x_first):
         c = c if op == "mul" else 1.0 / c
-        return _apply(("scale", x._lid), _linear_elementwise_rule, lambda t: t * c, [x])
+        return _apply(("scale", x._lid), _linear_elementwise_rule, lambda t: t * c, [x],
+                      vjp=lambda saved, g, need: [_fit(g * c, saved[0])])
     fn = _BINARY[op][0]
     local_fn = (lambda t: fn(t, c)) if x_first else (lambda t: fn(c, t))
     return _apply(("scalar_" + op, x._lid, x_first), _nonlinear_rule, local_fn, [x])
@@ -331,15 +381,29 @@ def _neg(x: DistTensor) -> DistTensor:
 
 def _gelu(x: DistTensor, approximate: str = "none") -> DistTensor:
     if approximate == "none":
-        return _apply1(("gelu", x._lid), _nonlinear_rule, F.gelu, x)
+        f = _PLAIN.get(("gelu", x._lid))
+        if f is not None and f[0] is x._mesh and not _grad_enabled():
+            local = F.gelu(x._local)
+            return make(local, f[0], f[1], f[2], local.dtype, True, f[3])
+        return _apply1(("gelu", x._lid), _nonlinear_rule, F.gelu, x, _vjp_gelu)
     return _apply1(("gelu", x._lid, approximate), _nonlinear_rule,
-                   lambda t: F.gelu(t, approximate=approximate), x)
+                   lambda t: F.gelu(t, approximate=approximate), x,
+                   lambda saved, g, need: [torch.ops.aten.gelu_backward(g, saved[0],
+                                                                        approximate=approximate)])
+
+
+def _vjp_gelu(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
+    return [torch.ops.aten.gelu_backward(g, saved[0])]
+
+
+def _vjp_relu(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
+    return [torch.ops.aten.threshold_backward(g, saved[0], 0)]
 
 
 def _relu(x: DistTensor, inplace: bool = False) -> DistTensor:
     if inplace:
         raise NotImplementedError("relu(inplace=True) on a DistTensor; use relu()")
-    return _apply1(("relu", x._lid), _nonlinear_rule, torch.relu, x)
+    return _apply1(("relu", x._lid), _nonlinear_rule, torch.relu, x, _vjp_relu)
 
 
 def softmax(x: DistTensor, dim: int, _stacklevel: int = 3, dtype=None) -> DistTensor:
@@ -410,7 +474,15 @@ def _reduce(op: str, x: DistTensor, dim, keepdim: bool, dtype: Optional[torch.dt
         s = t.sum(dim=dims, keepdim=keepdim, dtype=dtype)
         return s if count == 1 else s / count
 
-    return _apply(key, rule, local_fn, [x], dtype)
+    def vjp(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
+        t = saved[0]
+        if not keepdim:
+            for d in dims:
+                g = g.unsqueeze(d)
+        g = g.expand(t.shape)
+        return [(g if count == 1 else g / count).to(t.dtype)]
+
+    return _apply(key, rule, local_fn, [x], dtype, vjp)
 
 
 def _sum(x, dim=None, keepdim=False, dtype=None, **kw):
@@ -419,6 +491,35 @@ def _sum(x, dim=None, keepdim=False, dtype=None, **kw):
 
 def _mean(x, dim=None, keepdim=False, dtype=None, **kw):
     return _reduce("mean", x, dim, keepdim, dtype)
+
+
+def _operator(op: str) -> Callable[[Any, Any], DistTensor]:
+    """``a <op> b`` as a method: the hot path when both are DistTensors of a cached layout."""
+    fn = _BINARY[op][0]
+
+    def method(a, b):
+        if type(b) is DistTensor and type(a) is DistTensor:
+            f = _PLAIN.get((op, a._lid, b._lid))
+            if f is not None and f[0] is a._mesh and f[0] is b._mesh and not _grad_enabled():
+                local = fn(a._local, b._local)
+                return make(local, f[0], f[1], f[2], local.dtype, True, f[3])
+        return binary(op, a, b)
+
+    return method
+
+
+def _reflected(op: str) -> Callable[[Any, Any], DistTensor]:
+    return lambda a, b: binary(op, b, a)
+
+
+def _torch_binary(op: str) -> Callable[..., DistTensor]:
+    """``torch.add(a, b, alpha=...)`` and friends; ``alpha`` scales ``b`` as torch does."""
+    def fn(a, b, *, alpha=1, out=None, rounding_mode=None):
+        if out is not None or rounding_mode is not None:
+            raise NotImplementedError(f"torch.{op} on DistTensors with out= or rounding_mode=")
+        return binary(op, a, b if alpha == 1 else binary("mul", b, alpha))
+
+    return fn
 
 
 def _install() -> None:
@@ -431,10 +532,8 @@ def _install() -> None:
     for op, names in (("add", ("add", "__add__", "__radd__")), ("sub", ("sub", "__sub__", "__rsub__")),
                       ("mul", ("mul", "__mul__", "__rmul__")),
                       ("div", ("div", "__truediv__", "__rtruediv__"))):
-        fwd = (lambda o: lambda a, b, *args, **kw: binary(o, a, b))(op)
-        rev = (lambda o: lambda a, b, *args, **kw: binary(o, b, a))(op)
-        HANDLERS[getattr(torch, op)] = HANDLERS[getattr(torch.Tensor, names[0])] = fwd
-        methods[names[1]], methods[names[2]] = fwd, rev
+        HANDLERS[getattr(torch, op)] = HANDLERS[getattr(torch.Tensor, names[0])] = _torch_binary(op)
+        methods[names[1]], methods[names[2]] = _operator(op), _reflected(op)
     for name, fn in methods.items():
         HANDLERS[getattr(torch.Tensor, name)] = fn
         setattr(DistTensor, name, fn)

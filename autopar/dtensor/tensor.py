@@ -31,7 +31,7 @@ from .placements import Partial, Placement, Replicate, Shard, chunk_bounds, norm
     to_dims_mapping, to_partial_status
 
 HANDLERS: dict[Any, Callable] = {}     # torch-level function -> handler(*args, **kwargs)
-ATEN: dict[Any, Callable] = {}         # aten overload -> handler(func, args, kwargs)
+ATEN: dict[int, Callable] = {}         # id(aten overload) -> handler(func, args, kwargs)
 ATEN_DEFAULT: list[Callable] = []      # handler for aten ops not in ATEN (set by aten.py)
 
 _DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "argwhere", "unique_consecutive",
@@ -180,7 +180,8 @@ class DistTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        handler = ATEN.get(func)
+        # Keyed by id: OpOverloads are singletons, and their __hash__ is Python-level.
+        handler = ATEN.get(id(func))
         if handler is None:
             handler = ATEN_DEFAULT[0]
         return handler(func, args, kwargs or {})
