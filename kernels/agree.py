@@ -166,8 +166,9 @@ def check_call(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     local = torch.tensor([mine], dtype=torch.int64, device=x.device)
     table = local.new_empty((world, DESCRIPTOR_LEN))
     comm.all_gather(table, local, group)
-    message = first_mismatch(op, table.tolist(), None)
-    if message is not None:
-        message = first_mismatch(op, table.tolist(), _rank_labels(group, world))
+    rows = table.tolist()
+    if first_mismatch(op, rows) is not None:
+        # Group and global ranks are looked up only for the message, off the agreeing path.
+        message = first_mismatch(op, rows, _rank_labels(group, world))
         raise RuntimeError(f"{message} (found by COC_CHECK=1 before any communication of the op; "
                            "every rank refused the call, and the group stays usable)")

@@ -202,3 +202,21 @@ def test_format_mismatch_is_shared_and_precise():
         "all_gather_matmul: ranks disagree: rank 0 has k=8, rank 2 has k=9")
     with pytest.raises(ValueError, match="op='matmul'"):
         agree.describe_call("matmul", 1, 1, 1, torch.float32, bias=False, flag=False)
+
+
+def _subgroup_disagrees(rank, world):
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2])  # every rank creates it; only ranks 1 and 2 call the op on it
+    if rank == 0:
+        return None
+    x, w, _ = _tensors(M if rank == 1 else 2 * M, K, N)
+    with torch.no_grad(), pytest.raises(RuntimeError) as e:
+        kernels.matmul_all_reduce(x, w, group=group)
+    return str(e.value)
+
+
+def test_subgroup_ranks_are_named_by_group_and_global_rank():
+    _, *messages = run_ranks(_subgroup_disagrees, 3, env={"COC_CHECK": "1"})
+    for message in messages:
+        assert "rank 0 (global 1) has m=6, rank 1 (global 2) has m=12" in message, message
