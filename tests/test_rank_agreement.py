@@ -220,3 +220,10 @@ def test_subgroup_ranks_are_named_by_group_and_global_rank():
     _, *messages = run_ranks(_subgroup_disagrees, 3, env={"COC_CHECK": "1"})
     for message in messages:
         assert "rank 0 (global 1) has m=6, rank 1 (global 2) has m=12" in message, message
+
+
+def test_disagreement_is_caught_before_auto_tuning():
+    """COC_PARALLEL_NUM=auto tunes with collectives sized from the shapes: the check comes first."""
+    outcomes = run_ranks(_disagreeing_call, 2, "m", None, env={"COC_CHECK": "1", "COC_PARALLEL_NUM": "auto"})
+    for kind, message in outcomes:
+        assert kind == "raised" and "rank 0 has m=6, rank 1 has m=12" in message, message
