@@ -32,9 +32,9 @@ ONE_SHOT_MAX_BYTES = 256 * 1024
 ALGORITHMS = ("auto", "one_shot", "two_shot")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "target", "timeout"])
 def _gather_rows_kernel(data_tab_ptr, sig_tab_ptr, out_ptr, M, N, ROWS_OWN, stride_om, stride_on,
-                        rank, target, timeout, o_base, ar_offset,
+                        rank, target: tl.int64, timeout: tl.int64, o_base, ar_offset,
                         WORLD: tl.constexpr, CHANNEL: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)

@@ -93,10 +93,10 @@ def _matmul_w8a16_kernel(x_ptr, q_ptr, s_ptr, o_ptr, bias_ptr, c_ptr, M, N, K, G
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
 def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_OWN,
                                GROUP_SIZE, stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg,
-                               rank, epoch, timeout, done_offset, cnt_offset,
+                               rank, epoch: tl.int64, timeout: tl.int64, done_offset, cnt_offset,
                                MODE: tl.constexpr, HAS_OFFSET: tl.constexpr, WORLD: tl.constexpr,
                                BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -75,9 +75,9 @@ def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n
             signals.add_signal(signals.peer_ptr(sig_tab_ptr, owner, tl.int64) + cnt_offset + rank, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
 def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_OWN,
-                         stride_xm, stride_xk, stride_wn, stride_wk, rank, epoch, timeout,
+                         stride_xm, stride_xk, stride_wn, stride_wk, rank, epoch: tl.int64, timeout: tl.int64,
                          done_offset, cnt_offset,
                          WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
                          ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -90,9 +90,9 @@ def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_
               N, ROWS_OWN, rank, epoch, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "epoch", "target", "timeout"])
 def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN, ROWS_VALID, N,
-                         stride_om, stride_on, rank, epoch, target, timeout, cnt_offset,
+                         stride_om, stride_on, rank, epoch: tl.int64, target: tl.int64, timeout: tl.int64, cnt_offset,
                          done_offset, push_offset, push_base,
                          WORLD: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PUSH: tl.constexpr, USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr,
