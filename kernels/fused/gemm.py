@@ -8,7 +8,7 @@ Rows and columns outside the matrices are masked, so any ``m``, ``n``, ``k`` wor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -21,7 +21,8 @@ class BlockConfig:
     """Tile sizes and launch parameters; identical on every rank (tile counts drive the signal targets).
 
     ``ag_splits``: chunks per all-gather shard, each with its own ready flag, so the GEMM starts on
-    a shard's first rows before the rest arrive (at most ``signals.AG_MAX_SPLITS``).
+    a shard's first rows before the rest arrive (at most ``signals.AG_MAX_SPLITS``). ``group_m``:
+    row tiles per group of the bare GEMM's grouped tile order (:func:`grouped_tile`).
     """
 
     block_m: int
@@ -30,16 +31,37 @@ class BlockConfig:
     num_warps: int
     num_stages: int
     ag_splits: int
+    group_m: int
 
 
 # The interpreter costs per program and per loop step, so CPU tiles stay small to keep tests fast
 # while still crossing tile boundaries with test shapes of a few dozen rows.
-CPU_BLOCKS = BlockConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1, ag_splits=2)
-GPU_BLOCKS = BlockConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, ag_splits=4)
+CPU_BLOCKS = BlockConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1, ag_splits=2, group_m=2)
+GPU_BLOCKS = BlockConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, ag_splits=4, group_m=8)
+# Decode-size m: a 128-row tile would compute at least half masked rows; 64 rows is the M of one
+# warpgroup's wgmma, so 4 warps carry the tile.
+GPU_SMALL_M_BLOCKS = replace(GPU_BLOCKS, block_m=64, num_warps=4, num_stages=4)
+SMALL_M = 64
+# Operand rows that do not start 16-byte aligned are loaded one element per instruction; 16-deep k
+# steps keep those loads in registers (64-deep ones spilled 500-800 bytes per thread on sm_90).
+NARROW_BLOCK_K = 16
 
 
-def block_config(device: torch.device) -> BlockConfig:
-    return GPU_BLOCKS if device.type == "cuda" else CPU_BLOCKS
+def block_config(device: torch.device, rows: Optional[int] = None, row_bytes: Optional[int] = None) -> BlockConfig:
+    """Tile configuration of a GEMM launch on ``device``.
+
+    ``rows``: the row count a tile owner has (``m`` of a local GEMM, the rows per owner of a
+    scatter); at most :data:`SMALL_M` selects 64-row tiles on GPU. ``row_bytes``: bytes of one
+    row of the k-contiguous operands (``k * itemsize``). Both must come from the shapes every rank
+    agrees on (the call descriptor checks them): block sizes set the tile counts that become signal
+    targets, so all ranks must choose the same configuration.
+    """
+    if device.type != "cuda":
+        return CPU_BLOCKS
+    cfg = GPU_SMALL_M_BLOCKS if rows is not None and rows <= SMALL_M else GPU_BLOCKS
+    if row_bytes is not None and row_bytes % 16:
+        cfg = replace(cfg, block_k=NARROW_BLOCK_K)
+    return cfg
 
 
 def acc_dtype(dtype: torch.dtype) -> tl.dtype:
@@ -57,6 +79,48 @@ def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
 
 
 @triton.jit
+def load_a(a_ptr, stride_am, stride_ak, offs_m, mask_m, k0, K, BLOCK_K: tl.constexpr):
+    """The ``[BLOCK_M, BLOCK_K]`` A tile of k step ``k0`` (zeros outside), its ``offs_k`` and ``mask_k``."""
+    offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+    mask_k = offs_k < K
+    a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    return a, offs_k, mask_k
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(offs_m, mask_m, offs_n, mask_n)`` of tile ``pid`` of an ``M x N`` output in grouped order.
+
+    Consecutive programs walk a group of ``GROUP_M`` row tiles column by column, so the programs
+    resident at one time read a few A row panels and a few B column panels, which stay in L2; in
+    row-major order every row tile streams all of B again. The mapping is a bijection (the last
+    group may have fewer row tiles).
+    """
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    local = pid % per_group
+    offs_m = (first_m + local % group_rows) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = (local // group_rows) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    return offs_m, offs_m < M, offs_n, offs_n < N
+
+
+@triton.jit
+def store_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS: tl.constexpr,
+               ROUND_FIRST: tl.constexpr):
+    """``c[offs_m, offs_n] = acc + bias`` in ``c``'s dtype. ``ROUND_FIRST`` rounds the product to that
+    dtype before bias is added in fp32, as the w8A16 reference does (``partial.add_(bias)``)."""
+    if ROUND_FIRST:
+        acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(acc.dtype)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
 def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m, mask_m, offs_n, mask_n, K,
                 g_ptr, stride_gm, g_mask_m,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_A: tl.constexpr,
@@ -69,10 +133,7 @@ def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m
     """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        mask_k = offs_k < K
-        a_mask = mask_m[:, None] & mask_k[None, :]
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak, mask=a_mask, other=0.0)
+        a, offs_k, mask_k = load_a(a_ptr, stride_am, stride_ak, offs_m, mask_m, k0, K, BLOCK_K)
         b = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         if STORE_A:
@@ -85,19 +146,11 @@ def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m
 @triton.jit
 def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
                    stride_cm, stride_cn, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    offs_m = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_n = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m, mask_m, offs_n, mask_n, K,
                       c_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE, DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS, False)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -113,12 +166,12 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = block_config(x.device)
+    cfg = block_config(x.device, m, k * x.element_size())
     bias_arg = bias.contiguous() if bias is not None else out
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_kernel[grid](x, weight, bias_arg, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
                          weight.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
                          ACC_DTYPE=acc_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype, x.device),
-                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

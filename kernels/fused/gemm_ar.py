@@ -1,10 +1,10 @@
 """Fused GEMM + all-reduce: ``y = all_reduce(x @ weight.T) + bias``, one-shot or two-shot.
 
 * one-shot (small outputs): the scatter GEMM of :mod:`gemm_rs` in ``BROADCAST`` mode pushes every
-  tile of the partial product into slot ``[r]`` of every rank (heap ``slots [W, m, n]``), then every
+  tile of the partial product into slot ``[r]`` of every rank (heap ``slots [W, m, ld]``), then every
   rank sums the ``W`` slots itself. One exchange step, ``(W - 1) * m * n`` elements sent per rank.
 * two-shot: reduce-scatter onto owners of ``rows_own = ceil(m / W)`` rows each (the last owners may
-  hold fewer or none), then each owner pushes its reduced rows into region ``O [W * rows_own, n]``
+  hold fewer or none), then each owner pushes its reduced rows into region ``O [W * rows_own, ld]``
   of every rank (counter ``AR[owner]``), and a gather kernel copies ``O`` to ``y`` as the rows'
   owners' counters complete. About ``2 (W - 1) / W * m * n`` elements sent per rank.
 
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import runtime, signals
 from .gemm import BlockConfig, block_config, matmul
-from .gemm_rs import reduce_slots, scatter_partials
+from .gemm_rs import reduce_slots, scatter_partials, slot_stride, slot_tile
 
 # Outputs up to this many bytes use one-shot: latency (one exchange, no second kernel round) wins
 # over the ~W/2 times larger traffic while messages are small.
@@ -33,7 +33,7 @@ ALGORITHMS = ("auto", "one_shot", "two_shot")
 
 
 @triton.jit(do_not_specialize=["rank", "target", "timeout"])
-def _gather_rows_kernel(data_tab_ptr, sig_tab_ptr, out_ptr, M, N, ROWS_OWN, stride_om, stride_on,
+def _gather_rows_kernel(data_tab_ptr, sig_tab_ptr, out_ptr, M, N, LD, ROWS_OWN, stride_om, stride_on,
                         rank, target: tl.int64, timeout: tl.int64, o_base, ar_offset,
                         WORLD: tl.constexpr, CHANNEL: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -46,14 +46,17 @@ def _gather_rows_kernel(data_tab_ptr, sig_tab_ptr, out_ptr, M, N, ROWS_OWN, stri
     local_rows = (rem // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     offs_m = owner * ROWS_OWN + local_rows
     offs_n = (rem % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask = ((local_rows < ROWS_OWN) & (offs_m < M))[:, None] & (offs_n < N)[None, :]
+    mask_m = (local_rows < ROWS_OWN) & (offs_m < M)
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     ok = signals.wait_signal(pad + ar_offset + owner, target, pad, timeout, 1 + owner + WORLD * CHANNEL,
                              USE_GLOBALTIMER)
     if ok:
-        o_local = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty) + o_base
-        rows = tl.load(o_local + offs_m[:, None] * N + offs_n[None, :], mask=mask)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, rows, mask=mask)
+        # o_base is W * ROWS_OWN * LD elements, a multiple of 8 (LD is).
+        o_local = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty) + tl.multiple_of(o_base, 8)
+        o_offs, col_mask = slot_tile(offs_m, offs_n, LD)
+        rows = tl.load(o_local + o_offs, mask=mask_m[:, None] & col_mask)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, rows,
+                 mask=mask_m[:, None] & (offs_n < N)[None, :])
 
 
 def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -86,12 +89,17 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     size = x.element_size()
     if algorithm == "auto":
         algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
-    cfg = block_config(x.device)
+    cfg = block_config(x.device, tile_rows(algorithm, m, w), x.shape[1] * size)
     # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
     descriptor = runtime.describe("matmul_all_reduce", m, x.shape[1], n, x.dtype, bias is not None, deterministic)
     return all_reduce_partials("matmul_all_reduce", group, x, n, bias, algorithm, cfg, descriptor,
                                lambda call, rows_own, broadcast: scatter_partials(call, x, weight, rows_own,
                                                                                   broadcast, cfg))
+
+
+def tile_rows(algorithm: str, m: int, world_size: int) -> int:
+    """Rows per tile owner of the scatter GEMM: all ``m`` one-shot, ``ceil(m / W)`` two-shot."""
+    return m if algorithm == "one_shot" else triton.cdiv(m, world_size)
 
 
 def all_reduce_partials(op: str, group: dist.ProcessGroup, x: torch.Tensor, n: int, bias: Optional[torch.Tensor],
@@ -111,13 +119,13 @@ def all_reduce_partials(op: str, group: dist.ProcessGroup, x: torch.Tensor, n: i
     size = x.element_size()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if algorithm == "one_shot":
-        with runtime.fused_call(op, group, x.device, w * m * n * size, descriptor) as call:
+        with runtime.fused_call(op, group, x.device, w * m * slot_stride(n) * size, descriptor) as call:
             call.outputs = (out,)
             target = scatter(call, m, True)
             reduce_slots(call, out, bias, m, m, n, target, None, cfg)
         return out
     rows_own = triton.cdiv(m, w)
-    slots = w * rows_own * n
+    slots = w * rows_own * slot_stride(n)
     with runtime.fused_call(op, group, x.device, 2 * slots * size, descriptor) as call:
         call.outputs = (out,)
         target = scatter(call, rows_own, False)
@@ -127,7 +135,8 @@ def all_reduce_partials(op: str, group: dist.ProcessGroup, x: torch.Tensor, n: i
         heap = call.heap
         grid = (w * triton.cdiv(rows_own, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         if grid[0] > 0:
-            _gather_rows_kernel[grid](heap.data_ptrs, heap.sig_ptrs, out, m, n, rows_own, out.stride(0), out.stride(1),
+            _gather_rows_kernel[grid](heap.data_ptrs, heap.sig_ptrs, out, m, n, slot_stride(n), rows_own,
+                                      out.stride(0), out.stride(1),
                                       call.rank, ar_target, call.timeout_ticks, slots,
                                       signals.channel_offset(signals.CH_AR, w), WORLD=w, CHANNEL=signals.CH_AR,
                                       USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -11,6 +11,7 @@ means the fused result differs from the sequential reference only by summation o
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -19,9 +20,9 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import BlockConfig, block_config
-from .gemm_ar import ONE_SHOT_MAX_BYTES, all_reduce_partials
-from .gemm_rs import push_tile, scatter_tile, tiles
+from .gemm import NARROW_BLOCK_K, BlockConfig, block_config, grouped_tile, load_a, store_tile
+from .gemm_ar import ONE_SHOT_MAX_BYTES, all_reduce_partials, tile_rows
+from .gemm_rs import push_tile, scatter_tile, slot_stride, tiles
 
 # Scale layouts (kernels.quant.QuantSpec.mode) as kernel constants. PER_GROUP_ALIGNED is
 # per_group with ``group_size % BLOCK_K == 0``: a k-tile lies inside one group, so one [BLOCK_N]
@@ -45,10 +46,7 @@ def _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk,
         if HAS_OFFSET:
             o_tile = tl.load(o_ptr + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        mask_k = offs_k < K
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a, offs_k, mask_k = load_a(x_ptr, stride_xm, stride_xk, offs_m, mask_m, k0, K, BLOCK_K)
         b_mask = mask_n[None, :] & mask_k[:, None]
         b = tl.load(q_ptr + offs_n[None, :] * stride_qn + offs_k[:, None] * stride_qk, mask=b_mask,
                     other=0).to(tl.float32)
@@ -75,26 +73,16 @@ def _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk,
 def _matmul_w8a16_kernel(x_ptr, q_ptr, s_ptr, o_ptr, bias_ptr, c_ptr, M, N, K, GROUP_SIZE,
                          stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_cm, stride_cn,
                          MODE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    offs_m = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_n = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk, s_ptr, o_ptr, stride_sn,
                              stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE, MODE, HAS_OFFSET,
                              BLOCK_M, BLOCK_N, BLOCK_K)
-    # The reference rounds the matmul to x.dtype before adding bias (sequential: partial.add_(bias)).
-    acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    store_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS, True)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
-def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_OWN,
+def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, LD, ROWS_OWN,
                                GROUP_SIZE, stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg,
                                rank, epoch: tl.int64, timeout: tl.int64, done_offset, cnt_offset,
                                MODE: tl.constexpr, HAS_OFFSET: tl.constexpr, WORLD: tl.constexpr,
@@ -107,8 +95,8 @@ def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab
     acc = _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk, s_ptr, o_ptr, stride_sn,
                              stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE, MODE, HAS_OFFSET,
                              BLOCK_M, BLOCK_N, BLOCK_K)
-    push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, mask_n,
-              N, ROWS_OWN, rank, epoch, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
+    push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD,
+              ROWS_OWN, rank, epoch, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
 
 
 def _quant_args(scale: torch.Tensor, offset: Optional[torch.Tensor]) -> tuple:
@@ -132,7 +120,7 @@ def _scatter(call: runtime.FusedCall, x: torch.Tensor, qweight: torch.Tensor, qu
     grid = (per_owner * (1 if broadcast else w),)
     if grid[0] > 0:
         _gemm_w8a16_scatter_kernel[grid](
-            x, qweight, scale, offset, heap.data_ptrs, heap.sig_ptrs, m, n, k, rows_own, group_size,
+            x, qweight, scale, offset, heap.data_ptrs, heap.sig_ptrs, m, n, k, slot_stride(n), rows_own, group_size,
             x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), stride_sn, stride_sg,
             call.rank, call.epoch, call.timeout_ticks,
             signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
@@ -150,8 +138,8 @@ def matmul_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, of
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = block_config(x.device)
-    mode = _mode_of(scale, group_size, cfg)
+    cfg = block_config(x.device, m, k * x.element_size())
+    cfg, mode = _quant_config(cfg, scale, group_size)
     s, o, stride_sn, stride_sg = _quant_args(scale, offset)
     # The kernel indexes bias with unit stride.
     bias = bias.contiguous() if bias is not None else None
@@ -160,14 +148,23 @@ def matmul_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, of
                                x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), stride_sn, stride_sg,
                                out.stride(0), out.stride(1), MODE=mode, HAS_OFFSET=offset is not None,
                                HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                               BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                               BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages)
     return out
 
 
-def _mode_of(scale: torch.Tensor, group_size: int, cfg: BlockConfig) -> int:
+def _quant_config(cfg: BlockConfig, scale: torch.Tensor, group_size: int) -> tuple[BlockConfig, int]:
+    """The launch configuration and scale layout (a kernel ``MODE``) for ``scale``.
+
+    Per-group scales with ``group_size % block_k != 0`` would be gathered as a ``[BLOCK_K, BLOCK_N]``
+    tile every k step (it spilled at 64-deep steps on sm_90); 16-deep steps lie inside one group
+    whenever ``group_size % 16 == 0``. Only ``block_k`` changes, which no tile count depends on.
+    """
     if scale.dim() < 2:
-        return (PER_TENSOR, PER_CHANNEL)[scale.dim()]
-    return PER_GROUP_ALIGNED if group_size % cfg.block_k == 0 else PER_GROUP
+        return cfg, (PER_TENSOR, PER_CHANNEL)[scale.dim()]
+    if group_size % cfg.block_k:
+        cfg = replace(cfg, block_k=min(cfg.block_k, NARROW_BLOCK_K))
+    return cfg, PER_GROUP_ALIGNED if group_size % cfg.block_k == 0 else PER_GROUP
 
 
 def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
@@ -195,10 +192,10 @@ def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch
     m, _ = x.shape
     n = qweight.shape[0]
     size = x.element_size()
-    cfg = block_config(x.device)
-    mode = _mode_of(scale, group_size, cfg)
-    quant = _quant_args(scale, offset)
     algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
+    cfg = block_config(x.device, tile_rows(algorithm, m, w), x.shape[1] * size)
+    cfg, mode = _quant_config(cfg, scale, group_size)
+    quant = _quant_args(scale, offset)
     # The fixed-order reduce of gemm_rs is always used; ``deterministic`` is compared across ranks only.
     layout = ("per_tensor", "per_channel", "per_group")[scale.dim()]
     descriptor = runtime.describe("quantized_matmul_all_reduce", m, x.shape[1], n, x.dtype, bias is not None,

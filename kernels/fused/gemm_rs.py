@@ -1,7 +1,10 @@
 """Fused GEMM + reduce-scatter: ``y = reduce_scatter_dim0(x @ weight.T) + bias``.
 
-Heap region on each rank: ``slots [W, rows_own, n]``; slot ``[src]`` of owner ``d`` receives the
-partial product of rows ``[d * rows_own, (d + 1) * rows_own)`` computed by rank ``src``.
+Heap region on each rank: ``slots [W, rows_own, ld]``; slot ``[src]`` of owner ``d`` receives the
+partial product of rows ``[d * rows_own, (d + 1) * rows_own)`` computed by rank ``src``. The row
+stride ``ld`` is ``n`` rounded up to a multiple of 8 elements (:func:`slot_stride`): every slot row
+starts 16-byte aligned, so peer stores and reduce loads are vector accesses for any ``n``. Columns
+``[n, ld)`` carry zeros (the GEMM's masked columns) and are never copied out.
 
 Launch sequence on rank ``r`` for call epoch ``e``:
 
@@ -51,16 +54,27 @@ def scatter_tile(pid, rank, M, N, ROWS_OWN, WORLD: tl.constexpr, BROADCAST: tl.c
 
 
 @triton.jit
-def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, mask_n, N, ROWS_OWN, rank, epoch,
+def slot_tile(rows, offs_n, LD):
+    """Offsets and mask of a tile of heap rows ``rows`` in a region of row stride ``LD``.
+
+    ``LD`` is a multiple of 8 by construction (:func:`slot_stride`); stating it makes both the row
+    starts and the column mask (``offs_n < LD``) 16-byte granular, so a tile moves in vector accesses.
+    """
+    ld = tl.multiple_of(LD, 8)
+    # Row index first (small), then the int64 multiply: heap offsets can exceed 2**31.
+    return rows[:, None] * ld + offs_n[None, :], offs_n[None, :] < ld
+
+
+@triton.jit
+def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD, ROWS_OWN, rank, epoch,
               timeout, done_offset, cnt_offset,
               WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
     """Store ``tile`` into slot ``[rank]`` of its owner (of every rank with ``BROADCAST``), each once
     that rank's ``DONE`` shows it no longer reads its slots of the previous call, then bump its
-    ``RS[rank]`` counter."""
+    ``RS[rank]`` counter. Columns ``[n, LD)`` of ``tile`` are zeros (masked weight rows)."""
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    # Row index first (small), then the int64 multiply by N: slot offsets can exceed 2**31.
-    slot_offs = (rank * ROWS_OWN + local_rows)[:, None] * N + offs_n[None, :]
-    slot_mask = mask_m[:, None] & mask_n[None, :]
+    slot_offs, col_mask = slot_tile(rank * ROWS_OWN + local_rows, offs_n, LD)
+    slot_mask = mask_m[:, None] & col_mask
     if BROADCAST:
         for i in tl.static_range(WORLD):
             dst = (rank + 1 + i) % WORLD
@@ -76,7 +90,7 @@ def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
-def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_OWN,
+def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, LD, ROWS_OWN,
                          stride_xm, stride_xk, stride_wn, stride_wk, rank, epoch: tl.int64, timeout: tl.int64,
                          done_offset, cnt_offset,
                          WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
@@ -86,12 +100,12 @@ def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, ROWS_
                                                                      WORLD, BROADCAST, BLOCK_M, BLOCK_N)
     acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
                       x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE, DOT_PRECISION)
-    push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, mask_n,
-              N, ROWS_OWN, rank, epoch, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
+    push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD,
+              ROWS_OWN, rank, epoch, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "target", "timeout"])
-def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN, ROWS_VALID, N,
+def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN, ROWS_VALID, N, LD,
                          stride_om, stride_on, rank, epoch: tl.int64, target: tl.int64, timeout: tl.int64, cnt_offset,
                          done_offset, push_offset, push_base,
                          WORLD: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -101,7 +115,7 @@ def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN,
     n_tiles = tl.cdiv(N, BLOCK_N)
     offs_m = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask = (offs_m < ROWS_VALID)[:, None] & (offs_n < N)[None, :]
+    mask_m = offs_m < ROWS_VALID
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     slots = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty)
     ok = True
@@ -111,24 +125,35 @@ def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN,
     if ok:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         # Fixed rank order: the result does not depend on which peer finished first (deterministic).
-        for src in tl.static_range(WORLD):
-            acc += tl.load(slots + (src * ROWS_OWN + offs_m)[:, None] * N + offs_n[None, :], mask=mask,
-                           other=0.0).to(ACC_DTYPE)
+        # A runtime loop keeps one source's tile in registers at a time; unrolled over W sources the
+        # compiler hoists every load and the W = 8 reduce spilled.
+        for slot in range(WORLD):
+            offs, col_mask = slot_tile(slot * ROWS_OWN + offs_m, offs_n, LD)
+            acc += tl.load(slots + offs, mask=mask_m[:, None] & col_mask, other=0.0).to(ACC_DTYPE)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC_DTYPE)[None, :]
         result = acc.to(out_ptr.dtype.element_ty)
         if PUSH:
-            push_offs = push_base + (rank * ROWS_OWN + offs_m[:, None]) * N + offs_n[None, :]
+            push_offs, col_mask = slot_tile(rank * ROWS_OWN + offs_m, offs_n, LD)
+            push_mask = mask_m[:, None] & col_mask
             for i in tl.static_range(WORLD):
                 dst = (rank + 1 + i) % WORLD
                 ok_dst = signals.wait_signal(pad + done_offset + dst, epoch - 1, pad, timeout, 1 + dst,
                                              USE_GLOBALTIMER)
                 if ok_dst:
-                    tl.store(signals.peer_ptr(data_tab_ptr, dst, out_ptr.dtype.element_ty) + push_offs, result,
-                             mask=mask)
+                    # push_base is W * ROWS_OWN * LD elements, a multiple of 8 (LD is).
+                    o_region = (signals.peer_ptr(data_tab_ptr, dst, out_ptr.dtype.element_ty)
+                                + tl.multiple_of(push_base, 8))
+                    tl.store(o_region + push_offs, result, mask=push_mask)
                     signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + push_offset + rank, 1)
         else:
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, result, mask=mask)
+            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, result,
+                     mask=mask_m[:, None] & (offs_n < N)[None, :])
+
+
+def slot_stride(n: int) -> int:
+    """Row stride of the heap's slot regions: ``n`` rounded up to a multiple of 8 elements."""
+    return triton.cdiv(n, 8) * 8
 
 
 def tiles(rows: int, n: int, cfg: BlockConfig) -> int:
@@ -144,7 +169,7 @@ def scatter_partials(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Ten
     per_owner = tiles(rows_own, n, cfg)
     grid = (per_owner * (1 if broadcast else w),)
     if grid[0] > 0:
-        _gemm_scatter_kernel[grid](x, weight, heap.data_ptrs, heap.sig_ptrs, m, n, k, rows_own,
+        _gemm_scatter_kernel[grid](x, weight, heap.data_ptrs, heap.sig_ptrs, m, n, k, slot_stride(n), rows_own,
                                    x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
                                    call.rank, call.epoch, call.timeout_ticks,
                                    signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
@@ -168,7 +193,7 @@ def reduce_slots(call: runtime.FusedCall, out: torch.Tensor, bias: Optional[torc
     bias = bias.contiguous() if bias is not None else None
     if grid[0] > 0:
         _reduce_slots_kernel[grid](heap.data_ptrs, heap.sig_ptrs, bias if bias is not None else out, out,
-                                   rows_own, rows_valid, n, out.stride(0), out.stride(1),
+                                   rows_own, rows_valid, n, slot_stride(n), out.stride(0), out.stride(1),
                                    call.rank, call.epoch, target, call.timeout_ticks,
                                    signals.channel_offset(signals.CH_RS, w), signals.channel_offset(signals.CH_DONE, w),
                                    signals.channel_offset(signals.CH_AR, w), push_base if push else 0,
@@ -202,8 +227,8 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     m = x.shape[0]
     n = weight.shape[0]
     rows_own = m // w
-    cfg = block_config(x.device)
-    data_bytes = w * rows_own * n * x.element_size()
+    cfg = block_config(x.device, rows_own, x.shape[1] * x.element_size())
+    data_bytes = w * rows_own * slot_stride(n) * x.element_size()
     # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
     descriptor = runtime.describe("matmul_reduce_scatter", m, x.shape[1], n, x.dtype, bias is not None, deterministic)
     with runtime.fused_call("matmul_reduce_scatter", group, x.device, data_bytes, descriptor) as call:
