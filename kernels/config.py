@@ -194,17 +194,34 @@ def build_config(env: Mapping[str, str]) -> CocConfig:
 _cache: dict[tuple, CocConfig] = {}
 
 
+# CPython keeps os.environ's contents in a dict of encoded keys and values; reading it directly
+# costs about 0.1 us where six os.environ.get calls cost about 2.5 us, on every op call.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEYS = tuple(os.environ.encodekey(name) for name in _ENV_VARS) if _ENV_DATA is not None else ()
+
+
+def _raw_env_values() -> tuple:
+    if _ENV_DATA is None:
+        return tuple(os.environ.get(name) for name in _ENV_VARS)
+    return tuple(_ENV_DATA.get(key) for key in _ENV_KEYS)
+
+
+def _decode(value: Any) -> Optional[str]:
+    return value if value is None or isinstance(value, str) else os.environ.decodevalue(value)
+
+
 def get_config() -> CocConfig:
     """The config for the current environment; cheap enough to call on every op."""
-    env_values = tuple(os.environ.get(name) for name in _ENV_VARS)
-    path = env_values[2]
+    raw = _raw_env_values()
+    path = _decode(raw[2])
     try:
         mtime = os.stat(path).st_mtime_ns if path else None
     except OSError:
         mtime = None
-    key = (env_values, mtime)
+    key = (raw, mtime)
     config = _cache.get(key)
     if config is None:
+        env_values = tuple(_decode(v) for v in raw)
         config = build_config({n: v for n, v in zip(_ENV_VARS, env_values) if v is not None})
         if len(_cache) > 64:
             _cache.clear()
