@@ -73,9 +73,7 @@ def run(iters: int = 1000, repeats: int = 15) -> dict:
         for name, op in ops.items():
             t_torch, t_dtensor, t_autopar = _time(
                 [lambda: op(x, w), lambda: op(dx, dw), lambda: op(ax, aw)], iters, repeats)
-            rows.append({"op": name, "torch_us": t_torch * 1e6, "dtensor_us": t_dtensor * 1e6,
-                         "autopar_us": t_autopar * 1e6, "autopar_over_dtensor": t_autopar / t_dtensor,
-                         "overhead_ratio": (t_autopar - t_torch) / (t_dtensor - t_torch)})
+            rows.append(_row(name, t_torch, t_dtensor, t_autopar))
     # One training step of the same three ops: forward with a weight that requires grad, then
     # backward through the autograd engine (not part of "together", which is forward only).
     tw, dwg, awg = (w.clone().requires_grad_(), dw.detach().requires_grad_(),
@@ -87,12 +85,19 @@ def run(iters: int = 1000, repeats: int = 15) -> dict:
 
     t_torch, t_dtensor, t_autopar = _time([lambda: step(x, tw), lambda: step(dx, dwg),
                                            lambda: step(ax, awg)], max(1, iters // 10), repeats)
-    train = {"op": "fwd+bwd", "torch_us": t_torch * 1e6, "dtensor_us": t_dtensor * 1e6,
-             "autopar_us": t_autopar * 1e6, "autopar_over_dtensor": t_autopar / t_dtensor,
-             "overhead_ratio": (t_autopar - t_torch) / (t_dtensor - t_torch)}
+    train = _row("fwd+bwd", t_torch, t_dtensor, t_autopar)
+    together = _row("together", *(sum(r[k] for r in rows) / 1e6
+                                  for k in ("torch_us", "dtensor_us", "autopar_us")))
     return {"torch": torch.__version__, "world": world, "iters": iters, "repeats": repeats,
-            "shape_x": [8, 16], "shape_w": [16, 16], "rows": rows, "train": train,
-            "loadavg": list(os.getloadavg())}
+            "shape_x": [8, 16], "shape_w": [16, 16], "rows": rows, "together": together,
+            "train": train, "loadavg": list(os.getloadavg())}
+
+
+def _row(op: str, t_torch: float, t_dtensor: float, t_autopar: float) -> dict:
+    """Times in seconds -> a table row; overhead_ratio compares the time added to torch's."""
+    return {"op": op, "torch_us": t_torch * 1e6, "dtensor_us": t_dtensor * 1e6,
+            "autopar_us": t_autopar * 1e6, "autopar_over_dtensor": t_autopar / t_dtensor,
+            "overhead_ratio": (t_autopar - t_torch) / (t_dtensor - t_torch)}
 
 
 def _rank_main(rank: int, world: int, store_path: str, iters: int, repeats: int, out: str) -> None:
@@ -140,16 +145,10 @@ def main() -> None:
           f"w [16, 16] Replicate()")
     print(f"{'op':8s} {'torch us':>10s} {'DTensor us':>11s} {'autopar us':>11s} "
           f"{'autopar/DTensor':>16s} {'overhead ratio':>15s}")
-    for r in res["rows"]:
+    for r in res["rows"] + [res["together"], res["train"]]:
         print(f"{r['op']:8s} {r['torch_us']:10.1f} {r['dtensor_us']:11.1f} {r['autopar_us']:11.1f} "
               f"{r['autopar_over_dtensor']:16.2f} {r['overhead_ratio']:15.2f}")
-    tot = {k: sum(r[k] for r in res["rows"]) for k in ("torch_us", "dtensor_us", "autopar_us")}
-    print(f"{'together':8s} {tot['torch_us']:10.1f} {tot['dtensor_us']:11.1f} {tot['autopar_us']:11.1f} "
-          f"{tot['autopar_us'] / tot['dtensor_us']:16.2f} "
-          f"{(tot['autopar_us'] - tot['torch_us']) / (tot['dtensor_us'] - tot['torch_us']):15.2f}")
-    r = res["train"]
-    print(f"{r['op']:8s} {r['torch_us']:10.1f} {r['dtensor_us']:11.1f} {r['autopar_us']:11.1f} "
-          f"{r['autopar_over_dtensor']:16.2f} {r['overhead_ratio']:15.2f}   (gelu(x @ w) + x, sum, backward)")
+    print("together: the three forward ops summed; fwd+bwd: gelu(x @ w) + x, sum, backward")
     print("overhead ratio = (autopar - torch) / (DTensor - torch): the added host time per op")
     print(f"load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if args.json:

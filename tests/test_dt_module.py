@@ -220,3 +220,64 @@ def test_dtensor_interop_every_placement(world, mesh_shape):
     checked = run_ranks(_dtensor_interop, world, mesh_shape, timeout=180)
     # 2-D: 49 pairs less Shard(d) twice (2) less mixed Partial types (12), which DTensor rejects
     assert checked[0] == (7 if len(mesh_shape) == 1 else 35)
+
+
+def _readme_example(rank, world, path):
+    import contextlib
+    import io
+    import re
+
+    from tests.harness import REPO_ROOT
+
+    text = open(os.path.join(REPO_ROOT, "README.md")).read()
+    section = text[text.index("## Distributed tensors and pipelines"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    # The harness already holds the process group that torchrun's script would create.
+    code = code.replace('dist.init_process_group("gloo")\n', "").replace(
+        "dist.destroy_process_group()\n", "")
+    cwd, out = os.getcwd(), io.StringIO()
+    os.chdir(path)
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    finally:
+        os.chdir(cwd)
+    assert os.path.exists(os.path.join(path, f"mlp-rank{rank}.pt"))
+    # One process, plain tensors, the same module and optimizer.
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(32, 64) / 32 ** 0.5, torch.randn(64, 32) / 64 ** 0.5
+    w1, w2 = w1.requires_grad_(), w2.requires_grad_()
+    opt = torch.optim.AdamW([w1, w2], lr=1e-2)
+    torch.manual_seed(1)
+    X = torch.randn(8, 16, 32)
+    want = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = (F.gelu(X @ w1) @ w2).pow(2).mean()
+        loss.backward()
+        opt.step()
+        want.append(f"{loss.item():.4f} [('dp', 'sp'), ('dp', 'sp')]")
+    return out.getvalue().splitlines(), want, text
+
+
+def test_readme_distributed_tensor_example_runs(tmp_path):
+    """The README's nn.Module + AdamW example is a promise: run it on 4 ranks."""
+    results = run_ranks(_readme_example, 4, str(tmp_path), timeout=180)
+    lines, want, text = results[0]
+    assert lines == want
+    assert all(r[0] == [] for r in results[1:])
+    for line in want:
+        assert line.split()[0] in text          # the README quotes the losses it prints
+
+
+def test_dispatch_overhead_bench_runs_at_world_2():
+    """bench.dispatch_overhead spawns its ranks and reports every row against DTensor."""
+    from bench.dispatch_overhead import run_world
+
+    res = run_world(2, iters=3, repeats=1)
+    assert res["world"] == 2
+    assert [r["op"] for r in res["rows"]] == ["matmul", "gelu", "add"]
+    for r in res["rows"] + [res["together"], res["train"]]:
+        assert r["torch_us"] > 0 and r["dtensor_us"] > 0 and r["autopar_us"] > 0, r
+    with pytest.raises(ValueError, match="--world"):
+        run_world(0, iters=1, repeats=1)

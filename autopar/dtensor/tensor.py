@@ -15,7 +15,8 @@ Two entry points, chosen by measurement (docs/dtensor.md, "Design"):
   engine summing gradients, optimizers' in-place updates, ``module.to``, ``load_state_dict``'s
   ``copy_`` (:mod:`autopar.dtensor.aten`).
 
-Both tables are filled by those modules (this module imports neither, so there is no cycle).
+Both tables are filled by those modules, and ``ops`` sets the operator methods (``__matmul__``,
+``__add__``, ...) on the class: this module imports neither, so there is no cycle.
 """
 
 from __future__ import annotations
