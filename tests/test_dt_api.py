@@ -171,3 +171,30 @@ def test_optimizer_steps_on_local_pieces():
     opt.step()
     expected = W - 0.1 * x.full_tensor().sum(0, keepdim=True).T.expand(4, 3)
     torch.testing.assert_close(w.full_tensor(), expected)
+
+
+def test_sgd_steps_parameters_and_rejects_unsynced_gradients():
+    """torch.optim.SGD on nn.Parameter(DistTensor): the step updates the local piece; zero_grad
+    without set_to_none zeroes Partial gradients in place; a step on a Partial gradient raises."""
+    from autopar import sync_gradients
+
+    mesh = ProcessMesh([0], dim_names=["dp"])
+    W = torch.randn(4, 3)
+    w = torch.nn.Parameter(shard_tensor(W, mesh, [Replicate()]))
+    assert isinstance(w, DistTensor) and isinstance(w, torch.nn.Parameter) and w.requires_grad
+    local = w.to_local()
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    x = shard_tensor(torch.randn(5, 4), mesh, [Shard(0)])
+    (x @ w).sum().backward()
+    assert w.grad.placements == (Partial(),)
+    with pytest.raises(NotImplementedError, match="sync_gradients"):
+        opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert w.grad.placements == (Partial(),) and w.grad.to_local().abs().sum() == 0
+    (x @ w).sum().backward()
+    sync_gradients([w])
+    opt.step()
+    expected = W - 0.1 * x.full_tensor().sum(0, keepdim=True).T.expand(4, 3)
+    torch.testing.assert_close(w.full_tensor(), expected)
+    assert w.to_local() is local                         # updated in place, the same piece
+    assert opt.state[w]["momentum_buffer"].placements == (Replicate(),)
