@@ -136,8 +136,9 @@ def _cases():
             # The all-gather op keeps the default configuration (see docs/fused.md, forward progress).
             ag_cfg = gemm.block_config(cuda)
             cases.append((f"ag_gemm {tag}", ag_gemm._ag_gemm_kernel,
-                          dict(data_tab_ptr=tab, w_ptr=t(), bias_ptr=t(), y_ptr=t(), g_ptr=t(), M_LOCAL=rows_own, N=n,
-                               K=k, n_tiles=(n + 127) // 128, chunk_rows=256, stride_wn=k, stride_wk=1, stride_ym=n,
+                          dict(x_ptr=t(), data_tab_ptr=tab, w_ptr=t(), bias_ptr=t(), y_ptr=t(), g_ptr=t(),
+                               M_LOCAL=rows_own, N=n, K=k, n_tiles=(n + 127) // 128, chunk_rows=256, stride_xm=k,
+                               stride_xk=1, stride_wn=k, stride_wk=1, stride_ym=n,
                                stride_yn=1, flag_offset=off[signals.CH_AG], WORLD=w, CHANNEL=signals.CH_AG,
                                FLAG_STRIDE=signals.AG_MAX_SPLITS, HAS_BIAS=True, STORE_A=True, **sig, **timer,
                                **acc, DOT_PRECISION="tf32", **_blocks(ag_cfg)),
@@ -146,7 +147,7 @@ def _cases():
                           dict(x_ptr=t(), data_tab_ptr=tab, sig_tab_ptr=tab, M_LOCAL=rows_own, K=k, stride_xm=k,
                                stride_xk=1, chunk_rows=256, n_chunks=4, rank=w - 2, epoch=12345, WORLD=w,
                                FLAG_OFFSET=off[signals.CH_AG], FLAG_STRIDE=signals.AG_MAX_SPLITS, BLOCK_R=32,
-                               BLOCK_K=256), 4, 3, aligned))
+                               BLOCK_K=128), 4, 3, aligned))
         m = w * rows_own
         for broadcast in (False, True):
             cases.append((f"gemm_scatter broadcast={broadcast} {tag}", gemm_rs._gemm_scatter_kernel,

@@ -176,3 +176,28 @@ def test_peer_views_must_not_be_copies(monkeypatch):
     monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: torch.zeros(8, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="copied the CUDA IPC mapping"):
         cuda_ipc._as_tensor(0x1000, 8, torch.device("cpu"))
+
+
+def gated_push_body(rank: int, world: int) -> Optional[bool]:
+    """Rank 1 is alive but late: rank 0's call check times out, and its all-gather must then push
+    nothing into rank 1's gather buffer (rank 1 could still be reading it for its previous call)."""
+    from kernels.heap import peek_heap
+
+    group = dist.new_group(list(range(world)))
+    xs, ws, b = fused_cases.make_inputs("ag", world, 4, 8, 6, False, 2)
+    fused_cases.run_op("ag", xs[rank], ws[rank], b, group)
+    heap = peek_heap(group, torch.device("cpu"))
+    rows = heap.data_view(heap.rank, torch.float32, (world * 4, 8))[:4]  # where rank 0's shard lands
+    if rank == 1:
+        rows.fill_(7.0)
+    dist.barrier(group)  # the sentinel is in place before rank 0's late call
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="to publish its call descriptor"):
+            fused_cases.run_op("ag", xs[rank], ws[rank], b, group)
+    dist.barrier(group)  # rank 0's call is over (timed out) before rank 1 looks
+    return bool((rows == 7.0).all()) if rank == 1 else None
+
+
+def test_timed_out_check_pushes_nothing_into_peers():
+    results = run_ranks(gated_push_body, 2, env={"COC_TIMEOUT": "1"}, timeout=90)
+    assert results[1] is True, "rank 0 pushed into rank 1's gather buffer after its call check timed out"

@@ -6,14 +6,14 @@ Launch sequence on rank ``r`` for call epoch ``e`` (W ranks, heap region ``G [W 
    theirs of epoch ``e``. A peer publishes only after its kernels of call ``e - 1`` finished, so
    once the check passes no peer still reads its ``G`` of the previous call;
 2. push kernel (GPU: on a high-priority side stream): copy ``x`` into rows
-   ``[r * m_local, (r + 1) * m_local)`` of every rank's ``G`` chunk by chunk (chunks of whole row
-   tiles), ranks in the order ``r, r - 1, r - 2, ...`` (the order in which they need shard ``r``),
+   ``[r * m_local, (r + 1) * m_local)`` of every peer's ``G`` chunk by chunk (chunks of whole row
+   tiles), peers in the order ``r - 1, r - 2, ...`` (the order in which they need shard ``r``),
    setting flag ``AG[r, c] = e`` on the receiving rank after chunk ``c``; skipped entirely if the
    check failed;
-3. GEMM kernel: programs walk this rank's rows first, then the ring ``r + 1, r + 2, ...``; a program
-   waits for ``AG[src, c] >= e`` of the chunk holding its rows before loading them from the local
-   ``G``; with ``return_gathered`` the ``n``-tile-0 programs also write the rows they load to
-   ``x_gathered``;
+3. GEMM kernel: programs walk this rank's rows first (read straight from ``x``, no wait), then the
+   ring ``r + 1, r + 2, ...``; a program waits for ``AG[src, c] >= e`` of the chunk holding its
+   rows before loading them from the local ``G``; with ``return_gathered`` the ``n``-tile-0
+   programs also write the rows they load to ``x_gathered``;
 4. finish kernel: set ``DONE[r] = e`` on every rank, or fill the outputs with NaN after a failure.
 
 Each rank only reads its own ``G`` and only peers write it, so step 1 is the whole flow control.
@@ -34,9 +34,19 @@ from . import runtime, signals
 from .gemm import acc_dtype, block_config, dot_precision, matmul, tile_matmul
 
 
+@triton.jit
+def _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn,
+             HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
-def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_LOCAL, N, K, n_tiles, chunk_rows,
-                    stride_wn, stride_wk, stride_ym, stride_yn, rank, epoch: tl.int64, timeout: tl.int64, flag_offset,
+def _ag_gemm_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_LOCAL, N, K, n_tiles,
+                    chunk_rows, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, rank,
+                    epoch: tl.int64, timeout: tl.int64, flag_offset,
                     WORLD: tl.constexpr, CHANNEL: tl.constexpr, FLAG_STRIDE: tl.constexpr,
                     HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
                     USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -56,31 +66,36 @@ def _ag_gemm_kernel(data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < N
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    ok = signals.wait_signal(pad + flag, epoch, pad, timeout, 1 + src + WORLD * CHANNEL, USE_GLOBALTIMER)
-    if ok:
-        # Only the n-tile-0 programs write x_gathered (the interpreter cannot broadcast a scalar
-        # predicate into a mask, hence the vector form).
-        g_local = signals.peer_ptr(data_tab_ptr, rank, y_ptr.dtype.element_ty)
-        acc = tile_matmul(g_local, K, 1, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
-                          g_ptr, K, mask_m & ((offs_m * 0 + pid_n) == 0), BLOCK_M, BLOCK_N, BLOCK_K, STORE_A, ACC_DTYPE,
-                          DOT_PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
+    # Only the n-tile-0 programs write x_gathered (the interpreter cannot broadcast a scalar
+    # predicate into a mask, hence the vector form).
+    store_mask = mask_m & ((offs_m * 0 + pid_n) == 0)
+    if src == rank:
+        # Own rows straight from x: no flag, so this launch never waits on the push launch of its
+        # own process (which then need not be co-resident with it). Skipped after a failed check.
+        if signals.failed(pad) == 0:
+            acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, local_rows, mask_m, offs_n,
+                              mask_n, K, g_ptr + rank * M_LOCAL * K, K, store_mask, BLOCK_M, BLOCK_N, BLOCK_K,
+                              STORE_A, ACC_DTYPE, DOT_PRECISION)
+            _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, ACC_DTYPE)
+    else:
+        if signals.wait_signal(pad + flag, epoch, pad, timeout, 1 + src + WORLD * CHANNEL, USE_GLOBALTIMER):
+            g_local = signals.peer_ptr(data_tab_ptr, rank, y_ptr.dtype.element_ty)
+            acc = tile_matmul(g_local, K, 1, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
+                              g_ptr, K, store_mask, BLOCK_M, BLOCK_N, BLOCK_K, STORE_A, ACC_DTYPE, DOT_PRECISION)
+            _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, ACC_DTYPE)
 
 
 @triton.jit(do_not_specialize=["rank", "epoch"])
 def _push_shard_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, M_LOCAL, K, stride_xm, stride_xk, chunk_rows, n_chunks,
                        rank, epoch: tl.int64, WORLD: tl.constexpr, FLAG_OFFSET: tl.constexpr,
                        FLAG_STRIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Program (step, c) copies chunk c of x into row block ``rank`` of rank (rank - step)'s gather
-    # buffer and then raises that rank's flag AG[rank, c]. Step 0 is this rank (its GEMM reads its
-    # own rows first); rank d reads shard d + 1 right after its own, so rank - 1 is served next.
+    # Program (step, c) copies chunk c of x into row block ``rank`` of rank (rank - 1 - step)'s
+    # gather buffer and then raises that rank's flag AG[rank, c]. Rank d's GEMM reads its own rows
+    # (from its x) first and shard d + 1 next, so rank - 1 is served first, then rank - 2, ...
     pid = tl.program_id(0)
     step = pid // n_chunks
     c = pid % n_chunks
-    dst = (rank - step + WORLD) % WORLD
+    dst = (rank - 1 - step + WORLD) % WORLD
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     # The call check of this epoch ran before this kernel: if it failed (a peer missing, or a peer
     # described another call), nothing may be written into any peer.
@@ -101,7 +116,7 @@ def _push_shard_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, M_LOCAL, K, stride_xm, 
 
 def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side: Optional[torch.cuda.Stream]
                 ) -> None:
-    """Copy ``x`` chunk by chunk into row block ``r`` of every rank's gather buffer, flag after each chunk.
+    """Copy ``x`` chunk by chunk into row block ``r`` of every peer's gather buffer, flag after each chunk.
 
     One kernel, so the pushes are skipped on the device when the call check failed: copies queued
     by the host could not be (the host learns of a failure only later) and would overwrite the
@@ -118,11 +133,11 @@ def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side:
     if gpu:
         side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
-        _push_shard_kernel[(w * n_chunks,)](x, heap.data_ptrs, heap.sig_ptrs, m_local, k, x.stride(0), x.stride(1),
+        _push_shard_kernel[((w - 1) * n_chunks,)](x, heap.data_ptrs, heap.sig_ptrs, m_local, k, x.stride(0), x.stride(1),
                                             chunk_rows, n_chunks, r, call.epoch, WORLD=w,
                                             FLAG_OFFSET=signals.channel_offset(signals.CH_AG, w),
                                             FLAG_STRIDE=signals.AG_MAX_SPLITS, BLOCK_R=32 if gpu else 16,
-                                            BLOCK_K=256 if gpu else 64, num_warps=4 if gpu else 1)
+                                            BLOCK_K=128 if gpu else 64, num_warps=4 if gpu else 1)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -180,8 +195,9 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         n_tiles = max(triton.cdiv(n, cfg.block_n), 1 if return_gathered else 0)
         grid = (w * triton.cdiv(m_local, cfg.block_m) * n_tiles,)
         if grid[0] > 0:
-            _ag_gemm_kernel[grid](heap.data_ptrs, heap.sig_ptrs, weight, bias if bias is not None else y, y, x_gathered,
-                                  m_local, n, k, n_tiles, chunk_rows, weight.stride(0), weight.stride(1),
+            _ag_gemm_kernel[grid](x, heap.data_ptrs, heap.sig_ptrs, weight, bias if bias is not None else y, y,
+                                  x_gathered, m_local, n, k, n_tiles, chunk_rows, x.stride(0), x.stride(1),
+                                  weight.stride(0), weight.stride(1),
                                   y.stride(0), y.stride(1),
                                   call.rank, call.epoch, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
                                   WORLD=w, CHANNEL=signals.CH_AG, FLAG_STRIDE=signals.AG_MAX_SPLITS,
