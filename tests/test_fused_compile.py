@@ -200,6 +200,12 @@ def _cases():
     return cases
 
 
+# GEMMs whose aligned operand tiles must reach shared memory by 16-byte cp.async (pipelined), the
+# A operand of the all-gather GEMM included (it comes through a peer-table pointer).
+PIPELINED = ("ag_gemm W", "gemm_scatter", "matmul torch.float16")
+_CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)\b")
+
+
 def main() -> None:
     failures = []
     print(f"{'kernel':58} {'regs':>5} {'spill B':>8} {'16-bit':>7}")
@@ -212,6 +218,8 @@ def main() -> None:
                                                (ONCE_PER_PROGRAM, 0, ""))
         if spills > allowed_spill:
             failures.append(f"{label}: {spills} bytes of register spills")
+        if aligned and label.startswith(PIPELINED) and not _CP_ASYNC_16.search(kernel.asm["ptx"]):
+            failures.append(f"{label}: no 16-byte cp.async (operand loads not pipelined)")
         if aligned and allowed_16 is not None and len(narrow) > allowed_16:
             failures.append(f"{label}: {len(narrow)} 16-bit global accesses, e.g. {narrow[:3]}")
     if failures:
@@ -231,3 +239,33 @@ def test_fused_kernels_compile_for_sm90():
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "compiled: no spills" in proc.stdout
+
+
+def test_gpu_block_config_keeps_tile_counts_agreed():
+    """Tile counts (signal targets) depend only on the rows per owner and n, which every rank agrees
+    on; only block_k follows the per-rank k (uneven k shards are allowed)."""
+    import torch
+
+    from kernels.fused import gemm, gemm_ar_w8a16
+    from kernels.fused.gemm_rs import slot_stride, tiles
+
+    cuda = torch.device("cuda")
+    assert gemm.block_config(torch.device("cpu"), 8, 6) == gemm.CPU_BLOCKS
+    assert gemm.block_config(cuda) == gemm.GPU_BLOCKS
+    assert gemm.block_config(cuda, 65, 8192) == gemm.GPU_BLOCKS
+    small = gemm.block_config(cuda, 64, 8192)
+    assert (small.block_m, small.num_warps) == (64, 4)
+    for rows in (1, 64, 65, 1000):
+        shapes = {(cfg.block_m, cfg.block_n) for cfg in (gemm.block_config(cuda, rows, kb) for kb in (8192, 8194, 6))}
+        assert len(shapes) == 1, rows
+        assert tiles(rows, 4097, gemm.block_config(cuda, rows, 8194)) == tiles(rows, 4097,
+                                                                                gemm.block_config(cuda, rows, 8192))
+    assert gemm.block_config(cuda, 512, 2 * 4097).block_k == gemm.NARROW_BLOCK_K
+    assert gemm.block_config(cuda, 512, 2 * 4096).block_k == 64
+    per_group = torch.empty(8, 3)
+    assert gemm_ar_w8a16._quant_config(gemm.GPU_BLOCKS, per_group, 128) == (gemm.GPU_BLOCKS,
+                                                                           gemm_ar_w8a16.PER_GROUP_ALIGNED)
+    cfg, mode = gemm_ar_w8a16._quant_config(gemm.GPU_BLOCKS, per_group, 48)
+    assert (cfg.block_k, cfg.block_m, mode) == (16, 128, gemm_ar_w8a16.PER_GROUP_ALIGNED)
+    assert gemm_ar_w8a16._quant_config(gemm.GPU_BLOCKS, per_group, 40)[1] == gemm_ar_w8a16.PER_GROUP
+    assert [slot_stride(n) for n in (1, 8, 9, 4097)] == [8, 8, 16, 4104]

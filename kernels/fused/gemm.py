@@ -153,6 +153,15 @@ def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak,
     store_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS, False)
 
 
+def local_launch(x: torch.Tensor, n: int) -> tuple[torch.Tensor, BlockConfig, tuple[int]]:
+    """Output ``[m, n]``, tile configuration and grid of a local GEMM of ``x [m, k]`` (grid ``(0,)``
+    when the output is empty)."""
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    cfg = block_config(x.device, m, k * x.element_size())
+    return out, cfg, (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with the fused ops' GEMM core (fp32 accumulate, fp64 for fp64); the W == 1 path.
 
@@ -163,12 +172,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         raise ValueError(f"matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [m, k] and [n, k]")
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    out, cfg, grid = local_launch(x, n)
+    if grid[0] == 0:
         return out
-    cfg = block_config(x.device, m, k * x.element_size())
     bias_arg = bias.contiguous() if bias is not None else out
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_kernel[grid](x, weight, bias_arg, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
                          weight.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
                          ACC_DTYPE=acc_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype, x.device),

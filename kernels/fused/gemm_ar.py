@@ -24,7 +24,7 @@ import triton.language as tl
 
 from . import runtime, signals
 from .gemm import BlockConfig, block_config, matmul
-from .gemm_rs import reduce_slots, scatter_partials, slot_stride, slot_tile
+from .gemm_rs import group_and_size, reduce_slots, scatter_partials, slot_stride, slot_tile
 
 # Outputs up to this many bytes use one-shot: latency (one exchange, no second kernel round) wins
 # over the ~W/2 times larger traffic while messages are small.
@@ -80,8 +80,7 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
-    group = runtime.resolve_group(group)
-    w = runtime.world_size(group)
+    group, w = group_and_size(group)
     if w == 1:
         return matmul(x, weight, bias)
     m = x.shape[0]

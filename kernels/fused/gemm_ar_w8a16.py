@@ -20,9 +20,9 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import NARROW_BLOCK_K, BlockConfig, block_config, grouped_tile, load_a, store_tile
+from .gemm import NARROW_BLOCK_K, BlockConfig, block_config, grouped_tile, load_a, local_launch, store_tile
 from .gemm_ar import ONE_SHOT_MAX_BYTES, all_reduce_partials, tile_rows
-from .gemm_rs import push_tile, scatter_tile, slot_stride, tiles
+from .gemm_rs import group_and_size, push_tile, scatter_tile, slot_stride, tiles
 
 # Scale layouts (kernels.quant.QuantSpec.mode) as kernel constants. PER_GROUP_ALIGNED is
 # per_group with ``group_size % BLOCK_K == 0``: a k-tile lies inside one group, so one [BLOCK_N]
@@ -135,15 +135,14 @@ def matmul_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, of
     """Local ``x @ dequant(qweight).T + bias`` with the dequantizing GEMM core (the W == 1 path)."""
     m, k = x.shape
     n = qweight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
+    out, cfg, grid = local_launch(x, n)
+    if grid[0] == 0:
         return out
-    cfg = block_config(x.device, m, k * x.element_size())
+    # Only block_k may change here: the grid stays valid.
     cfg, mode = _quant_config(cfg, scale, group_size)
     s, o, stride_sn, stride_sg = _quant_args(scale, offset)
     # The kernel indexes bias with unit stride.
     bias = bias.contiguous() if bias is not None else None
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _matmul_w8a16_kernel[grid](x, qweight, s, o, bias if bias is not None else out, out, m, n, k, group_size,
                                x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), stride_sn, stride_sg,
                                out.stride(0), out.stride(1), MODE=mode, HAS_OFFSET=offset is not None,
@@ -185,8 +184,7 @@ def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch
 
     Always deterministic, as :func:`gemm_ar.matmul_all_reduce` (``deterministic`` costs nothing).
     """
-    group = runtime.resolve_group(group)
-    w = runtime.world_size(group)
+    group, w = group_and_size(group)
     if w == 1:
         return matmul_w8a16(x, qweight, scale, offset, group_size, bias)
     m, _ = x.shape

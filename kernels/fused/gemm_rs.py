@@ -203,6 +203,12 @@ def reduce_slots(call: runtime.FusedCall, out: torch.Tensor, bias: Optional[torc
     return heap.add_count(signals.CH_AR, grid[0]) if push else heap.counters.get(signals.CH_AR, 0)
 
 
+def group_and_size(group: Optional[dist.ProcessGroup]) -> tuple[dist.ProcessGroup, int]:
+    """The group a fused op runs on (``None``: the default group) and its size."""
+    group = runtime.resolve_group(group)
+    return group, runtime.world_size(group)
+
+
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                           group: Optional[dist.ProcessGroup], deterministic: bool) -> torch.Tensor:
     """Fused GEMM + reduce-scatter over the group's symmetric heap.
@@ -220,8 +226,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     ``deterministic`` says (it costs nothing here). Raises RuntimeError naming the missing peer if a
     wait exceeds ``COC_TIMEOUT``.
     """
-    group = runtime.resolve_group(group)
-    w = runtime.world_size(group)
+    group, w = group_and_size(group)
     if w == 1:
         return matmul(x, weight, bias)
     m = x.shape[0]
