@@ -54,6 +54,8 @@ def test_elementwise_ops_without_rule_need_one_non_partial_layout():
         torch.tanh(shard_tensor(X, mesh, [Partial()]))
     with pytest.raises(NotImplementedError, match="share mesh, global shape and placements"):
         torch.maximum(x, shard_tensor(X, mesh, [Replicate()]))
+    with pytest.raises(NotImplementedError, match="full_tensor"):
+        x.sum().item()
 
 
 def test_submesh():

@@ -133,6 +133,9 @@ def _pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
 def _default(func: Any, args: tuple, kwargs: dict) -> Any:
     if torch.Tag.pointwise in func.tags:
         return _pointwise(func, args, kwargs)
+    if func in (aten._local_scalar_dense.default, aten.is_nonzero.default):
+        raise NotImplementedError("item() / bool() of a DistTensor: this rank holds only a piece; "
+                                  "use t.full_tensor().item() (collective over the mesh)")
     raise NotImplementedError(f"{func} has no DistTensor SPMD rule (supported: matmul, +, -, *, /, "
                               f"linear, gelu, relu, softmax, layer_norm, sum, mean, and elementwise "
                               f"ops on operands of one layout)")

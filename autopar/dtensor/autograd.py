@@ -157,7 +157,9 @@ def vjp_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[Optional[DistT
 
 # -- reshard (same mesh and cross-mesh) ---------------------------------------------------------
 
-def _kernels():
+def kernels_api():
+    """The ``kernels`` package, imported on first use (a DistTensor that never reaches an
+    overlapped op does not need it loaded)."""
     import kernels
 
     return kernels
@@ -183,9 +185,9 @@ def _fused_reduce(x: PendingMatmul, placements: tuple) -> Optional[torch.Tensor]
     dst = placements[m]
     group = x._mesh.get_group(m)
     if type(dst) is Replicate:
-        return _kernels().matmul_all_reduce(x._x, x._w, group=group)
+        return kernels_api().matmul_all_reduce(x._x, x._w, group=group)
     if dst == Shard(0) and x._shape[0] % x._mesh.shape[m] == 0 and x.ndim >= 2:
-        return _kernels().matmul_reduce_scatter(x._x, x._w, group=group)
+        return kernels_api().matmul_reduce_scatter(x._x, x._w, group=group)
     return None
 
 

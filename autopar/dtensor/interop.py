@@ -63,7 +63,8 @@ def _to_dtensor_placement(p: Placement) -> Any:
         return DShard(p.dim)
     if type(p) is Replicate:
         return DReplicate()
-    supported = getattr(DPartial, "ALL_REDUCE_OPS", ("sum", "avg"))
+    # Older DTensor releases do not list their reduce ops; they pass any to the collective.
+    supported = getattr(DPartial, "ALL_REDUCE_OPS", ("sum", "avg", "max", "min"))
     if p.reduce_type not in supported:
         raise ValueError(f"to_dtensor: this torch's DTensor has no Partial({p.reduce_type!r}) "
                          f"(it supports {list(supported)}); reshard to Replicate first")

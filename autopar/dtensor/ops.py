@@ -15,9 +15,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .autograd import (grad_placement, graph_vjp, output_grad, pieces_nonempty, record,
-                       requires_grad, requires_grads, reshard_backward, reshard_same_mesh,
-                       vjp_backward)
+from .autograd import (grad_placement, graph_vjp, kernels_api, output_grad, pieces_nonempty,
+                       record, requires_grad, requires_grads, reshard_backward,
+                       reshard_same_mesh, vjp_backward)
 from .mesh import ProcessMesh
 from .placements import REPLICATE, Partial, Replicate, Shard
 from .rules import RuleResult, broadcast_labels, einsum_rule, matmul_labels, reduction_labels
@@ -141,12 +141,6 @@ def _promote(ins: list[DistTensor]) -> torch.dtype:
 
 # -- overlapped matmul + collective (kernels) --------------------------------------------------------
 
-def _kernels():
-    import kernels
-
-    return kernels
-
-
 def _mm_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[Optional[DistTensor]]:
     """Explicit vjp of ``y = x @ w.T`` (x [..., k], w [n, k]) for the overlapped paths.
 
@@ -242,7 +236,7 @@ def _matmul_like(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable
     if a._placements[m] != Shard(0) or type(res.in_placements[0][m]) is not Replicate or \
             res.out_placements[m] != Shard(a.ndim - 1) or a._shape[0] % W:
         return _apply(key, rule, local_fn, [a, b])
-    y, gathered = _kernels().all_gather_matmul(a._local, w_local, group=mesh.get_group(m),
+    y, gathered = kernels_api().all_gather_matmul(a._local, w_local, group=mesh.get_group(m),
                                                return_gathered=True)
     a_full = make(gathered, mesh, res.in_placements[0], a._shape, a._dtype, True, in_lids[0])
     if torch.is_grad_enabled() and requires_grad(a):
