@@ -370,3 +370,20 @@ def test_auto_split_choice_inside_capture_raises(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(RuntimeError, match="before capturing"):
         with torch.cuda.graph(graph):
             kernels.matmul_all_reduce(x, w)
+
+
+def test_host_cost_bench_reports_every_backend(tmp_path: Any) -> None:
+    """``python -m bench.host_cost`` at world 1 (eager, thread clock) gives a figure per op and backend."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.harness import REPO_ROOT
+
+    out = tmp_path / "host_cost.json"
+    subprocess.run([sys.executable, "-m", "bench.host_cost", "--worlds", "1", "--no-compile", "--iters", "3",
+                    "--repeats", "1", "--clock", "thread", "--json", str(out)], cwd=REPO_ROOT, check=True,
+                   capture_output=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    got = {(r["op"], r["backend"]) for r in rows if r["mode"] == "eager" and r["us"] > 0}
+    assert len(got) == 15 and not [r for r in rows if "error" in r], rows

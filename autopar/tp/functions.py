@@ -23,6 +23,14 @@ from .comm import Group, rows
 from .wgrad import WgradOptions, custom_bwd, custom_fwd, defer_wgrad, save_for_wgrad, wgrad_and_bias_grad
 
 
+def _finish_dgrad(ctx: Any, grad_x: Optional[torch.Tensor], in_flight: bool) -> Optional[torch.Tensor]:
+    """The input gradient in the input's shape, its collective waited for if ``in_flight``: the
+    column Functions start it before the weight gradient and finish it after, to overlap the two."""
+    if in_flight:
+        grad_x = comm.wait(grad_x)
+    return None if grad_x is None else grad_x.view(ctx.x_shape)
+
+
 class ColumnParallelLinearFunction(torch.autograd.Function):
     """Column-parallel linear, no sequence parallelism.
 
@@ -79,11 +87,7 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         deferred = need_w and defer_wgrad(grad_y, ctx.wgrad_opts)
         grad_w, grad_b = wgrad_and_bias_grad(ctx, None if deferred else grad_y2d, rows(x) if need_w else None,
                                              grad_y2d)
-        if reducing:
-            grad_x = comm.wait(grad_x)
-        if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return _finish_dgrad(ctx, grad_x, reducing), grad_w, grad_b, None, None, None, None
 
 
 class ColumnParallelLinearSPFunction(torch.autograd.Function):
@@ -164,11 +168,7 @@ class ColumnParallelLinearSPFunction(torch.autograd.Function):
         if compute_wgrad and ctx.recompute_all_gather and world > 1:
             x_full2d = comm.wait(x_full2d)
         grad_w, grad_b = wgrad_and_bias_grad(ctx, grad_y2d if compute_wgrad else None, x_full2d, grad_y2d)
-        if scatter:
-            grad_x = comm.wait(grad_x)
-        if grad_x is not None:
-            grad_x = grad_x.view(ctx.x_shape)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return _finish_dgrad(ctx, grad_x, scatter), grad_w, grad_b, None, None, None, None
 
 
 class RowParallelLinearFunction(torch.autograd.Function):
