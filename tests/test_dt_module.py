@@ -281,3 +281,39 @@ def test_dispatch_overhead_bench_runs_at_world_2():
         assert r["torch_us"] > 0 and r["dtensor_us"] > 0 and r["autopar_us"] > 0, r
     with pytest.raises(ValueError, match="--world"):
         run_world(0, iters=1, repeats=1)
+
+
+def _pipeline_parameters_train(rank, world):
+    from autopar import ProcessMesh, Replicate, reshard, shard_tensor, stage_meshes, sync_gradients
+
+    stage0, stage1 = stage_meshes(ProcessMesh([0, 1], dim_names=["pp"]), "pp")
+    g = torch.Generator().manual_seed(3)
+    W0, W1 = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    X = torch.randn(5, 8, generator=g)
+    w0 = torch.nn.Parameter(shard_tensor(W0, stage0, [Replicate()]))
+    w1 = torch.nn.Parameter(shard_tensor(W1, stage1, [Replicate()]))
+    opt = torch.optim.AdamW([w0, w1], lr=1e-2)
+    ref = [W0.clone().requires_grad_(), W1.clone().requires_grad_()]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        h = reshard(F.gelu(shard_tensor(X, stage0, [Replicate()]) @ w0), stage1, [Replicate()])
+        y = h @ w1
+        (y * y).mean().backward()                   # every rank, clipped or not
+        sync_gradients([w0, w1])
+        opt.step()
+        ref_opt.zero_grad()
+        (F.gelu(X @ ref[0]) @ ref[1]).pow(2).mean().backward()
+        ref_opt.step()
+    mine, clipped = (w0, w1) if rank == 0 else (w1, w0)
+    assert not clipped.is_initialized() and clipped.shape == (W1.shape if rank == 0 else W0.shape)
+    for t in (clipped, clipped.grad, opt.state[clipped]["exp_avg"]):
+        assert not t.is_initialized() and t.to_local().untyped_storage().nbytes() == 0
+    torch.testing.assert_close(mine.full_tensor(), ref[rank].detach(), **TRAIN_TOL)
+    return True
+
+
+def test_pipeline_parameters_train_and_clipped_ranks_hold_nothing():
+    """nn.Parameter weights on two pipeline stages, AdamW on every rank: the stage's rank trains
+    like one process; the other rank's parameter, gradient and optimizer state stay empty."""
+    assert run_ranks(_pipeline_parameters_train, 2, timeout=120) == [True, True]
