@@ -81,10 +81,21 @@ def item_error(name: str, exc: BaseException) -> dict:
 
 # ---------------------------------------------------------------------------------------------- ranks
 
+_EARLY: dict[str, Any] = {}  # this rank's number and result queue, for a body that ends its process itself
+
+
+def _report_early(value: Any) -> None:
+    """Hand in this rank's result now and flush it through the queue: the process is about to end."""
+    _EARLY["results"].put((_EARLY["rank"], "ok", value))
+    _EARLY["results"].close()
+    _EARLY["results"].join_thread()
+
+
 def _rank_entry(rank: int, world: int, store_path: str, device_type: str, results: Any,
                 fn: Callable[..., Any], args: tuple) -> None:
     import datetime
 
+    _EARLY.update(rank=rank, results=results)
     try:
         if device_type == "cuda":
             # Every rank on the one GPU: the processes share it through CUDA IPC.
@@ -102,15 +113,14 @@ def _rank_entry(rank: int, world: int, store_path: str, device_type: str, result
             dist.destroy_process_group()
 
 
-def spawn_ranks(fn: Callable[..., Any], world: int, device_type: str, args: tuple, timeout_s: float,
-                may_die: tuple[int, ...] = ()) -> list[tuple[str, Any]]:
+def spawn_ranks(fn: Callable[..., Any], world: int, device_type: str, args: tuple, timeout_s: float
+                ) -> list[tuple[str, Any]]:
     """Run module-level ``fn(rank, world, device_type, *args)`` on ``world`` new processes.
 
-    Returns per rank ``("ok", value)``, ``("error", traceback)``, ``("died", exit code)``,
-    ``("exited", exit code)`` (a rank of ``may_die`` that ended without a result, as it may) or
-    ``("timeout", None)``. Every process is gone
-    on return (killed past ``timeout_s``). :func:`bench.launch.spawn` does not fit here: it takes
-    NCCL and one GPU per rank on CUDA, and ends the run when any rank dies.
+    Returns per rank ``("ok", value)``, ``("error", traceback)``, ``("died", exit code)`` or
+    ``("timeout", None)``; a rank that ends its own process hands its result in first
+    (:func:`_report_early`). Every process is gone on return (killed past ``timeout_s``).
+    :func:`bench.launch.spawn` does not fit here: it takes NCCL and one GPU per rank on CUDA.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -138,9 +148,8 @@ def spawn_ranks(fn: Callable[..., Any], world: int, device_type: str, args: tupl
                         continue
                     except queue.Empty:
                         for r in dead:
-                            got[r] = ("exited" if r in may_die else "died", procs[r].exitcode)
-                        if any(r not in may_die for r in dead):
-                            break
+                            got[r] = ("died", procs[r].exitcode)
+                        break
         finally:
             for p in procs:
                 p.join(timeout=5 if len(got) == world else 0.1)
@@ -157,8 +166,6 @@ def merge_rank_items(outcome: list[tuple[str, Any]], what: str) -> list[dict]:
     merged: dict[str, dict] = {}
     extra: list[dict] = []
     for rank, (status, value) in enumerate(outcome):
-        if status == "exited":
-            continue
         if status != "ok":
             detail = {"error": f"raised:\n{value}", "died": f"died (exit code {value})",
                       "timeout": "gave no answer before the deadline"}[status]
@@ -274,9 +281,11 @@ def shapes(device_type: str) -> list[tuple[int, int, int, bool]]:
     return [(37, 24, 40, True)]
 
 
-def fused_world_body(rank: int, world: int, device_type: str, dtype_names: list[str], calls: int) -> list[dict]:
+def fused_world_body(rank: int, world: int, device_type: str, dtype_names: list[str], calls: int,
+                     depart: tuple[str, list[str], float]) -> list[dict]:
     """Correctness of every op and dtype with a scrambled heap and a straggler, then ``calls``
-    back-to-back calls, then the heap's teardown."""
+    back-to-back calls, the heap's teardown, and a departing peer (``depart``: the arguments
+    ``mode, ops, timeout_s`` of :func:`departure`). Rank 1 of a departure by "exit" ends its process."""
     from kernels.fused import signals
     from kernels.heap import get_heap
 
@@ -306,7 +315,8 @@ def fused_world_body(rank: int, world: int, device_type: str, dtype_names: list[
                     dist.barrier(group)
     items.append(back_to_back(rank, world, dev, dtype_names[0], calls, group))
     items.append(teardown(rank, world, dev, group))
-    return items
+    mode, ops, timeout_s = depart
+    return items + departure(rank, world, dev, mode, ops, timeout_s, items)
 
 
 def back_to_back(rank: int, world: int, dev: torch.device, dname: str, calls: int,
@@ -373,36 +383,43 @@ def teardown(rank: int, world: int, dev: torch.device, group: dist.ProcessGroup)
             "detail": "; ".join(problems) if problems else detail}
 
 
-def peer_exit_body(rank: int, world: int, device_type: str, mode: str, ops: list[str], timeout_s: float
-                   ) -> Optional[list[dict]]:
-    """Every op is called twice on a group of its own; then rank 1 leaves (``mode`` "stop": it makes
-    no more calls and keeps its memory until rank 0 is done; "exit": the process ends at once) and
-    rank 0 calls each op again with ``COC_TIMEOUT=timeout_s``: each call must raise RuntimeError naming
-    rank 1 within that time."""
-    dev = device_of(device_type)
-    dtype = torch.float16 if device_type == "cuda" else torch.float32
-    groups = {op: dist.new_group(list(range(world))) for op in ops}
-    cases = {op: make_case(op, world, rank, 13, 64, 40, True, i, dtype, dev) for i, op in enumerate(ops)}
+def departure(rank: int, world: int, dev: torch.device, mode: str, ops: list[str], timeout_s: float,
+              items_so_far: list[dict]) -> list[dict]:
+    """Ranks 0 and 1 call every op twice on a 2-rank group of its own; then rank 1 leaves (``mode``
+    "stop": it makes no more calls and keeps its memory until rank 0 is done; "exit": its process ends
+    at once, after handing in ``items_so_far``) and rank 0 calls each op again with
+    ``COC_TIMEOUT=timeout_s``: each call must raise RuntimeError naming rank 1 within that time.
+    Ranks 2.. make no fused call and wait for rank 0 at a gloo barrier."""
+    dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    # new_group is collective over the default group: every rank creates every group.
+    pairs = {op: dist.new_group([0, 1]) for op in ops}
+    hold = dist.new_group([0, 1])
+    others = dist.new_group([0] + list(range(2, world))) if world > 2 else None
+    if rank >= 2:
+        dist.barrier(others)
+        return []
+    cases = {op: make_case(op, 2, rank, 13, 64, 40, True, i, dtype, dev) for i, op in enumerate(ops)}
     for op in ops:
         # Two calls: epochs 1 and 2 compile their variants here, not inside the timed wait.
         for _ in range(2):
-            run_op(cases[op], groups[op])
+            run_op(cases[op], pairs[op])
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    dist.barrier()
-    if rank != 0:
-        if rank == 1 and mode == "exit":
+    dist.barrier(hold)
+    if rank == 1:
+        if mode == "exit":
+            _report_early(items_so_far)
             os._exit(0)
-        if mode == "stop":
-            dist.barrier()  # a gloo barrier, not a fused call: held until rank 0 has seen every timeout
-        return None
+        dist.barrier(hold)  # a gloo barrier, not a fused call: held until rank 0 has seen every timeout
+        return []
     os.environ["COC_TIMEOUT"] = str(timeout_s)  # read at call time (kernels.config)
     items = []
     for op in ops:
-        name = f"W={world} {op}: peer {'process exits' if mode == 'exit' else 'stops calling'} -> RuntimeError"
+        name = (f"W={world} {op} on a 2-rank group: peer {'process exits' if mode == 'exit' else 'stops calling'} "
+                "-> RuntimeError")
         start = time.monotonic()
         try:
-            run_op(cases[op], groups[op])
+            run_op(cases[op], pairs[op])
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         except RuntimeError as e:
@@ -411,11 +428,13 @@ def peer_exit_body(rank: int, world: int, device_type: str, mode: str, ops: list
             items.append({"name": name, "status": "fail", "detail": "the call returned although rank 1 never made it"})
             continue
         # Slack past COC_TIMEOUT: the host-side error check and, on CPU, the interpreter's pace.
-        slack = 5.0 if device_type == "cuda" else 15.0
+        slack = 5.0 if dev.type == "cuda" else 15.0
         ok = "rank 1" in message and "COC_TIMEOUT" in message and elapsed <= timeout_s + slack
         items.append({"name": name, "status": "pass" if ok else "fail", "elapsed_s": round(elapsed, 2),
                       "detail": f"raised after {elapsed:.2f} s (COC_TIMEOUT={timeout_s:g}, allowed +{slack:g} s): "
                                 f"{message[:300]}"})
     if mode == "stop":
-        dist.barrier()
+        dist.barrier(hold)
+    if others is not None:
+        dist.barrier(others)
     return items

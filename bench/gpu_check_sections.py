@@ -328,7 +328,7 @@ def section_chunked(params: dict, out: Emitter) -> None:
 # ------------------------------------------------------------------------------------- c: fused
 
 def section_fused(params: dict, out: Emitter) -> None:
-    from bench.gpu_check_cases import fused_world_body, merge_rank_items, peer_exit_body, spawn_ranks
+    from bench.gpu_check_cases import fused_world_body, merge_rank_items, spawn_ranks
 
     cuda = params["device_type"] == "cuda"
     dtypes = ["float16", "bfloat16"] if cuda else ["float32", "float16"]
@@ -341,23 +341,21 @@ def section_fused(params: dict, out: Emitter) -> None:
     timeout_s = 3.0
     # CPU: one op per kind of departure, to keep the CI run short.
     stop_ops, exit_ops = (["ag", "rs", "ar_two"],) * 2 if cuda else (["ag"], ["rs"])
-    plan: list[tuple[str, Callable[[], list[tuple[str, Any]]]]] = []
-    for world in (2, 4):
-        plan.append((f"W={world} fused", lambda w=world: spawn_ranks(
-            fused_world_body, w, params["device_type"], (dtypes if cuda or w == 2 else dtypes[1:], calls),
-            timeout_s=_budget(params, 0.55))))
-    for mode, ops in (("stop", stop_ops), ("exit", exit_ops)):
-        plan.append((f"W=2 peer {mode}", lambda mo=mode, o=ops: spawn_ranks(
-            peer_exit_body, 2, params["device_type"], (mo, o, timeout_s), timeout_s=_budget(params, 0.9),
-            may_die=(1,))))
+    # W = 2 ends with a peer that stops calling, W = 4 with one whose process exits (rank 1 of a
+    # 2-rank group inside each, so the error must name it).
+    plan = [(2, dtypes, ("stop", stop_ops, timeout_s), 0.5), (4, dtypes if cuda else dtypes[1:],
+                                                               ("exit", exit_ops, timeout_s), 1.0)]
     if not cuda:
         out.note("CPU: W=4 runs fp16 only; a peer that stops is checked on ag, one that exits on rs (CI time)")
-    for what, run in plan:
+    for world, names, depart, share in plan:
         # Long enough for the interpreter on a loaded CPU or a kernel compile in the middle of a peer's
-        # wait; peer_exit_body lowers it to timeout_s for the calls its peer never makes.
+        # wait; departure() lowers it to timeout_s for the calls its peer never makes.
         os.environ["COC_TIMEOUT"] = "60"
         started = time.time()
-        items = merge_rank_items(run(), what)
+        what = f"W={world} fused"
+        outcome = spawn_ranks(fused_world_body, world, params["device_type"], (names, calls, depart),
+                              timeout_s=_budget(params, share))
+        items = merge_rank_items(outcome, what)
         for it in items:
             out.raw_item(it)
         out.info(**{f"{what} seconds": round(time.time() - started, 1)})
