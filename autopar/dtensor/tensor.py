@@ -9,8 +9,10 @@ Two entry points, chosen by measurement (docs/dtensor.md, "Design"):
 
 * ``__torch_function__`` (and the ``@``/``+``/... dunders, overridden directly) handles the ops
   that have SPMD rules (:mod:`autopar.dtensor.ops`) at the Python level, before the dispatcher:
-  one dict lookup, the cached rule, the local op and one wrapper. A dispatcher round trip to
-  ``__torch_dispatch__`` (what DTensor does for every op) costs more than the whole budget.
+  one dict lookup, the cached rule, the local op and one wrapper. Reaching ``__torch_dispatch__``
+  instead (through the dispatcher and the autograd layer, as DTensor does for every op) costs
+  about 2.4 times as much before any work is done: with the wrapper, most of a budget of half
+  DTensor's added time.
 * ``__torch_dispatch__`` serves what reaches ATen from PyTorch's own machinery: the autograd
   engine summing gradients, optimizers' in-place updates, ``module.to``, ``load_state_dict``'s
   ``copy_`` (:mod:`autopar.dtensor.aten`).
