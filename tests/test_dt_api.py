@@ -200,3 +200,26 @@ def test_sgd_steps_parameters_and_rejects_unsynced_gradients():
     torch.testing.assert_close(w.full_tensor(), expected)
     assert w.to_local() is local                         # updated in place, the same piece
     assert opt.state[w]["momentum_buffer"].placements == (Replicate(),)
+
+
+def test_adamw_foreach_matches_single_tensor_path():
+    """AdamW(foreach=True) runs torch._foreach_* ops on the pieces: same result as foreach=False."""
+    from autopar import sync_gradients
+
+    mesh = ProcessMesh([0], dim_names=["dp"])
+    x = shard_tensor(torch.randn(5, 4), mesh, [Shard(0)])
+    results = []
+    for foreach in (False, True):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(shard_tensor(torch.randn(4, 3), mesh, [Replicate()])),
+              torch.nn.Parameter(shard_tensor(torch.randn(3), mesh, [Replicate()]))]
+        opt = torch.optim.AdamW(ps, lr=0.1, foreach=foreach)
+        for _ in range(2):
+            opt.zero_grad()
+            ((x @ ps[0]) * ps[1]).sum().backward()
+            sync_gradients(ps)
+            opt.step()
+        assert all(isinstance(opt.state[p]["exp_avg_sq"], DistTensor) for p in ps)
+        results.append([p.full_tensor() for p in ps])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)

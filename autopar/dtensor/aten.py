@@ -8,7 +8,8 @@ User-level ops with SPMD rules never get here (``__torch_function__`` serves the
   reshards a DistTensor source on the same mesh and slices a plain (global) tensor;
 * ``module.to(dtype)``: ``_to_copy``; ``zero_grad``: ``zero_``; ``deepcopy``: ``clone``;
 * optimizers: elementwise ops, mostly in place (``add_``, ``mul_``, ``addcdiv_``, ``lerp_``,
-  ``sqrt``, ...), on the parameter, its gradient and its state, which share one layout.
+  ``sqrt``, ...), on the parameter, its gradient and its state, which share one layout; with
+  ``foreach=True`` the ``_foreach_*`` forms of the same, checked per list position.
 
 Elementwise ops apply to the local pieces when every DistTensor operand has the same mesh, global
 shape and placements and none is Partial (a nonlinear function of a Partial value is not the
@@ -107,8 +108,9 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> DistTensor:
     return dst
 
 
-def _pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
-    dts, largs, lkwargs = _locals(args, kwargs)
+def _check_layouts(func: Any, dts: list[DistTensor]) -> None:
+    if not dts:
+        return
     x = dts[0]
     for d in dts[1:]:
         if d._mesh != x._mesh or d._shape != x._shape or d._placements != x._placements:
@@ -120,17 +122,45 @@ def _pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError(
             f"{func} on a Partial DistTensor ({list(x._placements)}): reduce it first "
             f"(autopar.sync_gradients for gradients, autopar.reshard otherwise)")
-    for a in tree_flatten((args, kwargs))[0]:
+
+
+def _check_no_plain(func: Any, args: Any) -> None:
+    for a in tree_flatten(args)[0]:
         if isinstance(a, torch.Tensor) and not isinstance(a, DistTensor) and a.dim() != 0:
             raise NotImplementedError(f"{func}: mixing a plain tensor of shape {list(a.shape)} with "
                                       f"DistTensors; wrap it with autopar.shard_tensor first")
+
+
+def _pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
+    dts, largs, lkwargs = _locals(args, kwargs)
+    _check_layouts(func, dts)
+    _check_no_plain(func, (args, kwargs))
+    x = dts[0]
     out = func(*largs, **lkwargs)
     if func._schema.is_mutable:
         return args[0]
     return make(out, x._mesh, x._placements, x._shape, out.dtype, x._init)
 
 
+def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch._foreach_*`` (optimizers with ``foreach=True``): the same checks as one elementwise
+    op per list position, then one foreach call over the local pieces."""
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and
+             isinstance(a[0], torch.Tensor)]
+    for i in range(len(lists[0])):
+        _check_layouts(func, [lst[i] for lst in lists if isinstance(lst[i], DistTensor)])
+    _check_no_plain(func, (args, kwargs))
+    _, largs, lkwargs = _locals(args, kwargs)
+    out = func(*largs, **lkwargs)
+    if func._schema.is_mutable:
+        return None if out is None else list(lists[0])
+    return [make(o, x._mesh, x._placements, x._shape, o.dtype, x._init)
+            for o, x in zip(out, lists[0])]
+
+
 def _default(func: Any, args: tuple, kwargs: dict) -> Any:
+    if func.name().startswith("aten::_foreach_"):
+        return _foreach(func, args, kwargs)
     if torch.Tag.pointwise in func.tags:
         return _pointwise(func, args, kwargs)
     if func in (aten._local_scalar_dense.default, aten.is_nonzero.default):
