@@ -221,5 +221,12 @@ def test_adamw_foreach_matches_single_tensor_path():
             opt.step()
         assert all(isinstance(opt.state[p]["exp_avg_sq"], DistTensor) for p in ps)
         results.append([p.full_tensor() for p in ps])
+        opt.zero_grad(set_to_none=False)                 # _foreach_zero_ with foreach=True
+        assert all(p.grad.to_local().abs().sum() == 0 for p in ps)
+    # Reductions of the pieces are not reductions of the tensors: no silent answer.
+    with pytest.raises(NotImplementedError, match="_foreach_norm"):
+        torch._foreach_norm(ps)
+    with pytest.raises(NotImplementedError, match="no DistTensor SPMD rule"):
+        torch.nn.utils.clip_grad_norm_(ps, 1.0)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)

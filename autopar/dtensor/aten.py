@@ -142,9 +142,28 @@ def _pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
     return make(out, x._mesh, x._placements, x._shape, out.dtype, x._init)
 
 
+_FOREACH_OVERLOAD = {"List": "Tensor", "ScalarList": "Scalar", "Tensor": "Tensor",
+                     "Scalar": "Scalar", "default": "default"}
+
+
 def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     """``torch._foreach_*`` (optimizers with ``foreach=True``): the same checks as one elementwise
-    op per list position, then one foreach call over the local pieces."""
+    op per list position, then one foreach call over the local pieces. Only the forms of
+    elementwise ops (and ``zero_``): a reduction such as ``_foreach_norm`` of the pieces is not
+    the norm of the tensors."""
+    base = func._schema.name[len("aten::_foreach_"):]
+    if base == "zero_":
+        for t in args[0]:
+            t._local.zero_()
+        return None
+    # The single-tensor overload this foreach overload applies per position (List -> Tensor).
+    packet = getattr(aten, base, None)
+    name = _FOREACH_OVERLOAD.get(func._overloadname, func._overloadname)
+    single = None if packet is None else getattr(packet, name if name in packet.overloads()
+                                                 else "default", None)
+    if single is None or torch.Tag.pointwise not in single.tags:
+        raise NotImplementedError(f"{func} has no DistTensor SPMD rule (only the foreach forms of "
+                                  f"elementwise ops are supported)")
     lists = [a for a in args if isinstance(a, (list, tuple)) and a and
              isinstance(a[0], torch.Tensor)]
     for i in range(len(lists[0])):
@@ -159,7 +178,7 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _default(func: Any, args: tuple, kwargs: dict) -> Any:
-    if func.name().startswith("aten::_foreach_"):
+    if func._schema.name.startswith("aten::_foreach_"):
         return _foreach(func, args, kwargs)
     if torch.Tag.pointwise in func.tags:
         return _pointwise(func, args, kwargs)
