@@ -7,11 +7,12 @@ on a group whose ranks cannot map each other's memory runs the chunked path inst
 once per reason.
 
 Under ``torch.compile`` the choice is made once, while tracing, and is a constant of the graph
-(:func:`decide` is marked ``assume_constant_result``): the graph holds one registered operator call
+(``_decide`` is marked ``assume_constant_result``): the graph holds one registered operator call
 (``kernels.library``) with the backend and split count as arguments. A changed environment takes
 effect in a compiled function after ``torch._dynamo.reset()``. The choice depends on the shape only
-through ``customized_coc``, ``COC_PARALLEL_NUM=auto`` and ``COC_CHECK=1``; without them, a graph
-compiled with dynamic shapes needs no shape at all to decide.
+through ``customized_coc`` (a graph with dynamic shapes guards on whether its shape is one of the
+keys), ``COC_PARALLEL_NUM=auto`` and ``COC_CHECK=1`` (these need the exact shape: compile them
+with static shapes).
 """
 
 from __future__ import annotations
@@ -45,16 +46,29 @@ def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
 
 
 @torch.compiler.assume_constant_result
-def needs_shape(backend: Optional[str], parallel_num: Optional[int]) -> bool:
-    """Whether the choice for these arguments depends on the op's shape in the current environment."""
+def shape_keys(backend: Optional[str], parallel_num: Optional[int]) -> Union[None, str, tuple]:
+    """What of the op's shape the choice depends on in the current environment: ``None``, nothing;
+    ``"exact"``, the shape itself (``COC_CHECK=1`` compares it, ``auto`` tunes for it); else the
+    ``customized_coc`` keys, of which only the one the shape equals (if any) matters."""
     config = get_config()
     if config.check:
-        return True
+        return "exact"
     if backend == "sequential" or parallel_num is not None:
-        return False
-    if backend is None and config.use_fused:
-        return False
-    return config.parallel_num == "auto" or bool(config.customized_coc)
+        return None
+    if config.parallel_num == "auto":
+        return "exact"
+    return tuple(config.customized_coc) or None
+
+
+def _matching_key(keys: tuple, m: int, k: int, n: int) -> tuple[int, int, int]:
+    """The customized_coc key equal to ``(m, k, n)``, else ``(0, 0, 0)`` (no key: the default).
+
+    Under compile with dynamic shapes the comparisons become guards of the graph, so the choice
+    is exact for every shape the graph serves, without specializing it to one shape."""
+    for key in keys:
+        if m == key[0] and k == key[1] and n == key[2]:
+            return key
+    return (0, 0, 0)
 
 
 @torch.compiler.assume_constant_result
@@ -96,14 +110,17 @@ def decide(op: str, backend: Optional[str], parallel_num: Optional[int], x: torc
            quant: Optional[tuple[str, int]] = None) -> tuple[str, int, str]:
     """``(backend, parallel_num, group name)`` for a call of ``op`` on 2-D ``x``."""
     name = library.group_name(group)
-    # _decide and needs_shape are assume_constant_result: while tracing, dynamo calls them with the
+    # _decide and shape_keys are assume_constant_result: while tracing, dynamo calls them with the
     # constant arguments and keeps the result, instead of tracing the environment reads, caches and
-    # collectives inside. A shape is passed only when the choice depends on it, so a graph
-    # compiled with dynamic shapes stays dynamic.
-    if torch.compiler.is_compiling() and not needs_shape(backend, parallel_num):
-        m = k = n = 0
-    else:
-        m, k, n = x.shape[0], x.shape[1], weight.shape[0]
+    # collectives inside. A shape is passed only as far as the choice depends on it, so a graph
+    # compiled with dynamic shapes stays dynamic (auto and COC_CHECK=1 need the exact shape: static).
+    m, k, n = x.shape[0], x.shape[1], weight.shape[0]
+    if torch.compiler.is_compiling():
+        keys = shape_keys(backend, parallel_num)
+        if keys is None:
+            m = k = n = 0
+        elif keys != "exact":
+            m, k, n = _matching_key(keys, m, k, n)
     chosen, num = _decide(op, backend, parallel_num, m, k, n, x.dtype, weight.dtype, x.device, bias is not None,
                           flag, quant, name, world)
     return chosen, num, name

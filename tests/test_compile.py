@@ -32,16 +32,17 @@ def _graph_counter() -> tuple[Callable, list]:
     graphs: list[dict[str, Any]] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        coc, other = [], []
+        coc, other, calls = [], [], []
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
             target = node.target
             if isinstance(target, torch._ops.OpOverload) and target.namespace == "coc":
                 coc.append(target.name())
+                calls.append(node.args)
             else:
                 other.append(str(target))
-        graphs.append({"coc": coc, "other": other})
+        graphs.append({"coc": coc, "other": other, "args": calls})
         return gm.forward
 
     return backend, graphs
@@ -387,3 +388,20 @@ def test_host_cost_bench_reports_every_backend(tmp_path: Any) -> None:
     rows = json.loads(out.read_text())["rows"]
     got = {(r["op"], r["backend"]) for r in rows if r["mode"] == "eager" and r["us"] > 0}
     assert len(got) == 15 and not [r for r in rows if "error" in r], rows
+
+
+def test_compiled_choice_follows_customized_coc_per_shape(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shape-dependent choice (customized_coc) is made per traced shape, even with dynamic=True."""
+    path = tmp_path / "coc.yaml"
+    path.write_text('customized_coc: {"[4, 5, 7]": 4}\n')
+    monkeypatch.setenv("COC_CONFIG", str(path))
+    w = torch.randn(N, K)
+    torch._dynamo.reset()
+    counter, graphs = _graph_counter()
+    fn = torch.compile(lambda x: kernels.matmul_all_reduce(x, w), backend=counter, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for m in (4, 6):
+            x = torch.randn(m, K)
+            torch.testing.assert_close(fn(x), torch.nn.functional.linear(x, w))
+    chosen = [tuple(args[5:7]) for g in graphs for args in g["args"]]
+    assert chosen == [("chunked", 4), ("sequential", 1)], chosen
