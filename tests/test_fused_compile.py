@@ -128,7 +128,7 @@ def _cases():
         aligned = k % 16 == 0 and n % 16 == 0
         tag = f"{'' if aligned else 'odd '}W={w} k={k} n={n} rows={rows_own}"
         ld = gemm_rs.slot_stride(n)
-        cfg = gemm.block_config(cuda, rows_own, 2 * k)
+        cfg = gemm.block_config(cuda, rows_own, k, torch.float16)
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         off = {c: signals.channel_offset(c, w) for c in range(signals.NUM_CHANNELS)}
         sig = dict(sig_tab_ptr=tab, rank=w - 2, epoch=12345, timeout=timeout)
@@ -182,7 +182,7 @@ def _cases():
                                **sig, **timer, **_blocks(qcfg)), qcfg.num_warps, qcfg.num_stages, aligned))
     for m, dtype, precision in ((4096, torch.float32, "ieee"), (4096, torch.float16, "tf32"),
                                 (16, torch.float16, "tf32")):
-        cfg = gemm.block_config(cuda, m, 4096 * dtype.itemsize)
+        cfg = gemm.block_config(cuda, m, 4096, dtype)
         cases.append((f"matmul {dtype} {precision} m={m}", gemm._matmul_kernel,
                       dict(a_ptr=t(dtype), b_ptr=t(dtype), bias_ptr=t(dtype), c_ptr=t(dtype), M=m, N=4096, K=4096,
                            stride_am=4096, stride_ak=1, stride_bn=4096, stride_bk=1, stride_cm=4096, stride_cn=1,
@@ -250,18 +250,27 @@ def test_gpu_block_config_keeps_tile_counts_agreed():
     from kernels.fused.gemm_rs import slot_stride, tiles
 
     cuda = torch.device("cuda")
-    assert gemm.block_config(torch.device("cpu"), 8, 6) == gemm.CPU_BLOCKS
+    f16, f32 = torch.float16, torch.float32
+    assert gemm.block_config(torch.device("cpu"), 8, 3, f16) == gemm.CPU_BLOCKS
     assert gemm.block_config(cuda) == gemm.GPU_BLOCKS
-    assert gemm.block_config(cuda, 65, 8192) == gemm.GPU_BLOCKS
-    small = gemm.block_config(cuda, 64, 8192)
+    assert gemm.block_config(cuda, 65, 4096, f16) == gemm.GPU_BLOCKS
+    small = gemm.block_config(cuda, 64, 4096, f16)
     assert (small.block_m, small.num_warps) == (64, 4)
-    for rows in (1, 64, 65, 1000):
-        shapes = {(cfg.block_m, cfg.block_n) for cfg in (gemm.block_config(cuda, rows, kb) for kb in (8192, 8194, 6))}
-        assert len(shapes) == 1, rows
-        assert tiles(rows, 4097, gemm.block_config(cuda, rows, 8194)) == tiles(rows, 4097,
-                                                                                gemm.block_config(cuda, rows, 8192))
-    assert gemm.block_config(cuda, 512, 2 * 4097).block_k == gemm.NARROW_BLOCK_K
-    assert gemm.block_config(cuda, 512, 2 * 4096).block_k == 64
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for rows in (1, 64, 65, 1000):
+            configs = []
+            for allow_tf32 in (False, True):
+                torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+                configs += [gemm.block_config(cuda, rows, k, dtype) for k in (4096, 4097, 3) for dtype in (f16, f32)]
+            assert len({tiles(rows, 4097, cfg) for cfg in configs}) == 1, rows
+        assert gemm.block_config(cuda, 512, 4096, f32).block_k == 64
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert gemm.block_config(cuda, 512, 4096, f32).block_k == gemm.NARROW_BLOCK_K
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert gemm.block_config(cuda, 512, 4097, f16).block_k == gemm.NARROW_BLOCK_K
+    assert gemm.block_config(cuda, 512, 4096, f16).block_k == 64
     per_group = torch.empty(8, 3)
     assert gemm_ar_w8a16._quant_config(gemm.GPU_BLOCKS, per_group, 128) == (gemm.GPU_BLOCKS,
                                                                            gemm_ar_w8a16.PER_GROUP_ALIGNED)

@@ -42,24 +42,26 @@ GPU_BLOCKS = BlockConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_
 # warpgroup's wgmma, so 4 warps carry the tile.
 GPU_SMALL_M_BLOCKS = replace(GPU_BLOCKS, block_m=64, num_warps=4, num_stages=4)
 SMALL_M = 64
-# Operand rows that do not start 16-byte aligned are loaded one element per instruction; 16-deep k
-# steps keep those loads in registers (64-deep ones spilled 500-800 bytes per thread on sm_90).
+# 16-deep k steps where 64-deep ones spill on sm_90: operand rows that do not start 16-byte aligned
+# (loaded one element per instruction; 500-800 bytes spilled per thread) and the exact-fp32 dot
+# (FMA, no tensor cores; 16 bytes spilled under Triton 3.6, up to 6 KB in the broadcast scatter).
 NARROW_BLOCK_K = 16
 
 
-def block_config(device: torch.device, rows: Optional[int] = None, row_bytes: Optional[int] = None) -> BlockConfig:
-    """Tile configuration of a GEMM launch on ``device``.
+def block_config(device: torch.device, rows: Optional[int] = None, k: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None) -> BlockConfig:
+    """Tile configuration of a GEMM launch on ``device`` with operands of ``dtype``.
 
     ``rows``: the row count a tile owner has (``m`` of a local GEMM, the rows per owner of a
-    scatter); at most :data:`SMALL_M` selects 64-row tiles on GPU. ``row_bytes``: bytes of one
-    row of the k-contiguous operands (``k * itemsize``). Both must come from the shapes every rank
-    agrees on (the call descriptor checks them): block sizes set the tile counts that become signal
-    targets, so all ranks must choose the same configuration.
+    scatter); at most :data:`SMALL_M` selects 64-row tiles on GPU. ``rows`` must come from shapes
+    every rank agrees on (the call descriptor checks them): ``block_m``/``block_n`` set the tile
+    counts that become signal targets. ``k`` (which may differ between ranks) and ``dtype`` select
+    only ``block_k``, which no count depends on (nor does the TF32 switch, a per-process setting).
     """
     if device.type != "cuda":
         return CPU_BLOCKS
     cfg = GPU_SMALL_M_BLOCKS if rows is not None and rows <= SMALL_M else GPU_BLOCKS
-    if row_bytes is not None and row_bytes % 16:
+    if dtype is not None and ((k is not None and k * dtype.itemsize % 16) or dot_precision(dtype, device) == "ieee"):
         cfg = replace(cfg, block_k=NARROW_BLOCK_K)
     return cfg
 
@@ -158,7 +160,7 @@ def local_launch(x: torch.Tensor, n: int) -> tuple[torch.Tensor, BlockConfig, tu
     when the output is empty)."""
     m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    cfg = block_config(x.device, m, k * x.element_size())
+    cfg = block_config(x.device, m, k, x.dtype)
     return out, cfg, (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
 
 

@@ -191,7 +191,7 @@ def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch
     n = qweight.shape[0]
     size = x.element_size()
     algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
-    cfg = block_config(x.device, tile_rows(algorithm, m, w), x.shape[1] * size)
+    cfg = block_config(x.device, tile_rows(algorithm, m, w), x.shape[1], x.dtype)
     cfg, mode = _quant_config(cfg, scale, group_size)
     quant = _quant_args(scale, offset)
     # The fixed-order reduce of gemm_rs is always used; ``deterministic`` is compared across ranks only.

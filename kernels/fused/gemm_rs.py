@@ -232,7 +232,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     m = x.shape[0]
     n = weight.shape[0]
     rows_own = m // w
-    cfg = block_config(x.device, rows_own, x.shape[1] * x.element_size())
+    cfg = block_config(x.device, rows_own, x.shape[1], x.dtype)
     data_bytes = w * rows_own * slot_stride(n) * x.element_size()
     # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
     descriptor = runtime.describe("matmul_reduce_scatter", m, x.shape[1], n, x.dtype, bias is not None, deterministic)
