@@ -50,19 +50,25 @@ def describe(op: str, m: int, k: int, n: int, dtype: torch.dtype, bias: bool, fl
                                quant_mode=quant_mode, group_size=group_size)
 
 
-@functools.lru_cache(maxsize=None)
+_MASKS: dict[str, int] = {}
+
+
 def _must_agree_mask(op: str, descriptor: tuple[int, ...]) -> int:
-    """Bit ``i`` set when field ``i`` of ``op``'s descriptor must be equal on every rank.
+    """Bit ``i`` set when field ``i`` of ``op``'s descriptors must be equal on every rank.
 
     Derived from :func:`kernels.agree.format_mismatch` itself (a field must agree exactly when a
-    difference in it alone is reported), so the kernel compares what the message will name.
+    difference in it alone is reported), so the kernel compares what the message will name. Which
+    fields must agree depends on the op only, hence one probe per op.
     """
-    mask = 0
-    for i in range(len(descriptor)):
-        other = list(descriptor)
-        other[i] += 1
-        if agree.format_mismatch(op, 0, descriptor, 1, other) is not None:
-            mask |= 1 << i
+    mask = _MASKS.get(op)
+    if mask is None:
+        mask = 0
+        for i in range(len(descriptor)):
+            other = list(descriptor)
+            other[i] += 1
+            if agree.format_mismatch(op, 0, descriptor, 1, other) is not None:
+                mask |= 1 << i
+        _MASKS[op] = mask
     return mask
 
 
