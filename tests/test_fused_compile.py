@@ -153,7 +153,7 @@ def _cases():
                           dict(x_ptr=t(), w_ptr=t(), data_tab_ptr=tab, M=m, N=n, K=k, LD=ld, ROWS_OWN=rows_own,
                                stride_xm=k, stride_xk=1, stride_wn=k, stride_wk=1, done_offset=off[signals.CH_DONE],
                                cnt_offset=off[signals.CH_RS], WORLD=w, BROADCAST=broadcast, **sig, **timer, **acc,
-                               DOT_PRECISION="tf32", **_blocks(cfg)), *launch.values(), aligned))
+                               DOT_PRECISION="tf32", GROUP_M=cfg.group_m, **_blocks(cfg)), *launch.values(), aligned))
         for push in (False, True):
             cases.append((f"reduce_slots push={push} {tag}", gemm_rs._reduce_slots_kernel,
                           dict(data_tab_ptr=tab, bias_ptr=t(), out_ptr=t(), ROWS_OWN=rows_own, ROWS_VALID=rows_own,
@@ -178,7 +178,8 @@ def _cases():
                                GROUP_SIZE=max(group_size, 1), stride_xm=k, stride_xk=1, stride_qn=k, stride_qk=1,
                                stride_sn=groups, stride_sg=1, done_offset=off[signals.CH_DONE],
                                cnt_offset=off[signals.CH_RS], MODE=mode, HAS_OFFSET=True, WORLD=w, BROADCAST=False,
-                               **sig, **timer, **_blocks(qcfg)), qcfg.num_warps, qcfg.num_stages, aligned))
+                               GROUP_M=qcfg.group_m, **sig, **timer, **_blocks(qcfg)), qcfg.num_warps, qcfg.num_stages,
+                          aligned))
     for m, dtype, precision in ((4096, torch.float32, "ieee"), (4096, torch.float16, "tf32"),
                                 (16, torch.float16, "tf32")):
         cfg = gemm.block_config(cuda, m, 4096, dtype)

@@ -87,11 +87,12 @@ def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab
                                rank, epoch: tl.int64, timeout: tl.int64, done_offset, cnt_offset,
                                MODE: tl.constexpr, HAS_OFFSET: tl.constexpr, WORLD: tl.constexpr,
                                BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               GROUP_M: tl.constexpr):
     # gemm_rs's tile mapping and push, so its reduce (gemm_rs.reduce_slots) and gemm_ar's gather
     # kernel consume these tiles unchanged.
     owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, M, N, ROWS_OWN,
-                                                                     WORLD, BROADCAST, BLOCK_M, BLOCK_N)
+                                                                     WORLD, BROADCAST, BLOCK_M, BLOCK_N, GROUP_M)
     acc = _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk, s_ptr, o_ptr, stride_sn,
                              stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE, MODE, HAS_OFFSET,
                              BLOCK_M, BLOCK_N, BLOCK_K)
@@ -125,7 +126,7 @@ def _scatter(call: runtime.FusedCall, x: torch.Tensor, qweight: torch.Tensor, qu
             call.rank, call.epoch, call.timeout_ticks,
             signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
             MODE=mode, HAS_OFFSET=has_offset, WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return heap.add_count(signals.CH_RS, per_owner)
 

@@ -30,27 +30,27 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import BlockConfig, acc_dtype, block_config, dot_precision, matmul, tile_matmul
+from .gemm import BlockConfig, acc_dtype, block_config, dot_precision, grouped_tile, matmul, tile_matmul
 
 
 @triton.jit
 def scatter_tile(pid, rank, M, N, ROWS_OWN, WORLD: tl.constexpr, BROADCAST: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tile of scatter-GEMM program ``pid``: ``(owner, local_rows, offs_m, mask_m, offs_n, mask_n)``."""
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    tiles_per_owner = tl.cdiv(ROWS_OWN, BLOCK_M) * n_tiles
-    rem = pid % tiles_per_owner
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The tile of scatter-GEMM program ``pid``: ``(owner, local_rows, offs_m, mask_m, offs_n, mask_n)``.
+
+    Owner by owner; within an owner's ``ROWS_OWN x N`` block the tiles go in grouped order
+    (:func:`gemm.grouped_tile`), which changes no tile count.
+    """
+    tiles_per_owner = tl.cdiv(ROWS_OWN, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     if BROADCAST:
         owner = pid * 0
     else:
         # Peers' rows first (r + 1 first), own rows last: remote stores start as early as possible.
         owner = (rank + 1 + pid // tiles_per_owner) % WORLD
-    local_rows = (rem // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    local_rows, mask_local, offs_n, mask_n = grouped_tile(pid % tiles_per_owner, ROWS_OWN, N, BLOCK_M, BLOCK_N,
+                                                          GROUP_M)
     offs_m = owner * ROWS_OWN + local_rows
-    mask_m = (local_rows < ROWS_OWN) & (offs_m < M)
-    offs_n = (rem % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask_n = offs_n < N
-    return owner, local_rows, offs_m, mask_m, offs_n, mask_n
+    return owner, local_rows, offs_m, mask_local & (offs_m < M), offs_n, mask_n
 
 
 @triton.jit
@@ -95,9 +95,9 @@ def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, LD, R
                          done_offset, cnt_offset,
                          WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
                          ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, M, N, ROWS_OWN,
-                                                                     WORLD, BROADCAST, BLOCK_M, BLOCK_N)
+                                                                     WORLD, BROADCAST, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
                       x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE, DOT_PRECISION)
     push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD,
@@ -176,7 +176,7 @@ def scatter_partials(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Ten
                                    WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
                                    ACC_DTYPE=acc_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype, x.device),
                                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                   GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return heap.add_count(signals.CH_RS, per_owner)
 
 
