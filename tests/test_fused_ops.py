@@ -108,7 +108,7 @@ print("ok")
 
 
 def test_fused_without_process_group_is_plain_gemm():
-    # api.md: W == 1 is valid without torch.distributed initialized; the fused path once asked the
+    # docs/api.md: W == 1 is valid without torch.distributed initialized; the fused path once asked the
     # (missing) default group for its size. A fresh interpreter guarantees no group exists.
     import os
     import subprocess
