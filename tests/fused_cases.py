@@ -597,3 +597,26 @@ def gpu_back_to_back_body(rank: int, world: int, calls: int, dtype: torch.dtype)
     destroy_heap(group)
     return calls
 
+
+
+def w8a16_bf16_body(rank: int, world: int) -> int:
+    """The fused w8A16 all-reduce in bf16 (one-shot and two-shot sizes) against fp64 math on the
+    dequantized weights; bf16 rounding of the dequantized weight and of the result bound the error."""
+    import kernels
+    from kernels.quant import dequantize
+
+    done = 0
+    for rows in (3, 40):
+        g = torch.Generator().manual_seed(rows)
+        xs = [torch.randn(rows, 24, generator=g).to(torch.bfloat16) for _ in range(world)]
+        qs = [kernels.quantize_weight(torch.randn(20, 24, generator=g), "per_channel") for _ in range(world)]
+        got = kernels.quantized_matmul_all_reduce(xs[rank], *qs[rank], backend="fused")
+        ws = [dequantize(q, s, None, None, torch.bfloat16).double() for q, s in qs]
+        want = sum(x.double() @ w.T for x, w in zip(xs, ws))
+        scale = sum(x.double().abs() @ w.abs().T for x, w in zip(xs, ws))
+        eps32, eps = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
+        bound = (24 + world + 2) * eps32 * scale + 2 * eps * scale
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert float(((got.double() - want).abs() - bound).max()) <= 0, f"w8A16 bf16 rows={rows}"
+        done += 1
+    return done

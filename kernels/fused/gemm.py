@@ -15,6 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .runtime import triton_interpreted
+
+# The Triton interpreter (3.6 to 3.9 at least) multiplies bf16 dot operands wrongly (results off by
+# 1e10: NumPy has no bf16 and the emulated product is garbage), while loads, stores and casts of
+# bf16 are exact. A product of two bf16 values is exact in fp32 (8 + 8 significant bits) and the
+# dot accumulates in fp32 anyway, so widening both operands first gives the tensor-core result.
+# Compiled kernels keep bf16 operands: this is a constant False there.
+_WIDEN_BF16_DOT = tl.constexpr(triton_interpreted())
+
 
 @dataclass(frozen=True)
 class BlockConfig:
@@ -140,9 +149,20 @@ def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         if STORE_A:
             tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_k[None, :], a, mask=g_mask_m[:, None] & mask_k[None, :])
-        # out_dtype must name the accumulator's type: Triton 3.6 rejects an fp64 acc with the fp32 default.
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+        acc = dot_acc(a, b, acc, DOT_PRECISION, ACC_DTYPE)
     return acc
+
+
+@triton.jit
+def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    """``acc + a @ b`` for every GEMM of the fused ops (see ``_WIDEN_BF16_DOT``)."""
+    if _WIDEN_BF16_DOT and a.dtype == tl.bfloat16:
+        # fp32 operands must not be rounded to TF32 here: they hold exact bf16 values.
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=ACC_DTYPE)
+    else:
+        # out_dtype must name the accumulator's type: Triton 3.6 rejects an fp64 acc with the fp32 default.
+        result = tl.dot(a, b, acc, input_precision=DOT_PRECISION, out_dtype=ACC_DTYPE)
+    return result
 
 
 @triton.jit

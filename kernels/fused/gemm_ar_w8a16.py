@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import NARROW_BLOCK_K, BlockConfig, block_config, grouped_tile, load_a, local_launch, store_tile
+from .gemm import NARROW_BLOCK_K, BlockConfig, block_config, dot_acc, grouped_tile, load_a, local_launch, store_tile
 from .gemm_ar import ONE_SHOT_MAX_BYTES, all_reduce_partials, tile_rows
 from .gemm_rs import group_and_size, push_tile, scatter_tile, slot_stride, tiles
 
@@ -65,7 +65,7 @@ def _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk,
             b = b - o_tile
         # Round to x's dtype before the dot, as kernels.quant.dequantize does for the reference.
         b = (b * s_tile).to(x_ptr.dtype.element_ty)
-        acc = tl.dot(a, b, acc)
+        acc = dot_acc(a, b, acc, "tf32", tl.float32)
     return acc
 
 
