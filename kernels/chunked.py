@@ -9,24 +9,25 @@ Works on any torch.distributed backend, so it is also the path across nodes.
   ones are still on the wire.
 
 Pieces follow :func:`split_rows`: any row count works, pieces may be uneven, and results land in
-natural row order (the caller never sees the chunking). On CUDA the collectives are issued on a
-dedicated communication stream that waits for the compute event of its piece, and every buffer
-the collective touches is ``record_stream``-ed onto it so the caching allocator cannot hand the
-memory to another tensor before the collective is done. On CPU, gloo runs async work on its own
-threads, which gives real overlap with the matmul in the calling thread.
+natural row order (the caller never sees the chunking). Collectives are issued from the caller's
+current stream with ``async_op=True``: ProcessGroupNCCL (and gloo's CUDA path) then runs each on
+its own internal stream, ordered after the piece's compute already queued, keeps the tensors it
+touches alive until the work is done, and ``wait`` orders the current stream after it. A side
+stream of our own added nothing to that: its priority never reached NCCL's internal stream (set
+``ProcessGroupNCCL.Options.is_high_priority_stream`` when creating the group for that),
+``record_stream`` repeated what ProcessGroupNCCL already does, and a forked stream is one more
+thing a CUDA-graph capture must see joined. On CPU, gloo runs async work on its own threads,
+which gives real overlap with the matmul in the calling thread.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import comm, soc
-
-_COMM_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-
 
 def split_rows(rows: int, parallel_num: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of up to ``parallel_num`` non-empty pieces covering ``rows``.
@@ -44,48 +45,6 @@ def split_rows(rows: int, parallel_num: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class _StreamWork:
-    """Local work queued on a CUDA stream; ``wait`` orders the caller's current stream after it,
-    as the ``wait`` of NCCL work does."""
-
-    def __init__(self, stream: "torch.cuda.Stream"):
-        self.event = torch.cuda.Event()
-        self.event.record(stream)
-        self.device = stream.device
-
-    def wait(self) -> bool:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-        return True
-
-
-class _CommIssuer:
-    """Launches async collectives on a side stream (CUDA) or directly (CPU / gloo)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            stream = _COMM_STREAMS.get(device)
-            if stream is None:
-                stream = torch.cuda.Stream(device=device, priority=-1)
-                _COMM_STREAMS[device] = stream
-            self.stream = stream
-
-    def launch(self, collective: Callable[[], dist.Work], *buffers: torch.Tensor) -> dist.Work:
-        if not self.cuda:
-            return collective()
-        # The collective reads what the compute stream produced: order it after that work.
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            work = collective()
-            if isinstance(work, comm._Done):
-                # A group of one copies on this stream instead of communicating, and _Done.wait()
-                # does nothing: without the event the caller would read the copy's output early.
-                work = _StreamWork(self.stream)
-        for buf in buffers:
-            buf.record_stream(self.stream)
-        return work
-
-
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       group: Optional[dist.ProcessGroup], world: int, return_gathered: bool,
                       parallel_num: int) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -93,14 +52,12 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     m_local, k = x.shape
     n = weight.shape[0]
     pieces = split_rows(m_local, parallel_num)
-    issuer = _CommIssuer(x.device)
     x = x.contiguous()
     bufs, works = [], []
     for start, stop in pieces:
         buf = x.new_empty((world * (stop - start), k))
         src = x[start:stop]
-        works.append(issuer.launch(lambda b=buf, s=src: comm.all_gather(b, s, group, async_op=True),
-                                   buf, src))
+        works.append(comm.all_gather(buf, src, group, async_op=True))
         bufs.append(buf)
     if len(pieces) == 1:
         works[0].wait()
@@ -131,19 +88,16 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     rows = m // world
     x_blocks = x.reshape(world, rows, k)
     out = x.new_empty((rows, n))
-    issuer = _CommIssuer(x.device)
     pending = []
     for start, stop in split_rows(rows, parallel_num):
         partial = soc.linear(x_blocks[:, start:stop], weight).view(world * (stop - start), n)
         if deterministic:
             parts = partial.new_empty((world, stop - start, n))
-            work = issuer.launch(lambda o=parts, p=partial: comm.all_to_all(o, p, group, async_op=True),
-                                 parts, partial)
+            work = comm.all_to_all(parts, partial, group, async_op=True)
             pending.append((work, start, stop, parts))
         else:
             dst = out[start:stop]
-            work = issuer.launch(lambda o=dst, p=partial: comm.reduce_scatter(o, p, group, async_op=True),
-                                 partial, dst)
+            work = comm.reduce_scatter(dst, partial, group, async_op=True)
             pending.append((work, start, stop, None))
     for work, start, stop, parts in pending:
         work.wait()
@@ -159,14 +113,13 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     m = x.shape[0]
     n = weight.shape[0]
     out = x.new_empty((m, n))
-    issuer = _CommIssuer(x.device)
     if deterministic:
-        return _fixed_order_all_reduce_pieces(x, weight, bias, group, world, parallel_num, out, issuer)
+        return _fixed_order_all_reduce_pieces(x, weight, bias, group, world, parallel_num, out)
     works = []
     for start, stop in split_rows(m, parallel_num):
         piece = out[start:stop]
         soc.linear(x[start:stop], weight, out=piece)
-        works.append(issuer.launch(lambda p=piece: comm.all_reduce(p, group, async_op=True), piece))
+        works.append(comm.all_reduce(piece, group, async_op=True))
     for work in works:
         work.wait()
     return out if bias is None else out.add_(bias)
@@ -174,7 +127,7 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 
 def _fixed_order_all_reduce_pieces(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                                    group: Optional[dist.ProcessGroup], world: int, parallel_num: int,
-                                   out: torch.Tensor, issuer: _CommIssuer) -> torch.Tensor:
+                                   out: torch.Tensor) -> torch.Tensor:
     """Deterministic all-reduce per piece: exchange, sum in rank order, gather.
 
     Each piece's rows are zero-padded to a multiple of W (zeros keep the sums exact), exchanged
@@ -187,16 +140,14 @@ def _fixed_order_all_reduce_pieces(x: torch.Tensor, weight: torch.Tensor, bias: 
         block = -(-(stop - start) // world)
         padded = comm.pad_rows(soc.linear(x[start:stop], weight), block * world)
         parts = padded.new_empty((world, block, n))
-        work = issuer.launch(lambda o=parts, p=padded: comm.all_to_all(o, p, group, async_op=True),
-                             parts, padded)
+        work = comm.all_to_all(parts, padded, group, async_op=True)
         exchanges.append((work, start, stop, parts))
     gathers = []
     for work, start, stop, parts in exchanges:
         work.wait()
         reduced = comm.sum_in_rank_order(parts)
         gathered = reduced.new_empty((world * reduced.shape[0], n))
-        work = issuer.launch(lambda o=gathered, r=reduced: comm.all_gather(o, r, group, async_op=True),
-                             gathered, reduced)
+        work = comm.all_gather(gathered, reduced, group, async_op=True)
         gathers.append((work, start, stop, gathered))
     for work, start, stop, gathered in gathers:
         work.wait()
