@@ -94,7 +94,7 @@ ALLOWED = {
     "finish_call": (16, 0, "error path"),
     # Odd k: the all-gather buffer's rows (stride k) and x's rows are not 16-byte aligned, so A is
     # loaded an element at a time; the gather buffer layout is the AG protocol's (see docs/fused.md).
-    "ag_gemm odd": (None, 1024, "odd k, unaligned gather-buffer rows"),
+    "ag_gemm odd": (None, 0, "odd k, unaligned gather-buffer rows"),
     "push_shard odd": (None, 64, "odd k, unaligned gather-buffer rows"),
 }
 
@@ -131,22 +131,19 @@ def _cases():
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         off = {c: signals.channel_offset(c, w) for c in range(signals.NUM_CHANNELS)}
         sig = dict(sig_tab_ptr=tab, rank=w - 2, epoch=12345, timeout=timeout)
-        if rows_own > 64:
-            # The all-gather op keeps the default configuration (see docs/fused.md, forward progress).
-            ag_cfg = gemm.block_config(cuda)
-            cases.append((f"ag_gemm {tag}", ag_gemm._ag_gemm_kernel,
-                          dict(x_ptr=t(), data_tab_ptr=tab, w_ptr=t(), bias_ptr=t(), y_ptr=t(), g_ptr=t(),
-                               M_LOCAL=rows_own, N=n, K=k, n_tiles=(n + 127) // 128, chunk_rows=256, stride_xm=k,
-                               stride_xk=1, stride_wn=k, stride_wk=1, stride_ym=n,
-                               stride_yn=1, flag_offset=off[signals.CH_AG], WORLD=w, CHANNEL=signals.CH_AG,
-                               FLAG_STRIDE=signals.AG_MAX_SPLITS, HAS_BIAS=True, STORE_A=True, **sig, **timer,
-                               **acc, DOT_PRECISION="tf32", **_blocks(ag_cfg)),
-                          ag_cfg.num_warps, ag_cfg.num_stages, aligned))
-            cases.append((f"push_shard {tag}", ag_gemm._push_shard_kernel,
-                          dict(x_ptr=t(), data_tab_ptr=tab, sig_tab_ptr=tab, M_LOCAL=rows_own, K=k, stride_xm=k,
-                               stride_xk=1, chunk_rows=256, n_chunks=4, rank=w - 2, epoch=12345, WORLD=w,
-                               FLAG_OFFSET=off[signals.CH_AG], FLAG_STRIDE=signals.AG_MAX_SPLITS, BLOCK_R=32,
-                               BLOCK_K=128), 4, 3, aligned))
+        cases.append((f"ag_gemm {tag}", ag_gemm._ag_gemm_kernel,
+                      dict(x_ptr=t(), data_tab_ptr=tab, w_ptr=t(), bias_ptr=t(), y_ptr=t(), g_ptr=t(),
+                           M_LOCAL=rows_own, N=n, K=k, n_tiles=-(-n // cfg.block_n), chunk_rows=256, stride_xm=k,
+                           stride_xk=1, stride_wn=k, stride_wk=1, stride_ym=n,
+                           stride_yn=1, flag_offset=off[signals.CH_AG], WORLD=w, CHANNEL=signals.CH_AG,
+                           FLAG_STRIDE=signals.AG_MAX_SPLITS, HAS_BIAS=True, STORE_A=True, **sig, **timer,
+                           **acc, DOT_PRECISION="tf32", **_blocks(cfg)),
+                      cfg.num_warps, cfg.num_stages, aligned))
+        cases.append((f"push_shard {tag}", ag_gemm._push_shard_kernel,
+                      dict(x_ptr=t(), data_tab_ptr=tab, sig_tab_ptr=tab, M_LOCAL=rows_own, K=k, stride_xm=k,
+                           stride_xk=1, chunk_rows=256, n_chunks=4, rank=w - 2, epoch=12345, WORLD=w,
+                           FLAG_OFFSET=off[signals.CH_AG], FLAG_STRIDE=signals.AG_MAX_SPLITS, BLOCK_R=32,
+                           BLOCK_K=128), 4, 3, aligned))
         m = w * rows_own
         for broadcast in (False, True):
             cases.append((f"gemm_scatter broadcast={broadcast} {tag}", gemm_rs._gemm_scatter_kernel,

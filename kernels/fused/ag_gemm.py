@@ -184,7 +184,9 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     # only after its previous call's kernels finished: its gather buffer is free to overwrite.
     with runtime.fused_call("all_gather_matmul", group, x.device, data_bytes, descriptor) as call:
         heap = call.heap
-        cfg = block_config(x.device)
+        # m_local, k and dtype are in the checked descriptor, so every rank picks the same tiles and
+        # chunk_rows (a peer's push flags chunks the GEMM here waits on).
+        cfg = block_config(x.device, m_local, k, x.dtype)
         chunk_rows = max(1, triton.cdiv(triton.cdiv(m_local, cfg.ag_splits), cfg.block_m)) * cfg.block_m
         side = _side_stream(x.device) if x.device.type == "cuda" else None
         _push_shard(call, x, chunk_rows, side)
