@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests import fused_cases
+from tests import fused_cases, fused_mismatch_cases
 from tests.harness import run_ranks
 
 
@@ -147,8 +147,8 @@ def test_locality_reason_is_the_same_verdict_on_every_rank():
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_that_disagree_raise_naming_the_field(world):
-    results = run_ranks(fused_cases.mismatch_body, world, timeout=300)
-    cases = list(fused_cases.MISMATCH_CASES) + [("rs", "n", None)]
+    results = run_ranks(fused_mismatch_cases.mismatch_body, world, timeout=300)
+    cases = list(fused_mismatch_cases.MISMATCH_CASES) + [("rs", "n", None)]
     last = world - 1
     for rank, messages in enumerate(results):
         assert len(messages) == len(cases)
