@@ -294,7 +294,7 @@ def chunked_world_body(rank: int, world: int, device_type: str, dtype_names: lis
                 continue
             try:
                 if dev.type == "cuda":
-                    # Freed NaN blocks: a read of a chunk before its copy on the comm stream would see NaN.
+                    # Freed NaN blocks: a read of a piece before its collective finished would see NaN.
                     torch.full((m * world, max(k, n)), float("nan"), device=dev, dtype=dtype)
                 got = fn(x, wd, group=group, backend="chunked", parallel_num=4)
                 items.append(compare(name, got, want, atol, rtol))
@@ -310,7 +310,7 @@ def section_chunked(params: dict, out: Emitter) -> None:
     dtypes = ["bfloat16", "float16"] if cuda else ["float32", "float16"]
     m, k, n = (8192, 1024, 1024) if cuda else (64, 32, 24)
     if cuda:
-        out.note("world 1: the chunks' local copies run on the comm stream (CUDA streams), results vs fp32 math")
+        out.note("world 1: pieces and their collectives (local copies at W=1) in stream order, results vs fp32 math")
     else:
         out.note("CPU: no CUDA streams; the chunked path's collectives run directly on gloo")
     for it in chunked_world_body(0, 1, params["device_type"], dtypes, m, k, n):
@@ -333,8 +333,9 @@ def section_fused(params: dict, out: Emitter) -> None:
     cuda = params["device_type"] == "cuda"
     dtypes = ["float16", "bfloat16"] if cuda else ["float32", "float16"]
     if not cuda:
-        out.note("CPU: bf16 is not run, it needs CUDA (the Triton interpreter computes through numpy, which has "
-                 "no bfloat16); fp32 and fp16 run instead")
+        out.note("CPU: bf16 is not run, it needs CUDA to be meaningful (the Triton interpreter's own bf16 dot is "
+                 "wrong; the fused kernels widen bf16 operands there, which tests/test_fused_ops.py covers); "
+                 "fp32 and fp16 run instead")
     calls = 50 if cuda else 8
     # 3 s and the 60 s below are both over 2**31 ns, so the GPU spin bound keeps its integer type and
     # lowering COC_TIMEOUT compiles no new kernel variant inside the timed call.
