@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from bench.gpu_check_cases import scramble
+
 OPS = ("ag", "ag_v2", "rs", "ar_one", "ar_two")
 STRAGGLER_S = 0.25
 
@@ -105,23 +107,6 @@ def run_op(op: str, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
     if op == "ar":
         return fused.matmul_all_reduce(x, w, b, group, True)
     return matmul_all_reduce(x, w, b, group, True, algorithm={"ar_one": "one_shot", "ar_two": "two_shot"}[op])
-
-
-def scramble(group: Any, device: torch.device) -> None:
-    """Fill this rank's heap data with random values so stale data would show in results.
-
-    The barriers keep peers out of the heap while it is scrambled: no peer may still be in the
-    previous call, none may start the next one before every rank has scrambled.
-    """
-    from kernels.heap import peek_heap
-
-    dist.barrier(group)
-    heap = peek_heap(group, device)
-    if heap is not None:
-        heap.data_view(heap.rank, torch.float32, (heap.data_bytes // 4,)).normal_()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    dist.barrier(group)
 
 
 def presize(group: Any, device: torch.device, nbytes: int = 1 << 20) -> None:
