@@ -18,7 +18,7 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist

@@ -183,7 +183,7 @@ def section_env(params: dict, out: Emitter) -> None:
 # -------------------------------------------------------------------------------------- b: pytest
 
 # Run first (pytest keeps the command-line order): if the section runs out of time, these have run.
-_FIRST = ("test_fused_ops.py", "test_fused_stress.py", "test_ops.py", "test_soc.py")
+_FIRST = ("test_fused_ops.py", "test_fused_stress.py", "test_fused_graphs.py", "test_ops.py", "test_soc.py")
 
 
 def gpu_test_files() -> list[str]:

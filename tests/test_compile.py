@@ -350,8 +350,9 @@ def _graph_replay_rank(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("parallel_num", [None, "2", "4"])
 def test_linears_cuda_graph_replays_match_eager(world: int, parallel_num: Optional[str]) -> None:
-    """Sequential (no COC_PARALLEL_NUM) and chunked 2 / 4; fused capture is the fused backend's own
-    test. World 1 still runs the chunked path's comm stream and its stand-in copies."""
+    """Sequential (no COC_PARALLEL_NUM) and chunked 2 / 4; fused capture is tested op by op in
+    tests/test_fused_graphs.py. World 1 still runs the chunked path's comm stream and its stand-in
+    copies."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"NCCL needs one GPU per rank; fewer than {world} GPUs")
     results = run_ranks(_graph_replay_rank, world, backend="nccl", env={"COC_PARALLEL_NUM": parallel_num},

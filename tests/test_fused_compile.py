@@ -130,7 +130,7 @@ def _cases():
         cfg = gemm.block_config(cuda, rows_own, k, torch.float16)
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         off = {c: signals.channel_offset(c, w) for c in range(signals.NUM_CHANNELS)}
-        sig = dict(sig_tab_ptr=tab, rank=w - 2, epoch=12345, timeout=timeout)
+        sig = dict(sig_tab_ptr=tab, rank=w - 2, timeout=timeout)
         cases.append((f"ag_gemm {tag}", ag_gemm._ag_gemm_kernel,
                       dict(x_ptr=t(), data_tab_ptr=tab, w_ptr=t(), bias_ptr=t(), y_ptr=t(), g_ptr=t(),
                            M_LOCAL=rows_own, N=n, K=k, n_tiles=-(-n // cfg.block_n), chunk_rows=256, stride_xm=k,
@@ -141,7 +141,7 @@ def _cases():
                       cfg.num_warps, cfg.num_stages, aligned))
         cases.append((f"push_shard {tag}", ag_gemm._push_shard_kernel,
                       dict(x_ptr=t(), data_tab_ptr=tab, sig_tab_ptr=tab, M_LOCAL=rows_own, K=k, stride_xm=k,
-                           stride_xk=1, chunk_rows=256, n_chunks=4, rank=w - 2, epoch=12345, WORLD=w,
+                           stride_xk=1, chunk_rows=256, n_chunks=4, rank=w - 2, WORLD=w,
                            FLAG_OFFSET=off[signals.CH_AG], FLAG_STRIDE=signals.AG_MAX_SPLITS, BLOCK_R=32,
                            BLOCK_K=128), 4, 3, aligned))
         m = w * rows_own
@@ -187,11 +187,12 @@ def _cases():
                            **_blocks(cfg)), cfg.num_warps, cfg.num_stages, True))
     cases += [
         ("check_call W=4", signals._check_call_kernel,
-         dict(sig_tab_ptr=tab, rank=2, epoch=12345, timeout=timeout, must_agree=8191,
+         dict(sig_tab_ptr=tab, rank=2, timeout=timeout, must_agree=8191,
               **{f"d{i}": 1000 + i for i in range(13)}, WORLD=4, DESC_LEN=13,
-              DESC_OFFSET=signals.channel_offset(signals.CH_DESC, 4), **timer), 4, 1, True),
+              DESC_OFFSET=signals.channel_offset(signals.CH_DESC, 4),
+              COUNTERS_OFFSET=signals.channel_offset(signals.CH_RS, 4), COUNTERS=8, **timer), 4, 1, True),
         ("finish_call W=4", signals._finish_call_kernel,
-         dict(sig_tab_ptr=tab, out0_ptr=t(), n0=4096 * 4096, out1_ptr=t(), n1=4096 * 1024, rank=2, epoch=12345,
+         dict(sig_tab_ptr=tab, out0_ptr=t(), n0=4096 * 4096, out1_ptr=t(), n1=4096 * 1024, rank=2,
               WORLD=4, DONE_OFFSET=signals.channel_offset(signals.CH_DONE, 4), OUTPUTS=2, BLOCK=1024), 4, 1, True),
     ]
     return cases

@@ -22,9 +22,9 @@ from triton.compiler import ASTSource
 from kernels.fused import signals
 
 fn = signals._check_call_kernel
-signature = dict(sig_tab_ptr="*i64", rank="i32", epoch="i64", timeout="i64", must_agree="i64",
+signature = dict(sig_tab_ptr="*i64", rank="i32", timeout="i64", must_agree="i64",
                  **{f"d{i}": "i64" for i in range(13)})
-constexprs = dict(WORLD=4, DESC_LEN=13, DESC_OFFSET=100, USE_GLOBALTIMER=True)
+constexprs = dict(WORLD=4, DESC_LEN=13, DESC_OFFSET=100, COUNTERS_OFFSET=60, COUNTERS=8, USE_GLOBALTIMER=True)
 src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
                 constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
 print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])

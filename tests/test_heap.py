@@ -39,7 +39,7 @@ def _heap_body(rank: int, world: int) -> dict:
                   int(heap.sig_ptrs[p]) == heap.sig_view(p).data_ptr() for p in range(world))
     same = get_heap(group, dev, 500, 8) is heap
     grown = get_heap(group, dev, heap.data_bytes + 1, 16)
-    growth = (grown is not heap, heap.closed, grown.data_bytes == 2 * heap.data_bytes, grown.epoch)
+    growth = (grown is not heap, heap.closed, grown.data_bytes == 2 * heap.data_bytes, grown.calls)
     with pytest.raises(ValueError, match="does not fit"):
         grown.data_view(rank, torch.float32, (grown.data_bytes,))
     dist.barrier(group)

@@ -43,10 +43,10 @@ def _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, st
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
+@triton.jit(do_not_specialize=["rank", "timeout"])
 def _ag_gemm_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_LOCAL, N, K, n_tiles,
                     chunk_rows, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, rank,
-                    epoch: tl.int64, timeout: tl.int64, flag_offset,
+                    timeout: tl.int64, flag_offset,
                     WORLD: tl.constexpr, CHANNEL: tl.constexpr, FLAG_STRIDE: tl.constexpr,
                     HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
                     USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -78,6 +78,7 @@ def _ag_gemm_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_
                               STORE_A, ACC_DTYPE, DOT_PRECISION)
             _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, ACC_DTYPE)
     else:
+        epoch = signals.call_epoch(pad)
         if signals.wait_signal(pad + flag, epoch, pad, timeout, 1 + src + WORLD * CHANNEL, USE_GLOBALTIMER):
             g_local = signals.peer_ptr(data_tab_ptr, rank, y_ptr.dtype.element_ty)
             acc = tile_matmul(g_local, K, 1, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
@@ -85,9 +86,9 @@ def _ag_gemm_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_
             _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, ACC_DTYPE)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch"])
+@triton.jit(do_not_specialize=["rank"])
 def _push_shard_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, M_LOCAL, K, stride_xm, stride_xk, chunk_rows, n_chunks,
-                       rank, epoch: tl.int64, WORLD: tl.constexpr, FLAG_OFFSET: tl.constexpr,
+                       rank, WORLD: tl.constexpr, FLAG_OFFSET: tl.constexpr,
                        FLAG_STRIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     # Program (step, c) copies chunk c of x into row block ``rank`` of rank (rank - 1 - step)'s
     # gather buffer and then raises that rank's flag AG[rank, c]. Rank d's GEMM reads its own rows
@@ -111,7 +112,7 @@ def _push_shard_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, M_LOCAL, K, stride_xm, 
                 tile = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=mask)
                 tl.store(g + (rank * M_LOCAL + rows)[:, None] * K + ks[None, :], tile, mask=mask)
         signals.send_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + FLAG_OFFSET + rank * FLAG_STRIDE + c,
-                            epoch)
+                            signals.call_epoch(pad))
 
 
 def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side: Optional[torch.cuda.Stream]
@@ -134,7 +135,7 @@ def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side:
         side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
         _push_shard_kernel[((w - 1) * n_chunks,)](x, heap.data_ptrs, heap.sig_ptrs, m_local, k, x.stride(0), x.stride(1),
-                                            chunk_rows, n_chunks, r, call.epoch, WORLD=w,
+                                            chunk_rows, n_chunks, r, WORLD=w,
                                             FLAG_OFFSET=signals.channel_offset(signals.CH_AG, w),
                                             FLAG_STRIDE=signals.AG_MAX_SPLITS, BLOCK_R=32 if gpu else 16,
                                             BLOCK_K=128 if gpu else 64, num_warps=4 if gpu else 1)
@@ -201,7 +202,7 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
                                   x_gathered, m_local, n, k, n_tiles, chunk_rows, x.stride(0), x.stride(1),
                                   weight.stride(0), weight.stride(1),
                                   y.stride(0), y.stride(1),
-                                  call.rank, call.epoch, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
+                                  call.rank, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
                                   WORLD=w, CHANNEL=signals.CH_AG, FLAG_STRIDE=signals.AG_MAX_SPLITS,
                                   HAS_BIAS=bias is not None, STORE_A=return_gathered,
                                   USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),

@@ -109,7 +109,7 @@ def all_reduce_partials(op: str, group: dist.ProcessGroup, x: torch.Tensor, n: i
     scatter GEMM.
 
     ``scatter(call, rows_own, broadcast)`` launches the GEMM that pushes the partial-product tiles
-    of ``x`` (as :func:`gemm_rs.scatter_partials`) and returns the cumulative ``RS`` target; the
+    of ``x`` (as :func:`gemm_rs.scatter_partials`) and returns the ``RS`` target; the
     plain and the w8A16 ops differ only there. ``descriptor`` is this rank's call descriptor
     (:func:`runtime.describe`), checked against every peer's before any data moves. Returns ``y [m, n]`` in ``x.dtype``.
     """

@@ -81,10 +81,10 @@ def _matmul_w8a16_kernel(x_ptr, q_ptr, s_ptr, o_ptr, bias_ptr, c_ptr, M, N, K, G
     store_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS, True)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
+@triton.jit(do_not_specialize=["rank", "timeout"])
 def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, LD, ROWS_OWN,
                                GROUP_SIZE, stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg,
-                               rank, epoch: tl.int64, timeout: tl.int64, done_offset, cnt_offset,
+                               rank, timeout: tl.int64, done_offset, cnt_offset,
                                MODE: tl.constexpr, HAS_OFFSET: tl.constexpr, WORLD: tl.constexpr,
                                BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -97,7 +97,7 @@ def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab
                              stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE, MODE, HAS_OFFSET,
                              BLOCK_M, BLOCK_N, BLOCK_K)
     push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD,
-              ROWS_OWN, rank, epoch, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
+              ROWS_OWN, rank, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
 
 
 def _quant_args(scale: torch.Tensor, offset: Optional[torch.Tensor]) -> tuple:
@@ -112,7 +112,7 @@ def _quant_args(scale: torch.Tensor, offset: Optional[torch.Tensor]) -> tuple:
 
 def _scatter(call: runtime.FusedCall, x: torch.Tensor, qweight: torch.Tensor, quant: tuple, mode: int,
              has_offset: bool, group_size: int, rows_own: int, broadcast: bool, cfg: BlockConfig) -> int:
-    """Launch the dequantizing scatter GEMM; return the cumulative ``RS`` target (as gemm_rs.scatter_partials)."""
+    """Launch the dequantizing scatter GEMM; return the ``RS`` target (as gemm_rs.scatter_partials)."""
     heap, w = call.heap, call.world_size
     m, k = x.shape
     n = qweight.shape[0]
@@ -123,12 +123,12 @@ def _scatter(call: runtime.FusedCall, x: torch.Tensor, qweight: torch.Tensor, qu
         _gemm_w8a16_scatter_kernel[grid](
             x, qweight, scale, offset, heap.data_ptrs, heap.sig_ptrs, m, n, k, slot_stride(n), rows_own, group_size,
             x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), stride_sn, stride_sg,
-            call.rank, call.epoch, call.timeout_ticks,
+            call.rank, call.timeout_ticks,
             signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
             MODE=mode, HAS_OFFSET=has_offset, WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return heap.add_count(signals.CH_RS, per_owner)
+    return per_owner
 
 
 def matmul_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tensor],

@@ -12,7 +12,7 @@ Launch sequence on rank ``r`` for call epoch ``e``:
    the peers' data leaves first); a program computes its tile, waits for the owner's
    ``DONE >= e - 1`` (it no longer reads its slots of the previous call), stores the tile into
    the owner's slot ``[r]`` and release-adds 1 to the owner's counter ``RS[r]``;
-2. reduce: a program waits until every ``RS[src]`` reached this call's cumulative target, then sums
+2. reduce: a program waits until every ``RS[src]`` reached this call's tile count, then sums
    slot 0, 1, ..., W-1 in that fixed order in fp32, adds bias once and stores ``y``;
 3. set ``DONE[r] = e`` on every rank.
 
@@ -66,13 +66,13 @@ def slot_tile(rows, offs_n, LD):
 
 
 @triton.jit
-def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD, ROWS_OWN, rank, epoch,
-              timeout, done_offset, cnt_offset,
+def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD, ROWS_OWN, rank, timeout, done_offset, cnt_offset,
               WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
     """Store ``tile`` into slot ``[rank]`` of its owner (of every rank with ``BROADCAST``), each once
     that rank's ``DONE`` shows it no longer reads its slots of the previous call, then bump its
     ``RS[rank]`` counter. Columns ``[n, LD)`` of ``tile`` are zeros (masked weight rows)."""
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
+    epoch = signals.call_epoch(pad)
     slot_offs, col_mask = slot_tile(rank * ROWS_OWN + local_rows, offs_n, LD)
     slot_mask = mask_m[:, None] & col_mask
     if BROADCAST:
@@ -89,9 +89,9 @@ def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n
             signals.add_signal(signals.peer_ptr(sig_tab_ptr, owner, tl.int64) + cnt_offset + rank, 1)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
+@triton.jit(do_not_specialize=["rank", "timeout"])
 def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, LD, ROWS_OWN,
-                         stride_xm, stride_xk, stride_wn, stride_wk, rank, epoch: tl.int64, timeout: tl.int64,
+                         stride_xm, stride_xk, stride_wn, stride_wk, rank, timeout: tl.int64,
                          done_offset, cnt_offset,
                          WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
                          ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -101,12 +101,12 @@ def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, LD, R
     acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
                       x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE, DOT_PRECISION)
     push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD,
-              ROWS_OWN, rank, epoch, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
+              ROWS_OWN, rank, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "target", "timeout"])
+@triton.jit(do_not_specialize=["rank", "target", "timeout"])
 def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN, ROWS_VALID, N, LD,
-                         stride_om, stride_on, rank, epoch: tl.int64, target: tl.int64, timeout: tl.int64, cnt_offset,
+                         stride_om, stride_on, rank, target: tl.int64, timeout: tl.int64, cnt_offset,
                          done_offset, push_offset, push_base,
                          WORLD: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
                          PUSH: tl.constexpr, USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr,
@@ -134,6 +134,7 @@ def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN,
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC_DTYPE)[None, :]
         result = acc.to(out_ptr.dtype.element_ty)
         if PUSH:
+            epoch = signals.call_epoch(pad)
             push_offs, col_mask = slot_tile(rank * ROWS_OWN + offs_m, offs_n, LD)
             push_mask = mask_m[:, None] & col_mask
             for i in tl.static_range(WORLD):
@@ -162,7 +163,7 @@ def tiles(rows: int, n: int, cfg: BlockConfig) -> int:
 
 def scatter_partials(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Tensor, rows_own: int,
                      broadcast: bool, cfg: BlockConfig) -> int:
-    """Launch the scatter GEMM; return the cumulative ``RS`` target every peer's counter must reach here."""
+    """Launch the scatter GEMM; return the ``RS`` target (tiles per owner) every peer's counter must reach here."""
     heap, w = call.heap, call.world_size
     m, k = x.shape
     n = weight.shape[0]
@@ -171,20 +172,20 @@ def scatter_partials(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Ten
     if grid[0] > 0:
         _gemm_scatter_kernel[grid](x, weight, heap.data_ptrs, heap.sig_ptrs, m, n, k, slot_stride(n), rows_own,
                                    x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-                                   call.rank, call.epoch, call.timeout_ticks,
+                                   call.rank, call.timeout_ticks,
                                    signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
                                    WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
                                    ACC_DTYPE=acc_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype, x.device),
                                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                    GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return heap.add_count(signals.CH_RS, per_owner)
+    return per_owner
 
 
 def reduce_slots(call: runtime.FusedCall, out: torch.Tensor, bias: Optional[torch.Tensor], rows_own: int,
                  rows_valid: int, n: int, target: int, push_base: Optional[int], cfg: BlockConfig) -> int:
     """Launch the fixed-order reduce of the ``W`` slots; with ``push_base`` push the rows to every rank.
 
-    Returns the cumulative ``AR`` target (unchanged unless pushing).
+    Returns the ``AR`` target of the rows pushed (each owner's tile count; 0 unless pushing).
     """
     heap, w = call.heap, call.world_size
     grid = (tiles(rows_own, n, cfg),)
@@ -194,13 +195,13 @@ def reduce_slots(call: runtime.FusedCall, out: torch.Tensor, bias: Optional[torc
     if grid[0] > 0:
         _reduce_slots_kernel[grid](heap.data_ptrs, heap.sig_ptrs, bias if bias is not None else out, out,
                                    rows_own, rows_valid, n, slot_stride(n), out.stride(0), out.stride(1),
-                                   call.rank, call.epoch, target, call.timeout_ticks,
+                                   call.rank, target, call.timeout_ticks,
                                    signals.channel_offset(signals.CH_RS, w), signals.channel_offset(signals.CH_DONE, w),
                                    signals.channel_offset(signals.CH_AR, w), push_base if push else 0,
                                    WORLD=w, CHANNEL=signals.CH_RS, HAS_BIAS=bias is not None, PUSH=push,
                                    USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(out.dtype),
                                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
-    return heap.add_count(signals.CH_AR, grid[0]) if push else heap.counters.get(signals.CH_AR, 0)
+    return grid[0] if push else 0
 
 
 def group_and_size(group: Optional[dist.ProcessGroup]) -> tuple[dist.ProcessGroup, int]:

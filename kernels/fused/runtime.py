@@ -1,4 +1,4 @@
-"""Host-side plumbing shared by the fused ops: group, heap and epoch per call, call check, errors.
+"""Host-side plumbing shared by the fused ops: group, heap, call check, errors, CUDA-graph capture.
 
 A fused call never reads device memory on the host. Kernels that fail (a wait that timed out, a
 peer whose call descriptor differs) store a code in the heap's error record, a small tensor in
@@ -7,6 +7,14 @@ unified addressing. The host reads that record with ordinary CPU loads, without 
 at the end of every call, at the start of the next call on the group and in :func:`check_errors`.
 Under the interpreter every kernel has finished when its launch returns, so the failing call
 itself raises; on a GPU the failure surfaces at the first of those reads after the kernel ran.
+
+CUDA graphs: a call's launches carry no per-call host value (the epoch and the counters live in
+the signal pad, :mod:`kernels.fused.signals`), so a captured call replays correctly, any number of
+times and interleaved with eager calls. What cannot be captured is refused with a RuntimeError
+inside capture: the group's first fused call on the device (it creates the heap with collectives)
+and a call that needs a larger heap (growth synchronizes and exchanges handles). Failures of a
+replayed call surface like those of an eager one: at the next fused call on the group or at
+:func:`check_errors`.
 """
 
 from __future__ import annotations
@@ -74,11 +82,10 @@ def _must_agree_mask(op: str, descriptor: tuple[int, ...]) -> int:
 
 @dataclass
 class FusedCall:
-    """One fused call on a heap: its epoch, descriptor and the spin bound in the kernels' clock ticks."""
+    """One fused call on a heap: its descriptor and the spin bound in the kernels' clock ticks."""
 
     op: str
     heap: SymmetricHeap
-    epoch: int
     descriptor: tuple[int, ...]
     timeout_s: float
     timeout_ticks: int
@@ -101,23 +108,39 @@ class FusedCall:
 # (and a rank that dropped its heap would pair its rebuild with a peer's later call). Failing every
 # further call on the group keeps that from ever silently mixing two calls' data.
 _FAILED_GROUPS: dict[int, tuple[dist.ProcessGroup, str]] = {}
-# Recent calls per heap, by epoch: an error record found later names the call that failed.
-_RECENT = 64
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work queued now on ``device``'s current stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _refuse(op: str, group: dist.ProcessGroup, device: torch.device) -> None:
     failed = _FAILED_GROUPS.get(id(group))
     if failed is not None and failed[0] is group:
+        heap = peek_heap(group, device)
+        if heap is not None and not capturing(device):
+            # Left mapped by a failure found inside capture, where the device could not be synchronized.
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            destroy_heap(group, device)
         raise RuntimeError(f"fused {op}: an earlier fused call on this process group failed ({failed[1]}); "
                            "its ranks no longer agree on the call sequence, so the fused path refuses the group. "
                            "Create a new process group (or restart the job) to use it again")
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        first = peek_heap(group, device) is None
+
+
+def _refuse_capture(op: str, heap: Optional[SymmetricHeap], data_bytes: int) -> None:
+    """Inside CUDA-graph capture: raise if the call would create or grow the heap (collectives, a sync)."""
+    if heap is None:
         raise RuntimeError(
-            f"fused {op}: called inside CUDA-graph capture; the fused path is not capturable yet (each call's "
-            "epoch and counter targets are host integers a graph would freeze)"
-            + ("; this is also the group's first fused call, which creates its heap with collectives" if first
-               else "") + ". Capture the chunked path instead (backend='chunked' or COC_PARALLEL_NUM)")
+            f"fused {op}: the group's first fused call on this device is inside CUDA-graph capture; it creates "
+            "the symmetric heap with collectives, which cannot be captured. Make the same call once before "
+            "capturing (the usual warm-up), then capture")
+    if heap.data_bytes < data_bytes:
+        raise RuntimeError(
+            f"fused {op}: inside CUDA-graph capture this call needs a heap of {data_bytes} bytes and the group's "
+            f"has {heap.data_bytes}; growing it exchanges handles and synchronizes, which cannot be captured. "
+            "Make the largest call once before capturing (the usual warm-up), then capture")
 
 
 _mps_warned = False
@@ -173,18 +196,16 @@ def _first_mismatch(op: str, group: dist.ProcessGroup, descriptors: Sequence[obj
 
 
 def _open(op: str, heap: SymmetricHeap, descriptor: tuple[int, ...]) -> FusedCall:
-    """Next epoch on ``heap`` and its call check (descriptor exchange and comparison) queued."""
+    """The call check of the next call on ``heap`` queued (it advances the epoch on the device)."""
     _attach_record(heap)
     timeout = get_config().timeout
     use_globaltimer = heap.device.type == "cuda"
     # GPU spins read %globaltimer (ns); interpreter spins read the pad clock (ms).
     ticks = int(timeout * 1e9) if use_globaltimer else max(1, int(timeout * 1e3))
-    epoch = heap.next_epoch()
-    heap.recent_calls[epoch] = (op, descriptor)
-    heap.recent_calls.pop(epoch - _RECENT, None)
+    heap.calls += 1
     heap.arm_clock(True)
-    signals.check_call(heap, epoch, descriptor, _must_agree_mask(op, descriptor), ticks, use_globaltimer)
-    return FusedCall(op, heap, epoch, descriptor, timeout, ticks, use_globaltimer)
+    signals.check_call(heap, descriptor, _must_agree_mask(op, descriptor), ticks, use_globaltimer)
+    return FusedCall(op, heap, descriptor, timeout, ticks, use_globaltimer)
 
 
 def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int,
@@ -201,6 +222,8 @@ def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: i
     _warn_if_mps(device)
     words = signals.sig_words(dist.get_world_size(group))
     heap = peek_heap(group, device)
+    if capturing(device):
+        _refuse_capture(op, heap, data_bytes)
     if heap is None:
         heap = get_heap(group, device, data_bytes, words, descriptor, _verdict(op, group))
     else:
@@ -234,7 +257,7 @@ def fused_call(op: str, group: dist.ProcessGroup, device: torch.device, data_byt
         yield call
     except BaseException:
         try:
-            signals.finish_call(call.heap, call.epoch, (), 1)
+            signals.finish_call(call.heap, (), 1)
         finally:
             call.heap.arm_clock(False)
         raise
@@ -247,20 +270,21 @@ def finish(call: FusedCall, outputs: Sequence[Optional[torch.Tensor]] = ()) -> N
     try:
         largest = max((o.numel() for o in outputs if o is not None), default=0)
         programs = 1 if triton_interpreted() else max(1, min(132, -(-largest // 1024)))
-        signals.finish_call(heap, call.epoch, tuple(outputs), programs)
+        signals.finish_call(heap, tuple(outputs), programs)
     finally:
         heap.arm_clock(False)
     raise_recorded(heap)
 
 
-def _message(heap: SymmetricHeap, code: int, epoch: int, peer_words: Sequence[int]) -> str:
+def _message(heap: SymmetricHeap, code: int, epoch: int, mine: Sequence[int], peer_words: Sequence[int]) -> str:
     phase, peer = signals.decode_error(code, heap.world_size)
-    op, mine = heap.recent_calls.get(epoch, ("(an earlier call)", None))
+    op_code = mine[agree.FIELDS.index("op")]
+    op = agree.OPS[op_code] if 0 <= op_code < len(agree.OPS) else "(an unknown op)"
     me = f"rank {heap.global_ranks[heap.rank]} (group rank {heap.rank})"
     them = f"rank {heap.global_ranks[peer]} (group rank {peer})"
     if phase == signals.MISMATCH:
         labels = _labels(heap.group)
-        detail = agree.format_mismatch(op, labels[heap.rank], mine, labels[peer], peer_words) if mine else None
+        detail = agree.format_mismatch(op, labels[heap.rank], mine, labels[peer], peer_words)
         if detail is None:
             detail = f"{op}: ranks disagree: {me} and {them} described different calls"
         return (f"fused {detail} (epoch {epoch}; found by the call check before any data moved: no output of that "
@@ -283,13 +307,17 @@ def raise_recorded(heap: SymmetricHeap) -> None:
     if code == 0:
         return
     epoch = int(view[signals.RECORD_EPOCH])
-    peer_words = [int(v) for v in view[signals.RECORD_DESC:signals.RECORD_DESC + len(agree.FIELDS)]]
-    message = _message(heap, code, epoch, peer_words)
-    if heap.device.type == "cuda":
-        # Kernels queued after the failure still reference the heap (they skip their work).
-        torch.cuda.synchronize(heap.device)
+    n = len(agree.FIELDS)
+    mine = [int(v) for v in view[signals.RECORD_MINE:signals.RECORD_MINE + n]]
+    peer_words = [int(v) for v in view[signals.RECORD_DESC:signals.RECORD_DESC + n]]
+    message = _message(heap, code, epoch, mine, peer_words)
     _FAILED_GROUPS[id(heap.group)] = (heap.group, message)
-    destroy_heap(heap.group, heap.device)
+    # Inside capture the device cannot be synchronized; the next call outside capture frees the heap.
+    if not capturing(heap.device):
+        if heap.device.type == "cuda":
+            # Kernels queued after the failure still reference the heap (they skip their work).
+            torch.cuda.synchronize(heap.device)
+        destroy_heap(heap.group, heap.device)
     raise RuntimeError(message)
 
 

@@ -5,24 +5,38 @@ Pad layout (int64 words of each rank's signal pad; ``W`` = world size)::
     word 0            clock (CPU heaps: ms since heap creation, written by a host thread)
     word 1            error code of this rank's first failed wait or check (0 = none), this rank only
     word 2            address of this rank's host error record (pinned host memory on GPU)
-    word 3            epoch of this rank's call in progress (error records carry it)
+    word 3            epoch of this rank's call in progress: the number of calls made on this heap,
+                      advanced on the device by the call check (below)
+    MINE .. MINE + 15 this rank's descriptor of the call in progress (error records carry it)
     DONE  + src       epoch of the last call ``src`` finished (it no longer reads its heap for it)
     AG    + src * AG_MAX_SPLITS + c
                       epoch whose chunk ``c`` of its input shard ``src`` has pushed into this
                       rank's gather buffer
-    RS    + src       cumulative count of partial-product tiles ``src`` has pushed to this rank
-    AR    + src       cumulative count of reduced-row tiles ``src`` (their owner) has pushed here
+    RS    + src       count of partial-product tiles ``src`` has pushed to this rank in this call
+    AR    + src       count of reduced-row tiles ``src`` (their owner) has pushed here in this call
     DESC  + (src * 2 + epoch % 2) * DESC_SLOT
                       ``src``'s call descriptor for ``epoch``: word 0 the epoch (stored last, with
                       release), words 1.. the descriptor of :func:`kernels.agree.describe_call`
 
-Flags are never reset: ``DONE``/``AG``/``DESC`` carry the call's epoch (``heap.epoch``, the same on
-every rank) and ``RS``/``AR`` are counters whose cumulative target every rank computes from the
-shapes. Every call starts with :func:`check_call`: each rank stores its descriptor into every
-peer's pad and waits for every peer's descriptor of the same epoch, so a rank passes the check of
-call ``e`` only once every peer has finished its stream's work of call ``e - 1`` (its check kernel
-of ``e`` is queued after it). Nothing is pushed into a peer before that, which is the whole flow
-control; there is no host barrier per call.
+No kernel takes the epoch or a counter target from the host. The epoch lives in word 3: the call
+check, the first kernel of every call, increments it and every later kernel of the call reads it
+there. The counter targets are per-call tile counts that follow from the shapes alone, because the
+call check zeroes this rank's ``RS``/``AR`` counters. So the launches of a call are the same from
+one call to the next (same kernels, same arguments), and a CUDA graph that captured them replays
+correctly any number of times, interleaved with eager calls on the same heap.
+
+``DONE``/``AG``/``DESC`` carry the epoch (the same on every rank, since every rank makes the same
+calls) and are never reset. Every call starts with :func:`check_call`: each rank zeroes its own
+counters, stores its descriptor into every peer's pad and waits for every peer's descriptor of the
+same epoch, so a rank passes the check of call ``e`` only once every peer has finished its
+stream's work of call ``e - 1`` (its check kernel of ``e`` is queued after it). Nothing is pushed
+into a peer before that, which is the whole flow control; there is no host barrier per call.
+
+Why zeroing the counters loses no increment: rank ``r`` zeroes them in its check of ``e``, after
+its stream finished call ``e - 1``, whose waits saw every increment of ``e - 1`` arrive (a target
+is the exact count of increments). A peer increments them for call ``e`` only after acquiring
+``r``'s descriptor of ``e``, which ``r`` release-stores after the zeroing, so every increment of
+``e`` is ordered after the zero.
 
 Why a descriptor slot is never overwritten before it is read: rank ``p`` writes its slot of parity
 ``e % 2`` in rank ``r``'s pad at epoch ``e``; that slot was last written at epoch ``e - 2``. ``p``
@@ -47,7 +61,11 @@ import triton.language as tl
 ERROR_WORD = 1
 RECORD_WORD = 2
 EPOCH_WORD = 3
-HEADER_WORDS = 8
+# Words per descriptor slot: the epoch and up to DESC_SLOT - 1 descriptor words.
+DESC_SLOT = 16
+# This rank's descriptor of the call in progress, laid out as a slot (word MINE_WORD unused).
+MINE_WORD = 8
+HEADER_WORDS = MINE_WORD + DESC_SLOT
 
 CH_DONE = 0
 CH_AG = 1
@@ -61,11 +79,11 @@ MISMATCH = NUM_CHANNELS
 # Most chunks an all-gather shard is split into (one flag each); the AG channel is this many
 # times wider than the others.
 AG_MAX_SPLITS = 8
-# Words per descriptor slot: the epoch and up to DESC_SLOT - 1 descriptor words.
-DESC_SLOT = 16
-# Host error record: code, epoch of the failed call, then the peer's descriptor (mismatch only).
+# Host error record: code, epoch of the failed call, the peer's descriptor (mismatch only; word i
+# of the slot at RECORD_DESC - 1 + i) and this rank's (at RECORD_MINE - 1 + i), which names the op.
 RECORD_CODE, RECORD_EPOCH, RECORD_DESC = 0, 1, 2
-RECORD_WORDS = RECORD_DESC + DESC_SLOT
+RECORD_MINE = RECORD_DESC + DESC_SLOT
+RECORD_WORDS = RECORD_MINE + DESC_SLOT
 # Upper bound of the spin back-off (ns): how late a waiter may notice a flag.
 MAX_BACKOFF_NS = 512
 
@@ -73,12 +91,14 @@ MAX_BACKOFF_NS = 512
 _ERROR = tl.constexpr(ERROR_WORD)
 _RECORD = tl.constexpr(RECORD_WORD)
 _EPOCH = tl.constexpr(EPOCH_WORD)
+_MINE = tl.constexpr(MINE_WORD)
 _SLOT = tl.constexpr(DESC_SLOT)
 _PHASE_DESC = tl.constexpr(CH_DESC)
 _PHASE_MISMATCH = tl.constexpr(MISMATCH)
 _REC_CODE = tl.constexpr(RECORD_CODE)
 _REC_EPOCH = tl.constexpr(RECORD_EPOCH)
 _REC_DESC = tl.constexpr(RECORD_DESC)
+_REC_MINE = tl.constexpr(RECORD_MINE)
 _MAX_BACKOFF = tl.constexpr(MAX_BACKOFF_NS)
 
 PHASES = {
@@ -157,11 +177,22 @@ def claim_error(pad_ptr, code):
 
 @triton.jit
 def publish_error(pad_ptr, code):
-    """Write the epoch and then (release, system scope) the code into the host error record."""
+    """Write the epoch and this rank's descriptor of the call, then (release, system scope) the code,
+    into the host error record: the host names the failed call from the record alone, so a call
+    replayed from a CUDA graph, which the host never saw, is named as well as an eager one."""
     record = tl.load(pad_ptr + _RECORD).to(tl.pointer_type(tl.int64))
     tl.store(record + _REC_EPOCH, tl.load(pad_ptr + _EPOCH))
+    idx = tl.arange(0, _SLOT)
+    words = idx >= 1
+    tl.store(record + _REC_MINE - 1 + idx, tl.load(pad_ptr + _MINE + idx, mask=words, other=0), mask=words)
     tl.debug_barrier()
     tl.atomic_xchg(record + _REC_CODE, tl.full((), 0, tl.int64) + code, sem="release", scope="sys")
+
+
+@triton.jit
+def call_epoch(pad_ptr):
+    """The epoch of the call in progress, which its call check stored (stream order makes it visible)."""
+    return tl.load(pad_ptr + _EPOCH)
 
 
 @triton.jit
@@ -218,16 +249,19 @@ def add_signal(flag_ptr, increment):
     tl.atomic_add(flag_ptr, increment, sem="release", scope="sys")
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout", "must_agree", "d0", "d1", "d2", "d3", "d4", "d5", "d6",
-                               "d7", "d8", "d9", "d10", "d11", "d12"])
-def _check_call_kernel(sig_tab_ptr, rank, epoch: tl.int64, timeout: tl.int64, must_agree: tl.int64,
+@triton.jit(do_not_specialize=["rank", "timeout", "must_agree", "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7",
+                               "d8", "d9", "d10", "d11", "d12"])
+def _check_call_kernel(sig_tab_ptr, rank, timeout: tl.int64, must_agree: tl.int64,
                        d0: tl.int64, d1: tl.int64, d2: tl.int64, d3: tl.int64, d4: tl.int64, d5: tl.int64,
                        d6: tl.int64, d7: tl.int64, d8: tl.int64, d9: tl.int64, d10: tl.int64, d11: tl.int64,
                        d12: tl.int64,
                        WORLD: tl.constexpr, DESC_LEN: tl.constexpr, DESC_OFFSET: tl.constexpr,
-                       USE_GLOBALTIMER: tl.constexpr):
+                       COUNTERS_OFFSET: tl.constexpr, COUNTERS: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
     pad = peer_ptr(sig_tab_ptr, rank, tl.int64)
-    # Read by publish_error of any later kernel of this call; stream order makes it visible there.
+    # The epoch advances here, on the device, so a replayed graph advances it too. One program:
+    # nothing races this read-modify-write, and every later kernel of the call reads the word
+    # after this one finished (stream order).
+    epoch = tl.load(pad + _EPOCH) + 1
     tl.store(pad + _EPOCH, epoch)
     idx = tl.arange(0, _SLOT)
     words = (idx >= 1) & (idx <= DESC_LEN)
@@ -245,9 +279,14 @@ def _check_call_kernel(sig_tab_ptr, rank, epoch: tl.int64, timeout: tl.int64, mu
     mine = tl.where(idx == 11, d10, mine)
     mine = tl.where(idx == 12, d11, mine)
     mine = tl.where(idx == 13, d12, mine)
+    tl.store(pad + _MINE + idx, mine, mask=words)
     compared = words & (((must_agree >> tl.maximum(idx - 1, 0).to(tl.int64)) & 1) != 0)
     parity = epoch % 2
     if failed(pad) == 0:
+        # Counters restart at zero each call (see the module docstring for why no increment is
+        # lost); the release of the descriptor below orders the zeroes before any peer's increment.
+        lanes = tl.arange(0, COUNTERS)
+        tl.store(pad + COUNTERS_OFFSET + lanes, tl.zeros((COUNTERS,), dtype=tl.int64), mask=lanes < 2 * WORLD)
         for dst in tl.static_range(WORLD):
             if dst != rank:
                 slot = peer_ptr(sig_tab_ptr, dst, tl.int64) + DESC_OFFSET + (rank * 2 + parity) * _SLOT
@@ -266,12 +305,13 @@ def _check_call_kernel(sig_tab_ptr, rank, epoch: tl.int64, timeout: tl.int64, mu
                             publish_error(pad, code)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "n0", "n1"])
-def _finish_call_kernel(sig_tab_ptr, out0_ptr, n0, out1_ptr, n1, rank, epoch: tl.int64,
+@triton.jit(do_not_specialize=["rank", "n0", "n1"])
+def _finish_call_kernel(sig_tab_ptr, out0_ptr, n0, out1_ptr, n1, rank,
                         WORLD: tl.constexpr, DONE_OFFSET: tl.constexpr, OUTPUTS: tl.constexpr,
                         BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     pad = peer_ptr(sig_tab_ptr, rank, tl.int64)
+    epoch = call_epoch(pad)
     if failed(pad):
         # A wait or the check failed: no peer may be told this rank is done (it skipped pushes
         # peers count on), and no output may look like a result.
@@ -289,18 +329,21 @@ def _finish_call_kernel(sig_tab_ptr, out0_ptr, n0, out1_ptr, n1, rank, epoch: tl
             send_signal(peer_ptr(sig_tab_ptr, dst, tl.int64) + DONE_OFFSET + rank, epoch)
 
 
-def check_call(heap, epoch: int, descriptor: tuple[int, ...], must_agree: int, timeout: int,
-               use_globaltimer: bool) -> None:
-    """Publish this rank's descriptor for ``epoch`` to every peer and compare theirs (one program)."""
+def check_call(heap, descriptor: tuple[int, ...], must_agree: int, timeout: int, use_globaltimer: bool) -> None:
+    """Advance the heap's epoch, zero this rank's counters, publish this rank's descriptor to every
+    peer and compare theirs (one program)."""
     w = heap.world_size
     if len(descriptor) != 13:
         raise ValueError(f"descriptor: {len(descriptor)} words, the check kernel takes 13")
-    _check_call_kernel[(1,)](heap.sig_ptrs, heap.rank, epoch, timeout, must_agree, *descriptor,
+    # RS and AR are adjacent channels: one masked store zeroes both.
+    assert channel_offset(CH_AR, w) == channel_offset(CH_RS, w) + w
+    _check_call_kernel[(1,)](heap.sig_ptrs, heap.rank, timeout, must_agree, *descriptor,
                              WORLD=w, DESC_LEN=len(descriptor), DESC_OFFSET=channel_offset(CH_DESC, w),
+                             COUNTERS_OFFSET=channel_offset(CH_RS, w), COUNTERS=triton.next_power_of_2(2 * w),
                              USE_GLOBALTIMER=use_globaltimer)
 
 
-def finish_call(heap, epoch: int, outputs: tuple, programs: int) -> None:
+def finish_call(heap, outputs: tuple, programs: int) -> None:
     """Signal ``DONE = epoch`` to every rank, or, if a wait or the check of this rank failed, skip
     that and fill ``outputs`` (contiguous float tensors, at most two) with NaN."""
     w = heap.world_size
@@ -309,6 +352,6 @@ def finish_call(heap, epoch: int, outputs: tuple, programs: int) -> None:
         raise ValueError(f"outputs: at most 2 tensors, got {len(outs)}")
     padded = outs + [heap.sig_ptrs] * (2 - len(outs))
     sizes = [o.numel() for o in outs] + [0] * (2 - len(outs))
-    _finish_call_kernel[(programs,)](heap.sig_ptrs, padded[0], sizes[0], padded[1], sizes[1], heap.rank, epoch,
+    _finish_call_kernel[(programs,)](heap.sig_ptrs, padded[0], sizes[0], padded[1], sizes[1], heap.rank,
                                      WORLD=w, DONE_OFFSET=channel_offset(CH_DONE, w), OUTPUTS=len(outs),
                                      BLOCK=1024)

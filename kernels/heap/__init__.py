@@ -73,8 +73,8 @@ def get_heap(group: dist.ProcessGroup, device: torch.device, data_bytes: int, si
 
     Collective only when the heap is created or grown: every rank of ``group`` must call with the
     same sizes in the same order. Growth at least doubles, so a sequence of growing shapes costs a
-    logarithmic number of collectives. A grown heap starts with zeroed signal pads, so its users must
-    restart their epochs (see :attr:`SymmetricHeap.epoch`).
+    logarithmic number of collectives. A grown heap starts with zeroed signal pads: its epoch (held
+    in the pad, :mod:`kernels.fused.signals`) restarts at zero on every rank at once.
 
     ``descriptor`` travels with the handle exchange; ``verdict`` judges every rank's and a
     disagreement raises :class:`CallMismatch` on every rank before anything is mapped (the heap

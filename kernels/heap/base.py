@@ -19,10 +19,9 @@ class CallMismatch(RuntimeError):
 class SymmetricHeap:
     """Mapped buffers of every rank of ``group``; a backend fills :attr:`_raw` and calls :meth:`_finish`.
 
-    Each rank's allocation is ``data_bytes`` of data followed by ``sig_words`` int64 signal words.
-    ``epoch`` counts the fused calls made on this heap (the same on every rank, since every rank
-    makes the same calls) and ``counters`` the cumulative per-channel increments each rank expects
-    from each peer; both start at zero with the zeroed pads of a fresh heap.
+    Each rank's allocation is ``data_bytes`` of data followed by ``sig_words`` int64 signal words,
+    zeroed. The call epoch lives in the signal pad, on the device (:mod:`kernels.fused.signals`);
+    ``calls`` counts only the calls the host opened on the heap (a replayed CUDA graph opens none).
     """
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int):
@@ -33,14 +32,11 @@ class SymmetricHeap:
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         self.data_bytes = data_bytes
         self.sig_words = sig_words
-        self.epoch = 0
-        self.counters: dict[int, int] = {}
+        self.calls = 0
         self.closed = False
         # Host memory the kernels write a failure into (set up by the heap's user, see kernels.fused.runtime).
         self.error_record: Optional[torch.Tensor] = None
         self.error_view: Optional[object] = None
-        # epoch -> (op, descriptor) of recent calls, so a failure read later names its call.
-        self.recent_calls: dict[int, tuple[str, tuple[int, ...]]] = {}
         self._raw: list[torch.Tensor] = []
         self.data_ptrs = torch.empty(0, dtype=torch.int64)
         self.sig_ptrs = torch.empty(0, dtype=torch.int64)
@@ -82,16 +78,6 @@ class SymmetricHeap:
     def sig_view(self, peer: int) -> torch.Tensor:
         """``peer``'s signal pad as an int64 tensor ``[sig_words]``."""
         return self._raw[peer][self.data_bytes:self.total_bytes].view(torch.int64)
-
-    def next_epoch(self) -> int:
-        self.epoch += 1
-        return self.epoch
-
-    def add_count(self, channel: int, increments: int) -> int:
-        """Advance the cumulative count expected on ``channel`` from each peer; return the new target."""
-        value = self.counters.get(channel, 0) + increments
-        self.counters[channel] = value
-        return value
 
     def arm_clock(self, on: bool) -> None:
         """Keep the pad clock running (``on``) for the duration of a call; GPU kernels use
