@@ -230,3 +230,45 @@ def test_adamw_foreach_matches_single_tensor_path():
         torch.nn.utils.clip_grad_norm_(ps, 1.0)
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
+
+
+def _wrapper_meta(t: torch.Tensor) -> tuple:
+    # The C++ tensor's own metadata (what the autograd engine and optimizers see), not the
+    # Python-level views DistTensor defines.
+    with torch._C.DisableTorchFunctionSubclass():
+        return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad, t.is_leaf)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["dtensor_new", "make_wrapper_subclass"])
+def test_both_wrapper_constructors_give_the_same_tensors(monkeypatch, fast):
+    """Wrappers are built with DTensor's ``_dtensor__new__`` where torch has it, else with
+    ``_make_wrapper_subclass`` (and always when the declared dtype is not the piece's): both give
+    the same metadata, values and gradients, clipped and empty pieces included."""
+    import autopar.dtensor.tensor as T
+
+    if not fast:
+        monkeypatch.setattr(T, "_NEW", None)
+    elif T._NEW is None:
+        pytest.skip("this torch has no torch.Tensor._dtensor__new__")
+    mesh = ProcessMesh([0], dim_names=["dp"])
+    X, W = torch.randn(4, 3), torch.randn(3, 5)
+    x = shard_tensor(X, mesh, [Shard(0)])
+    w = torch.nn.Parameter(shard_tensor(W, mesh, [Replicate()]))
+    with torch.no_grad():
+        for _ in range(3):                              # the cached (hot) paths too
+            y = F.gelu(x @ w) + x @ w
+    assert _wrapper_meta(y) == ((4, 5), (5, 1), torch.float32, torch.device("cpu"), False, True)
+    torch.testing.assert_close(y.full_tensor(), F.gelu(X @ W) + X @ W)
+    loss = (F.gelu(x @ w) + x @ w).sum()
+    assert _wrapper_meta(loss)[4:] == (True, False)
+    loss.backward()
+    Wr = W.clone().requires_grad_()
+    (F.gelu(X @ Wr) + X @ Wr).sum().backward()
+    torch.testing.assert_close(w.grad.full_tensor(), Wr.grad)
+    assert _wrapper_meta(w.grad) == ((3, 5), (5, 1), torch.float32, torch.device("cpu"), False, True)
+    empty = shard_tensor(torch.ones(0, 3), mesh, [Shard(0)])
+    assert _wrapper_meta(empty + empty)[:2] == ((0, 3), (3, 1))
+    clipped = shard_tensor(torch.ones(2, 3, dtype=torch.float64), ProcessMesh([1]), [Replicate()])
+    assert _wrapper_meta(clipped)[:3] == ((2, 3), (3, 1), torch.float64)
+    declared = T.make(torch.ones(2), mesh, (Replicate(),), torch.Size([2]), torch.bfloat16)
+    assert _wrapper_meta(declared)[2] == torch.bfloat16 and declared.to_local().dtype == torch.float32

@@ -21,7 +21,7 @@ from .autograd import (grad_placement, graph_vjp, kernels_api, output_grad, piec
 from .mesh import ProcessMesh
 from .placements import REPLICATE, Partial, Replicate, Shard
 from .rules import RuleResult, broadcast_labels, einsum_rule, matmul_labels, reduction_labels
-from .tensor import HANDLERS, DistTensor, empty_local, make, lid_of, pending, uninit
+from .tensor import HANDLERS, DistTensor, empty_local, lid_of, make, pending, uninit, wrap
 
 _RULE_CACHE: dict[tuple, tuple] = {}
 _MM_CACHE: dict[tuple, tuple] = {}
@@ -71,7 +71,7 @@ def _apply1(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, x: 
         local = local_fn(x._local)
         res = entry[0]
         _PLAIN[key] = (x._mesh, res.out_placements, res.out_shape, entry[2])
-        return make(local, x._mesh, res.out_placements, res.out_shape, local.dtype, True, entry[2])
+        return wrap(local, x._mesh, res.out_placements, res.out_shape, entry[2])
     return _apply(key, rule, local_fn, [x], vjp=vjp)
 
 
@@ -84,8 +84,7 @@ def _apply2(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, a: 
             local = local_fn(a._local, b._local)
             res = entry[0]
             _PLAIN[key] = (a._mesh, res.out_placements, res.out_shape, entry[2])
-            return make(local, a._mesh, res.out_placements, res.out_shape, local.dtype, True,
-                        entry[2])
+            return wrap(local, a._mesh, res.out_placements, res.out_shape, entry[2])
     return _apply(key, rule, local_fn, [a, b], vjp=vjp)
 
 
@@ -111,7 +110,7 @@ def _apply(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable,
             return make(empty_local(dtype, inputs[0]._local.device), mesh, res.out_placements,
                         res.out_shape, dtype, False, out_lid)
         local = local_fn(*[x._local for x in inputs])
-        return make(local, mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
+        return wrap(local, mesh, res.out_placements, res.out_shape, out_lid)
     ctx = (res, [x._placements for x in inputs], [x._shape for x in inputs],
            [x._dtype for x in inputs], need, vjp or graph_vjp)
     if mesh._coord is None:
@@ -265,7 +264,7 @@ def matmul(a, b) -> DistTensor:
         f = _PLAIN.get(("matmul", a._lid, b._lid))
         if f is not None and f[0] is a._mesh and f[0] is b._mesh and not _grad_enabled():
             local = torch.matmul(a._local, b._local)
-            return make(local, f[0], f[1], f[2], local.dtype, True, f[3])
+            return wrap(local, f[0], f[1], f[2], f[3])
     if type(a) is not DistTensor or type(b) is not DistTensor or a._mesh is not b._mesh:
         mesh = _mesh_of(a, b)
         a, b = _as_dist(a, mesh), _as_dist(b, mesh)
@@ -378,7 +377,7 @@ def _gelu(x: DistTensor, approximate: str = "none") -> DistTensor:
         f = _PLAIN.get(("gelu", x._lid))
         if f is not None and f[0] is x._mesh and not _grad_enabled():
             local = F.gelu(x._local)
-            return make(local, f[0], f[1], f[2], local.dtype, True, f[3])
+            return wrap(local, f[0], f[1], f[2], f[3])
         return _apply1(("gelu", x._lid), _nonlinear_rule, F.gelu, x, _vjp_gelu)
     return _apply1(("gelu", x._lid, approximate), _nonlinear_rule,
                    lambda t: F.gelu(t, approximate=approximate), x,
@@ -496,7 +495,7 @@ def _operator(op: str) -> Callable[[Any, Any], DistTensor]:
             f = _PLAIN.get((op, a._lid, b._lid))
             if f is not None and f[0] is a._mesh and f[0] is b._mesh and not _grad_enabled():
                 local = fn(a._local, b._local)
-                return make(local, f[0], f[1], f[2], local.dtype, True, f[3])
+                return wrap(local, f[0], f[1], f[2], f[3])
         return binary(op, a, b)
 
     return method
