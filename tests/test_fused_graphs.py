@@ -68,7 +68,8 @@ def replay_body(rank: int, world: int, op: str, replays: int, dtype: torch.dtype
     call on other inputs; every result against fp64 torch math. Returns the checks made."""
     import kernels
 
-    dev = torch.device(device)
+    # The heap is keyed by the indexed device ("cuda:0"), which scramble must name.
+    dev = fused_cases.gpu_device() if device == "cuda" else torch.device(device)
     group = dist.new_group(list(range(world)))
     xs, weight, b, ref_ws = _inputs(op, world, 0, dtype, device)
     static_x = xs[rank].clone()
@@ -82,12 +83,12 @@ def replay_body(rank: int, world: int, op: str, replays: int, dtype: torch.dtype
     for i in range(1, replays + 1):
         xs, _, _, _ = _inputs(op, world, 2 * i, dtype, device)
         static_x.copy_(xs[rank])
-        scramble(group, dev)
+        assert scramble(group, dev) > 0, "no heap to scramble"
         graph.replay()
         fused_cases.assert_close(f"{op} W={world} replay {i} rank={rank}", _snapshot(static_out),
                                  _reference(op, xs, ref_ws, b, rank), dtype)
         eager_xs, _, _, _ = _inputs(op, world, 2 * i + 1, dtype, device)
-        scramble(group, dev)
+        assert scramble(group, dev) > 0, "no heap to scramble"
         fused_cases.assert_close(f"{op} W={world} eager after replay {i} rank={rank}",
                                  _call(op, eager_xs[rank], weight[rank], b, group),
                                  _reference(op, eager_xs, ref_ws, b, rank), dtype)
