@@ -257,6 +257,8 @@ def test_both_wrapper_constructors_give_the_same_tensors(monkeypatch, fast):
     with torch.no_grad():
         for _ in range(3):                              # the cached (hot) paths too
             y = F.gelu(x @ w) + x @ w
+            r = torch.relu(x) + x.relu()
+    torch.testing.assert_close(r.full_tensor(), 2 * torch.relu(X))
     assert _wrapper_meta(y) == ((4, 5), (5, 1), torch.float32, torch.device("cpu"), False, True)
     torch.testing.assert_close(y.full_tensor(), F.gelu(X @ W) + X @ W)
     loss = (F.gelu(x @ w) + x @ w).sum()

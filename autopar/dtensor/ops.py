@@ -21,7 +21,8 @@ from .autograd import (grad_placement, graph_vjp, kernels_api, output_grad, piec
 from .mesh import ProcessMesh
 from .placements import REPLICATE, Partial, Replicate, Shard
 from .rules import RuleResult, broadcast_labels, einsum_rule, matmul_labels, reduction_labels
-from .tensor import HANDLERS, DistTensor, empty_local, lid_of, make, pending, uninit, wrap
+from .tensor import HANDLERS, UNARY_PLAIN, DistTensor, empty_local, lid_of, make, pending, uninit, \
+    wrap
 
 _RULE_CACHE: dict[tuple, tuple] = {}
 _MM_CACHE: dict[tuple, tuple] = {}
@@ -64,14 +65,19 @@ _grad_enabled = torch.is_grad_enabled
 
 
 def _apply1(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, x: DistTensor,
-            vjp: Optional[Callable] = None) -> DistTensor:
+            vjp: Optional[Callable] = None, plain: Optional[dict[int, tuple]] = None
+            ) -> DistTensor:
+    """``plain``: the op's UNARY_PLAIN table, for ops whose registered torch functions compute
+    ``local_fn(piece)`` when given the piece alone; a call served here enters its layout there."""
     entry = _RULE_CACHE.get(key)
     if entry is not None and not _grad_enabled() and x._lid == entry[1][0] and \
             x._mesh._coord is not None:
         local = local_fn(x._local)
         res = entry[0]
-        _PLAIN[key] = (x._mesh, res.out_placements, res.out_shape, entry[2])
-        return wrap(local, x._mesh, res.out_placements, res.out_shape, entry[2])
+        f = (x._mesh, res.out_placements, res.out_shape, entry[2])
+        if plain is not None:
+            plain[x._lid] = f
+        return wrap(local, *f)
     return _apply(key, rule, local_fn, [x], vjp=vjp)
 
 
@@ -372,13 +378,13 @@ def _neg(x: DistTensor) -> DistTensor:
     return _with_scalar("mul", x, -1.0, True)
 
 
+_GELU_PLAIN: dict[int, tuple] = {}
+_RELU_PLAIN: dict[int, tuple] = {}
+
+
 def _gelu(x: DistTensor, approximate: str = "none") -> DistTensor:
     if approximate == "none":
-        f = _PLAIN.get(("gelu", x._lid))
-        if f is not None and f[0] is x._mesh and not _grad_enabled():
-            local = F.gelu(x._local)
-            return wrap(local, f[0], f[1], f[2], f[3])
-        return _apply1(("gelu", x._lid), _nonlinear_rule, F.gelu, x, _vjp_gelu)
+        return _apply1(("gelu", x._lid), _nonlinear_rule, F.gelu, x, _vjp_gelu, _GELU_PLAIN)
     return _apply1(("gelu", x._lid, approximate), _nonlinear_rule,
                    lambda t: F.gelu(t, approximate=approximate), x,
                    lambda saved, g, need: [torch.ops.aten.gelu_backward(g, saved[0],
@@ -396,7 +402,7 @@ def _vjp_relu(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
 def _relu(x: DistTensor, inplace: bool = False) -> DistTensor:
     if inplace:
         raise NotImplementedError("relu(inplace=True) on a DistTensor; use relu()")
-    return _apply1(("relu", x._lid), _nonlinear_rule, torch.relu, x, _vjp_relu)
+    return _apply1(("relu", x._lid), _nonlinear_rule, torch.relu, x, _vjp_relu, _RELU_PLAIN)
 
 
 def softmax(x: DistTensor, dim: int, _stacklevel: int = 3, dtype=None) -> DistTensor:
@@ -539,6 +545,10 @@ def _install() -> None:
         F.layer_norm: layer_norm,
         torch.sum: _sum, torch.Tensor.sum: _sum, torch.mean: _mean, torch.Tensor.mean: _mean,
     })
+    # Called with the piece alone, these compute what their handler's local function does (F.relu
+    # is not among them: it always passes ``inplace``, so it never takes the short path).
+    UNARY_PLAIN.update({F.gelu: _GELU_PLAIN, torch.relu: _RELU_PLAIN,
+                        torch.Tensor.relu: _RELU_PLAIN})
 
 
 _install()

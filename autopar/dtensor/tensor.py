@@ -34,6 +34,11 @@ from .placements import Partial, Placement, Replicate, Shard, chunk_bounds, norm
     to_dims_mapping, to_partial_status
 
 HANDLERS: dict[Any, Callable] = {}     # torch-level function -> handler(*args, **kwargs)
+# torch-level function of one tensor -> {input layout id: (mesh, out placements, out shape, out
+# layout id)} for calls that need only ``func(piece)`` and a wrapper (no gradient, the rule's input
+# layout already): __torch_function__ serves them without the handler's frame and argument
+# repacking. Filled by ops.py on a call the handler found to be such a call.
+UNARY_PLAIN: dict[Any, dict[int, tuple]] = {}
 ATEN: dict[int, Callable] = {}         # id(aten overload) -> handler(func, args, kwargs)
 ATEN_DEFAULT: list[Callable] = []      # handler for aten ops not in ATEN (set by aten.py)
 
@@ -197,6 +202,12 @@ class DistTensor(torch.Tensor):
     # -- the two dispatch protocols -----------------------------------------------------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        plain = UNARY_PLAIN.get(func)
+        if plain is not None and not kwargs and len(args) == 1:
+            x = args[0]
+            f = plain.get(x._lid)
+            if f is not None and f[0] is x._mesh and not _grad_enabled():
+                return wrap(func(x._local), f[0], f[1], f[2], f[3])
         handler = HANDLERS.get(func)
         if handler is not None:
             return handler(*args, **kwargs) if kwargs else handler(*args)
@@ -255,6 +266,7 @@ class DistTensor(torch.Tensor):
         return make(local, mesh, placements, shape, local.dtype, init)
 
 
+_grad_enabled = torch.is_grad_enabled
 _LOCAL_SLOT = DistTensor.__dict__["_local_tensor"]
 # The whole package says ``x._local``: the same slot under a shorter name (a slot descriptor
 # reads its offset, whatever name finds it).
