@@ -6,7 +6,8 @@ Runs on a ``W``-rank gloo group (default 2; rank 0 measures while the other rank
 barrier, so they do not compete for the CPU), with the same placements on both sides (activation
 ``Shard(0)``, weight ``Replicate()``), so no op communicates and the measured time is dispatch:
 rule lookup or sharding propagation, wrapping, plus the local op. The local op's own time is
-measured on plain tensors of the local shapes and reported beside it. Each figure is the minimum over ``repeats`` interleaved
+measured on plain tensors of the local shapes and reported beside it; before timing, each op's
+local result and output placements are checked to be the same in all three variants. Each figure is the minimum over ``repeats`` interleaved
 rounds of the mean over ``iters`` calls, forward only, no autograd recording; a last row times one
 training step (forward and backward) of the three ops together.
 """
@@ -70,6 +71,7 @@ def run(iters: int = 1000, repeats: int = 15) -> dict:
     }
     rows = []
     with torch.no_grad():
+        _check_same_work(ops, (x, w), (dx, dw), (ax, aw))
         for name, op in ops.items():
             t_torch, t_dtensor, t_autopar = _time(
                 [lambda: op(x, w), lambda: op(dx, dw), lambda: op(ax, aw)], iters, repeats)
@@ -91,6 +93,20 @@ def run(iters: int = 1000, repeats: int = 15) -> dict:
     return {"torch": torch.__version__, "world": world, "iters": iters, "repeats": repeats,
             "shape_x": [8, 16], "shape_w": [16, 16], "rows": rows, "together": together,
             "train": train, "loadavg": list(os.getloadavg())}
+
+
+def _check_same_work(ops: dict, plain: tuple, dtensors: tuple, autopars: tuple) -> None:
+    """Every variant computes the same local result in the same layout, so the figures compare
+    dispatch and nothing else (a wrapper that skipped or changed the op would fail here)."""
+    for name, op in ops.items():
+        want = op(*plain)
+        for kind, args in (("DTensor", dtensors), ("autopar", autopars)):
+            out = op(*args)
+            local = out.to_local()
+            pl = [(type(p).__name__, getattr(p, "dim", None)) for p in out.placements]
+            if not torch.equal(local, want) or pl != [("Shard", 0)]:
+                raise RuntimeError(f"{name}: {kind} computes {list(local.shape)} as {pl}, not the "
+                                   f"plain op's {list(want.shape)} as [Shard(0)]")
 
 
 def _row(op: str, t_torch: float, t_dtensor: float, t_autopar: float) -> dict:
