@@ -274,3 +274,22 @@ def test_both_wrapper_constructors_give_the_same_tensors(monkeypatch, fast):
     assert _wrapper_meta(clipped)[:3] == ((2, 3), (3, 1), torch.float64)
     declared = T.make(torch.ones(2), mesh, (Replicate(),), torch.Size([2]), torch.bfloat16)
     assert _wrapper_meta(declared)[2] == torch.bfloat16 and declared.to_local().dtype == torch.float32
+
+
+def test_private_constructor_probe_rejects_a_changed_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_dtensor__new__`` is private: a torch where it builds another tensor, or takes other
+    arguments, must send DistTensor to ``_make_wrapper_subclass`` (decided once at import)."""
+    from autopar.dtensor import tensor
+
+    real = getattr(torch.Tensor, "_dtensor__new__", None)
+    assert tensor._private_constructor_works() == (real is not None)
+
+    def local_shape(cls, piece, spec, requires_grad):  # the piece's shape, not the global one
+        return torch.Tensor._make_wrapper_subclass(cls, piece.shape, dtype=piece.dtype)
+
+    def other_signature(cls, piece, spec, *, requires_grad, extra):
+        raise AssertionError("unreachable")
+
+    for fake in (local_shape, other_signature):
+        monkeypatch.setattr(tensor, "_NEW", fake)
+        assert not tensor._private_constructor_works(), fake.__name__

@@ -275,6 +275,31 @@ _LOCAL_SLOT = DistTensor.__dict__["_local_tensor"]
 DistTensor._local = _LOCAL_SLOT
 
 
+def _private_constructor_works() -> bool:
+    """Whether this torch's ``_dtensor__new__`` (a private API) builds what ``make`` relies on: the
+    global size and strides of the spec, the piece's dtype and device, the piece in ``_local_tensor``,
+    no gradient. Checked once at import, so a torch whose private API differs (another release than
+    the one tested) takes the public ``_make_wrapper_subclass`` path instead of failing or
+    returning a wrong tensor."""
+    if _NEW is None:
+        return False
+    piece = torch.zeros(2, 3, dtype=torch.float64)
+    layout = Layout(torch.Size((4, 3)))
+    try:
+        r = _NEW(DistTensor, piece, layout, False)
+        # torch.Tensor's own accessors: DistTensor overrides some to read its slots, unset here.
+        base = torch.Tensor
+        return (tuple(base.size(r)) == (4, 3) and base.stride(r) == (3, 1)
+                and base.dtype.__get__(r) == torch.float64 and base.device.__get__(r) == piece.device
+                and _LOCAL_SLOT.__get__(r) is piece and not base.requires_grad.__get__(r))
+    except Exception:  # noqa: BLE001 - any failure of a private API means: do not use it
+        return False
+
+
+if not _private_constructor_works():
+    _NEW = None
+
+
 def make(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape: torch.Size,
          dtype: torch.dtype, init: bool = True, lid: Optional[int] = None,
          cls: type = DistTensor) -> DistTensor:
