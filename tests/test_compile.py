@@ -348,15 +348,20 @@ def _graph_replay_rank(rank: int, world: int) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("parallel_num", [None, "2", "4"])
+@pytest.mark.parametrize("parallel_num", [None, "2", "4", "fused"])
 def test_linears_cuda_graph_replays_match_eager(world: int, parallel_num: Optional[str]) -> None:
-    """Sequential (no COC_PARALLEL_NUM) and chunked 2 / 4; fused capture is tested op by op in
-    tests/test_fused_graphs.py. World 1 still runs the chunked path's comm stream and its stand-in
-    copies."""
+    """Sequential (no COC_PARALLEL_NUM), chunked 2 / 4 and fused (USE_COC_FUSED_KERNEL=1, world 2:
+    one process per GPU; the fused ops on one shared GPU are tests/test_fused_graphs.py). World 1
+    still runs the chunked path's comm stream and its stand-in copies."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"NCCL needs one GPU per rank; fewer than {world} GPUs")
-    results = run_ranks(_graph_replay_rank, world, backend="nccl", env={"COC_PARALLEL_NUM": parallel_num},
-                        timeout=600)
+    env: dict[str, Optional[str]] = {"COC_PARALLEL_NUM": parallel_num}
+    if parallel_num == "fused":
+        if world == 1:
+            pytest.skip("a fused call at world 1 is a plain GEMM: nothing fused to capture")
+        pytest.importorskip("cupy", reason="the CUDA heap needs CuPy")
+        env = {"COC_PARALLEL_NUM": None, "USE_COC_FUSED_KERNEL": "1"}
+    results = run_ranks(_graph_replay_rank, world, backend="nccl", env=env, timeout=600)
     assert results == [[]] * world, results
 
 
