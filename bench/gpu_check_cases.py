@@ -400,7 +400,7 @@ def departure(rank: int, world: int, dev: torch.device, mode: str, ops: list[str
         return []
     cases = {op: make_case(op, 2, rank, 13, 64, 40, True, i, dtype, dev) for i, op in enumerate(ops)}
     for op in ops:
-        # Two calls: epochs 1 and 2 compile their variants here, not inside the timed wait.
+        # Two calls: every kernel variant the op needs compiles here, not inside the timed wait.
         for _ in range(2):
             run_op(cases[op], pairs[op])
     if dev.type == "cuda":

@@ -389,6 +389,49 @@ def edge_shapes_body(rank: int, world: int) -> int:
     return len(cases)
 
 
+def interrupted_call_body(rank: int, world: int, delay_s: float) -> None:
+    """Rank 0's host abandons a reduce-scatter between its launches (an exception after the scatter)
+    while rank 1's scatter of that call is ``delay_s`` late, so its increments reach rank 0's
+    counters after rank 0 started the next call. The next call must still be exact: the late
+    increments count for the abandoned call, not the next one."""
+    from kernels.fused import gemm_rs
+
+    group = dist.group.WORLD
+    presize(group, torch.device("cpu"))
+    check_case(rank, world, "rs", 5, 12, 9, True, 1, False, group, torch.float32, torch.device("cpu"))
+    xs, ws, b = make_inputs("rs", world, 5, 12, 9, True, 4, False, torch.float32, "cpu")
+    real = gemm_rs.scatter_partials
+    if rank == 0:
+        def injected(*args: Any, **kwargs: Any) -> Any:
+            raise MemoryError("injected between launches")
+
+        saved, gemm_rs.reduce_slots = gemm_rs.reduce_slots, injected
+        try:
+            run_op("rs", xs[rank], ws[rank], b, group)
+            raise AssertionError("the injected failure did not propagate")
+        except MemoryError:
+            pass
+        finally:
+            gemm_rs.reduce_slots = saved
+    else:
+        def late(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(delay_s)
+            return real(*args, **kwargs)
+
+        gemm_rs.scatter_partials = late
+        run_op("rs", xs[rank], ws[rank], b, group)
+    # No barrier before the next call (check_case's scramble has one): rank 0 enters it while rank
+    # 1 is still in the late call, and rank 1's scatter is late in it too, so a stale count would
+    # let rank 0 sum the abandoned call's slot.
+    xs, ws, b = make_inputs("rs", world, 5, 12, 9, True, 5, False, torch.float32, "cpu")
+    try:
+        got = run_op("rs", xs[rank], ws[rank], b, group)
+    finally:
+        if rank != 0:
+            gemm_rs.scatter_partials = real
+    assert_close(f"rs after an abandoned call, rank {rank}", got, reference("rs", xs, ws, b, rank), torch.float32)
+
+
 def failed_call_body(rank: int, world: int, op: str) -> float:
     """One fused call fails on every rank after its first launch; the next call must run normally.
 

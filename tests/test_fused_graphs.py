@@ -100,21 +100,91 @@ def replay_body(rank: int, world: int, op: str, replays: int, dtype: torch.dtype
 
 
 def capture_refusals_body(rank: int, world: int) -> list[str]:
-    """Inside capture, a group's first call and a call that outgrows the heap raise, launching nothing."""
+    """Inside capture, a group's first call (through the public API, whose backend check is a
+    collective, and through the fused op itself) and a call that outgrows the heap raise,
+    launching nothing."""
+    import kernels
+
     messages = []
     group = dist.new_group(list(range(world)))
     xs, weight, b, _ = _inputs("rs", world, 0, torch.float32, "cpu")
     graph = InterpretedGraph()
-    for label, x in (("first", xs[rank]), ("growth", torch.cat([xs[rank]] * 64))):
+    calls = (("public first", xs[rank], lambda x: kernels.matmul_reduce_scatter(x, weight[rank], b, group=group,
+                                                                              backend="fused")),
+             ("first", xs[rank], lambda x: _call("rs", x, weight[rank], b, group)),
+             ("growth", torch.cat([xs[rank]] * 64), lambda x: _call("rs", x, weight[rank], b, group)))
+    for label, x, call in calls:
         with graph.capture():
             try:
-                _call("rs", x, weight[rank], b, group)
+                call(x)
             except RuntimeError as e:
                 messages.append(f"{label}: {e}")
         assert not graph.launches, f"{label}: a refused call launched {len(graph.launches)} kernels"
         if label == "first":
-            _call("rs", x, weight[rank], b, group)  # the warm-up the message asks for
+            call(x)  # the warm-up the message asks for
     return messages
+
+
+def _captured(group: Any, static_x: torch.Tensor, weight: Any, b: Optional[torch.Tensor]
+              ) -> tuple[InterpretedGraph, Any]:
+    """A warm-up call on ``group``, then one call captured; ``(graph, its output)``."""
+    _call("rs", static_x, weight, b, group)
+    graph = InterpretedGraph()
+    with graph.capture():
+        out = _call("rs", static_x, weight, b, group)
+    return graph, out
+
+
+def heap_outlives_capture_body(rank: int, world: int) -> list[str]:
+    """A heap a graph captured is kept mapped when an eager call grows the group's heap (the graph
+    replays on it correctly) and after a failure on it (replays then skip their work: NaN, no
+    hang); destroy_heap frees it. Failures as text."""
+    import kernels
+    from kernels.heap import destroy_heap, heaps_of, peek_heap
+
+    failures = []
+    dev = torch.device("cpu")
+    xs, weight, b, ref_ws = _inputs("rs", world, 0, torch.float32, "cpu")
+    static_x = xs[rank].clone()
+
+    group = dist.new_group(list(range(world)))
+    graph, static_out = _captured(group, static_x, weight[rank], b)
+    captured = peek_heap(group, dev)
+    _call("rs", torch.cat([xs[rank]] * 64), weight[rank], b, group)
+    if peek_heap(group, dev) is captured or captured.closed or captured not in heaps_of(group):
+        failures.append("growth did not retire the captured heap (replaced and kept mapped)")
+    xs, _, _, _ = _inputs("rs", world, 2, torch.float32, "cpu")
+    static_x.copy_(xs[rank])
+    graph.replay()
+    fused_cases.assert_close(f"replay after growth rank={rank}", _snapshot(static_out),
+                             _reference("rs", xs, ref_ws, b, rank), torch.float32)
+    dist.barrier(group)
+    destroy_heap(group)
+    if not captured.closed or heaps_of(group):
+        failures.append("destroy_heap left the retired heap mapped")
+
+    # A failure on the captured heap: rank 0 replays while the peers make another call on it.
+    group = dist.new_group(list(range(world)))
+    graph, static_out = _captured(group, static_x, weight[rank], b)
+    captured = peek_heap(group, dev)
+    try:
+        if rank == 0:
+            graph.replay()
+            kernels.check_errors(group)
+        else:
+            _call("rs", static_x[:-world], weight[rank], b, group)
+        failures.append("ranks making different calls did not raise")
+    except RuntimeError as e:
+        if "disagree" not in str(e):
+            failures.append(f"unexpected error: {e}")
+    if captured.closed or captured not in heaps_of(group):
+        failures.append("a failure freed the captured heap")
+    graph.replay()
+    if not bool(torch.isnan(static_out).all()):
+        failures.append("a replay after the failure returned numbers, not NaN")
+    dist.barrier(group)
+    destroy_heap(group)
+    return failures
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -125,9 +195,15 @@ def test_captured_call_replays_interleaved_with_eager(op: str, world: int) -> No
 
 def test_capture_refuses_first_call_and_growth() -> None:
     for messages in run_ranks(capture_refusals_body, 2, timeout=120):
-        assert len(messages) == 2, messages
-        assert "first: " in messages[0] and "first fused call" in messages[0] and "warm-up" in messages[0]
-        assert "growth: " in messages[1] and "needs a heap of" in messages[1] and "warm-up" in messages[1]
+        assert len(messages) == 3, messages
+        for message, label in zip(messages, ("public first: ", "first: ", "growth: ")):
+            assert message.startswith(label) and "warm-up" in message, message
+        assert "first fused call" in messages[0] and "first fused call" in messages[1], messages
+        assert "needs a heap of" in messages[2], messages
+
+
+def test_captured_heap_outlives_growth_and_failure() -> None:
+    assert run_ranks(heap_outlives_capture_body, 2, env={"COC_TIMEOUT": "5"}, timeout=120) == [[], []]
 
 
 @pytest.mark.gpu

@@ -52,3 +52,9 @@ def test_gpu_spawner_reports_results_and_failures():
 def test_call_after_a_failed_call_runs_normally(op):
     elapsed = run_ranks(fused_cases.failed_call_body, 2, op, env={"COC_TIMEOUT": "5"}, timeout=120)
     assert all(t < 4 for t in elapsed), elapsed
+
+
+def test_late_increments_of_an_abandoned_call_do_not_leak_into_the_next():
+    # A straggler's increments for a call this rank abandoned land after this rank began the
+    # next call; with one counter bank they would satisfy its waits early (stale slots summed).
+    assert run_ranks(fused_cases.interrupted_call_body, 2, 1.5, env={"COC_TIMEOUT": "10"}, timeout=120) == [None] * 2

@@ -20,6 +20,7 @@ from . import interpreter_compat  # noqa: F401  (repairs Triton 3.6's interprete
 from .ag_gemm import all_gather_matmul
 from .gemm_ar import matmul_all_reduce
 from .gemm_rs import matmul_reduce_scatter
+from . import runtime
 from .runtime import check_errors, resolve_group, triton_interpreted, world_size
 
 __all__ = ["unavailable_reason", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "check_errors"]
@@ -61,6 +62,13 @@ def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device)
     key = (id(group), str(device))
     if key in _REASONS:
         return _REASONS[key][1]
+    if runtime.capturing(device):
+        # The answer needs a collective (and then the heap's creation, more collectives): neither
+        # can be captured. The same message the heap's refusal gives, before any of it runs.
+        raise RuntimeError(
+            "fused: the group's first fused call on this device is inside CUDA-graph capture; it checks "
+            "the peers and creates the symmetric heap with collectives, which cannot be captured. Make the "
+            "same call once before capturing (the usual warm-up), then capture")
     reason: Optional[str] = None
     if device.type == "cuda":
         try:

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import acc_dtype, block_config, dot_precision, matmul, tile_matmul
+from .gemm import BlockConfig, acc_dtype, block_config, dot_precision, matmul, tile_matmul
 
 
 @triton.jit
@@ -116,20 +116,21 @@ def _push_shard_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, M_LOCAL, K, stride_xm, 
 
 
 def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side: Optional[torch.cuda.Stream]
-                ) -> None:
+                ) -> bool:
     """Copy ``x`` chunk by chunk into row block ``r`` of every peer's gather buffer, flag after each chunk.
 
     One kernel, so the pushes are skipped on the device when the call check failed: copies queued
     by the host could not be (the host learns of a failure only later) and would overwrite the
     gather buffer of a slow but alive peer still reading its previous call. On GPU it runs on a
     high-priority side stream, queued before the GEMM: its few programs get SMs before the GEMM's
-    spinning programs, and the GEMM starts on this rank's own rows at once.
+    spinning programs, and the GEMM starts on this rank's own rows at once. Returns whether it
+    forked ``side`` from the current stream (the caller must then join it back).
     """
     heap, r, w = call.heap, call.rank, call.world_size
     m_local, k = x.shape
     n_chunks = triton.cdiv(m_local, chunk_rows)
     if n_chunks == 0:
-        return
+        return False
     gpu = side is not None
     if gpu:
         side.wait_stream(torch.cuda.current_stream(x.device))
@@ -139,6 +140,7 @@ def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side:
                                             FLAG_OFFSET=signals.channel_offset(signals.CH_AG, w),
                                             FLAG_STRIDE=signals.AG_MAX_SPLITS, BLOCK_R=32 if gpu else 16,
                                             BLOCK_K=128 if gpu else 64, num_warps=4 if gpu else 1)
+    return gpu
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -151,6 +153,32 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
         stream = torch.cuda.Stream(device=device, priority=-1)
         _SIDE_STREAMS[device] = stream
     return stream
+
+
+def _gemm(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+          return_gathered: bool, cfg: BlockConfig, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the outputs and launch the GEMM over the gathered rows; ``(y, x_gathered or y)``."""
+    heap, w = call.heap, call.world_size
+    m_local, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((w * m_local, n), dtype=x.dtype, device=x.device)
+    x_gathered = torch.empty((w * m_local, k), dtype=x.dtype, device=x.device) if return_gathered else y
+    call.outputs = (y, x_gathered) if return_gathered else (y,)
+    # With n == 0 the V2 op still needs one column of programs to copy the gathered rows out.
+    n_tiles = max(triton.cdiv(n, cfg.block_n), 1 if return_gathered else 0)
+    grid = (w * triton.cdiv(m_local, cfg.block_m) * n_tiles,)
+    if grid[0] > 0:
+        _ag_gemm_kernel[grid](x, heap.data_ptrs, heap.sig_ptrs, weight, bias if bias is not None else y, y,
+                              x_gathered, m_local, n, k, n_tiles, chunk_rows, x.stride(0), x.stride(1),
+                              weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+                              call.rank, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
+                              WORLD=w, CHANNEL=signals.CH_AG, FLAG_STRIDE=signals.AG_MAX_SPLITS,
+                              HAS_BIAS=bias is not None, STORE_A=return_gathered,
+                              USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
+                              DOT_PRECISION=dot_precision(x.dtype, x.device),
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y, x_gathered
 
 
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -184,33 +212,20 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     # The call check waits for every peer's descriptor of this epoch, which each peer publishes
     # only after its previous call's kernels finished: its gather buffer is free to overwrite.
     with runtime.fused_call("all_gather_matmul", group, x.device, data_bytes, descriptor) as call:
-        heap = call.heap
         # m_local, k and dtype are in the checked descriptor, so every rank picks the same tiles and
         # chunk_rows (a peer's push flags chunks the GEMM here waits on).
         cfg = block_config(x.device, m_local, k, x.dtype)
         chunk_rows = max(1, triton.cdiv(triton.cdiv(m_local, cfg.ag_splits), cfg.block_m)) * cfg.block_m
         side = _side_stream(x.device) if x.device.type == "cuda" else None
-        _push_shard(call, x, chunk_rows, side)
-        y = torch.empty((w * m_local, n), dtype=x.dtype, device=x.device)
-        x_gathered = torch.empty((w * m_local, k), dtype=x.dtype, device=x.device) if return_gathered else y
-        call.outputs = (y, x_gathered) if return_gathered else (y,)
-        # With n == 0 the V2 op still needs one column of programs to copy the gathered rows out.
-        n_tiles = max(triton.cdiv(n, cfg.block_n), 1 if return_gathered else 0)
-        grid = (w * triton.cdiv(m_local, cfg.block_m) * n_tiles,)
-        if grid[0] > 0:
-            _ag_gemm_kernel[grid](x, heap.data_ptrs, heap.sig_ptrs, weight, bias if bias is not None else y, y,
-                                  x_gathered, m_local, n, k, n_tiles, chunk_rows, x.stride(0), x.stride(1),
-                                  weight.stride(0), weight.stride(1),
-                                  y.stride(0), y.stride(1),
-                                  call.rank, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
-                                  WORLD=w, CHANNEL=signals.CH_AG, FLAG_STRIDE=signals.AG_MAX_SPLITS,
-                                  HAS_BIAS=bias is not None, STORE_A=return_gathered,
-                                  USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
-                                  DOT_PRECISION=dot_precision(x.dtype, x.device),
-                                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if side is not None:
-            # Work the caller queues next (which may overwrite or free x) must follow the pushes of x;
-            # they end about when the GEMM does, since every rank's GEMM waits for every rank's push.
-            torch.cuda.current_stream(x.device).wait_stream(side)
+        forked = _push_shard(call, x, chunk_rows, side)
+        try:
+            y, x_gathered = _gemm(call, x, weight, bias, return_gathered, cfg, chunk_rows)
+        finally:
+            if forked:
+                # Joined on every path, an exception included: work the caller queues next (which
+                # may overwrite or free x) and the next call's check (which advances the epoch the
+                # pushes read) must follow the pushes. They end about when the GEMM does, since
+                # every rank's GEMM waits for every rank's push. Inside capture a join without a
+                # fork would wait on an uncaptured stream.
+                torch.cuda.current_stream(x.device).wait_stream(side)
     return (y, x_gathered) if return_gathered else y

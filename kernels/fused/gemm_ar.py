@@ -48,8 +48,8 @@ def _gather_rows_kernel(data_tab_ptr, sig_tab_ptr, out_ptr, M, N, LD, ROWS_OWN, 
     offs_n = (rem % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_m = (local_rows < ROWS_OWN) & (offs_m < M)
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    ok = signals.wait_signal(pad + ar_offset + owner, target, pad, timeout, 1 + owner + WORLD * CHANNEL,
-                             USE_GLOBALTIMER)
+    ok = signals.wait_signal(pad + signals.counter(pad, ar_offset, owner, WORLD), target, pad, timeout,
+                             1 + owner + WORLD * CHANNEL, USE_GLOBALTIMER)
     if ok:
         # o_base is W * ROWS_OWN * LD elements, a multiple of 8 (LD is).
         o_local = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty) + tl.multiple_of(o_base, 8)

@@ -73,6 +73,9 @@ def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n
     ``RS[rank]`` counter. Columns ``[n, LD)`` of ``tile`` are zeros (masked weight rows)."""
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     epoch = signals.call_epoch(pad)
+    # This rank's counter in the receiving rank's bank of this call (the bank is the epoch's parity
+    # on every rank).
+    cnt = signals.counter(pad, cnt_offset, rank, WORLD)
     slot_offs, col_mask = slot_tile(rank * ROWS_OWN + local_rows, offs_n, LD)
     slot_mask = mask_m[:, None] & col_mask
     if BROADCAST:
@@ -81,12 +84,12 @@ def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n
             ok = signals.wait_signal(pad + done_offset + dst, epoch - 1, pad, timeout, 1 + dst, USE_GLOBALTIMER)
             if ok:
                 tl.store(signals.peer_ptr(data_tab_ptr, dst, tile.dtype) + slot_offs, tile, mask=slot_mask)
-                signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + cnt_offset + rank, 1)
+                signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + cnt, 1)
     else:
         ok = signals.wait_signal(pad + done_offset + owner, epoch - 1, pad, timeout, 1 + owner, USE_GLOBALTIMER)
         if ok:
             tl.store(signals.peer_ptr(data_tab_ptr, owner, tile.dtype) + slot_offs, tile, mask=slot_mask)
-            signals.add_signal(signals.peer_ptr(sig_tab_ptr, owner, tl.int64) + cnt_offset + rank, 1)
+            signals.add_signal(signals.peer_ptr(sig_tab_ptr, owner, tl.int64) + cnt, 1)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
@@ -120,8 +123,8 @@ def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN,
     slots = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty)
     ok = True
     for src in tl.static_range(WORLD):
-        ok = ok & signals.wait_signal(pad + cnt_offset + src, target, pad, timeout, 1 + src + WORLD * CHANNEL,
-                                      USE_GLOBALTIMER)
+        ok = ok & signals.wait_signal(pad + signals.counter(pad, cnt_offset, src, WORLD), target, pad, timeout,
+                                      1 + src + WORLD * CHANNEL, USE_GLOBALTIMER)
     if ok:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         # Fixed rank order: the result does not depend on which peer finished first (deterministic).
@@ -146,7 +149,8 @@ def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN,
                     o_region = (signals.peer_ptr(data_tab_ptr, dst, out_ptr.dtype.element_ty)
                                 + tl.multiple_of(push_base, 8))
                     tl.store(o_region + push_offs, result, mask=push_mask)
-                    signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + push_offset + rank, 1)
+                    signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64)
+                                       + signals.counter(pad, push_offset, rank, WORLD), 1)
         else:
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, result,
                      mask=mask_m[:, None] & (offs_n < N)[None, :])

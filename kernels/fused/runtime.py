@@ -10,11 +10,12 @@ itself raises; on a GPU the failure surfaces at the first of those reads after t
 
 CUDA graphs: a call's launches carry no per-call host value (the epoch and the counters live in
 the signal pad, :mod:`kernels.fused.signals`), so a captured call replays correctly, any number of
-times and interleaved with eager calls. What cannot be captured is refused with a RuntimeError
+times, in stream order with eager calls. What cannot be captured is refused with a RuntimeError
 inside capture: the group's first fused call on the device (it creates the heap with collectives)
-and a call that needs a larger heap (growth synchronizes and exchanges handles). Failures of a
-replayed call surface like those of an eager one: at the next fused call on the group or at
-:func:`check_errors`.
+and a call that needs a larger heap (growth synchronizes and exchanges handles). A heap a graph
+captured is retired, not freed, when growth or a failure replaces it (the graph holds its
+addresses). Failures of a replayed call surface like those of an eager one: at the next fused call
+on the group or at :func:`check_errors`.
 """
 
 from __future__ import annotations
@@ -87,7 +88,6 @@ class FusedCall:
     op: str
     heap: SymmetricHeap
     descriptor: tuple[int, ...]
-    timeout_s: float
     timeout_ticks: int
     use_globaltimer: bool
     # The tensors the call returns: filled with NaN if a wait or the check failed.
@@ -123,7 +123,7 @@ def _refuse(op: str, group: dist.ProcessGroup, device: torch.device) -> None:
             # Left mapped by a failure found inside capture, where the device could not be synchronized.
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            destroy_heap(group, device)
+            destroy_heap(group, device, keep_captured=True)
         raise RuntimeError(f"fused {op}: an earlier fused call on this process group failed ({failed[1]}); "
                            "its ranks no longer agree on the call sequence, so the fused path refuses the group. "
                            "Create a new process group (or restart the job) to use it again")
@@ -203,9 +203,12 @@ def _open(op: str, heap: SymmetricHeap, descriptor: tuple[int, ...]) -> FusedCal
     # GPU spins read %globaltimer (ns); interpreter spins read the pad clock (ms).
     ticks = int(timeout * 1e9) if use_globaltimer else max(1, int(timeout * 1e3))
     heap.calls += 1
+    if capturing(heap.device):
+        # The graph will hold this heap's addresses: never free it while the graph may replay.
+        heap.captured = True
     heap.arm_clock(True)
     signals.check_call(heap, descriptor, _must_agree_mask(op, descriptor), ticks, use_globaltimer)
-    return FusedCall(op, heap, descriptor, timeout, ticks, use_globaltimer)
+    return FusedCall(op, heap, descriptor, ticks, use_globaltimer)
 
 
 def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int,
@@ -233,6 +236,11 @@ def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: i
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         raise_recorded(heap)
+        # The call opened on the old heap ends with its check: mark it done there, so that a graph
+        # replaying on the old heap (kept when captured) finds DONE of this epoch. get_heap
+        # synchronizes before its collective, and a peer frees its old heap only after that
+        # collective, so this rank's DONE stores land before any peer unmaps the old pads.
+        signals.finish_call(heap, (), 1)
         heap.arm_clock(False)
         heap = get_heap(group, device, data_bytes, words, descriptor, _verdict(op, group))
         call = _open(op, heap, descriptor)
@@ -247,7 +255,9 @@ def fused_call(op: str, group: dist.ProcessGroup, device: torch.device, data_byt
     The body sets ``call.outputs`` (the tensors it returns), which ``finish`` fills with NaN if a
     wait or the check failed. An exception between the launches (a compile error, an interrupt)
     still marks the call done: the next call of every peer starts by waiting for this rank's
-    descriptor, queued after this ``DONE``, which would otherwise cost a timeout.
+    descriptor, queued after this ``DONE``, which would otherwise cost a timeout. The group stays
+    usable: peers' increments for the abandoned call that arrive late count in its counter bank,
+    not the next call's (:mod:`kernels.fused.signals`).
     """
     try:
         call = begin(op, group, device, data_bytes, descriptor)
@@ -276,7 +286,8 @@ def finish(call: FusedCall, outputs: Sequence[Optional[torch.Tensor]] = ()) -> N
     raise_recorded(heap)
 
 
-def _message(heap: SymmetricHeap, code: int, epoch: int, mine: Sequence[int], peer_words: Sequence[int]) -> str:
+def _message(heap: SymmetricHeap, code: int, epoch: int, mine: Sequence[int], peer_words: Sequence[int],
+             ticks: int) -> str:
     phase, peer = signals.decode_error(code, heap.world_size)
     op_code = mine[agree.FIELDS.index("op")]
     op = agree.OPS[op_code] if 0 <= op_code < len(agree.OPS) else "(an unknown op)"
@@ -289,7 +300,8 @@ def _message(heap: SymmetricHeap, code: int, epoch: int, mine: Sequence[int], pe
             detail = f"{op}: ranks disagree: {me} and {them} described different calls"
         return (f"fused {detail} (epoch {epoch}; found by the call check before any data moved: no output of that "
                 "call holds a result (NaN), and the fused path refuses this group from now on)")
-    timeout = get_config().timeout
+    # The bound the kernel ran with (a replayed graph keeps its capture's COC_TIMEOUT).
+    timeout = ticks / (1e9 if heap.device.type == "cuda" else 1e3)
     what = signals.PHASES.get(phase, f"signal phase {phase}")
     return (f"fused {op}: {me} waited more than COC_TIMEOUT={timeout:g} s for {them} to {what} (epoch {epoch}); "
             "the peer is dead, stuck, or did not make the same call")
@@ -300,7 +312,7 @@ def raise_recorded(heap: SymmetricHeap) -> None:
 
     The group is then refused by the fused path and the heap freed (its flags are inconsistent).
     """
-    if heap.error_record is None or heap.closed:
+    if heap.error_record is None or heap.closed or heap.failure_reported:
         return
     view = heap.error_view
     code = int(view[signals.RECORD_CODE])
@@ -310,14 +322,17 @@ def raise_recorded(heap: SymmetricHeap) -> None:
     n = len(agree.FIELDS)
     mine = [int(v) for v in view[signals.RECORD_MINE:signals.RECORD_MINE + n]]
     peer_words = [int(v) for v in view[signals.RECORD_DESC:signals.RECORD_DESC + n]]
-    message = _message(heap, code, epoch, mine, peer_words)
+    message = _message(heap, code, epoch, mine, peer_words, int(view[signals.RECORD_TIMEOUT]))
+    heap.failure_reported = True
     _FAILED_GROUPS[id(heap.group)] = (heap.group, message)
     # Inside capture the device cannot be synchronized; the next call outside capture frees the heap.
     if not capturing(heap.device):
         if heap.device.type == "cuda":
             # Kernels queued after the failure still reference the heap (they skip their work).
             torch.cuda.synchronize(heap.device)
-        destroy_heap(heap.group, heap.device)
+        # A captured heap stays mapped: replays of its graph find the error word set, skip their
+        # work and fill their outputs with NaN.
+        destroy_heap(heap.group, heap.device, keep_captured=True)
     raise RuntimeError(message)
 
 

@@ -7,36 +7,45 @@ Pad layout (int64 words of each rank's signal pad; ``W`` = world size)::
     word 2            address of this rank's host error record (pinned host memory on GPU)
     word 3            epoch of this rank's call in progress: the number of calls made on this heap,
                       advanced on the device by the call check (below)
+    word 4            the call's wait bound in clock ticks (error records carry it)
     MINE .. MINE + 15 this rank's descriptor of the call in progress (error records carry it)
     DONE  + src       epoch of the last call ``src`` finished (it no longer reads its heap for it)
     AG    + src * AG_MAX_SPLITS + c
                       epoch whose chunk ``c`` of its input shard ``src`` has pushed into this
                       rank's gather buffer
-    RS    + src       count of partial-product tiles ``src`` has pushed to this rank in this call
-    AR    + src       count of reduced-row tiles ``src`` (their owner) has pushed here in this call
+    RS    + (epoch % 2) * W + src
+                      count of partial-product tiles ``src`` has pushed to this rank in call ``epoch``
+    AR    + (epoch % 2) * W + src
+                      count of reduced-row tiles ``src`` (their owner) has pushed here in ``epoch``
     DESC  + (src * 2 + epoch % 2) * DESC_SLOT
                       ``src``'s call descriptor for ``epoch``: word 0 the epoch (stored last, with
                       release), words 1.. the descriptor of :func:`kernels.agree.describe_call`
 
-No kernel takes the epoch or a counter target from the host. The epoch lives in word 3: the call
-check, the first kernel of every call, increments it and every later kernel of the call reads it
-there. The counter targets are per-call tile counts that follow from the shapes alone, because the
-call check zeroes this rank's ``RS``/``AR`` counters. So the launches of a call are the same from
-one call to the next (same kernels, same arguments), and a CUDA graph that captured them replays
-correctly any number of times, interleaved with eager calls on the same heap.
+No kernel takes the epoch from the host, and the counter targets it takes are per-call tile counts
+fixed by the shapes. The epoch lives in word 3: the call check, the first kernel of every call,
+increments it and every later kernel of the call reads it there. The counters come in two banks
+by epoch parity, and the call check of ``e`` zeroes this rank's bank ``e % 2``. So the launches of
+a call are the same from one call to the next (same kernels, same arguments), and a CUDA graph
+that captured them replays correctly any number of times, in stream order with eager calls on the
+same heap.
 
 ``DONE``/``AG``/``DESC`` carry the epoch (the same on every rank, since every rank makes the same
 calls) and are never reset. Every call starts with :func:`check_call`: each rank zeroes its own
-counters, stores its descriptor into every peer's pad and waits for every peer's descriptor of the
+counter bank of the call, stores its descriptor into every peer's pad and waits for every peer's descriptor of the
 same epoch, so a rank passes the check of call ``e`` only once every peer has finished its
 stream's work of call ``e - 1`` (its check kernel of ``e`` is queued after it). Nothing is pushed
 into a peer before that, which is the whole flow control; there is no host barrier per call.
 
-Why zeroing the counters loses no increment: rank ``r`` zeroes them in its check of ``e``, after
-its stream finished call ``e - 1``, whose waits saw every increment of ``e - 1`` arrive (a target
-is the exact count of increments). A peer increments them for call ``e`` only after acquiring
-``r``'s descriptor of ``e``, which ``r`` release-stores after the zeroing, so every increment of
-``e`` is ordered after the zero.
+Why zeroing a bank neither loses an increment nor keeps a stale one: rank ``r`` zeroes bank
+``e % 2`` in its check of ``e``; that bank last counted call ``e - 2``. Every peer ``p`` made its
+increments of ``e - 2`` before its stream finished ``e - 2`` and so before it published its
+descriptor of ``e - 1``, which ``r``'s check of ``e - 1`` acquired, earlier in ``r``'s stream than
+the zeroing. This holds even when ``r``'s host abandoned call ``e - 1`` between launches (an
+exception after its check), when the peers' increments of ``e - 1`` may still be arriving: they
+go to the other bank. One bank would not do: a slow peer's late increment of ``e - 1`` could land
+after the zero and satisfy a wait of ``e`` early. A peer increments bank ``e % 2`` for call ``e``
+only after acquiring ``r``'s descriptor of ``e``, which ``r`` release-stores after the zeroing, so
+every increment of ``e`` is ordered after the zero.
 
 Why a descriptor slot is never overwritten before it is read: rank ``p`` writes its slot of parity
 ``e % 2`` in rank ``r``'s pad at epoch ``e``; that slot was last written at epoch ``e - 2``. ``p``
@@ -61,6 +70,7 @@ import triton.language as tl
 ERROR_WORD = 1
 RECORD_WORD = 2
 EPOCH_WORD = 3
+TIMEOUT_WORD = 4
 # Words per descriptor slot: the epoch and up to DESC_SLOT - 1 descriptor words.
 DESC_SLOT = 16
 # This rank's descriptor of the call in progress, laid out as a slot (word MINE_WORD unused).
@@ -83,7 +93,9 @@ AG_MAX_SPLITS = 8
 # of the slot at RECORD_DESC - 1 + i) and this rank's (at RECORD_MINE - 1 + i), which names the op.
 RECORD_CODE, RECORD_EPOCH, RECORD_DESC = 0, 1, 2
 RECORD_MINE = RECORD_DESC + DESC_SLOT
-RECORD_WORDS = RECORD_MINE + DESC_SLOT
+# The wait bound (clock ticks) the failed call ran with: a replayed graph keeps its capture's.
+RECORD_TIMEOUT = RECORD_MINE + DESC_SLOT
+RECORD_WORDS = RECORD_TIMEOUT + 1
 # Upper bound of the spin back-off (ns): how late a waiter may notice a flag.
 MAX_BACKOFF_NS = 512
 
@@ -91,6 +103,7 @@ MAX_BACKOFF_NS = 512
 _ERROR = tl.constexpr(ERROR_WORD)
 _RECORD = tl.constexpr(RECORD_WORD)
 _EPOCH = tl.constexpr(EPOCH_WORD)
+_TIMEOUT = tl.constexpr(TIMEOUT_WORD)
 _MINE = tl.constexpr(MINE_WORD)
 _SLOT = tl.constexpr(DESC_SLOT)
 _PHASE_DESC = tl.constexpr(CH_DESC)
@@ -99,6 +112,7 @@ _REC_CODE = tl.constexpr(RECORD_CODE)
 _REC_EPOCH = tl.constexpr(RECORD_EPOCH)
 _REC_DESC = tl.constexpr(RECORD_DESC)
 _REC_MINE = tl.constexpr(RECORD_MINE)
+_REC_TIMEOUT = tl.constexpr(RECORD_TIMEOUT)
 _MAX_BACKOFF = tl.constexpr(MAX_BACKOFF_NS)
 
 PHASES = {
@@ -115,6 +129,8 @@ def _channel_width(channel: int, world_size: int) -> int:
         return world_size * AG_MAX_SPLITS
     if channel == CH_DESC:
         return world_size * 2 * DESC_SLOT
+    if channel in (CH_RS, CH_AR):
+        return 2 * world_size  # two banks, by epoch parity
     return world_size
 
 
@@ -182,6 +198,7 @@ def publish_error(pad_ptr, code):
     replayed from a CUDA graph, which the host never saw, is named as well as an eager one."""
     record = tl.load(pad_ptr + _RECORD).to(tl.pointer_type(tl.int64))
     tl.store(record + _REC_EPOCH, tl.load(pad_ptr + _EPOCH))
+    tl.store(record + _REC_TIMEOUT, tl.load(pad_ptr + _TIMEOUT))
     idx = tl.arange(0, _SLOT)
     words = idx >= 1
     tl.store(record + _REC_MINE - 1 + idx, tl.load(pad_ptr + _MINE + idx, mask=words, other=0), mask=words)
@@ -193,6 +210,12 @@ def publish_error(pad_ptr, code):
 def call_epoch(pad_ptr):
     """The epoch of the call in progress, which its call check stored (stream order makes it visible)."""
     return tl.load(pad_ptr + _EPOCH)
+
+
+@triton.jit
+def counter(pad_ptr, offset, src, WORLD: tl.constexpr):
+    """Offset of ``src``'s counter in this call's bank of the channel at ``offset`` (RS or AR)."""
+    return offset + (call_epoch(pad_ptr) % 2) * WORLD + src
 
 
 @triton.jit
@@ -263,6 +286,7 @@ def _check_call_kernel(sig_tab_ptr, rank, timeout: tl.int64, must_agree: tl.int6
     # after this one finished (stream order).
     epoch = tl.load(pad + _EPOCH) + 1
     tl.store(pad + _EPOCH, epoch)
+    tl.store(pad + _TIMEOUT, timeout)
     idx = tl.arange(0, _SLOT)
     words = (idx >= 1) & (idx <= DESC_LEN)
     mine = tl.zeros((_SLOT,), dtype=tl.int64)
@@ -283,10 +307,12 @@ def _check_call_kernel(sig_tab_ptr, rank, timeout: tl.int64, must_agree: tl.int6
     compared = words & (((must_agree >> tl.maximum(idx - 1, 0).to(tl.int64)) & 1) != 0)
     parity = epoch % 2
     if failed(pad) == 0:
-        # Counters restart at zero each call (see the module docstring for why no increment is
-        # lost); the release of the descriptor below orders the zeroes before any peer's increment.
+        # This call's counter bank restarts at zero (the module docstring says why no increment is
+        # lost or kept); the release of the descriptor below orders the zeroes before any peer's
+        # increment. Lanes [0, W) are the RS bank, [W, 2W) the AR bank (channels 2W apart).
         lanes = tl.arange(0, COUNTERS)
-        tl.store(pad + COUNTERS_OFFSET + lanes, tl.zeros((COUNTERS,), dtype=tl.int64), mask=lanes < 2 * WORLD)
+        bank = COUNTERS_OFFSET + parity * WORLD + (lanes % WORLD) + (lanes // WORLD) * (2 * WORLD)
+        tl.store(pad + bank, tl.zeros((COUNTERS,), dtype=tl.int64), mask=lanes < 2 * WORLD)
         for dst in tl.static_range(WORLD):
             if dst != rank:
                 slot = peer_ptr(sig_tab_ptr, dst, tl.int64) + DESC_OFFSET + (rank * 2 + parity) * _SLOT
@@ -335,8 +361,8 @@ def check_call(heap, descriptor: tuple[int, ...], must_agree: int, timeout: int,
     w = heap.world_size
     if len(descriptor) != 13:
         raise ValueError(f"descriptor: {len(descriptor)} words, the check kernel takes 13")
-    # RS and AR are adjacent channels: one masked store zeroes both.
-    assert channel_offset(CH_AR, w) == channel_offset(CH_RS, w) + w
+    # RS and AR are adjacent channels of two banks each: one masked store zeroes a bank of both.
+    assert channel_offset(CH_AR, w) == channel_offset(CH_RS, w) + 2 * w
     _check_call_kernel[(1,)](heap.sig_ptrs, heap.rank, timeout, must_agree, *descriptor,
                              WORLD=w, DESC_LEN=len(descriptor), DESC_OFFSET=channel_offset(CH_DESC, w),
                              COUNTERS_OFFSET=channel_offset(CH_RS, w), COUNTERS=triton.next_power_of_2(2 * w),

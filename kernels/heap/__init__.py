@@ -44,6 +44,10 @@ def import_cupy() -> Any:
     return cupy
 
 _HEAPS: dict[tuple[int, str], tuple[object, SymmetricHeap]] = {}
+# Heaps replaced (grown) or dropped after a failure while a CUDA graph may still replay launches
+# that address them (``SymmetricHeap.captured``): kept mapped, and still read by ``heaps_of`` so a
+# replayed call's failure is reported, until destroy_heap / destroy_all_heaps frees them.
+_RETIRED: list[tuple[object, SymmetricHeap]] = []
 
 
 def _key(group: dist.ProcessGroup, device: torch.device) -> tuple[int, str]:
@@ -63,8 +67,18 @@ def peek_heap(group: dist.ProcessGroup, device: torch.device) -> Optional[Symmet
 
 
 def heaps_of(group: Optional[dist.ProcessGroup]) -> list[SymmetricHeap]:
-    """The cached heaps of ``group`` on every device (of every group when None); no collective."""
-    return [heap for (gid, _), (_, heap) in list(_HEAPS.items()) if group is None or gid == id(group)]
+    """The cached heaps of ``group`` on every device (of every group when None), then its retired
+    captured heaps; no collective."""
+    current = [heap for (gid, _), (_, heap) in list(_HEAPS.items()) if group is None or gid == id(group)]
+    return current + [heap for g, heap in _RETIRED if group is None or g is group]
+
+
+def _drop(group: object, heap: SymmetricHeap) -> None:
+    """Free ``heap``, or retire it if a CUDA graph captured calls on it."""
+    if heap.captured:
+        _RETIRED.append((group, heap))
+    else:
+        heap.close()
 
 
 def get_heap(group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int,
@@ -104,25 +118,43 @@ def get_heap(group: dist.ProcessGroup, device: torch.device, data_bytes: int, si
         raise ValueError(f"device: no symmetric heap backend for device type {device.type!r}")
     _HEAPS[key] = (group, heap)
     if old is not None:
-        old.close()
+        _drop(group, old)
     return heap
 
 
-def destroy_heap(group: dist.ProcessGroup, device: Optional[torch.device] = None) -> None:
-    """Unmap and free the heap(s) of ``group`` (all devices when ``device`` is None). Local, no collective.
+def destroy_heap(group: dist.ProcessGroup, device: Optional[torch.device] = None,
+                 keep_captured: bool = False) -> None:
+    """Unmap and free the heap(s) of ``group`` (all devices when ``device`` is None), retired ones
+    included. Local, no collective.
 
     Safe only when no peer will write into this rank's memory anymore (e.g. after a barrier, or
-    after a failed call, when the peers are presumed gone).
+    after a failed call, when the peers are presumed gone), and no CUDA graph that captured a call
+    on the group will be replayed. With ``keep_captured`` a captured heap is only retired (the
+    fused path's own teardown after a failure: a graph may still be replayed, and its calls then
+    find the failure and skip their work).
     """
+    def ours(g: object, dev: str) -> bool:
+        return g is group and (device is None or dev == str(device))
+
     for key in list(_HEAPS):
         if key[0] == id(group) and (device is None or key[1] == str(device)):
-            _HEAPS.pop(key)[1].close()
+            g, heap = _HEAPS.pop(key)
+            if keep_captured:
+                _drop(g, heap)
+            else:
+                heap.close()
+    if not keep_captured:
+        for entry in [e for e in _RETIRED if ours(e[0], str(e[1].device))]:
+            _RETIRED.remove(entry)
+            entry[1].close()
 
 
 def destroy_all_heaps() -> None:
-    """Free every cached heap of this process (registered at exit)."""
+    """Free every cached and retired heap of this process (registered at exit)."""
     while _HEAPS:
         _HEAPS.popitem()[1][1].close()
+    while _RETIRED:
+        _RETIRED.pop()[1].close()
 
 
 atexit.register(destroy_all_heaps)

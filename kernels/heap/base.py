@@ -33,6 +33,12 @@ class SymmetricHeap:
         self.data_bytes = data_bytes
         self.sig_words = sig_words
         self.calls = 0
+        # Set once a call on this heap was captured into a CUDA graph: the graph holds its raw
+        # addresses, so growth and failure retire it (kept mapped) instead of freeing it.
+        self.captured = False
+        # Set once the fused path raised the failure recorded on this heap (a retired captured
+        # heap stays readable by check_errors, which must not raise it again).
+        self.failure_reported = False
         self.closed = False
         # Host memory the kernels write a failure into (set up by the heap's user, see kernels.fused.runtime).
         self.error_record: Optional[torch.Tensor] = None
