@@ -258,7 +258,12 @@ def test_both_wrapper_constructors_give_the_same_tensors(monkeypatch, fast):
         for _ in range(3):                              # the cached (hot) paths too
             y = F.gelu(x @ w) + x @ w
             r = torch.relu(x) + x.relu()
+        # The cached one-input path served the last calls, and kept the input's placement.
+        xw = x @ w
+        assert x._lid in T.UNARY_PLAIN.get(torch.relu, {}) and xw._lid in T.UNARY_PLAIN.get(F.gelu, {})
+        assert F.gelu(xw).placements == torch.relu(x).placements == (Shard(0),)
     torch.testing.assert_close(r.full_tensor(), 2 * torch.relu(X))
+    assert y.placements == r.placements == (Shard(0),)
     assert _wrapper_meta(y) == ((4, 5), (5, 1), torch.float32, torch.device("cpu"), False, True)
     torch.testing.assert_close(y.full_tensor(), F.gelu(X @ W) + X @ W)
     loss = (F.gelu(x @ w) + x @ w).sum()
@@ -293,3 +298,18 @@ def test_private_constructor_probe_rejects_a_changed_api(monkeypatch: pytest.Mon
     for fake in (local_shape, other_signature):
         monkeypatch.setattr(tensor, "_NEW", fake)
         assert not tensor._private_constructor_works(), fake.__name__
+
+
+def test_lazy_bits_are_resolved_and_sparse_pieces_refused() -> None:
+    """A conjugated or negated view becomes a plain piece (the wrapper constructors differ on those
+    bits); a sparse tensor is refused by name instead of failing inside an op."""
+    mesh = ProcessMesh([0], dim_names=["dp"])
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    for lazy in (z.conj(), torch._neg_view(torch.tensor([1.0, -2.0]))):
+        for d in (DistTensor.from_local(lazy, mesh, [Replicate()]), shard_tensor(lazy, mesh, [Shard(0)])):
+            assert not d.to_local().is_conj() and not d.to_local().is_neg()
+            torch.testing.assert_close(d.full_tensor(), lazy.resolve_conj().resolve_neg())
+    with pytest.raises(TypeError, match="only dense.*sparse_coo"):
+        DistTensor.from_local(torch.eye(2).to_sparse(), mesh, [Replicate()])
+    with pytest.raises(TypeError, match="only dense.*sparse_coo"):
+        shard_tensor(torch.eye(2).to_sparse(), mesh, [Replicate()])

@@ -119,6 +119,7 @@ class DistTensor(torch.Tensor):
             raise TypeError(f"from_local(local): expected a plain torch.Tensor, got {type(local).__name__}")
         if not isinstance(mesh, ProcessMesh):
             raise TypeError(f"from_local(mesh): expected a ProcessMesh, got {type(mesh).__name__}")
+        local = _dense(local, "from_local(local)")
         pl = normalize_placements(placements, mesh.ndim, local.ndim)
         if mesh.my_coordinate is None:
             if global_shape is None:
@@ -393,6 +394,15 @@ def local_piece(data: torch.Tensor, mesh: ProcessMesh, placements: tuple) -> tor
     return local
 
 
+def _dense(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` with lazy conjugate / negative bits materialized; a sparse or other non-strided layout
+    is refused. A wrapper copies those bits off its piece under one constructor and not the other
+    (``make``), and the SPMD rules assume dense pieces."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{what}: only dense (strided) tensors can be distributed, got layout {t.layout}")
+    return t.resolve_conj().resolve_neg()
+
+
 def shard_tensor(data: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Placement]) -> DistTensor:
     """Distribute ``data`` (the global tensor, the same on every rank) as ``placements``.
 
@@ -404,6 +414,7 @@ def shard_tensor(data: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Pla
         data = torch.as_tensor(data)
     if not isinstance(mesh, ProcessMesh):
         raise TypeError(f"shard_tensor(mesh): expected a ProcessMesh, got {type(mesh).__name__}")
+    data = _dense(data, "shard_tensor(data)")
     pl = normalize_placements(placements, mesh.ndim, data.ndim)
     if mesh.my_coordinate is None:
         return uninit(mesh, pl, data.shape, data.dtype, data.device)
