@@ -171,8 +171,9 @@ def main() -> None:
     print("overhead ratio = (autopar - torch) / (DTensor - torch): the added host time per op")
     print(f"load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        from bench.report import write_json
+
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import time
 from typing import Any, Callable, Optional
@@ -164,8 +163,9 @@ def main() -> None:
         else:
             print(f"{head} {r['us']:9.1f} {r['ref_us']:10.1f} {r['added_us']:9.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+        from bench.report import write_json
+
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":
