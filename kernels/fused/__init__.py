@@ -63,12 +63,8 @@ def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device)
     if key in _REASONS:
         return _REASONS[key][1]
     if runtime.capturing(device):
-        # The answer needs a collective (and then the heap's creation, more collectives): neither
-        # can be captured. The same message the heap's refusal gives, before any of it runs.
-        raise RuntimeError(
-            "fused: the group's first fused call on this device is inside CUDA-graph capture; it checks "
-            "the peers and creates the symmetric heap with collectives, which cannot be captured. Make the "
-            "same call once before capturing (the usual warm-up), then capture")
+        # The answer needs a collective (and then the heap's creation, more): neither can be captured.
+        runtime._refuse_capture("call", None, 0)
     reason: Optional[str] = None
     if device.type == "cuda":
         try:

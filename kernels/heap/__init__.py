@@ -133,18 +133,18 @@ def destroy_heap(group: dist.ProcessGroup, device: Optional[torch.device] = None
     fused path's own teardown after a failure: a graph may still be replayed, and its calls then
     find the failure and skip their work).
     """
-    def ours(g: object, dev: str) -> bool:
-        return g is group and (device is None or dev == str(device))
+    def ours(gid: int, dev: str) -> bool:
+        return gid == id(group) and (device is None or dev == str(device))
 
     for key in list(_HEAPS):
-        if key[0] == id(group) and (device is None or key[1] == str(device)):
+        if ours(*key):
             g, heap = _HEAPS.pop(key)
             if keep_captured:
                 _drop(g, heap)
             else:
                 heap.close()
     if not keep_captured:
-        for entry in [e for e in _RETIRED if ours(e[0], str(e[1].device))]:
+        for entry in [e for e in _RETIRED if ours(id(e[0]), str(e[1].device))]:
             _RETIRED.remove(entry)
             entry[1].close()
 
