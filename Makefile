@@ -1,8 +1,9 @@
 # Entry points, each self-contained on a fresh machine with Python 3 and git:
 #   make demo            build .venv, install the package, run the 4-rank demo (the main job)
 #   make test            build .venv, install the package with its test extra, run the test suite
+#   make lint            ruff lint and format check (configuration in pyproject.toml)
 #   make test-triton36   build .venv-triton36 (same torch, the oldest supported Triton) and run the
-#                        tests that run or compile Triton kernels there (marked `triton` by tests/conftest.py)
+#                        tests that run or compile Triton kernels there (marked `triton`: see tests/conftest.py)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,9 +14,9 @@ VENV_TRITON36 ?= .venv-triton36
 PY_TRITON36 := $(VENV_TRITON36)/bin/python
 TRITON36_VERSION ?= 3.6.0
 
-.PHONY: demo test test-triton36 bench venv venv-triton36 clean
+.PHONY: demo test lint test-triton36 bench venv venv-triton36 clean
 
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
@@ -24,7 +25,7 @@ $(VENV)/.installed: setup.py
 venv: $(VENV)/.installed
 
 # The CPU torch wheel names no Triton, so the pin below decides which one the tests import.
-$(VENV_TRITON36)/.installed: setup.py
+$(VENV_TRITON36)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV_TRITON36)
 	$(PY_TRITON36) -m pip install -q "$(TORCH_SPEC)"
 	$(PY_TRITON36) -m pip install -q -e ".[test]" "triton==$(TRITON36_VERSION)"
@@ -38,6 +39,10 @@ demo: venv
 
 test: venv
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test-triton36: venv-triton36
 	$(PY_TRITON36) -m pytest tests -m triton $(PYTEST_ARGS)

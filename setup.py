@@ -15,7 +15,7 @@ setup(
     # there by `python -m bench --mode gpu-check`, not in CI (no torch 2.11 CPU wheel on CI machines).
     install_requires=["torch>=2.11", "triton>=3.6", "pyyaml>=5.4"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "megatron-core>=0.9", "matplotlib>=3.5"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "megatron-core>=0.9", "matplotlib>=3.5", "ruff==0.17.6"],
         # One CuPy wheel per CUDA major, matching torch.version.cuda: two of them installed side by side
         # would share one `cupy` package. The code imports `cupy` from whichever is installed.
         "cuda12": ["cupy-cuda12x>=13"],

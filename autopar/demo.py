@@ -26,7 +26,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,7 +72,7 @@ class Row:
         return self.note.startswith("skipped") or (self.loss_diff <= REL_TOL and self.grad_diff <= REL_TOL)
 
 
-def fused_unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
+def fused_unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
     """Why the fused kernels cannot run on this group and device, or None when they can."""
     try:
         from kernels import fused
@@ -121,10 +121,19 @@ def train_and_check(path: Path, sp: bool, args: argparse.Namespace, device: torc
     cfg = ParallelConfig(sequence_parallel=sp, use_cpu_initialization=True)
 
     torch.manual_seed(1234)
-    fc1 = ColumnParallelLinear(h, f, config=cfg, init_method=torch.nn.init.xavier_normal_,
-                               keep_master_weight_for_test=True)
-    fc2 = RowParallelLinear(f, h, config=cfg, init_method=torch.nn.init.xavier_normal_, bias=True,
-                            input_is_parallel=True, skip_bias_add=False, keep_master_weight_for_test=True)
+    fc1 = ColumnParallelLinear(
+        h, f, config=cfg, init_method=torch.nn.init.xavier_normal_, keep_master_weight_for_test=True
+    )
+    fc2 = RowParallelLinear(
+        f,
+        h,
+        config=cfg,
+        init_method=torch.nn.init.xavier_normal_,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        keep_master_weight_for_test=True,
+    )
     gen = torch.Generator().manual_seed(99)
     b1_full = 0.1 * torch.randn(f, generator=gen)
     b2_full = 0.1 * torch.randn(h, generator=gen)
@@ -149,7 +158,8 @@ def train_and_check(path: Path, sp: bool, args: argparse.Namespace, device: torc
 
         # Single-process reference.
         y_ref = torch.nn.functional.linear(
-            torch.nn.functional.gelu(torch.nn.functional.linear(x_full, ref[0], ref[1])), ref[2], ref[3])
+            torch.nn.functional.gelu(torch.nn.functional.linear(x_full, ref[0], ref[1])), ref[2], ref[3]
+        )
         loss_ref = ((y_ref - t_full) ** 2).sum() / n_total
         loss_ref.backward()
 
@@ -178,12 +188,11 @@ def train_and_check(path: Path, sp: bool, args: argparse.Namespace, device: torc
         _sync(device)
         times.append(time.perf_counter() - start)
 
-        row.loss_diff = max(row.loss_diff,
-                            abs(loss.item() - loss_ref.item()) / max(abs(loss_ref.item()), 1e-30))
-        for p, r, sl in zip(params, ref, ref_slices):
+        row.loss_diff = max(row.loss_diff, abs(loss.item() - loss_ref.item()) / max(abs(loss_ref.item()), 1e-30))
+        for p, r, sl in zip(params, ref, ref_slices, strict=False):
             row.grad_diff = max(row.grad_diff, _rel_diff(p.grad.cpu(), r.grad[sl]))
         with torch.no_grad():
-            for p, r in zip(params, ref):
+            for p, r in zip(params, ref, strict=False):
                 p -= args.lr * p.grad
                 r -= args.lr * r.grad
                 r.grad = None
@@ -202,8 +211,9 @@ def train_and_check(path: Path, sp: bool, args: argparse.Namespace, device: torc
 def run_rank(args: argparse.Namespace, device: torch.device) -> list[Row]:
     rows = []
     selected = [p for p in PATHS if p.label in args.paths]
-    fused_reason = fused_unavailable_reason(dist.group.WORLD, device) if any(
-        p.name == "fused" for p in selected) else None
+    fused_reason = (
+        fused_unavailable_reason(dist.group.WORLD, device) if any(p.name == "fused" for p in selected) else None
+    )
     for path in selected:
         for sp in (False, True):
             if path.name == "fused" and fused_reason is not None:
@@ -213,8 +223,7 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> list[Row]:
             if path.name == "fused" and device.type == "cpu":
                 # On CPU the fused Triton kernels run in the interpreter, program by program:
                 # correct but seconds per step, so fewer steps keep the demo short.
-                run_args = argparse.Namespace(**{**vars(args),
-                                                 "steps": min(args.steps, args.interpreter_steps)})
+                run_args = argparse.Namespace(**{**vars(args), "steps": min(args.steps, args.interpreter_steps)})
             with _Env(path.env):
                 rows.append(train_and_check(path, sp, run_args, device))
             if run_args is not args:
@@ -223,22 +232,31 @@ def run_rank(args: argparse.Namespace, device: torch.device) -> list[Row]:
 
 
 def format_table(rows: list[Row], world: int, backend: str, device: torch.device) -> str:
-    head = (f"TP MLP block (column -> gelu -> row), {world} ranks, {backend} on {device.type}; "
-            f"differences relative to the single-process reference (tolerance {REL_TOL:g})")
-    cols = f"{'path':<12} {'parallel_num':>12} {'seq_parallel':>12} {'step_ms':>9} " \
-           f"{'loss_diff':>10} {'grad_diff':>10}  status"
+    head = (
+        f"TP MLP block (column -> gelu -> row), {world} ranks, {backend} on {device.type}; "
+        f"differences relative to the single-process reference (tolerance {REL_TOL:g})"
+    )
+    cols = (
+        f"{'path':<12} {'parallel_num':>12} {'seq_parallel':>12} {'step_ms':>9} "
+        f"{'loss_diff':>10} {'grad_diff':>10}  status"
+    )
     lines = [head, cols, "-" * len(cols)]
     for r in rows:
         if r.note.startswith("skipped"):
-            lines.append(f"{r.path:<12} {r.parallel_num:>12} {str(r.sequence_parallel):>12} "
-                         f"{'-':>9} {'-':>10} {'-':>10}  {r.note}")
+            lines.append(
+                f"{r.path:<12} {r.parallel_num:>12} {str(r.sequence_parallel):>12} "
+                f"{'-':>9} {'-':>10} {'-':>10}  {r.note}"
+            )
             continue
-        lines.append(f"{r.path:<12} {r.parallel_num:>12} {str(r.sequence_parallel):>12} "
-                     f"{r.step_ms:>9.2f} {r.loss_diff:>10.2e} {r.grad_diff:>10.2e}  "
-                     f"{'ok' if r.ok else 'FAIL'}{'  (' + r.note + ')' if r.note else ''}")
+        lines.append(
+            f"{r.path:<12} {r.parallel_num:>12} {str(r.sequence_parallel):>12} "
+            f"{r.step_ms:>9.2f} {r.loss_diff:>10.2e} {r.grad_diff:>10.2e}  "
+            f"{'ok' if r.ok else 'FAIL'}{'  (' + r.note + ')' if r.note else ''}"
+        )
     failed = [r for r in rows if not r.ok]
-    lines.append(f"{'FAILED' if failed else 'PASSED'}: {len(rows) - len(failed)}/{len(rows)} runs "
-                 f"match the single-process model")
+    lines.append(
+        f"{'FAILED' if failed else 'PASSED'}: {len(rows) - len(failed)}/{len(rows)} runs match the single-process model"
+    )
     return "\n".join(lines)
 
 
@@ -249,8 +267,7 @@ def gpus_for_every_rank(world: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= local_world
 
 
-def _rank_main(rank: int, world: int, init_method: str, args: argparse.Namespace,
-               local_rank: int) -> bool:
+def _rank_main(rank: int, world: int, init_method: str, args: argparse.Namespace, local_rank: int) -> bool:
     use_cuda = gpus_for_every_rank(world)
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
@@ -262,8 +279,9 @@ def _rank_main(rank: int, world: int, init_method: str, args: argparse.Namespace
         # before triton is first imported (kernels are imported lazily, below).
         os.environ.setdefault("TRITON_INTERPRET", "1")
         torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout)
+    )
     try:
         rows = run_rank(args, device)
         ok = all(r.ok for r in rows)
@@ -288,43 +306,52 @@ def _spawned(rank: int, world: int, init_method: str, args: argparse.Namespace, 
     status.put((rank, ok))
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m autopar.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=3, help="SGD steps per run")
     p.add_argument("--hidden", type=int, default=64, help="hidden size h (the MLP is h -> 4h -> h)")
     p.add_argument("--seq", type=int, default=32, help="sequence length (divisible by the world size)")
     p.add_argument("--batch", type=int, default=2, help="micro-batch size")
-    p.add_argument("--interpreter-steps", type=int, default=1,
-                   help="steps for the fused path when its kernels run in the CPU Triton interpreter")
+    p.add_argument(
+        "--interpreter-steps",
+        type=int,
+        default=1,
+        help="steps for the fused path when its kernels run in the CPU Triton interpreter",
+    )
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
-    p.add_argument("--paths", nargs="+", default=[p.label for p in PATHS],
-                   choices=[p.label for p in PATHS], help="paths to run (default: all available)")
+    p.add_argument(
+        "--paths",
+        nargs="+",
+        default=[p.label for p in PATHS],
+        choices=[p.label for p in PATHS],
+        help="paths to run (default: all available)",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
     args = p.parse_args(argv)
     if args.steps < 1 or args.interpreter_steps < 1:
-        p.error(f"--steps and --interpreter-steps must be >= 1, got {args.steps} and "
-                f"{args.interpreter_steps}")
+        p.error(f"--steps and --interpreter-steps must be >= 1, got {args.steps} and {args.interpreter_steps}")
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         world = int(os.environ["WORLD_SIZE"])
         if args.seq % world or args.hidden * 4 % world:
-            raise SystemExit(f"--seq ({args.seq}) and 4 * --hidden ({4 * args.hidden}) must be "
-                             f"divisible by the world size {world}")
-        ok = _rank_main(int(os.environ["RANK"]), world, "env://", args,
-                        local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+            raise SystemExit(
+                f"--seq ({args.seq}) and 4 * --hidden ({4 * args.hidden}) must be divisible by the world size {world}"
+            )
+        ok = _rank_main(int(os.environ["RANK"]), world, "env://", args, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         return 0 if ok else 1
 
     import torch.multiprocessing as mp
 
     world = args.world_size
     if world < 1 or args.seq % world or args.hidden * 4 % world:
-        raise SystemExit(f"--world-size ({world}) must be >= 1 and divide --seq ({args.seq}) "
-                         f"and 4 * --hidden ({4 * args.hidden})")
+        raise SystemExit(
+            f"--world-size ({world}) must be >= 1 and divide --seq ({args.seq}) and 4 * --hidden ({4 * args.hidden})"
+        )
     if not (torch.cuda.is_available() and torch.cuda.device_count() >= world):
         # CPU ranks share few cores: one thread each; the fused kernels run in the Triton
         # interpreter, chosen before any child imports triton (children inherit the environment).
@@ -335,8 +362,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="autopar-demo-") as tmp:
         init_method = f"file://{os.path.join(tmp, 'store')}"
         try:
-            mp.start_processes(_spawned, args=(world, init_method, args, status), nprocs=world,
-                               join=True, start_method="spawn")
+            mp.start_processes(
+                _spawned, args=(world, init_method, args, status), nprocs=world, join=True, start_method="spawn"
+            )
         except Exception as e:
             print(f"demo failed: {e}", file=sys.stderr)
             return 1

@@ -15,10 +15,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from bench import report
-from bench.suites import BACKENDS, DTYPE_BYTES, DTYPES, OP_ALIASES, OPS, Case, list_suites, load_suite, parse_backend, parse_op
+from bench.suites import (
+    BACKENDS,
+    DTYPE_BYTES,
+    DTYPES,
+    OP_ALIASES,
+    OPS,
+    Case,
+    list_suites,
+    load_suite,
+    parse_backend,
+    parse_op,
+)
 
 
 def _csv(kind: Any) -> Any:
@@ -27,6 +38,7 @@ def _csv(kind: Any) -> Any:
             return [kind(t) for t in text.split(",") if t.strip()]
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from e
+
     return parse
 
 
@@ -34,65 +46,133 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
         description="Benchmark all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce (and the "
-                    "quantized all-reduce op when the kernels package has it) over shape suites, backends, "
-                    "dtypes and world sizes. Each case is checked against the sequential backend before "
-                    "it is timed. Reports median and spread over repeats (max over ranks), TFLOP/s per "
-                    "rank, the bare collective's bus bandwidth, speedup over sequential, and overlap "
-                    "efficiency (t_gemm + t_comm - t_op) / min(t_gemm, t_comm). Beside each measurement "
-                    "it prints the performance model's PREDICTION (bench/model.py), labelled as a model.",
-        epilog=("Suites (configs/bench/): " + ", ".join(list_suites()) + ". Ops: " + ", ".join(
-            f"{a}={o}" for a, o in OP_ALIASES.items()) + ". Without torchrun the tool spawns one process "
+        "quantized all-reduce op when the kernels package has it) over shape suites, backends, "
+        "dtypes and world sizes. Each case is checked against the sequential backend before "
+        "it is timed. Reports median and spread over repeats (max over ranks), TFLOP/s per "
+        "rank, the bare collective's bus bandwidth, speedup over sequential, and overlap "
+        "efficiency (t_gemm + t_comm - t_op) / min(t_gemm, t_comm). Beside each measurement "
+        "it prints the performance model's PREDICTION (bench/model.py), labelled as a model.",
+        epilog=(
+            "Suites (configs/bench/): "
+            + ", ".join(list_suites())
+            + ". Ops: "
+            + ", ".join(f"{a}={o}" for a, o in OP_ALIASES.items())
+            + ". Without torchrun the tool spawns one process "
             "per rank for each world size (gloo on CPU, NCCL with one GPU per rank); under torchrun it runs "
-            "the cases of torchrun's world size. Exit status 1 if any backend disagrees with sequential."),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("run", "single", "model", "gpu-check"), default="run",
-                   help="run: distributed benchmark (default); single: one-GPU fixed costs (Triton GEMM core "
-                        "vs torch, fused op at world 1 vs bare GEMM, 4-way chunking at world 1); model: print "
-                        "the model's predictions for --gpu without measuring anything; gpu-check: one "
-                        "command that writes a correctness and speed report of this GPU (bench/gpu_check.py; "
-                        "--allow-cpu runs it on CPU under the interpreter)")
-    p.add_argument("--sections", type=_csv(str), default=None, metavar="LIST",
-                   help="gpu-check only: comma list of sections to run, from a,b,c,d,e (default: all)")
-    p.add_argument("--suite", action="append", default=None, metavar="NAME|PATH",
-                   help="shape suite name or YAML path; repeatable (default: tiny)")
-    p.add_argument("--ops", type=_csv(parse_op), default=None, metavar="LIST",
-                   help=f"comma list of ops to run (default: the suite's); accepted: {', '.join(OPS)} or "
-                        f"{', '.join(OP_ALIASES)}")
-    p.add_argument("--backends", type=_csv(parse_backend), default=None, metavar="LIST",
-                   help=f"comma list from {', '.join(BACKENDS)} (default: the suite's; sequential is always run "
-                        "as the reference)")
+            "the cases of torchrun's world size. Exit status 1 if any backend disagrees with sequential."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--mode",
+        choices=("run", "single", "model", "gpu-check"),
+        default="run",
+        help="run: distributed benchmark (default); single: one-GPU fixed costs (Triton GEMM core "
+        "vs torch, fused op at world 1 vs bare GEMM, 4-way chunking at world 1); model: print "
+        "the model's predictions for --gpu without measuring anything; gpu-check: one "
+        "command that writes a correctness and speed report of this GPU (bench/gpu_check.py; "
+        "--allow-cpu runs it on CPU under the interpreter)",
+    )
+    p.add_argument(
+        "--sections",
+        type=_csv(str),
+        default=None,
+        metavar="LIST",
+        help="gpu-check only: comma list of sections to run, from a,b,c,d,e (default: all)",
+    )
+    p.add_argument(
+        "--suite",
+        action="append",
+        default=None,
+        metavar="NAME|PATH",
+        help="shape suite name or YAML path; repeatable (default: tiny)",
+    )
+    p.add_argument(
+        "--ops",
+        type=_csv(parse_op),
+        default=None,
+        metavar="LIST",
+        help=f"comma list of ops to run (default: the suite's); accepted: {', '.join(OPS)} or {', '.join(OP_ALIASES)}",
+    )
+    p.add_argument(
+        "--backends",
+        type=_csv(parse_backend),
+        default=None,
+        metavar="LIST",
+        help=f"comma list from {', '.join(BACKENDS)} (default: the suite's; sequential is always run as the reference)",
+    )
     p.add_argument("--dtypes", type=_csv(str), default=None, metavar="LIST", help=f"comma list from {DTYPES}")
-    p.add_argument("--world-sizes", type=_csv(int), default=None, metavar="LIST",
-                   help="comma list of world sizes (TP degrees) (default: the suite's)")
-    p.add_argument("--tokens", type=_csv(int), default=None, metavar="LIST",
-                   help="comma list of M (rows across the TP group) replacing the suite's")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up calls per timing (default: suite, else 2 CPU / 10 GPU)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per timing (default: suite, else 7 CPU / 50 GPU)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA when available, else CPU")
-    p.add_argument("--gpu", default=None, metavar="GEN",
-                   help="GPU generation of configs/links.yaml for the model (default: detected from the device "
-                        "name); required for --mode model")
-    p.add_argument("--calibrate", action="store_true",
-                   help="fit the link model to collective-only timings of this run (always on for CPU runs)")
+    p.add_argument(
+        "--world-sizes",
+        type=_csv(int),
+        default=None,
+        metavar="LIST",
+        help="comma list of world sizes (TP degrees) (default: the suite's)",
+    )
+    p.add_argument(
+        "--tokens",
+        type=_csv(int),
+        default=None,
+        metavar="LIST",
+        help="comma list of M (rows across the TP group) replacing the suite's",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="warm-up calls per timing (default: suite, else 2 CPU / 10 GPU)"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=None, help="timed calls per timing (default: suite, else 7 CPU / 50 GPU)"
+    )
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when available, else CPU"
+    )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        metavar="GEN",
+        help="GPU generation of configs/links.yaml for the model (default: detected from the device "
+        "name); required for --mode model",
+    )
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="fit the link model to collective-only timings of this run (always on for CPU runs)",
+    )
     p.add_argument("--no-model", action="store_true", help="do not compute model predictions")
-    p.add_argument("--out-dir", default="bench_results", help="directory for the report files (default: ./bench_results)")
+    p.add_argument(
+        "--out-dir", default="bench_results", help="directory for the report files (default: ./bench_results)"
+    )
     p.add_argument("--name", default=None, help="file stem of the reports (default: <device>-<backend>-<UTC time>)")
-    p.add_argument("--format", type=_csv(str), default=["json", "csv", "png"], metavar="LIST",
-                   help="comma list from json,csv,png (png needs matplotlib; skipped with a message otherwise)")
+    p.add_argument(
+        "--format",
+        type=_csv(str),
+        default=["json", "csv", "png"],
+        metavar="LIST",
+        help="comma list from json,csv,png (png needs matplotlib; skipped with a message otherwise)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before a world size's run is killed")
-    p.add_argument("--stat", choices=("median", "min"), default="median",
-                   help="statistic of the repeats behind speedup, overlap, TFLOP/s and the model comparison "
-                        "(default median; min = least disturbed repeat, for machines shared with other work); "
-                        "the reports keep median, p20, p80, min and max either way")
-    p.add_argument("--cpu-threads", type=int, default=1,
-                   help="torch threads per rank on CPU (default 1: figures per core, and no OpenMP spinning "
-                        "when ranks share the cores)")
+    p.add_argument(
+        "--stat",
+        choices=("median", "min"),
+        default="median",
+        help="statistic of the repeats behind speedup, overlap, TFLOP/s and the model comparison "
+        "(default median; min = least disturbed repeat, for machines shared with other work); "
+        "the reports keep median, p20, p80, min and max either way",
+    )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=1,
+        help="torch threads per rank on CPU (default 1: figures per core, and no OpenMP spinning "
+        "when ranks share the cores)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--allow-cpu", action="store_true",
-                   help="run --mode single on CPU anyway (tests the code path; the Triton kernels then run in "
-                        "the interpreter and the times are meaningless)")
+    p.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="run --mode single on CPU anyway (tests the code path; the Triton kernels then run in "
+        "the interpreter and the times are meaningless)",
+    )
     return p
 
 
@@ -106,7 +186,7 @@ def _device_type(choice: str) -> str:
     return choice
 
 
-def _select_cases(args: argparse.Namespace, world_override: Optional[int] = None) -> tuple[list[Case], list, dict]:
+def _select_cases(args: argparse.Namespace, world_override: int | None = None) -> tuple[list[Case], list, dict]:
     suites = [load_suite(s) for s in (args.suite or ["tiny"])]
     for d in args.dtypes or []:
         if d not in DTYPES:
@@ -115,8 +195,12 @@ def _select_cases(args: argparse.Namespace, world_override: Optional[int] = None
     skipped: list[dict] = []
     first = suites[0]
     for s in suites:
-        cases += s.cases(ops=args.ops, tokens=args.tokens,
-                         world_sizes=[world_override] if world_override else args.world_sizes, dtypes=args.dtypes)
+        cases += s.cases(
+            ops=args.ops,
+            tokens=args.tokens,
+            world_sizes=[world_override] if world_override else args.world_sizes,
+            dtypes=args.dtypes,
+        )
     valid = []
     for c in cases:
         reason = c.invalid_reason()
@@ -145,12 +229,14 @@ def _filter_available_ops(cases: list[Case], skipped: list[dict]) -> list[Case]:
     return keep
 
 
-def _gpu_generation(args: argparse.Namespace, device_type: str) -> Optional[str]:
+def _gpu_generation(args: argparse.Namespace, device_type: str) -> str | None:
     from bench import model
 
     if args.gpu:
         if args.gpu not in model.known_generations():
-            raise SystemExit(f"error: --gpu {args.gpu!r} not in configs/links.yaml ({', '.join(model.known_generations())})")
+            raise SystemExit(
+                f"error: --gpu {args.gpu!r} not in configs/links.yaml ({', '.join(model.known_generations())})"
+            )
         return args.gpu
     if device_type == "cuda":
         import torch
@@ -202,27 +288,55 @@ def main_model(args: argparse.Namespace) -> int:
         gemm = model.GemmTimes(fallback=lambda m, k, n, d=c.dtype: spec.gemm_time(m, k, n, d))
         preds = {b: model.predict(c.op, b, c.world, c.gemm_shape, c.comm_elems, c.dtype, gemm, link) for b in backends}
         seq = preds["sequential"]
-        records.append({**c.to_dict(), "label": c.label, "model_gemm_ms": gemm(*c.gemm_shape) * 1e3,
-                        "model_comm_ms": link.collective_time(c.collective, c.comm_elems * DTYPE_BYTES[c.dtype],
-                                                              c.world) * 1e3,
-                        "backends": [{"backend": b, "model_ms": None if t is None else t * 1e3,
-                                      "model_speedup": None if t is None else seq / t} for b, t in preds.items()]})
-    head = ["case (MODEL, not measured)", "gemm ms", "comm ms"] + [f"{b} ms" for b in backends] + \
-           [f"{b} x" for b in backends if b != "sequential"]
+        records.append(
+            {
+                **c.to_dict(),
+                "label": c.label,
+                "model_gemm_ms": gemm(*c.gemm_shape) * 1e3,
+                "model_comm_ms": link.collective_time(c.collective, c.comm_elems * DTYPE_BYTES[c.dtype], c.world) * 1e3,
+                "backends": [
+                    {
+                        "backend": b,
+                        "model_ms": None if t is None else t * 1e3,
+                        "model_speedup": None if t is None else seq / t,
+                    }
+                    for b, t in preds.items()
+                ],
+            }
+        )
+    head = (
+        ["case (MODEL, not measured)", "gemm ms", "comm ms"]
+        + [f"{b} ms" for b in backends]
+        + [f"{b} x" for b in backends if b != "sequential"]
+    )
     lines = [head]
     for r in records:
         ms = [f"{b['model_ms']:.3f}" if b["model_ms"] is not None else "-" for b in r["backends"]]
-        sp = [f"{b['model_speedup']:.2f}" if b["model_speedup"] is not None else "-"
-              for b in r["backends"] if b["backend"] != "sequential"]
+        sp = [
+            f"{b['model_speedup']:.2f}" if b["model_speedup"] is not None else "-"
+            for b in r["backends"]
+            if b["backend"] != "sequential"
+        ]
         lines.append([r["label"], f"{r['model_gemm_ms']:.3f}", f"{r['model_comm_ms']:.3f}"] + ms + sp)
-    widths = [max(len(l[i]) for l in lines) for i in range(len(head))]
-    text = "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
-                               enumerate(zip(l, widths))) for l in lines)
-    text += (f"\n\nMODEL PREDICTIONS for {gen} (configs/links.yaml: datasheet bandwidths, assumed efficiencies "
-             "and latencies; GEMM time from a roofline, not measured). x = predicted speedup over sequential.")
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    text = "\n".join(
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths, strict=False))
+        )
+        for line in lines
+    )
+    text += (
+        f"\n\nMODEL PREDICTIONS for {gen} (configs/links.yaml: datasheet bandwidths, assumed efficiencies "
+        "and latencies; GEMM time from a roofline, not measured). x = predicted speedup over sequential."
+    )
     print(text)
-    doc = {"meta": report.metadata("cpu", sys.argv, {"mode": "model", "gpu_generation": gen}),
-           "link_model": link.describe(), "gpu_spec": vars(spec), "records": records, "skipped": skipped}
+    doc = {
+        "meta": report.metadata("cpu", sys.argv, {"mode": "model", "gpu_generation": gen}),
+        "link_model": link.describe(),
+        "gpu_spec": vars(spec),
+        "records": records,
+        "skipped": skipped,
+    }
     doc["meta"]["device"] = {"type": "model", "name": f"model-{gen}"}
     args.format = [f for f in args.format if f == "json"]
     for path in _write(args, doc, records, text, ""):
@@ -236,14 +350,20 @@ def main_single(args: argparse.Namespace, device_type: str) -> int:
     from bench.single import run_single, single_table
 
     if device_type != "cuda" and not args.allow_cpu:
-        print("single-GPU mode needs a CUDA GPU (none found): skipped. On CPU the Triton kernels run in the "
-              "interpreter, so their times would mean nothing (--allow-cpu runs it anyway to test the code path).")
+        print(
+            "single-GPU mode needs a CUDA GPU (none found): skipped. On CPU the Triton kernels run in the "
+            "interpreter, so their times would mean nothing (--allow-cpu runs it anyway to test the code path)."
+        )
         return 0
     cases, skipped, defaults = _select_cases(args)
     cases = _filter_available_ops(cases, skipped)
-    opts = RunOptions(backends=[], warmup=_count(args.warmup, defaults["warmup"], device_type, 2, 10),
-                      repeats=_count(args.repeats, defaults["repeats"], device_type, 7, 50), seed=args.seed,
-                      progress=not args.no_progress)
+    opts = RunOptions(
+        backends=[],
+        warmup=_count(args.warmup, defaults["warmup"], device_type, 2, 10),
+        repeats=_count(args.repeats, defaults["repeats"], device_type, 7, 50),
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
     out = launch.run_in_process(run_single, device_type, args.timeout, cases, opts, cpu_threads=args.cpu_threads)
     text = single_table(out["records"])
     print(text)
@@ -255,7 +375,7 @@ def main_single(args: argparse.Namespace, device_type: str) -> int:
     return 0
 
 
-def _count(cli: Optional[int], suite: Optional[int], device_type: str, cpu: int, gpu: int) -> int:
+def _count(cli: int | None, suite: int | None, device_type: str, cpu: int, gpu: int) -> int:
     if cli is not None:
         return cli
     if suite is not None:
@@ -277,10 +397,17 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
     if "sequential" not in backends:
         backends.insert(0, "sequential")
     gen = None if args.no_model else _gpu_generation(args, device_type)
-    opts = RunOptions(backends=backends, warmup=_count(args.warmup, defaults["warmup"], device_type, 2, 10),
-                      repeats=_count(args.repeats, defaults["repeats"], device_type, 7, 50), seed=args.seed,
-                      progress=not args.no_progress, calibrate=args.calibrate, gpu_generation=gen,
-                      model=not args.no_model, stat=args.stat)
+    opts = RunOptions(
+        backends=backends,
+        warmup=_count(args.warmup, defaults["warmup"], device_type, 2, 10),
+        repeats=_count(args.repeats, defaults["repeats"], device_type, 7, 50),
+        seed=args.seed,
+        progress=not args.no_progress,
+        calibrate=args.calibrate,
+        gpu_generation=gen,
+        model=not args.no_model,
+        stat=args.stat,
+    )
     if device_type == "cuda" and not torchrun:
         import torch
 
@@ -288,8 +415,9 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
         too_big = sorted({c.world for c in cases if c.world > gpus})
         if too_big:
             report.say(f"skipping world sizes {too_big}: this node has {gpus} GPU(s), one per rank")
-            skipped += [{"case": c.label, "reason": f"world size {c.world} > {gpus} GPUs"} for c in cases
-                        if c.world > gpus]
+            skipped += [
+                {"case": c.label, "reason": f"world size {c.world} > {gpus} GPUs"} for c in cases if c.world > gpus
+            ]
             cases = [c for c in cases if c.world <= gpus]
     if device_type == "cpu" and any(c.flops > 5e10 for c in cases):
         report.say("note: these are GPU-sized shapes; on CPU each case takes minutes (try --suite tiny or cpu)")
@@ -307,8 +435,17 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
             return 0
     else:
         for world in worlds:
-            results.append(launch.spawn(run_world, world, device_type, args.timeout,
-                                        [c for c in cases if c.world == world], opts, cpu_threads=args.cpu_threads))
+            results.append(
+                launch.spawn(
+                    run_world,
+                    world,
+                    device_type,
+                    args.timeout,
+                    [c for c in cases if c.world == world],
+                    opts,
+                    cpu_threads=args.cpu_threads,
+                )
+            )
     records = [r for res in results for r in res["records"]]
     link_models = {str(res["world"]): res["link_model"] for res in results}
     model_label = None
@@ -319,16 +456,39 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
     print(text)
     summary = report.model_summary(records)
     if summary:
-        print("\nmodel vs measured, median |relative error| per backend: " + ", ".join(
-            f"{b} {s['median_abs_rel_err']:.0%} (max {s['max_abs_rel_err']:.0%}, {s['cases']} cases)"
-            for b, s in sorted(summary.items())))
-    meta = report.metadata(device_type, sys.argv, {
-        "mode": "run", "suites": args.suite or ["tiny"], "backends": backends, "stat": opts.stat,
-        "warmup": opts.warmup,
-        "repeats": opts.repeats, "world_sizes": worlds, "torchrun": torchrun, "cpu_threads": args.cpu_threads})
-    doc = {"meta": meta, "records": records, "skipped": skipped,
-           "model": {"note": report.MODEL_NOTE, "link_models": link_models, "summary": summary,
-                     "calibration_samples": [s for res in results for s in res["calibration_samples"]]}}
+        print(
+            "\nmodel vs measured, median |relative error| per backend: "
+            + ", ".join(
+                f"{b} {s['median_abs_rel_err']:.0%} (max {s['max_abs_rel_err']:.0%}, {s['cases']} cases)"
+                for b, s in sorted(summary.items())
+            )
+        )
+    meta = report.metadata(
+        device_type,
+        sys.argv,
+        {
+            "mode": "run",
+            "suites": args.suite or ["tiny"],
+            "backends": backends,
+            "stat": opts.stat,
+            "warmup": opts.warmup,
+            "repeats": opts.repeats,
+            "world_sizes": worlds,
+            "torchrun": torchrun,
+            "cpu_threads": args.cpu_threads,
+        },
+    )
+    doc = {
+        "meta": meta,
+        "records": records,
+        "skipped": skipped,
+        "model": {
+            "note": report.MODEL_NOTE,
+            "link_models": link_models,
+            "summary": summary,
+            "calibration_samples": [s for res in results for s in res["calibration_samples"]],
+        },
+    }
     for path in _write(args, doc, records, text, f"{meta['device']['name']} {', '.join(meta['suites'])}"):
         report.say(f"wrote {path}")
     bad = [f"{r['label']} {b['backend']}" for r in records for b in r["backends"] if b["status"] == "incorrect"]
@@ -338,7 +498,7 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cpu_threads < 1:
         raise SystemExit(f"error: --cpu-threads must be >= 1, got {args.cpu_threads}")

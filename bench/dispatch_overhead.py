@@ -7,9 +7,9 @@ barrier, so they do not compete for the CPU), with the same placements on both s
 ``Shard(0)``, weight ``Replicate()``), so no op communicates and the measured time is dispatch:
 rule lookup or sharding propagation, wrapping, plus the local op. The local op's own time is
 measured on plain tensors of the local shapes and reported beside it; before timing, each op's
-local result and output placements are checked to be the same in all three variants. Each figure is the minimum over ``repeats`` interleaved
-rounds of the mean over ``iters`` calls, forward only, no autograd recording; a last row times one
-training step (forward and backward) of the three ops together.
+local result and output placements are checked to be the same in all three variants. Each figure
+is the minimum over ``repeats`` interleaved rounds of the mean over ``iters`` calls, forward only,
+no autograd recording; a last row times one training step (forward and backward) of the three ops together.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import argparse
 import json
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,9 @@ def _time(fns: list[Callable[[], object]], iters: int, repeats: int) -> list[flo
 def run(iters: int = 1000, repeats: int = 15) -> dict:
     """Time the ops on this rank; the caller has initialized the default process group."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate as DR, Shard as DS, distribute_tensor
+    from torch.distributed.tensor import Replicate as DR
+    from torch.distributed.tensor import Shard as DS
+    from torch.distributed.tensor import distribute_tensor
 
     import autopar
 
@@ -74,25 +77,34 @@ def run(iters: int = 1000, repeats: int = 15) -> dict:
         _check_same_work(ops, (x, w), (dx, dw), (ax, aw))
         for name, op in ops.items():
             t_torch, t_dtensor, t_autopar = _time(
-                [lambda: op(x, w), lambda: op(dx, dw), lambda: op(ax, aw)], iters, repeats)
+                [partial(op, x, w), partial(op, dx, dw), partial(op, ax, aw)], iters, repeats
+            )
             rows.append(_row(name, t_torch, t_dtensor, t_autopar))
     # One training step of the same three ops: forward with a weight that requires grad, then
     # backward through the autograd engine (not part of "together", which is forward only).
-    tw, dwg, awg = (w.clone().requires_grad_(), dw.detach().requires_grad_(),
-                    aw.detach().requires_grad_())
+    tw, dwg, awg = (w.clone().requires_grad_(), dw.detach().requires_grad_(), aw.detach().requires_grad_())
 
     def step(a, b):
         b.grad = None
         (F.gelu(a @ b) + a).sum().backward()
 
-    t_torch, t_dtensor, t_autopar = _time([lambda: step(x, tw), lambda: step(dx, dwg),
-                                           lambda: step(ax, awg)], max(1, iters // 10), repeats)
+    t_torch, t_dtensor, t_autopar = _time(
+        [lambda: step(x, tw), lambda: step(dx, dwg), lambda: step(ax, awg)], max(1, iters // 10), repeats
+    )
     train = _row("fwd+bwd", t_torch, t_dtensor, t_autopar)
-    together = _row("together", *(sum(r[k] for r in rows) / 1e6
-                                  for k in ("torch_us", "dtensor_us", "autopar_us")))
-    return {"torch": torch.__version__, "world": world, "iters": iters, "repeats": repeats,
-            "shape_x": [8, 16], "shape_w": [16, 16], "rows": rows, "together": together,
-            "train": train, "loadavg": list(os.getloadavg())}
+    together = _row("together", *(sum(r[k] for r in rows) / 1e6 for k in ("torch_us", "dtensor_us", "autopar_us")))
+    return {
+        "torch": torch.__version__,
+        "world": world,
+        "iters": iters,
+        "repeats": repeats,
+        "shape_x": [8, 16],
+        "shape_w": [16, 16],
+        "rows": rows,
+        "together": together,
+        "train": train,
+        "loadavg": list(os.getloadavg()),
+    }
 
 
 def _check_same_work(ops: dict, plain: tuple, dtensors: tuple, autopars: tuple) -> None:
@@ -108,23 +120,29 @@ def _check_same_work(ops: dict, plain: tuple, dtensors: tuple, autopars: tuple) 
             local = out.to_local()
             pl = [(type(p).__name__, getattr(p, "dim", None)) for p in out.placements]
             if not torch.equal(local, want) or pl != [("Shard", 0)]:
-                raise RuntimeError(f"{name}: {kind} computes {list(local.shape)} as {pl}, not the "
-                                   f"plain op's {list(want.shape)} as [Shard(0)]")
+                raise RuntimeError(
+                    f"{name}: {kind} computes {list(local.shape)} as {pl}, not the "
+                    f"plain op's {list(want.shape)} as [Shard(0)]"
+                )
 
 
 def _row(op: str, t_torch: float, t_dtensor: float, t_autopar: float) -> dict:
     """Times in seconds -> a table row; overhead_ratio compares the time added to torch's."""
-    return {"op": op, "torch_us": t_torch * 1e6, "dtensor_us": t_dtensor * 1e6,
-            "autopar_us": t_autopar * 1e6, "autopar_over_dtensor": t_autopar / t_dtensor,
-            "overhead_ratio": (t_autopar - t_torch) / (t_dtensor - t_torch)}
+    return {
+        "op": op,
+        "torch_us": t_torch * 1e6,
+        "dtensor_us": t_dtensor * 1e6,
+        "autopar_us": t_autopar * 1e6,
+        "autopar_over_dtensor": t_autopar / t_dtensor,
+        "overhead_ratio": (t_autopar - t_torch) / (t_dtensor - t_torch),
+    }
 
 
 def _rank_main(rank: int, world: int, store_path: str, iters: int, repeats: int, out: str) -> None:
     import datetime
 
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
         res = run(iters, repeats)
         if rank == 0:
@@ -146,8 +164,7 @@ def run_world(world: int, iters: int, repeats: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="coc-dispatch-") as d:
         out = os.path.join(d, "result.json")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        tmp.spawn(_rank_main, args=(world, os.path.join(d, "store"), iters, repeats, out),
-                  nprocs=world, join=True)
+        tmp.spawn(_rank_main, args=(world, os.path.join(d, "store"), iters, repeats, out), nprocs=world, join=True)
         with open(out) as f:
             return json.load(f)
 
@@ -160,13 +177,16 @@ def main() -> None:
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     args = ap.parse_args()
     res = run_world(args.world, args.iters, args.repeats)
-    print(f"per-op time on CPU, torch {res['torch']}, world {res['world']}, x [8, 16] Shard(0), "
-          f"w [16, 16] Replicate()")
-    print(f"{'op':8s} {'torch us':>10s} {'DTensor us':>11s} {'autopar us':>11s} "
-          f"{'autopar/DTensor':>16s} {'overhead ratio':>15s}")
+    print(f"per-op time on CPU, torch {res['torch']}, world {res['world']}, x [8, 16] Shard(0), w [16, 16] Replicate()")
+    print(
+        f"{'op':8s} {'torch us':>10s} {'DTensor us':>11s} {'autopar us':>11s} "
+        f"{'autopar/DTensor':>16s} {'overhead ratio':>15s}"
+    )
     for r in res["rows"] + [res["together"], res["train"]]:
-        print(f"{r['op']:8s} {r['torch_us']:10.1f} {r['dtensor_us']:11.1f} {r['autopar_us']:11.1f} "
-              f"{r['autopar_over_dtensor']:16.2f} {r['overhead_ratio']:15.2f}")
+        print(
+            f"{r['op']:8s} {r['torch_us']:10.1f} {r['dtensor_us']:11.1f} {r['autopar_us']:11.1f} "
+            f"{r['autopar_over_dtensor']:16.2f} {r['overhead_ratio']:15.2f}"
+        )
     print("together: the three forward ops summed; fwd+bwd: gelu(x @ w) + x, sum, backward")
     print("overhead ratio = (autopar - torch) / (DTensor - torch): the added host time per op")
     print(f"load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")

@@ -22,29 +22,38 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 from bench.suites import REPO_ROOT
 
-TITLES = {"a": "environment", "b": "gpu-marked pytest tests", "c": "fused ops, W = 2 and 4 processes on one device",
-          "d": "chunked path (CUDA streams), W = 1 and 2", "e": "single-GPU speed"}
+TITLES = {
+    "a": "environment",
+    "b": "gpu-marked pytest tests",
+    "c": "fused ops, W = 2 and 4 processes on one device",
+    "d": "chunked path (CUDA streams), W = 1 and 2",
+    "e": "single-GPU speed",
+}
 # Run order: the fused section first compiles the kernels into Triton's cache, which the pytest
 # section then reuses; the report lists sections a..e.
 ORDER = ("a", "c", "d", "e", "b")
 # Seconds per section; the section run last gets whatever the others leave of TOTAL_BUDGET_S, which
 # on a GPU stays under the 9 minutes the command may take on one H100 (540 s) with room for start-up.
 # The CPU flow (--allow-cpu) has no such limit, and CI machines are slow and shared.
-BUDGETS = {"cuda": {"a": 30, "c": 170, "d": 50, "e": 100, "b": 150},
-           "cpu": {"a": 30, "c": 300, "d": 90, "e": 60, "b": 60}}
+BUDGETS = {
+    "cuda": {"a": 30, "c": 170, "d": 50, "e": 100, "b": 150},
+    "cpu": {"a": 30, "c": 300, "d": 90, "e": 60, "b": 60},
+}
 TOTAL_BUDGET_S = {"cuda": 520.0, "cpu": 560.0}
 STATUS_ORDER = ("fail", "warn", "pass", "skip")
 
-NOTE_SHARED = ("Fused ops on several processes sharing one GPU (section c) are a correctness check only: the "
-               "processes share the SMs and time-slice, so their timings are not speedups. Speed is measured "
-               "on one process (section e).")
+NOTE_SHARED = (
+    "Fused ops on several processes sharing one GPU (section c) are a correctness check only: the "
+    "processes share the SMs and time-slice, so their timings are not speedups. Speed is measured "
+    "on one process (section e)."
+)
 
 
-def _verdict(items: list[dict], timed_out: bool, rc: Optional[int]) -> str:
+def _verdict(items: list[dict], timed_out: bool, rc: int | None) -> str:
     statuses = {it["status"] for it in items}
     if "fail" in statuses:
         return "FAIL"
@@ -73,9 +82,15 @@ def run_section(name: str, device_type: str, budget_s: float, work: str) -> dict
         env.pop("TRITON_INTERPRET", None)  # compiled kernels: the interpreter cannot address GPU memory
     started = time.time()
     # A session of its own: on timeout the section, its rank processes and pytest all go together.
-    proc = subprocess.Popen([sys.executable, "-m", "bench.gpu_check_sections", name, out, json.dumps(params)],
-                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.gpu_check_sections", name, out, json.dumps(params)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     timed_out = False
     try:
         log, _ = proc.communicate(timeout=budget_s)
@@ -106,10 +121,18 @@ def run_section(name: str, device_type: str, budget_s: float, work: str) -> dict
         notes.append(f"TIMED OUT after {budget_s:.0f} s: killed; the items above finished before that")
     elif rc != 0 and not items:
         notes.append(f"the section's process exited with status {rc}: {(log or '')[-1500:]}")
-    return {"section": name, "title": TITLES[name], "verdict": _verdict(items, timed_out, rc),
-            "seconds": round(time.time() - started, 1), "budget_s": round(budget_s), "items": items, "info": info,
-            "notes": notes, "counts": {s: sum(it["status"] == s for it in items) for s in STATUS_ORDER},
-            "log_tail": (log or "")[-3000:] if (timed_out or rc) else ""}
+    return {
+        "section": name,
+        "title": TITLES[name],
+        "verdict": _verdict(items, timed_out, rc),
+        "seconds": round(time.time() - started, 1),
+        "budget_s": round(budget_s),
+        "items": items,
+        "info": info,
+        "notes": notes,
+        "counts": {s: sum(it["status"] == s for it in items) for s in STATUS_ORDER},
+        "log_tail": (log or "")[-3000:] if (timed_out or rc) else "",
+    }
 
 
 def summary_line(sec: dict[str, Any]) -> str:
@@ -125,7 +148,7 @@ def summary_line(sec: dict[str, Any]) -> str:
     return line
 
 
-def _median(values: list[float]) -> Optional[float]:
+def _median(values: list[float]) -> float | None:
     v = sorted(values)
     return None if not v else (v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2)
 
@@ -134,8 +157,11 @@ def _speed_summary(sec: dict[str, Any]) -> str:
     """The performance targets, as numbers (benchmarks, not pass/fail tests)."""
     items = sec["items"]
     out = []
-    core = [it["core_vs_torch"] for it in items if it.get("kind") == "core" and it.get("core_vs_torch")
-            and it.get("dtype") == "bf16"]
+    core = [
+        it["core_vs_torch"]
+        for it in items
+        if it.get("kind") == "core" and it.get("core_vs_torch") and it.get("dtype") == "bf16"
+    ]
     if core:
         out.append(f"core/cuBLAS bf16 min {min(core):.2f}x median {_median(core):.2f}x (target >= 0.90)")
     fused = [it["ratio"] for it in items if it.get("kind") == "fused_w1" and it.get("ratio")]
@@ -166,36 +192,56 @@ def speed_table(items: list[dict]) -> list[str]:
             continue
         row = rows.setdefault(it["shape"], {})
         if it.get("kind") == "core" and it.get("core_vs_torch"):
-            row.update(cublas=f"{it['torch_tflops']:.0f}", core=f"{it['core_tflops']:.0f}",
-                       ratio=f"{it['core_vs_torch']:.3f}")
+            row.update(
+                cublas=f"{it['torch_tflops']:.0f}", core=f"{it['core_tflops']:.0f}", ratio=f"{it['core_vs_torch']:.3f}"
+            )
         elif it.get("ratio") is not None:
             key = "fused" if it["kind"] == "fused_w1" else "chunked"
             cell = f"{OP_SHORT.get(it['op'], it['op'])} {it['ratio']:.3f}"
             row[key] = f"{row[key]}, {cell}" if key in row else cell
     if not rows:
         return []
-    out = ["| dtype, shape, local GEMM [m, k, n] | cuBLAS TFLOP/s | core TFLOP/s | core / cuBLAS speed | "
-           "fused W=1 / GEMM time | chunked x4 / unchunked time |", "|---|---|---|---|---|---|"]
+    out = [
+        "| dtype, shape, local GEMM [m, k, n] | cuBLAS TFLOP/s | core TFLOP/s | core / cuBLAS speed | "
+        "fused W=1 / GEMM time | chunked x4 / unchunked time |",
+        "|---|---|---|---|---|---|",
+    ]
     for shape, row in rows.items():
-        out.append(f"| {shape} | " + " | ".join(row.get(k, "-") for k in ("cublas", "core", "ratio", "fused",
-                                                                          "chunked")) + " |")
+        out.append(
+            f"| {shape} | "
+            + " | ".join(row.get(k, "-") for k in ("cublas", "core", "ratio", "fused", "chunked"))
+            + " |"
+        )
     return out + [""]
 
 
 def render_markdown(doc: dict[str, Any]) -> str:
     meta = doc["meta"]
-    lines = [f"# gpu-check report: {meta['device']}", "",
-             f"Date (UTC): {meta['date_utc']}. Command: `{meta['command']}`. Total {meta['seconds']} s. "
-             f"Overall: **{doc['overall']}**.", ""]
+    lines = [
+        f"# gpu-check report: {meta['device']}",
+        "",
+        f"Date (UTC): {meta['date_utc']}. Command: `{meta['command']}`. Total {meta['seconds']} s. "
+        f"Overall: **{doc['overall']}**.",
+        "",
+    ]
     if meta["device_type"] != "cuda":
-        lines += ["**No GPU: this run used `--allow-cpu`** (Triton interpreter, tiny shapes). What needs CUDA is "
-                  "skipped and says so; times mean nothing.", ""]
-    lines += [NOTE_SHARED, "", "| section | verdict | pass | fail | skip | warn | seconds / budget |",
-              "|---|---|---|---|---|---|---|"]
+        lines += [
+            "**No GPU: this run used `--allow-cpu`** (Triton interpreter, tiny shapes). What needs CUDA is "
+            "skipped and says so; times mean nothing.",
+            "",
+        ]
+    lines += [
+        NOTE_SHARED,
+        "",
+        "| section | verdict | pass | fail | skip | warn | seconds / budget |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for sec in doc["sections"]:
         c = sec["counts"]
-        lines.append(f"| {sec['section']}. {sec['title']} | {sec['verdict']} | {c['pass']} | {c['fail']} | "
-                     f"{c['skip']} | {c['warn']} | {sec['seconds']} / {sec['budget_s']} |")
+        lines.append(
+            f"| {sec['section']}. {sec['title']} | {sec['verdict']} | {c['pass']} | {c['fail']} | "
+            f"{c['skip']} | {c['warn']} | {sec['seconds']} / {sec['budget_s']} |"
+        )
     for sec in doc["sections"]:
         lines += ["", f"## {sec['section']}. {sec['title']}", "", f"Verdict: **{summary_line(sec)}**", ""]
         for note in sec["notes"]:
@@ -222,24 +268,36 @@ def table(doc: dict[str, Any]) -> str:
     for sec in doc["sections"]:
         c = sec["counts"]
         summary = summary_line(sec).split(": ", 1)[-1]
-        rows.append((f"{sec['section']}. {sec['title'][:34]}", sec["verdict"], str(c["pass"]), str(c["fail"]),
-                     str(c["skip"]), f"{sec['seconds']:.0f}", summary[:110]))
+        rows.append(
+            (
+                f"{sec['section']}. {sec['title'][:34]}",
+                sec["verdict"],
+                str(c["pass"]),
+                str(c["fail"]),
+                str(c["skip"]),
+                f"{sec['seconds']:.0f}",
+                summary[:110],
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    text = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows]
     text.insert(1, "-" * len(text[0]))
     text.append(f"overall: {doc['overall']} ({doc['meta']['device']}, {doc['meta']['seconds']} s)")
     return "\n".join(text)
 
 
-def main(out_dir: str, allow_cpu: bool, sections: Optional[list[str]] = None) -> int:
+def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> int:
     import datetime
 
     import torch
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if device_type == "cpu" and not allow_cpu:
-        print("gpu-check needs a CUDA GPU (none found). --allow-cpu runs the same flow on CPU under the Triton "
-              "interpreter with tiny shapes, to test the command itself.", file=sys.stderr)
+        print(
+            "gpu-check needs a CUDA GPU (none found). --allow-cpu runs the same flow on CPU under the Triton "
+            "interpreter with tiny shapes, to test the command itself.",
+            file=sys.stderr,
+        )
         return 2
     chosen = sections or list(ORDER)
     for s in chosen:
@@ -257,12 +315,20 @@ def main(out_dir: str, allow_cpu: bool, sections: Optional[list[str]] = None) ->
             # The last section also gets what the earlier ones left unused.
             budget = left - 5 if last else min(BUDGETS[device_type][name], left - 5)
             if left - 5 < 1:
-                results[name] = {"section": name, "title": TITLES[name], "verdict": "TIMEOUT", "seconds": 0,
-                                 "budget_s": 0, "items": [], "info": {}, "counts": {s: 0 for s in STATUS_ORDER},
-                                 "notes": ["not started: the command's total time budget was spent"], "log_tail": ""}
+                results[name] = {
+                    "section": name,
+                    "title": TITLES[name],
+                    "verdict": "TIMEOUT",
+                    "seconds": 0,
+                    "budget_s": 0,
+                    "items": [],
+                    "info": {},
+                    "counts": {s: 0 for s in STATUS_ORDER},
+                    "notes": ["not started: the command's total time budget was spent"],
+                    "log_tail": "",
+                }
                 continue
-            print(f"gpu-check: section {name} ({TITLES[name]}), budget {budget:.0f} s ...", file=sys.stderr,
-                  flush=True)
+            print(f"gpu-check: section {name} ({TITLES[name]}), budget {budget:.0f} s ...", file=sys.stderr, flush=True)
             results[name] = run_section(name, device_type, budget, work)
             print(f"gpu-check: section {name}: {summary_line(results[name])}", file=sys.stderr, flush=True)
     ordered = [results[s] for s in sorted(results)]
@@ -270,11 +336,20 @@ def main(out_dir: str, allow_cpu: bool, sections: Optional[list[str]] = None) ->
     overall = next((v for v in ("FAIL", "TIMEOUT", "WARN") if v in verdicts), "PASS")
     env = results.get("a", {}).get("info", {})
     device = env.get("gpu") or ("cpu (--allow-cpu)" if device_type == "cpu" else device_slug(device_type))
-    doc = {"schema": "coc-gpu-check/1", "overall": overall, "note": NOTE_SHARED,
-           "meta": {"device": device, "device_type": device_type, "date_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
-                    "command": "python -m bench " + " ".join(sys.argv[1:]), "seconds": round(time.time() - start, 1),
-                    "total_budget_s": TOTAL_BUDGET_S[device_type]},
-           "sections": ordered}
+    doc = {
+        "schema": "coc-gpu-check/1",
+        "overall": overall,
+        "note": NOTE_SHARED,
+        "meta": {
+            "device": device,
+            "device_type": device_type,
+            "date_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "command": "python -m bench " + " ".join(sys.argv[1:]),
+            "seconds": round(time.time() - start, 1),
+            "total_budget_s": TOTAL_BUDGET_S[device_type],
+        },
+        "sections": ordered,
+    }
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"{device_slug(device_type)}-gpu-check-{now.strftime('%Y%m%d-%H%M%S')}")
     with open(stem + ".json", "w", encoding="utf-8") as f:

@@ -18,7 +18,8 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,8 +92,9 @@ def _report_early(value: Any) -> None:
     _EARLY["results"].join_thread()
 
 
-def _rank_entry(rank: int, world: int, store_path: str, device_type: str, results: Any,
-                fn: Callable[..., Any], args: tuple) -> None:
+def _rank_entry(
+    rank: int, world: int, store_path: str, device_type: str, results: Any, fn: Callable[..., Any], args: tuple
+) -> None:
     import datetime
 
     _EARLY.update(rank=rank, results=results)
@@ -102,8 +104,13 @@ def _rank_entry(rank: int, world: int, store_path: str, device_type: str, result
             torch.cuda.set_device(0)
         else:
             torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store_path, world),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
         value = fn(rank, world, device_type, *args)
         results.put((rank, "ok", value))
     except BaseException:
@@ -113,8 +120,9 @@ def _rank_entry(rank: int, world: int, store_path: str, device_type: str, result
             dist.destroy_process_group()
 
 
-def spawn_ranks(fn: Callable[..., Any], world: int, device_type: str, args: tuple, timeout_s: float
-                ) -> list[tuple[str, Any]]:
+def spawn_ranks(
+    fn: Callable[..., Any], world: int, device_type: str, args: tuple, timeout_s: float
+) -> list[tuple[str, Any]]:
     """Run module-level ``fn(rank, world, device_type, *args)`` on ``world`` new processes.
 
     Returns per rank ``("ok", value)``, ``("error", traceback)``, ``("died", exit code)`` or
@@ -126,9 +134,15 @@ def spawn_ranks(fn: Callable[..., Any], world: int, device_type: str, args: tupl
     results = ctx.Queue()
     got: dict[int, tuple[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="coc-gpu-check-") as tmp:
-        procs = [ctx.Process(target=_rank_entry, name=f"coc-gpu-check-rank{r}", daemon=True,
-                             args=(r, world, os.path.join(tmp, "store"), device_type, results, fn, args))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_rank_entry,
+                name=f"coc-gpu-check-rank{r}",
+                daemon=True,
+                args=(r, world, os.path.join(tmp, "store"), device_type, results, fn, args),
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -167,19 +181,25 @@ def merge_rank_items(outcome: list[tuple[str, Any]], what: str) -> list[dict]:
     extra: list[dict] = []
     for rank, (status, value) in enumerate(outcome):
         if status != "ok":
-            detail = {"error": f"raised:\n{value}", "died": f"died (exit code {value})",
-                      "timeout": "gave no answer before the deadline"}[status]
+            detail = {
+                "error": f"raised:\n{value}",
+                "died": f"died (exit code {value})",
+                "timeout": "gave no answer before the deadline",
+            }[status]
             extra.append({"name": f"{what}: rank {rank}", "status": "fail", "detail": f"rank {rank} {detail}"})
             continue
         for it in value or []:
             prev = merged.get(it["name"])
             if prev is None or (prev["status"] != "fail" and it["status"] == "fail"):
-                merged[it["name"]] = dict(it, detail=f"rank {rank}: {it.get('detail', '')}" if it["status"] == "fail"
-                                          else it.get("detail", ""))
+                merged[it["name"]] = dict(
+                    it,
+                    detail=f"rank {rank}: {it.get('detail', '')}" if it["status"] == "fail" else it.get("detail", ""),
+                )
     return list(merged.values()) + extra
 
 
 # ------------------------------------------------------------------------------------------- the ops
+
 
 def device_of(device_type: str) -> torch.device:
     """The device key the ops use (``x.device``): ``cuda:<index>``, never bare ``cuda``, so that
@@ -189,8 +209,18 @@ def device_of(device_type: str) -> torch.device:
     return torch.device("cpu")
 
 
-def make_case(op: str, world: int, rank: int, m_local: int, k: int, n: int, bias: bool, seed: int,
-              dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+def make_case(
+    op: str,
+    world: int,
+    rank: int,
+    m_local: int,
+    k: int,
+    n: int,
+    bias: bool,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, Any]:
     """This rank's inputs and the fp32 sequential reference from every rank's inputs (same seed on all)."""
     g = torch.Generator().manual_seed(seed)
     rows = {"ag": m_local, "ag_v2": m_local, "rs": m_local * world}.get(op, 2 * m_local + 1)
@@ -220,11 +250,12 @@ def make_case(op: str, world: int, rank: int, m_local: int, k: int, n: int, bias
     else:
         want = sum(x32[i] @ w32[i].T for i in range(world)) + b32
         if op == "rs":
-            want = want[rank * m_local:(rank + 1) * m_local]
+            want = want[rank * m_local : (rank + 1) * m_local]
     case["want"] = want
     k_total = k if op.startswith("ag") else k * world
-    case["tol"] = tolerance(dtype, k_total, world, max(float(x.abs().max()) for x in x32),
-                            max(float(w.abs().max()) for w in w32))
+    case["tol"] = tolerance(
+        dtype, k_total, world, max(float(x.abs().max()) for x in x32), max(float(w.abs().max()) for w in w32)
+    )
     return case
 
 
@@ -281,8 +312,9 @@ def shapes(device_type: str) -> list[tuple[int, int, int, bool]]:
     return [(37, 24, 40, True)]
 
 
-def fused_world_body(rank: int, world: int, device_type: str, dtype_names: list[str], calls: int,
-                     depart: tuple[str, list[str], float]) -> list[dict]:
+def fused_world_body(
+    rank: int, world: int, device_type: str, dtype_names: list[str], calls: int, depart: tuple[str, list[str], float]
+) -> list[dict]:
     """Correctness of every op and dtype with a scrambled heap and a straggler, then ``calls``
     back-to-back calls, the heap's teardown, and a departing peer (``depart``: the arguments
     ``mode, ops, timeout_s`` of :func:`departure`). Rank 1 of a departure by "exit" ends its process."""
@@ -308,8 +340,7 @@ def fused_world_body(rank: int, world: int, device_type: str, dtype_names: list[
                     if rank == seed % world:
                         time.sleep(STRAGGLER_S)  # peers must wait for this rank's data, not read stale bytes
                     got = run_op(case, group)
-                    items.append(dict(check_result(name, case, got), heap_bytes=heap_bytes,
-                                      straggler=seed % world))
+                    items.append(dict(check_result(name, case, got), heap_bytes=heap_bytes, straggler=seed % world))
                 except Exception as e:  # one failing op must not hide the others' results
                     items.append(item_error(name, e))
                     dist.barrier(group)
@@ -319,8 +350,7 @@ def fused_world_body(rank: int, world: int, device_type: str, dtype_names: list[
     return items + departure(rank, world, dev, mode, ops, timeout_s, items)
 
 
-def back_to_back(rank: int, world: int, dev: torch.device, dname: str, calls: int,
-                 group: dist.ProcessGroup) -> dict:
+def back_to_back(rank: int, world: int, dev: torch.device, dname: str, calls: int, group: dist.ProcessGroup) -> dict:
     """``calls`` fused calls in a row, ops and shapes changing, no barrier or sync between them."""
     name = f"W={world} {calls} back-to-back calls {dname} (ops and shapes change, no barrier)"
     small = [(13, 64, 40), (40, 128, 72), (7, 32, 130)] if dev.type == "cuda" else [(5, 16, 20), (9, 8, 12)]
@@ -334,12 +364,15 @@ def back_to_back(rank: int, world: int, dev: torch.device, dname: str, calls: in
         results = [run_op(case, group) for case in plan]
     except Exception as e:
         return item_error(name, e)
-    checked = [check_result(f"call {i}", case, got) for i, (case, got) in enumerate(zip(plan, results))]
+    checked = [check_result(f"call {i}", case, got) for i, (case, got) in enumerate(zip(plan, results, strict=False))]
     bad = [(i, it) for i, it in enumerate(checked) if it["status"] != "pass"]
     if bad:
-        return {"name": name, "status": "fail",
-                "detail": f"{len(bad)} of {calls} calls wrong; first: call {bad[0][0]} ({plan[bad[0][0]]['op']}): "
-                          f"{bad[0][1]['detail']}"}
+        return {
+            "name": name,
+            "status": "fail",
+            "detail": f"{len(bad)} of {calls} calls wrong; first: call {bad[0][0]} ({plan[bad[0][0]]['op']}): "
+            f"{bad[0][1]['detail']}",
+        }
     return {"name": name, "status": "pass", "detail": f"{calls} calls correct"}
 
 
@@ -379,12 +412,16 @@ def teardown(rank: int, world: int, dev: torch.device, group: dist.ProcessGroup)
         detail += f"; device memory freed {freed} bytes, want >= {world} x {total}"
         if freed < world * total:
             problems.append(f"only {freed} bytes of device memory came back, want >= {world * total}")
-    return {"name": name, "status": "fail" if problems else "pass",
-            "detail": "; ".join(problems) if problems else detail}
+    return {
+        "name": name,
+        "status": "fail" if problems else "pass",
+        "detail": "; ".join(problems) if problems else detail,
+    }
 
 
-def departure(rank: int, world: int, dev: torch.device, mode: str, ops: list[str], timeout_s: float,
-              items_so_far: list[dict]) -> list[dict]:
+def departure(
+    rank: int, world: int, dev: torch.device, mode: str, ops: list[str], timeout_s: float, items_so_far: list[dict]
+) -> list[dict]:
     """Ranks 0 and 1 call every op twice on a 2-rank group of its own; then rank 1 leaves (``mode``
     "stop": it makes no more calls and keeps its memory until rank 0 is done; "exit": its process ends
     at once, after handing in ``items_so_far``) and rank 0 calls each op again with
@@ -415,8 +452,10 @@ def departure(rank: int, world: int, dev: torch.device, mode: str, ops: list[str
     os.environ["COC_TIMEOUT"] = str(timeout_s)  # read at call time (kernels.config)
     items = []
     for op in ops:
-        name = (f"W={world} {op} on a 2-rank group: peer {'process exits' if mode == 'exit' else 'stops calling'} "
-                "-> RuntimeError")
+        name = (
+            f"W={world} {op} on a 2-rank group: peer {'process exits' if mode == 'exit' else 'stops calling'} "
+            "-> RuntimeError"
+        )
         start = time.monotonic()
         try:
             run_op(cases[op], pairs[op])
@@ -430,9 +469,15 @@ def departure(rank: int, world: int, dev: torch.device, mode: str, ops: list[str
         # Slack past COC_TIMEOUT: the host-side error check and, on CPU, the interpreter's pace.
         slack = 5.0 if dev.type == "cuda" else 15.0
         ok = "rank 1" in message and "COC_TIMEOUT" in message and elapsed <= timeout_s + slack
-        items.append({"name": name, "status": "pass" if ok else "fail", "elapsed_s": round(elapsed, 2),
-                      "detail": f"raised after {elapsed:.2f} s (COC_TIMEOUT={timeout_s:g}, allowed +{slack:g} s): "
-                                f"{message[:300]}"})
+        items.append(
+            {
+                "name": name,
+                "status": "pass" if ok else "fail",
+                "elapsed_s": round(elapsed, 2),
+                "detail": f"raised after {elapsed:.2f} s (COC_TIMEOUT={timeout_s:g}, allowed +{slack:g} s): "
+                f"{message[:300]}",
+            }
+        )
     if mode == "stop":
         dist.barrier(hold)
     if others is not None:

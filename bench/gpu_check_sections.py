@@ -17,7 +17,8 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from bench.suites import REPO_ROOT
 
@@ -47,7 +48,7 @@ def _left(params: dict) -> float:
     return params["deadline"] - time.time()
 
 
-def _version(module: str) -> Optional[str]:
+def _version(module: str) -> str | None:
     try:
         mod = __import__(module)
     except Exception as e:  # a broken install raises anything from its own imports
@@ -60,6 +61,7 @@ def _vtuple(v: str) -> tuple[int, ...]:
 
 
 # ------------------------------------------------------------------------------------ a: environment
+
 
 def _git_revision() -> dict[str, Any]:
     from bench.report import git_revision
@@ -117,8 +119,13 @@ def mps_status() -> tuple[bool, str]:
     except OSError:
         pass
     try:  # an MPS server started outside this container still shows among the GPU's processes
-        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=process_name", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=20, check=True).stdout
+        apps = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=process_name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
         if "nvidia-cuda-mps-server" in apps:
             reasons.append("nvidia-smi lists nvidia-cuda-mps-server")
     except (OSError, subprocess.SubprocessError):
@@ -126,10 +133,19 @@ def mps_status() -> tuple[bool, str]:
     return bool(reasons), "; ".join(reasons) or "no MPS pipe variable, control pipe, daemon or server process"
 
 
-def _nvidia_smi(query: str) -> Optional[str]:
+def _nvidia_smi(query: str) -> str | None:
     try:
-        return subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=20, check=True).stdout.strip().splitlines()[0]
+        return (
+            subprocess.run(
+                ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
 
@@ -140,20 +156,31 @@ def section_env(params: dict, out: Emitter) -> None:
     import torch
 
     info: dict[str, Any] = {
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": socket.gethostname(),
-        "python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-        "triton": _version("triton"), "cupy": _version("cupy"), "numpy": _version("numpy"),
-        "git": _git_revision(), "source_sha256": source_fingerprint(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "cupy": _version("cupy"),
+        "numpy": _version("numpy"),
+        "git": _git_revision(),
+        "source_sha256": source_fingerprint(),
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
         "COC_env": {k: v for k, v in os.environ.items() if k.startswith("COC_")},
     }
     if params["device_type"] == "cuda":
         props = torch.cuda.get_device_properties(0)
         nccl = torch.cuda.nccl.version()
-        info.update(gpu=props.name, gpu_count=torch.cuda.device_count(), sms=props.multi_processor_count,
-                    memory_GiB=round(props.total_memory / 2**30, 1), capability=f"{props.major}.{props.minor}",
-                    nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
-                    driver=_nvidia_smi("driver_version"))
+        info.update(
+            gpu=props.name,
+            gpu_count=torch.cuda.device_count(),
+            sms=props.multi_processor_count,
+            memory_GiB=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+            nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+            driver=_nvidia_smi("driver_version"),
+        )
         if info["driver"] is None:
             try:
                 import cupy
@@ -161,8 +188,12 @@ def section_env(params: dict, out: Emitter) -> None:
                 info["driver"] = f"CUDA driver API {cupy.cuda.runtime.driverGetVersion()} (no nvidia-smi)"
             except Exception:
                 info["driver"] = "unknown (no nvidia-smi, no CuPy)"
-        out.item("CUDA GPU", "pass", f"{props.name}, {props.multi_processor_count} SMs, "
-                 f"{info['memory_GiB']} GiB, sm_{props.major}{props.minor}, driver {info['driver']}")
+        out.item(
+            "CUDA GPU",
+            "pass",
+            f"{props.name}, {props.multi_processor_count} SMs, "
+            f"{info['memory_GiB']} GiB, sm_{props.major}{props.minor}, driver {info['driver']}",
+        )
         cupy_ok = not str(info["cupy"]).startswith("not importable")
         out.item("CuPy (CUDA IPC handles of the heap)", "pass" if cupy_ok else "fail", str(info["cupy"]))
         on, why = mps_status()
@@ -175,8 +206,11 @@ def section_env(params: dict, out: Emitter) -> None:
         out.item("MPS", "skip", "needs CUDA")
     tv, trv = _vtuple(torch.__version__), _vtuple(str(info["triton"]))
     ok = tv >= (2, 11) and trv >= (3, 6)
-    out.item("torch >= 2.11 and triton >= 3.6 (the supported range)", "pass" if ok else "warn",
-             f"torch {torch.__version__}, triton {info['triton']}")
+    out.item(
+        "torch >= 2.11 and triton >= 3.6 (the supported range)",
+        "pass" if ok else "warn",
+        f"torch {torch.__version__}, triton {info['triton']}",
+    )
     out.info(**info)
 
 
@@ -223,8 +257,20 @@ def section_pytest(params: dict, out: Emitter) -> None:
     out.info(files=files)
     junit = os.path.join(os.path.dirname(out.path), "pytest-gpu.xml")
     per_test = 150 if params["device_type"] == "cuda" else 60
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", "-o", "junit_family=xunit2",
-           f"--junitxml={junit}", *files]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "junit_family=xunit2",
+        f"--junitxml={junit}",
+        *files,
+    ]
     if importlib.util.find_spec("pytest_timeout") is not None:
         cmd.append(f"--timeout={per_test}")
     else:
@@ -241,10 +287,19 @@ def section_pytest(params: dict, out: Emitter) -> None:
         items = _junit_items(junit)
     else:
         # Killed before writing the XML: the -v progress lines still tell what finished.
-        status = {"PASSED": "pass", "FAILED": "fail", "ERROR": "fail", "SKIPPED": "skip", "XFAIL": "pass",
-                  "XPASS": "fail"}
-        items = [{"name": m.group(1), "status": status[m.group(2)], "detail": "from pytest -v (no junit: killed)"}
-                 for m in (_VERBOSE_LINE.match(line) for line in stdout.splitlines()) if m]
+        status = {
+            "PASSED": "pass",
+            "FAILED": "fail",
+            "ERROR": "fail",
+            "SKIPPED": "skip",
+            "XFAIL": "pass",
+            "XPASS": "fail",
+        }
+        items = [
+            {"name": m.group(1), "status": status[m.group(2)], "detail": "from pytest -v (no junit: killed)"}
+            for m in (_VERBOSE_LINE.match(line) for line in stdout.splitlines())
+            if m
+        ]
         out.note(f"pytest ran past {limit:.0f} s and was stopped; tests after the last listed one did not run")
     for it in items:
         out.raw_item(it)
@@ -255,8 +310,10 @@ def section_pytest(params: dict, out: Emitter) -> None:
 
 # ----------------------------------------------------------------------------------- d: chunked
 
-def chunked_world_body(rank: int, world: int, device_type: str, dtype_names: list[str], m: int, k: int, n: int
-                       ) -> list[dict]:
+
+def chunked_world_body(
+    rank: int, world: int, device_type: str, dtype_names: list[str], m: int, k: int, n: int
+) -> list[dict]:
     """Chunked (``parallel_num=4``) against sequential and fp32 math on a gloo group of ``world`` ranks."""
     import torch
     import torch.distributed as dist
@@ -284,7 +341,7 @@ def chunked_world_body(rank: int, world: int, device_type: str, dtype_names: lis
                 want, kk = sum(xi @ w32.T for xi in x32), k * world
                 if op == "matmul_reduce_scatter":
                     rows = m // world
-                    want = want[rank * rows:(rank + 1) * rows]
+                    want = want[rank * rows : (rank + 1) * rows]
             atol, rtol = tolerance(dtype, kk, world, max(float(t.abs().max()) for t in x32), float(w32.abs().max()))
             try:
                 fn(x, wd, group=group, backend="sequential")
@@ -316,16 +373,20 @@ def section_chunked(params: dict, out: Emitter) -> None:
     for it in chunked_world_body(0, 1, params["device_type"], dtypes, m, k, n):
         out.raw_item(it)
     # Two ranks on the one GPU: NCCL refuses that, so gloo carries CUDA tensors (where it can).
-    outcome = spawn_ranks(chunked_world_body, 2, params["device_type"], (dtypes, m // 4, k, n),
-                          timeout_s=max(5.0, _left(params) - 5))
+    outcome = spawn_ranks(
+        chunked_world_body, 2, params["device_type"], (dtypes, m // 4, k, n), timeout_s=max(5.0, _left(params) - 5)
+    )
     for it in merge_rank_items(outcome, "W=2 chunked"):
         out.raw_item(it)
     if cuda:
-        out.note("W=2: gloo on CUDA tensors (NCCL refuses two ranks on one GPU); a collective gloo lacks on CUDA is "
-                 "reported as skipped")
+        out.note(
+            "W=2: gloo on CUDA tensors (NCCL refuses two ranks on one GPU); a collective gloo lacks on CUDA is "
+            "reported as skipped"
+        )
 
 
 # ------------------------------------------------------------------------------------- c: fused
+
 
 def section_fused(params: dict, out: Emitter) -> None:
     from bench.gpu_check_cases import fused_world_body, merge_rank_items, spawn_ranks
@@ -333,9 +394,11 @@ def section_fused(params: dict, out: Emitter) -> None:
     cuda = params["device_type"] == "cuda"
     dtypes = ["float16", "bfloat16"] if cuda else ["float32", "float16"]
     if not cuda:
-        out.note("CPU: bf16 is not run, it needs CUDA to be meaningful (the Triton interpreter's own bf16 dot is "
-                 "wrong; the fused kernels widen bf16 operands there, which tests/test_fused_ops.py covers); "
-                 "fp32 and fp16 run instead")
+        out.note(
+            "CPU: bf16 is not run, it needs CUDA to be meaningful (the Triton interpreter's own bf16 dot is "
+            "wrong; the fused kernels widen bf16 operands there, which tests/test_fused_ops.py covers); "
+            "fp32 and fp16 run instead"
+        )
     calls = 50 if cuda else 8
     # 3 s and the 60 s below are both over 2**31 ns, so the GPU spin bound keeps its integer type and
     # lowering COC_TIMEOUT compiles no new kernel variant inside the timed call.
@@ -344,8 +407,10 @@ def section_fused(params: dict, out: Emitter) -> None:
     stop_ops, exit_ops = (["ag", "rs", "ar_two"],) * 2 if cuda else (["ag"], ["rs"])
     # W = 2 ends with a peer that stops calling, W = 4 with one whose process exits (rank 1 of a
     # 2-rank group inside each, so the error must name it).
-    plan = [(2, dtypes, ("stop", stop_ops, timeout_s), 0.5), (4, dtypes if cuda else dtypes[1:],
-                                                               ("exit", exit_ops, timeout_s), 1.0)]
+    plan = [
+        (2, dtypes, ("stop", stop_ops, timeout_s), 0.5),
+        (4, dtypes if cuda else dtypes[1:], ("exit", exit_ops, timeout_s), 1.0),
+    ]
     if not cuda:
         out.note("CPU: W=4 runs fp16 only; a peer that stops is checked on ag, one that exits on rs (CI time)")
     for world, names, depart, share in plan:
@@ -354,8 +419,9 @@ def section_fused(params: dict, out: Emitter) -> None:
         os.environ["COC_TIMEOUT"] = "60"
         started = time.time()
         what = f"W={world} fused"
-        outcome = spawn_ranks(fused_world_body, world, params["device_type"], (names, calls, depart),
-                              timeout_s=_budget(params, share))
+        outcome = spawn_ranks(
+            fused_world_body, world, params["device_type"], (names, calls, depart), timeout_s=_budget(params, share)
+        )
         items = merge_rank_items(outcome, what)
         for it in items:
             out.raw_item(it)
@@ -369,6 +435,7 @@ def _budget(params: dict, share: float) -> float:
 
 # ---------------------------------------------------------------------------------------- e: speed
 
+
 def section_speed(params: dict, out: Emitter) -> None:
     from bench import launch
     from bench.runner import RunOptions
@@ -377,27 +444,33 @@ def section_speed(params: dict, out: Emitter) -> None:
 
     cuda = params["device_type"] == "cuda"
     out.info(timings_meaningful=cuda)
-    out.note("timings of several processes sharing one GPU (section c) are correctness checks, not speedups: "
-             "the processes share the SMs and time-slice. This section times one process on one GPU.")
+    out.note(
+        "timings of several processes sharing one GPU (section c) are correctness checks, not speedups: "
+        "the processes share the SMs and time-slice. This section times one process on one GPU."
+    )
     if cuda:
         cases: list[Case] = []
         for suite, tokens in (("llama2-70b", 4096), ("llama3-70b", 8192)):
-            cases += [c for c in load_suite(suite).cases(ops=None, tokens=[tokens], world_sizes=[8],
-                                                         dtypes=["bf16", "fp16"])
-                      if c.op != "quantized_matmul_all_reduce"]
+            cases += [
+                c
+                for c in load_suite(suite).cases(ops=None, tokens=[tokens], world_sizes=[8], dtypes=["bf16", "fp16"])
+                if c.op != "quantized_matmul_all_reduce"
+            ]
         cases += [Case("square", "8192^3", "matmul_all_reduce", 8192, 8192, 8192, 1, d) for d in ("bf16", "fp16")]
         opts = RunOptions(backends=[], warmup=5, repeats=30, seed=0, progress=False)
     else:
         out.note("CPU: tiny shapes under the Triton interpreter; the times test the code path and mean nothing")
-        cases = [Case("tiny", "qkv", "all_gather_matmul", 64, 32, 96, 2, "fp16"),
-                 Case("tiny", "out", "matmul_reduce_scatter", 64, 64, 32, 2, "fp16")]
+        cases = [
+            Case("tiny", "qkv", "all_gather_matmul", 64, 32, 96, 2, "fp16"),
+            Case("tiny", "out", "matmul_reduce_scatter", 64, 64, 32, 2, "fp16"),
+        ]
         opts = RunOptions(backends=[], warmup=1, repeats=2, seed=0, progress=False)
     # One shape at a time, so the finished ones are kept if the section runs out of time; bf16 (the
     # dtype of the targets) first.
     groups: dict[tuple, list[Case]] = {}
     for c in sorted(cases, key=lambda c: c.dtype != "bf16"):
         groups.setdefault(c.gemm_shape + (c.dtype,), []).append(c)
-    for key, group_cases in groups.items():
+    for _key, group_cases in groups.items():
         if _left(params) < 10:
             out.note(f"out of time before {len(groups)} shapes were done")
             break
@@ -414,27 +487,57 @@ def _speed_items(out: Emitter, rec: dict, label: str) -> None:
         out.item(f"core {shape}", "skip", rec["core_skipped"])
     else:
         ok = rec.get("core_correct", False)
-        detail = (f"core {rec['core_tflops']:.1f} TFLOP/s, cuBLAS {rec['torch_tflops']:.1f} TFLOP/s, "
-                  f"core/cuBLAS speed {rec['core_vs_torch']:.3f}x") if ok else "differs from torch beyond tolerance"
-        out.item(f"core {shape}", "pass" if ok else "fail", detail,
-                 kind="core", shape=shape, dtype=rec["dtype"], m=m, core_vs_torch=rec.get("core_vs_torch"),
-                 core_tflops=rec.get("core_tflops"), torch_tflops=rec.get("torch_tflops"))
+        detail = (
+            (
+                f"core {rec['core_tflops']:.1f} TFLOP/s, cuBLAS {rec['torch_tflops']:.1f} TFLOP/s, "
+                f"core/cuBLAS speed {rec['core_vs_torch']:.3f}x"
+            )
+            if ok
+            else "differs from torch beyond tolerance"
+        )
+        out.item(
+            f"core {shape}",
+            "pass" if ok else "fail",
+            detail,
+            kind="core",
+            shape=shape,
+            dtype=rec["dtype"],
+            m=m,
+            core_vs_torch=rec.get("core_vs_torch"),
+            core_tflops=rec.get("core_tflops"),
+            torch_tflops=rec.get("torch_tflops"),
+        )
     for row in rec["ops"]:
-        for label_key, ratio_key, kind in (("fused", "fused_over_gemm", "fused_w1"),
-                                           ("chunked4", "chunked4_over_sequential", "chunked4_w1")):
+        for label_key, ratio_key, kind in (
+            ("fused", "fused_over_gemm", "fused_w1"),
+            ("chunked4", "chunked4_over_sequential", "chunked4_w1"),
+        ):
             name = f"{kind} {row['op']} {shape}"
             skipped = row.get(f"{label_key}_skipped")
             if skipped:
                 out.item(name, "fail" if "differs" in skipped else "skip", skipped, kind=kind)
             elif ratio_key in row:
                 what = "fused at world 1 / bare GEMM" if kind == "fused_w1" else "chunked x4 / unchunked at world 1"
-                out.item(name, "pass", f"{what} = {row[ratio_key]:.3f}", kind=kind, shape=shape, op=row["op"],
-                         dtype=rec["dtype"], m=m,
-                         ratio=row[ratio_key])
+                out.item(
+                    name,
+                    "pass",
+                    f"{what} = {row[ratio_key]:.3f}",
+                    kind=kind,
+                    shape=shape,
+                    op=row["op"],
+                    dtype=rec["dtype"],
+                    m=m,
+                    ratio=row[ratio_key],
+                )
 
 
 SECTIONS: dict[str, Callable[[dict, Emitter], None]] = {
-    "a": section_env, "b": section_pytest, "c": section_fused, "d": section_chunked, "e": section_speed}
+    "a": section_env,
+    "b": section_pytest,
+    "c": section_fused,
+    "d": section_chunked,
+    "e": section_speed,
+}
 
 
 def main(argv: list[str]) -> int:

@@ -24,7 +24,8 @@ import argparse
 import datetime
 import os
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,9 +35,13 @@ from . import launch
 
 M, K, N = 16, 32, 32
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
-VARIANTS: list[tuple[str, Optional[str], Optional[int]]] = [
-    ("sequential", "sequential", None), ("chunked 2", "chunked", 2), ("chunked 4", "chunked", 4),
-    ("chunked 8", "chunked", 8), ("fused", "fused", None)]
+VARIANTS: list[tuple[str, str | None, int | None]] = [
+    ("sequential", "sequential", None),
+    ("chunked 2", "chunked", 2),
+    ("chunked 4", "chunked", 4),
+    ("chunked 8", "chunked", 8),
+    ("fused", "fused", None),
+]
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 
 
@@ -44,28 +49,34 @@ def _reference(op: str, x: torch.Tensor, w: torch.Tensor, world: int) -> Callabl
     if world == 1:
         return lambda: F.linear(x, w)
     if op == "all_gather_matmul":
+
         def ag() -> torch.Tensor:
             full = x.new_empty((world * x.shape[0], x.shape[1]))
             dist.all_gather_into_tensor(full, x)
             return F.linear(full, w)
+
         return ag
     if op == "matmul_reduce_scatter":
+
         def rs() -> torch.Tensor:
             partial = F.linear(x, w)
             out = partial.new_empty((partial.shape[0] // world, partial.shape[1]))
             dist.reduce_scatter_tensor(out, partial)
             return out
+
         return rs
 
     def ar() -> torch.Tensor:
         partial = F.linear(x, w)
         dist.all_reduce(partial)
         return partial
+
     return ar
 
 
-def _time(fns: list[Callable[[], Any]], iters: int, repeats: int, clock: Callable[[], float] = time.perf_counter
-          ) -> list[float]:
+def _time(
+    fns: list[Callable[[], Any]], iters: int, repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
     """Mean seconds per call of each fn, the minimum over interleaved rounds (as timeit advises)."""
     for fn in fns:
         for _ in range(max(2, iters // 10)):
@@ -86,8 +97,9 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _bench(rank: int, world: int, device: torch.device, iters: int, repeats: int, compile_too: bool,
-           clock_name: str) -> list[dict]:
+def _bench(
+    rank: int, world: int, device: torch.device, iters: int, repeats: int, compile_too: bool, clock_name: str
+) -> list[dict]:
     import kernels
 
     torch.manual_seed(rank)
@@ -123,23 +135,38 @@ def _bench(rank: int, world: int, device: torch.device, iters: int, repeats: int
                 clock = CLOCKS[clock_name]
                 times = _time(fns, n_iter, n_rep, clock)
                 t_ref = _time([ref], iters, repeats, clock)[0] if fused else times[0]
-                for mode, t in zip(modes, times[1:]):
-                    rows.append({"world": world, "op": op, "backend": label, "mode": mode,
-                                 "us": t * 1e6, "ref_us": t_ref * 1e6, "added_us": (t - t_ref) * 1e6})
+                for mode, t in zip(modes, times[1:], strict=False):
+                    rows.append(
+                        {
+                            "world": world,
+                            "op": op,
+                            "backend": label,
+                            "mode": mode,
+                            "us": t * 1e6,
+                            "ref_us": t_ref * 1e6,
+                            "added_us": (t - t_ref) * 1e6,
+                        }
+                    )
                 for mode, err in errors.items():
                     rows.append({"world": world, "op": op, "backend": label, "mode": mode, "error": err})
     return rows
 
 
-def run(worlds: list[int], iters: int = 300, repeats: int = 7, compile_too: bool = True, clock: str = "wall"
-        ) -> dict:
+def run(worlds: list[int], iters: int = 300, repeats: int = 7, compile_too: bool = True, clock: str = "wall") -> dict:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     rows: list[dict] = []
     for world in worlds:
         rows += launch.spawn(_bench, world, "cpu", 1800.0, iters, repeats, compile_too, clock)
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "torch": torch.__version__, "load_average": os.getloadavg(), "shape": [M, K, N],
-            "iters": iters, "repeats": repeats, "clock": clock, "rows": rows}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "load_average": os.getloadavg(),
+        "shape": [M, K, N],
+        "iters": iters,
+        "repeats": repeats,
+        "clock": clock,
+        "rows": rows,
+    }
 
 
 def main() -> None:
@@ -148,13 +175,19 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-compile", action="store_true", help="eager only")
-    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                    help="wall time, or the calling thread's CPU time (world 1 before/after comparisons)")
+    ap.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall time, or the calling thread's CPU time (world 1 before/after comparisons)",
+    )
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     args = ap.parse_args()
     res = run(args.worlds, args.iters, args.repeats, not args.no_compile, args.clock)
-    print(f"host time per call ({res['clock']} clock), CPU, torch {res['torch']}, {res['date']}, load average "
-          f"{res['load_average'][0]:.1f}; x [{M}, {K}], weight [{N}, {K}] fp32 (fused: interpreter time)")
+    print(
+        f"host time per call ({res['clock']} clock), CPU, torch {res['torch']}, {res['date']}, load average "
+        f"{res['load_average'][0]:.1f}; x [{M}, {K}], weight [{N}, {K}] fp32 (fused: interpreter time)"
+    )
     print(f"{'W':>2s} {'op':22s} {'backend':11s} {'mode':9s} {'us/call':>9s} {'reference':>10s} {'added':>9s}")
     for r in res["rows"]:
         head = f"{r['world']:2d} {r['op']:22s} {r['backend']:11s} {r['mode']:9s}"

@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,15 +65,25 @@ def _set_device(device_type: str, local_rank: int, world: int, cpu_threads: int 
 def init_torchrun(device_type: str, timeout_s: float, cpu_threads: int = 1) -> tuple[int, int, torch.device]:
     """Join the process group torchrun set up the environment for."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = _set_device(device_type, int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-                         cpu_threads)
+    device = _set_device(
+        device_type, int(os.environ["LOCAL_RANK"]), int(os.environ.get("LOCAL_WORLD_SIZE", world)), cpu_threads
+    )
     if not dist.is_initialized():
         dist.init_process_group(dist_backend(device_type), timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world, device
 
 
-def _entry(rank: int, world: int, device_type: str, store_path: str, timeout_s: float, cpu_threads: int,
-           fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    device_type: str,
+    store_path: str,
+    timeout_s: float,
+    cpu_threads: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+) -> None:
     os.environ.update(rank_env(device_type, cpu_threads))
     sys.path.insert(0, REPO_ROOT)
     # A rank that sends tensors serves them from a socket in its multiprocessing temp dir
@@ -86,8 +97,13 @@ def _entry(rank: int, world: int, device_type: str, store_path: str, timeout_s: 
     try:
         device = _set_device(device_type, rank, world, cpu_threads)
         store = dist.FileStore(store_path, world)
-        dist.init_process_group(dist_backend(device_type), store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            dist_backend(device_type),
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         value = fn(rank, world, device, *args)
         results.put((rank, True, value if rank == 0 else None))
     except BaseException:
@@ -97,23 +113,24 @@ def _entry(rank: int, world: int, device_type: str, store_path: str, timeout_s: 
             dist.destroy_process_group()
 
 
-def run_in_process(fn: Callable[..., Any], device_type: str, timeout_s: float, *args: Any,
-                   cpu_threads: int = 1) -> Any:
+def run_in_process(fn: Callable[..., Any], device_type: str, timeout_s: float, *args: Any, cpu_threads: int = 1) -> Any:
     """World size 1 in this process: a one-rank group so the ops see an initialized default group."""
     os.environ.update(rank_env(device_type, cpu_threads))
     device = _set_device(device_type, 0, 1, cpu_threads)
     with tempfile.TemporaryDirectory(prefix="coc-bench-") as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group(dist_backend(device_type), store=store, rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            dist_backend(device_type), store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         try:
             return fn(0, 1, device, *args)
         finally:
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world: int, device_type: str, timeout_s: float, *args: Any,
-          cpu_threads: int = 1) -> Any:
+def spawn(
+    fn: Callable[..., Any], world: int, device_type: str, timeout_s: float, *args: Any, cpu_threads: int = 1
+) -> Any:
     """Run module-level ``fn(rank, world, device, *args)`` on ``world`` new ranks; rank 0's result.
 
     ``cpu_threads``: torch intra-op threads per rank on CPU."""
@@ -123,9 +140,15 @@ def spawn(fn: Callable[..., Any], world: int, device_type: str, timeout_s: float
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="coc-bench-") as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, name=f"coc-bench-rank{r}", daemon=True,
-                             args=(r, world, device_type, store_path, timeout_s, cpu_threads, fn, args, results))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(
+                target=_entry,
+                name=f"coc-bench-rank{r}",
+                daemon=True,
+                args=(r, world, device_type, store_path, timeout_s, cpu_threads, fn, args, results),
+            )
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import yaml
 
@@ -91,8 +91,7 @@ class LinkModel:
         if self.link_bytes_per_s is None:
             raise ValueError(f"link model {self.name!r} has no fit for {collective} at W={world}")
         steps = (world - 1) * (2 if collective == "all_reduce" else 1)
-        return (self.collective_latency_s + (steps - 1) * self.step_latency_s
-                + factor * nbytes / self.link_bytes_per_s)
+        return self.collective_latency_s + (steps - 1) * self.step_latency_s + factor * nbytes / self.link_bytes_per_s
 
     def p2p_time(self, nbytes: float, world: int) -> float:
         """One chunk to one peer through peer memory (fused paths)."""
@@ -109,13 +108,23 @@ class LinkModel:
     def describe(self) -> dict:
         d = {"name": self.name, "source": self.source, "kind": "model parameters (not measurements)"}
         if self.link_bytes_per_s is not None:
-            d.update(link_GBps_effective=self.link_bytes_per_s / 1e9,
-                     collective_latency_us=self.collective_latency_s * 1e6,
-                     step_latency_us=self.step_latency_s * 1e6, signal_latency_us=self.signal_latency_s * 1e6)
+            d.update(
+                link_GBps_effective=self.link_bytes_per_s / 1e9,
+                collective_latency_us=self.collective_latency_s * 1e6,
+                step_latency_us=self.step_latency_s * 1e6,
+                signal_latency_us=self.signal_latency_s * 1e6,
+            )
         if self.fits:
-            d["fits"] = [{"collective": c, "world": w, "alpha_us": f.alpha_s * 1e6,
-                          "bus_GBps": f.bus_bytes_per_s / 1e9, "fit_rel_rms": f.rel_rms}
-                         for (c, w), f in sorted(self.fits.items())]
+            d["fits"] = [
+                {
+                    "collective": c,
+                    "world": w,
+                    "alpha_us": f.alpha_s * 1e6,
+                    "bus_GBps": f.bus_bytes_per_s / 1e9,
+                    "fit_rel_rms": f.rel_rms,
+                }
+                for (c, w), f in sorted(self.fits.items())
+            ]
         d.update(chunked_gemm_slowdown=self.chunked_gemm_slowdown, fused_gemm_slowdown=self.fused_gemm_slowdown)
         return d
 
@@ -176,21 +185,32 @@ def load_gpu(generation: str, path: str | None = None) -> tuple[LinkModel, GpuSp
     overlap = {**d["overlap"], **g.get("overlap", {})}
     hbm = g["hbm_gbps"] * 1e9 * g.get("hbm_efficiency", d["hbm_efficiency"])
     link = LinkModel(
-        name=generation, source=f"configs/links.yaml:{generation}",
+        name=generation,
+        source=f"configs/links.yaml:{generation}",
         link_bytes_per_s=g["nvlink_gbps"] * 1e9 * g.get("link_efficiency", d["link_efficiency"]),
-        collective_latency_s=lat["collective"] * 1e-6, step_latency_s=lat["step"] * 1e-6,
-        signal_latency_s=lat["signal"] * 1e-6, launch_s=lat["launch"] * 1e-6,
-        chunked_gemm_slowdown=overlap["chunked_gemm_slowdown"], fused_gemm_slowdown=overlap["fused_gemm_slowdown"],
-        hbm_bytes_per_s=hbm)
-    spec = GpuSpec(name=generation, peak_tflops={k: float(v) for k, v in g["peak_tflops"].items()},
-                   gemm_efficiency=g.get("gemm_efficiency", d["gemm_efficiency"]), sms=g["sms"],
-                   gemm_tiles=tuple(tuple(t) for t in g.get("gemm_tiles", d["gemm_tiles"])), hbm_bytes_per_s=hbm,
-                   launch_s=lat["launch"] * 1e-6)
+        collective_latency_s=lat["collective"] * 1e-6,
+        step_latency_s=lat["step"] * 1e-6,
+        signal_latency_s=lat["signal"] * 1e-6,
+        launch_s=lat["launch"] * 1e-6,
+        chunked_gemm_slowdown=overlap["chunked_gemm_slowdown"],
+        fused_gemm_slowdown=overlap["fused_gemm_slowdown"],
+        hbm_bytes_per_s=hbm,
+    )
+    spec = GpuSpec(
+        name=generation,
+        peak_tflops={k: float(v) for k, v in g["peak_tflops"].items()},
+        gemm_efficiency=g.get("gemm_efficiency", d["gemm_efficiency"]),
+        sms=g["sms"],
+        gemm_tiles=tuple(tuple(t) for t in g.get("gemm_tiles", d["gemm_tiles"])),
+        hbm_bytes_per_s=hbm,
+        launch_s=lat["launch"] * 1e-6,
+    )
     return link, spec
 
 
-def calibrate(samples: Iterable[tuple[str, int, float, float]], name: str = "cpu-gloo",
-              path: str | None = None) -> LinkModel:
+def calibrate(
+    samples: Iterable[tuple[str, int, float, float]], name: str = "cpu-gloo", path: str | None = None
+) -> LinkModel:
     """Fit ``alpha + factor * nbytes / B`` per (collective, W) by least squares on relative error.
 
     ``samples``: (collective, world, nbytes, seconds). Each (collective, W) needs two or more sizes.
@@ -209,10 +229,10 @@ def calibrate(samples: Iterable[tuple[str, int, float, float]], name: str = "cpu
         # term (what small chunks pay) to noise.
         ws = [1.0 / (y * y) for _, y in pts]
         sw = sum(ws)
-        mx = sum(w * x for w, (x, _) in zip(ws, pts)) / sw
-        my = sum(w * y for w, (_, y) in zip(ws, pts)) / sw
-        sxx = sum(w * (x - mx) ** 2 for w, (x, _) in zip(ws, pts))
-        slope = sum(w * (x - mx) * (y - my) for w, (x, y) in zip(ws, pts)) / sxx
+        mx = sum(w * x for w, (x, _) in zip(ws, pts, strict=False)) / sw
+        my = sum(w * y for w, (_, y) in zip(ws, pts, strict=False)) / sw
+        sxx = sum(w * (x - mx) ** 2 for w, (x, _) in zip(ws, pts, strict=False))
+        slope = sum(w * (x - mx) * (y - my) for w, (x, y) in zip(ws, pts, strict=False)) / sxx
         # A non-positive slope means latency dominates every size measured: keep a tiny positive
         # slope (finite bandwidth) rather than an infinite one.
         slope = max(slope, 1e-15)
@@ -221,9 +241,13 @@ def calibrate(samples: Iterable[tuple[str, int, float, float]], name: str = "cpu
         rel = [((fit.time(x, 1.0) - y) / y) ** 2 for x, y in pts]
         fits[key] = CollectiveFit(alpha, 1.0 / slope, math.sqrt(sum(rel) / len(rel)))
     overlap = (_load_links(path).get("cpu-gloo") or {}).get("overlap", {})
-    return LinkModel(name=name, source="fitted to collective-only timings of this run", fits=fits,
-                     chunked_gemm_slowdown=overlap.get("chunked_gemm_slowdown", 0.0),
-                     fused_gemm_slowdown=overlap.get("fused_gemm_slowdown", 0.0))
+    return LinkModel(
+        name=name,
+        source="fitted to collective-only timings of this run",
+        fits=fits,
+        chunked_gemm_slowdown=overlap.get("chunked_gemm_slowdown", 0.0),
+        fused_gemm_slowdown=overlap.get("fused_gemm_slowdown", 0.0),
+    )
 
 
 def chunk_rows(m: int, p: int) -> list[int]:
@@ -238,7 +262,7 @@ def pipeline_compute_first(g: list[float], c: list[float], slowdown: float) -> f
     ``slowdown``: fraction of the time a GEMM piece overlaps a running collective that it loses
     (0: perfect overlap, 1: the two serialize)."""
     t_g = t_c = 0.0
-    for gi, ci in zip(g, c):
+    for gi, ci in zip(g, c, strict=False):
         overlap = min(gi, max(0.0, t_c - t_g))  # the previous piece's collective still running
         t_g += gi + slowdown * overlap
         t_c = max(t_c, t_g) + ci
@@ -260,8 +284,16 @@ def pipeline_comm_first(g: list[float], c: list[float], slowdown: float) -> floa
     return t_g
 
 
-def predict(op: str, backend: str, world: int, gemm_shape: tuple[int, int, int], comm_elems: int,
-            dtype: str, gemm_time: GemmFn, link: LinkModel) -> float | None:
+def predict(
+    op: str,
+    backend: str,
+    world: int,
+    gemm_shape: tuple[int, int, int],
+    comm_elems: int,
+    dtype: str,
+    gemm_time: GemmFn,
+    link: LinkModel,
+) -> float | None:
     """Predicted seconds of one op call; None where the model does not cover the backend."""
     m, k, n = gemm_shape
     eb = DTYPE_BYTES[dtype]
@@ -307,8 +339,7 @@ def predict(op: str, backend: str, world: int, gemm_shape: tuple[int, int, int],
 class GemmTimes:
     """Measured GEMM seconds by (m, k, n), with a roofline or flop-scaled fallback for unmeasured shapes."""
 
-    def __init__(self, measured: dict[tuple[int, int, int], float] | None = None,
-                 fallback: GemmFn | None = None):
+    def __init__(self, measured: dict[tuple[int, int, int], float] | None = None, fallback: GemmFn | None = None):
         self.measured = dict(measured or {})
         self.fallback = fallback
 

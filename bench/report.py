@@ -10,22 +10,25 @@ import platform
 import statistics
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from bench.suites import OP_SHORT, REPO_ROOT
 
 SCHEMA = "coc-bench/1"
-MODEL_NOTE = ("model = bench/model.py PREDICTION from the measured GEMM times and the link model "
-              "named in the header; it is not a measurement")
+MODEL_NOTE = (
+    "model = bench/model.py PREDICTION from the measured GEMM times and the link model "
+    "named in the header; it is not a measurement"
+)
 
 
 def git_revision() -> dict[str, Any]:
-    def git(*args: str) -> Optional[str]:
+    def git(*args: str) -> str | None:
         try:
-            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  timeout=10, check=True).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
@@ -38,9 +41,15 @@ def device_info(device_type: str) -> dict[str, Any]:
     if device_type == "cuda":
         props = torch.cuda.get_device_properties(0)
         nccl = torch.cuda.nccl.version()  # a tuple in current torch, an int in old releases
-        return {"type": "cuda", "name": props.name, "count": torch.cuda.device_count(),
-                "memory_GiB": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count,
-                "cuda": torch.version.cuda, "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)}
+        return {
+            "type": "cuda",
+            "name": props.name,
+            "count": torch.cuda.device_count(),
+            "memory_GiB": round(props.total_memory / 2**30, 1),
+            "sms": props.multi_processor_count,
+            "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+        }
     return {"type": "cpu", "name": platform.processor() or platform.machine(), "count": os.cpu_count()}
 
 
@@ -59,22 +68,36 @@ def metadata(device_type: str, argv: list[str], extra: dict[str, Any]) -> dict[s
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton_version},
         "git": git_revision(),
         # Load average: CPU timings on a shared machine are only as good as the machine was idle.
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                 "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
+        "host": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        },
         "argv": argv,
         **extra,
     }
 
 
-def _fmt(v: Optional[float], spec: str) -> str:
+def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def table(records: list[dict[str, Any]], model_label: Optional[str]) -> str:
+def table(records: list[dict[str, Any]], model_label: str | None) -> str:
     """One line per (case, backend): measured figures, then the model's prediction."""
     stat = records[0].get("stat", "median") if records else "median"
-    head = ["case", "backend", "status", f"ms ({stat})", "spread", "TFLOP/s", "speedup", "overlap",
-            "gemm ms", "comm ms", "busbw GB/s"]
+    head = [
+        "case",
+        "backend",
+        "status",
+        f"ms ({stat})",
+        "spread",
+        "TFLOP/s",
+        "speedup",
+        "overlap",
+        "gemm ms",
+        "comm ms",
+        "busbw GB/s",
+    ]
     if model_label:
         head += ["model ms", "model err"]
     lines = [head]
@@ -83,35 +106,47 @@ def table(records: list[dict[str, Any]], model_label: Optional[str]) -> str:
         for i, b in enumerate(rec["backends"]):
             status = b["status"] + ("*" if b.get("fallback") else "") + ("(i)" if b.get("interpreted") else "")
             ms = b.get("ms", {})
-            row = [label if i == 0 else "", b["backend"], status, _fmt(ms.get(stat), ".3f"),
-                   _fmt(ms.get("spread"), ".1%") if ms else "-", _fmt(b.get("tflops"), ".3g"),
-                   _fmt(b.get("speedup"), ".2f") + ("x" if b.get("speedup") else ""),
-                   _fmt(b.get("overlap_eff"), ".0%") if b["backend"] != "sequential" else "",
-                   _fmt(rec["gemm_ms"][stat], ".3f") if i == 0 else "",
-                   _fmt(rec["comm_ms"][stat] if rec["comm_ms"] else None, ".3f") if i == 0 else "",
-                   _fmt(rec["comm_busbw_GBps"], ".3g") if i == 0 else ""]
+            row = [
+                label if i == 0 else "",
+                b["backend"],
+                status,
+                _fmt(ms.get(stat), ".3f"),
+                _fmt(ms.get("spread"), ".1%") if ms else "-",
+                _fmt(b.get("tflops"), ".3g"),
+                _fmt(b.get("speedup"), ".2f") + ("x" if b.get("speedup") else ""),
+                _fmt(b.get("overlap_eff"), ".0%") if b["backend"] != "sequential" else "",
+                _fmt(rec["gemm_ms"][stat], ".3f") if i == 0 else "",
+                _fmt(rec["comm_ms"][stat] if rec["comm_ms"] else None, ".3f") if i == 0 else "",
+                _fmt(rec["comm_busbw_GBps"], ".3g") if i == 0 else "",
+            ]
             if model_label:
                 row += [_fmt(b.get("model_ms"), ".3f"), _fmt(b.get("model_rel_err"), "+.0%")]
             lines.append(row)
     widths = [max(len(r[c]) for r in lines) for c in range(len(head))]
-    out = ["  ".join(cell.ljust(w) if c < 3 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
-           for r in lines]
+    out = [
+        "  ".join(cell.ljust(w) if c < 3 else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths, strict=False)))
+        for r in lines
+    ]
     out.insert(1, "-" * len(out[0]))
     notes = []
     if any(b.get("fallback") for rec in records for b in rec["backends"]):
         notes.append("* fused fell back to the chunked path (the dispatcher's warning is in the JSON)")
     if any(b.get("interpreted") for rec in records for b in rec["backends"]):
-        notes.append("(i) the fused Triton kernels ran in Triton's interpreter (no GPU): checked against "
-                     "sequential, not timed (an interpreter's time is not a performance figure)")
+        notes.append(
+            "(i) the fused Triton kernels ran in Triton's interpreter (no GPU): checked against "
+            "sequential, not timed (an interpreter's time is not a performance figure)"
+        )
     for rec in records:
         for b in rec["backends"]:
             if b["status"] in ("skipped", "incorrect"):
                 notes.append(f"{rec['label']} {b['backend']}: {b['status']}: {b.get('reason', '')}".strip())
     if model_label:
         notes.append(f"{MODEL_NOTE} ({model_label}); model err = (model - measured) / measured")
-    notes.append("overlap = (t_gemm + t_comm - t_op) / min(t_gemm, t_comm), from the bare GEMM and bare "
-                 "collective timed alone; speedup = t_sequential / t_op; times are the " + stat + " over repeats "
-                 "(each repeat the max over ranks); spread = (p80 - p20) / median")
+    notes.append(
+        "overlap = (t_gemm + t_comm - t_op) / min(t_gemm, t_comm), from the bare GEMM and bare "
+        "collective timed alone; speedup = t_sequential / t_op; times are the " + stat + " over repeats "
+        "(each repeat the max over ranks); spread = (p80 - p20) / median"
+    )
     return "\n".join(out + [""] + notes)
 
 
@@ -132,21 +167,48 @@ def flat_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for rec in records:
         stat = rec.get("stat", "median")
-        base = {"stat": stat, "suite": rec["suite"], "layer": rec["layer"], "op": rec["op"], "tokens": rec["tokens"],
-                "k": rec["k"], "n": rec["n"], "world": rec["world"], "dtype": rec["dtype"],
-                "gemm_m": rec["gemm_shape"][0], "gemm_k": rec["gemm_shape"][1], "gemm_n": rec["gemm_shape"][2],
-                "gemm_ms": rec["gemm_ms"][stat], "gemm_tflops": rec["gemm_tflops"],
-                "comm_ms": rec["comm_ms"][stat] if rec["comm_ms"] else None,
-                "comm_bytes": rec["comm_bytes"], "comm_busbw_GBps": rec["comm_busbw_GBps"]}
+        base = {
+            "stat": stat,
+            "suite": rec["suite"],
+            "layer": rec["layer"],
+            "op": rec["op"],
+            "tokens": rec["tokens"],
+            "k": rec["k"],
+            "n": rec["n"],
+            "world": rec["world"],
+            "dtype": rec["dtype"],
+            "gemm_m": rec["gemm_shape"][0],
+            "gemm_k": rec["gemm_shape"][1],
+            "gemm_n": rec["gemm_shape"][2],
+            "gemm_ms": rec["gemm_ms"][stat],
+            "gemm_tflops": rec["gemm_tflops"],
+            "comm_ms": rec["comm_ms"][stat] if rec["comm_ms"] else None,
+            "comm_bytes": rec["comm_bytes"],
+            "comm_busbw_GBps": rec["comm_busbw_GBps"],
+        }
         for b in rec["backends"]:
             ms = b.get("ms", {})
-            rows.append({**base, "backend": b["backend"], "status": b["status"],
-                         "fallback": bool(b.get("fallback")), "max_abs_err": b.get("max_abs_err"),
-                         "ms_median": ms.get("median"), "ms_p20": ms.get("p20"), "ms_p80": ms.get("p80"),
-                         "ms_min": ms.get("min"), "ms_max": ms.get("max"), "repeats": ms.get("n"),
-                         "tflops": b.get("tflops"), "speedup": b.get("speedup"),
-                         "overlap_eff": b.get("overlap_eff"), "model_ms": b.get("model_ms"),
-                         "model_rel_err": b.get("model_rel_err"), "reason": b.get("reason", "")})
+            rows.append(
+                {
+                    **base,
+                    "backend": b["backend"],
+                    "status": b["status"],
+                    "fallback": bool(b.get("fallback")),
+                    "max_abs_err": b.get("max_abs_err"),
+                    "ms_median": ms.get("median"),
+                    "ms_p20": ms.get("p20"),
+                    "ms_p80": ms.get("p80"),
+                    "ms_min": ms.get("min"),
+                    "ms_max": ms.get("max"),
+                    "repeats": ms.get("n"),
+                    "tflops": b.get("tflops"),
+                    "speedup": b.get("speedup"),
+                    "overlap_eff": b.get("overlap_eff"),
+                    "model_ms": b.get("model_ms"),
+                    "model_rel_err": b.get("model_rel_err"),
+                    "reason": b.get("reason", ""),
+                }
+            )
     return rows
 
 
@@ -160,9 +222,11 @@ def write_csv(path: str, records: list[dict[str, Any]], meta: dict[str, Any]) ->
     rows = flat_rows(records)
     with open(path, "w", newline="", encoding="utf-8") as f:
         # Provenance travels with the figures even when the CSV is read on its own.
-        f.write(f"# {meta['schema']} {meta['date_utc']} device={meta['device']['name']} "
-                f"torch={meta['versions']['torch']} triton={meta['versions']['triton']} "
-                f"git={meta['git']['revision']}{'+dirty' if meta['git']['dirty'] else ''}\n")
+        f.write(
+            f"# {meta['schema']} {meta['date_utc']} device={meta['device']['name']} "
+            f"torch={meta['versions']['torch']} triton={meta['versions']['triton']} "
+            f"git={meta['git']['revision']}{'+dirty' if meta['git']['dirty'] else ''}\n"
+        )
         if not rows:
             return
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -170,7 +234,7 @@ def write_csv(path: str, records: list[dict[str, Any]], meta: dict[str, Any]) ->
         w.writerows(rows)
 
 
-def write_plot(path: str, records: list[dict[str, Any]], title: str) -> Optional[str]:
+def write_plot(path: str, records: list[dict[str, Any]], title: str) -> str | None:
     """Speedup over sequential per case and backend. Returns why it was skipped, or None."""
     try:
         import matplotlib
@@ -203,7 +267,7 @@ def write_plot(path: str, records: list[dict[str, Any]], title: str) -> Optional
     return None
 
 
-def default_stem(meta: dict[str, Any], name: Optional[str]) -> str:
+def default_stem(meta: dict[str, Any], name: str | None) -> str:
     if name:
         return name
     stamp = meta["date_utc"].replace(":", "").replace("-", "")

@@ -14,8 +14,9 @@ import math
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ class RunOptions:
     seed: int = 0
     progress: bool = True
     calibrate: bool = False
-    gpu_generation: Optional[str] = None  # links.yaml generation for the model on GPUs
+    gpu_generation: str | None = None  # links.yaml generation for the model on GPUs
     model: bool = True
     stat: str = "median"  # statistic of the repeats behind every derived figure: "median" or "min"
 
@@ -70,8 +71,10 @@ class Progress:
         filled = int(width * self.done / self.total)
         elapsed = time.monotonic() - self.t0
         eta = elapsed / self.done * (self.total - self.done)
-        line = (f"{self.title} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                f"{elapsed:5.1f}s elapsed, ~{eta:4.0f}s left  {label}")
+        line = (
+            f"{self.title} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+            f"{elapsed:5.1f}s elapsed, ~{eta:4.0f}s left  {label}"
+        )
         if self.tty:
             sys.stderr.write("\r\033[K" + line + ("\n" if self.done == self.total else ""))
         else:
@@ -88,7 +91,8 @@ def _kernels() -> Any:
 def has_op(op: str) -> bool:
     try:
         return callable(getattr(_kernels(), op, None)) and (
-            op != "quantized_matmul_all_reduce" or callable(getattr(_kernels(), "quantize_weight", None)))
+            op != "quantized_matmul_all_reduce" or callable(getattr(_kernels(), "quantize_weight", None))
+        )
     except ImportError:
         return False
 
@@ -127,8 +131,9 @@ def gemm_call(m: int, k: int, n: int, dtype: str, device: torch.device) -> Calla
     return lambda: F.linear(x, w)
 
 
-def comm_call(collective: str, elems: int, row_len: int, world: int, dtype: str,
-              device: torch.device) -> Callable[[], object]:
+def comm_call(
+    collective: str, elems: int, row_len: int, world: int, dtype: str, device: torch.device
+) -> Callable[[], object]:
     """The bare collective of the op's sequential path on a full tensor of ``elems`` elements."""
     comm = _comm_module()
     td = TORCH_DTYPES[dtype]
@@ -146,8 +151,9 @@ def comm_call(collective: str, elems: int, row_len: int, world: int, dtype: str,
     return lambda: comm.all_reduce(buf, None)
 
 
-def calibration_samples(timer: Timer, world: int, device: torch.device, cases: list[Case],
-                        opts: RunOptions) -> list[tuple[str, int, float, float]]:
+def calibration_samples(
+    timer: Timer, world: int, device: torch.device, cases: list[Case], opts: RunOptions
+) -> list[tuple[str, int, float, float]]:
     """Collective-only timings at sizes spanning the cases' (and their chunks') sizes, for the fit."""
     samples: list[tuple[str, int, float, float]] = []
     by_coll: dict[tuple[str, str], list[int]] = {}
@@ -156,15 +162,14 @@ def calibration_samples(timer: Timer, world: int, device: torch.device, cases: l
     p_max = max([backend_args(b)[1] or 1 for b in opts.backends] + [world])
     for (coll, dtype), sizes in sorted(by_coll.items()):
         lo, hi = max(world * 64, min(sizes) // (2 * p_max)), max(sizes)
-        points = sorted({int(lo * (hi / lo) ** (i / 4)) // (world * 64) * (world * 64) or world * 64
-                         for i in range(5)})
+        points = sorted({int(lo * (hi / lo) ** (i / 4)) // (world * 64) * (world * 64) or world * 64 for i in range(5)})
         for elems in points:
             stats = timer.run(comm_call(coll, elems, 64, world, dtype, device), opts.warmup, opts.repeats)
             samples.append((coll, world, float(elems * DTYPE_BYTES[dtype]), stats.pick(opts.stat)))
     return samples
 
 
-def fallback_reason(caught: list[warnings.WarningMessage]) -> Optional[str]:
+def fallback_reason(caught: list[warnings.WarningMessage]) -> str | None:
     """The dispatcher's warning that a fused request ran on the chunked path, if one was caught."""
     for w in caught:
         msg = str(w.message)
@@ -176,8 +181,7 @@ def fallback_reason(caught: list[warnings.WarningMessage]) -> Optional[str]:
 FUSED_FALLBACK: dict[str, str] = {}  # the dispatcher warns once per process: remember why
 
 
-def check_backend(case: Case, backend: str, inputs: dict[str, Any], ref: torch.Tensor,
-                  timer: Timer) -> dict[str, Any]:
+def check_backend(case: Case, backend: str, inputs: dict[str, Any], ref: torch.Tensor, timer: Timer) -> dict[str, Any]:
     """Run once, compare with sequential; every rank returns the same status."""
     rec: dict[str, Any] = {"backend": backend}
     error = None
@@ -214,8 +218,16 @@ def check_backend(case: Case, backend: str, inputs: dict[str, Any], ref: torch.T
     return rec
 
 
-def run_case(case: Case, index: int, rank: int, world: int, device: torch.device, timer: Timer,
-             opts: RunOptions, gemm_cache: dict) -> dict[str, Any]:
+def run_case(
+    case: Case,
+    index: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+    timer: Timer,
+    opts: RunOptions,
+    gemm_cache: dict,
+) -> dict[str, Any]:
     inputs = make_inputs(case, rank, opts.seed + index, device)
     ref = op_call(case, "sequential", inputs)()
     rows = []
@@ -282,6 +294,7 @@ def concurrent_call(case: Case, world: int, device: torch.device) -> Callable[[]
         work = start()
         gemm()
         work.wait()
+
     return run
 
 
@@ -295,32 +308,35 @@ def interference(t_gemm: float, t_comm: float, t_concurrent: float) -> float:
     return min(1.0, max(0.0, (t_concurrent - max(t_gemm, t_comm)) / shorter))
 
 
-def derive(result: dict[str, Any], link: Optional[perf_model.LinkModel], stat: str = "median") -> dict[str, Any]:
+def derive(result: dict[str, Any], link: perf_model.LinkModel | None, stat: str = "median") -> dict[str, Any]:
     """Figures of one case from its timings (rank 0); model predictions when a link model is given.
 
     ``stat`` ("median" or "min") is the statistic of the repeats that every derived figure uses."""
     case: Case = result["case"]
     t_gemm: Stats = result["gemm"][case.gemm_shape]
-    t_comm: Optional[Stats] = result["comm"]
+    t_comm: Stats | None = result["comm"]
     g = t_gemm.pick(stat)
     c = t_comm.pick(stat) if t_comm is not None else None
     comm_bytes = case.comm_elems * DTYPE_BYTES[case.dtype]
     out: dict[str, Any] = {
-        **case.to_dict(), "label": case.label, "stat": stat,
-        "gemm_ms": t_gemm.to_ms(), "gemm_tflops": case.flops / g / 1e12,
-        "comm_ms": t_comm.to_ms() if t_comm else None, "comm_bytes": comm_bytes,
+        **case.to_dict(),
+        "label": case.label,
+        "stat": stat,
+        "gemm_ms": t_gemm.to_ms(),
+        "gemm_tflops": case.flops / g / 1e12,
+        "comm_ms": t_comm.to_ms() if t_comm else None,
+        "comm_bytes": comm_bytes,
         "comm_busbw_GBps": perf_model.bus_factor(case.collective, case.world) * comm_bytes / c / 1e9 if c else None,
         "backends": [],
     }
     gemm_fn = perf_model.GemmTimes({shape: st.pick(stat) for shape, st in result["gemm"].items()})
-    concurrent: Optional[Stats] = result.get("concurrent")
+    concurrent: Stats | None = result.get("concurrent")
     if concurrent is not None and link is not None and c is not None:
         slowdown = interference(g, c, concurrent.pick(stat))
         out["concurrent_ms"] = concurrent.to_ms()
         out["model_gemm_slowdown"] = slowdown
         link = dataclasses.replace(link, chunked_gemm_slowdown=slowdown, fused_gemm_slowdown=slowdown)
-    seq = next((r["time"].pick(stat) for r in result["backends"] if r["backend"] == "sequential" and "time" in r),
-               None)
+    seq = next((r["time"].pick(stat) for r in result["backends"] if r["backend"] == "sequential" and "time" in r), None)
     for r in result["backends"]:
         row = {key: v for key, v in r.items() if key != "time"}
         t = r["time"].pick(stat) if "time" in r else None
@@ -330,8 +346,9 @@ def derive(result: dict[str, Any], link: Optional[perf_model.LinkModel], stat: s
             row["speedup"] = seq / t if seq else None
             row["overlap_eff"] = (g + c - t) / min(g, c) if c else None
         if link is not None:
-            pred = perf_model.predict(case.op, r["backend"], case.world, case.gemm_shape, case.comm_elems,
-                                      case.dtype, gemm_fn, link)
+            pred = perf_model.predict(
+                case.op, r["backend"], case.world, case.gemm_shape, case.comm_elems, case.dtype, gemm_fn, link
+            )
             row["model_ms"] = pred * 1e3 if pred is not None else None
             if pred is not None and t is not None:
                 row["model_rel_err"] = (pred - t) / t
@@ -363,7 +380,9 @@ def run_world(rank: int, world: int, device: torch.device, cases: list[Case], op
     if rank != 0:
         return {}
     records = [derive(r, link, opts.stat) for r in results]
-    return {"world": world, "records": records,
-            "link_model": link.describe() if link is not None else None,
-            "calibration_samples": [{"collective": c, "world": w, "bytes": b, "seconds": s}
-                                    for c, w, b, s in calib]}
+    return {
+        "world": world,
+        "records": records,
+        "link_model": link.describe() if link is not None else None,
+        "calibration_samples": [{"collective": c, "world": w, "bytes": b, "seconds": s} for c, w, b, s in calib],
+    }

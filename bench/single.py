@@ -15,7 +15,9 @@ GPU only: on CPU the Triton kernels run in the interpreter and their times mean 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -28,7 +30,7 @@ from bench.timing import Timer
 _GEMM_CORE_NAME = "matmul"
 
 
-def gemm_core() -> tuple[Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]], str]:
+def gemm_core() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, str]:
     """The Triton GEMM core's launcher ``f(x [m, k], weight [n, k]) -> [m, n]``, or why there is none."""
     try:
         from kernels.fused import gemm
@@ -46,8 +48,16 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> bool:
     return bool(torch.allclose(out.float(), ref.float(), atol=tol * max(scale, 1e-30), rtol=tol))
 
 
-def _soc_effect(rec: dict[str, Any], x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, dtype: str,
-                timer: Timer, opts: RunOptions, t_torch: float) -> None:
+def _soc_effect(
+    rec: dict[str, Any],
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ref: torch.Tensor,
+    dtype: str,
+    timer: Timer,
+    opts: RunOptions,
+    t_torch: float,
+) -> None:
     """Time the padded GEMM of ``matmul_soc_friendly`` where the padding changes the shape."""
     from kernels import soc
     from kernels.config import get_config
@@ -79,10 +89,10 @@ def run_single(rank: int, world: int, device: torch.device, cases: list[Case], o
     for (m, k, n, dtype), ops in sorted(by_shape.items()):
         g = torch.Generator().manual_seed(opts.seed)
         x = torch.randn(m, k, generator=g).to(device=device, dtype=TORCH_DTYPES[dtype])
-        w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device=device, dtype=TORCH_DTYPES[dtype])
+        w = (torch.randn(n, k, generator=g) / k**0.5).to(device=device, dtype=TORCH_DTYPES[dtype])
         ref = torch.nn.functional.linear(x, w)
         rec: dict[str, Any] = {"gemm_shape": [m, k, n], "dtype": dtype, "flops": 2 * m * k * n}
-        t_torch = timer.run(lambda: torch.nn.functional.linear(x, w), opts.warmup, opts.repeats)
+        t_torch = timer.run(partial(torch.nn.functional.linear, x, w), opts.warmup, opts.repeats)
         rec["torch_ms"] = t_torch.to_ms()
         rec["torch_tflops"] = 2 * m * k * n / t_torch.median / 1e12
         if core is not None:
@@ -90,7 +100,7 @@ def run_single(rank: int, world: int, device: torch.device, cases: list[Case], o
             rec["core"] = core_name
             rec["core_correct"] = _check(out, ref, dtype)
             if rec["core_correct"]:
-                t_core = timer.run(lambda: core(x, w), opts.warmup, opts.repeats)
+                t_core = timer.run(partial(core, x, w), opts.warmup, opts.repeats)
                 rec["core_ms"] = t_core.to_ms()
                 rec["core_tflops"] = 2 * m * k * n / t_core.median / 1e12
                 rec["core_vs_torch"] = t_torch.median / t_core.median
@@ -101,14 +111,17 @@ def run_single(rank: int, world: int, device: torch.device, cases: list[Case], o
         chunk_ms = 0.0
         for rows in chunk_rows(m, 4):
             xc = x[:rows]
-            chunk_ms += timer.run(lambda: torch.nn.functional.linear(xc, w), opts.warmup, opts.repeats).median * 1e3
+            chunk_ms += timer.run(partial(torch.nn.functional.linear, xc, w), opts.warmup, opts.repeats).median * 1e3
         rec["model_chunked4_over_gemm"] = chunk_ms / rec["torch_ms"]["median"]
         rec["ops"] = []
         for op in ops:
             fn = getattr(kernels, op)
             row: dict[str, Any] = {"op": op}
-            for label, kw in (("fused", {"backend": "fused"}), ("chunked4", {"backend": "chunked", "parallel_num": 4}),
-                              ("sequential", {"backend": "sequential"})):
+            for label, kw in (
+                ("fused", {"backend": "fused"}),
+                ("chunked4", {"backend": "chunked", "parallel_num": 4}),
+                ("sequential", {"backend": "sequential"}),
+            ):
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
                     try:
@@ -125,7 +138,7 @@ def run_single(rank: int, world: int, device: torch.device, cases: list[Case], o
                 if not _check(out, ref, dtype):
                     row[f"{label}_skipped"] = "result differs from torch linear beyond tolerance"
                     continue
-                row[f"{label}_ms"] = timer.run(lambda: fn(x, w, **kw), opts.warmup, opts.repeats).to_ms()
+                row[f"{label}_ms"] = timer.run(partial(fn, x, w, **kw), opts.warmup, opts.repeats).to_ms()
             if "fused_ms" in row:
                 row["fused_over_gemm"] = row["fused_ms"]["median"] / rec["torch_ms"]["median"]
             if "chunked4_ms" in row and "sequential_ms" in row:
@@ -138,31 +151,51 @@ def run_single(rank: int, world: int, device: torch.device, cases: list[Case], o
 
 
 def single_table(records: list[dict[str, Any]]) -> str:
-    head = ["gemm [m, k, n]", "dtype", "torch ms", "core ms", "core/torch speed", "soc pad speed", "op",
-            "fused/gemm", "chunked4/seq", "model chunked4/seq"]
+    head = [
+        "gemm [m, k, n]",
+        "dtype",
+        "torch ms",
+        "core ms",
+        "core/torch speed",
+        "soc pad speed",
+        "op",
+        "fused/gemm",
+        "chunked4/seq",
+        "model chunked4/seq",
+    ]
     lines = [head]
     for rec in records:
         core_ms = rec.get("core_ms", {}).get("median")
-        first = [str(rec["gemm_shape"]), rec["dtype"], f"{rec['torch_ms']['median']:.3f}",
-                 f"{core_ms:.3f}" if core_ms else "-",
-                 f"{rec['core_vs_torch']:.3f}x" if "core_vs_torch" in rec else "-",
-                 f"{rec['soc_speedup']:.3f}x" if "soc_speedup" in rec else "-"]
+        first = [
+            str(rec["gemm_shape"]),
+            rec["dtype"],
+            f"{rec['torch_ms']['median']:.3f}",
+            f"{core_ms:.3f}" if core_ms else "-",
+            f"{rec['core_vs_torch']:.3f}x" if "core_vs_torch" in rec else "-",
+            f"{rec['soc_speedup']:.3f}x" if "soc_speedup" in rec else "-",
+        ]
         for i, row in enumerate(rec["ops"] or [{"op": "-"}]):
-            lines.append((first if i == 0 else [""] * len(first)) + [
-                OP_SHORT.get(row["op"], row["op"]),
-                f"{row['fused_over_gemm']:.3f}" if "fused_over_gemm" in row else "-",
-                f"{row['chunked4_over_sequential']:.3f}" if "chunked4_over_sequential" in row else "-",
-                f"{row['model_chunked4_over_sequential']:.3f}" if "model_chunked4_over_sequential" in row else "-"])
+            lines.append(
+                (first if i == 0 else [""] * len(first))
+                + [
+                    OP_SHORT.get(row["op"], row["op"]),
+                    f"{row['fused_over_gemm']:.3f}" if "fused_over_gemm" in row else "-",
+                    f"{row['chunked4_over_sequential']:.3f}" if "chunked4_over_sequential" in row else "-",
+                    f"{row['model_chunked4_over_sequential']:.3f}" if "model_chunked4_over_sequential" in row else "-",
+                ]
+            )
     widths = [max(len(r[c]) for r in lines) for c in range(len(head))]
-    out = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in lines]
+    out = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=False)) for r in lines]
     out.insert(1, "-" * len(out[0]))
     out.append("")
-    out.append("core/torch speed = t_torch / t_core (target >= 0.95 on bf16 LLaMA-70B TP8 shapes); soc pad "
-               "speed = t_torch / t_padded for shapes matmul_soc_friendly pads (k within [k_min, k_max] or n "
-               "not 128-byte aligned; '-' = already aligned); "
-               "fused/gemm = fused op at world 1 / bare GEMM (target <= 1.03); chunked4/seq = 4-way "
-               "chunked / sequential at world 1 (target <= 1.05 at M >= 4096); model chunked4/seq = MODEL: the "
-               "four quarter-row GEMMs timed bare over the whole GEMM (leaves out per-chunk host cost)")
+    out.append(
+        "core/torch speed = t_torch / t_core (target >= 0.95 on bf16 LLaMA-70B TP8 shapes); soc pad "
+        "speed = t_torch / t_padded for shapes matmul_soc_friendly pads (k within [k_min, k_max] or n "
+        "not 128-byte aligned; '-' = already aligned); "
+        "fused/gemm = fused op at world 1 / bare GEMM (target <= 1.03); chunked4/seq = 4-way "
+        "chunked / sequential at world 1 (target <= 1.05 at M >= 4096); model chunked4/seq = MODEL: the "
+        "four quarter-row GEMMs timed bare over the whole GEMM (leaves out per-chunk host cost)"
+    )
     for rec in records:
         if rec.get("soc_correct") is False:
             out.append(f"{rec['gemm_shape']} soc padding: result differs from torch linear beyond tolerance")
@@ -178,4 +211,3 @@ def single_table(records: list[dict[str, Any]]) -> str:
                 if key in row:
                     out.append(f"{rec['gemm_shape']} {row['op']} {key[:-8]}: skipped: {row[key]}")
     return "\n".join(out)
-

@@ -23,19 +23,26 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITE_DIR = os.path.join(REPO_ROOT, "configs", "bench")
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "quantized_matmul_all_reduce")
-OP_ALIASES = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce",
-              "qar": "quantized_matmul_all_reduce"}
+OP_ALIASES = {
+    "ag": "all_gather_matmul",
+    "rs": "matmul_reduce_scatter",
+    "ar": "matmul_all_reduce",
+    "qar": "quantized_matmul_all_reduce",
+}
 OP_SHORT = {v: k for k, v in OP_ALIASES.items()}
 # Which collective the op's sequential reference runs after (or before) its GEMM.
-OP_COLLECTIVE = {"all_gather_matmul": "all_gather", "matmul_reduce_scatter": "reduce_scatter",
-                 "matmul_all_reduce": "all_reduce", "quantized_matmul_all_reduce": "all_reduce"}
+OP_COLLECTIVE = {
+    "all_gather_matmul": "all_gather",
+    "matmul_reduce_scatter": "reduce_scatter",
+    "matmul_all_reduce": "all_reduce",
+    "quantized_matmul_all_reduce": "all_reduce",
+}
 DTYPES = ("fp32", "fp16", "bf16")
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 BACKENDS = ("sequential", "chunked1", "chunked2", "chunked4", "chunked8", "fused")
 DEFAULT_BACKENDS = ("sequential", "chunked2", "chunked4", "chunked8", "fused")
 
-_SUITE_KEYS = {"name", "description", "tokens", "world_sizes", "dtypes", "backends", "warmup",
-               "repeats", "layers"}
+_SUITE_KEYS = {"name", "description", "tokens", "world_sizes", "dtypes", "backends", "warmup", "repeats", "layers"}
 _LAYER_KEYS = {"name", "op", "k", "n"}
 
 
@@ -108,8 +115,12 @@ class Case:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(x_shape=list(self.x_shape), w_shape=list(self.w_shape), gemm_shape=list(self.gemm_shape),
-                 collective=self.collective)
+        d.update(
+            x_shape=list(self.x_shape),
+            w_shape=list(self.w_shape),
+            gemm_shape=list(self.gemm_shape),
+            collective=self.collective,
+        )
         return d
 
 
@@ -126,8 +137,14 @@ class Suite:
     repeats: int | None = None
     path: str = ""
 
-    def cases(self, *, ops: list[str] | None = None, tokens: list[int] | None = None,
-              world_sizes: list[int] | None = None, dtypes: list[str] | None = None) -> list[Case]:
+    def cases(
+        self,
+        *,
+        ops: list[str] | None = None,
+        tokens: list[int] | None = None,
+        world_sizes: list[int] | None = None,
+        dtypes: list[str] | None = None,
+    ) -> list[Case]:
         out = []
         for world in world_sizes or self.world_sizes:
             for dtype in dtypes or self.dtypes:
@@ -147,8 +164,11 @@ def list_suites() -> list[str]:
 def _positive_ints(value: Any, key: str, where: str) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
-    if not isinstance(value, list) or not value or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
         raise ValueError(f"{where}: {key} must be a positive integer or a non-empty list of them, got {value!r}")
     return list(value)
 
@@ -169,7 +189,7 @@ def parse_backend(name: str) -> str:
 def backend_args(name: str) -> tuple[str, int | None]:
     """Bench backend label -> (ops' ``backend=``, ``parallel_num=``)."""
     if name.startswith("chunked"):
-        return "chunked", int(name[len("chunked"):])
+        return "chunked", int(name[len("chunked") :])
     return name, None
 
 
@@ -179,8 +199,10 @@ def load_suite(name_or_path: str) -> Suite:
     if not os.path.exists(path):
         path = os.path.join(SUITE_DIR, f"{name_or_path}.yaml")
     if not os.path.exists(path):
-        raise ValueError(f"suite {name_or_path!r} not found; known suites: {', '.join(list_suites())} "
-                         f"(or give a path to a YAML file)")
+        raise ValueError(
+            f"suite {name_or_path!r} not found; known suites: {', '.join(list_suites())} "
+            f"(or give a path to a YAML file)"
+        )
     with open(path, encoding="utf-8") as f:
         raw = yaml.safe_load(f)
     where = os.path.relpath(path, REPO_ROOT) if path.startswith(REPO_ROOT) else path
@@ -212,8 +234,15 @@ def load_suite(name_or_path: str) -> Suite:
     for key in ("warmup", "repeats"):
         if key in raw and not (isinstance(raw[key], int) and raw[key] >= (0 if key == "warmup" else 1)):
             raise ValueError(f"{where}: {key} must be an integer (>= 1 for repeats), got {raw[key]!r}")
-    return Suite(name=str(raw["name"]), description=str(raw.get("description", "")),
-                 tokens=_positive_ints(raw["tokens"], "tokens", where),
-                 world_sizes=_positive_ints(raw["world_sizes"], "world_sizes", where),
-                 dtypes=list(dtypes), layers=layers, backends=backends,
-                 warmup=raw.get("warmup"), repeats=raw.get("repeats"), path=path)
+    return Suite(
+        name=str(raw["name"]),
+        description=str(raw.get("description", "")),
+        tokens=_positive_ints(raw["tokens"], "tokens", where),
+        world_sizes=_positive_ints(raw["world_sizes"], "world_sizes", where),
+        dtypes=list(dtypes),
+        layers=layers,
+        backends=backends,
+        warmup=raw.get("warmup"),
+        repeats=raw.get("repeats"),
+        path=path,
+    )

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ class Stats:
     n: int
 
     @classmethod
-    def of(cls, samples: list[float]) -> "Stats":
+    def of(cls, samples: list[float]) -> Stats:
         if not samples:
             raise ValueError("Stats.of needs at least one sample")
         s = sorted(samples)
@@ -67,7 +67,7 @@ def _quantile(sorted_samples: list[float], q: float) -> float:
 class Timer:
     """Times callables on one device for the ranks of ``group`` (None: default group or no group)."""
 
-    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None):
         self.device = device
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
@@ -100,7 +100,7 @@ class Timer:
                 fn()
                 ends[i].record()
             torch.cuda.synchronize(self.device)
-            local = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends)]
+            local = [s.elapsed_time(e) * 1e-3 for s, e in zip(starts, ends, strict=False)]
         else:
             local = []
             for _ in range(repeats):

@@ -14,8 +14,6 @@ under ``torch.compile(fullgraph=True)``: one opaque call per op in the graph.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 import torch.distributed as dist
 
@@ -23,13 +21,29 @@ from . import checks, dispatch, library, quant
 from .config import CocConfig, get_config
 from .quant import quantize_weight
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "get_config",
-           "CocConfig", "quantize_weight", "quantized_matmul_all_reduce", "check_errors"]
+__all__ = [
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "matmul_all_reduce",
+    "get_config",
+    "CocConfig",
+    "quantize_weight",
+    "quantized_matmul_all_reduce",
+    "check_errors",
+]
 
 
-def _validate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: object,
-              backend: object, parallel_num: object, flag_name: str, flag: object,
-              weight_dtypes: tuple = ()) -> int:
+def _validate(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: object,
+    backend: object,
+    parallel_num: object,
+    flag_name: str,
+    flag: object,
+    weight_dtypes: tuple = (),
+) -> int:
     checks.check_matmul_operands(x, weight, bias, weight_dtypes=weight_dtypes)
     checks.check_group(group)
     checks.check_backend(backend)
@@ -38,10 +52,16 @@ def _validate(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     return checks.group_size(group)
 
 
-def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                      group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None,
-                      parallel_num: Optional[int] = None, return_gathered: bool = False
-                      ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def all_gather_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+    return_gathered: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``y = all_gather_dim0(x) @ weight.T + bias``.
 
     Reference::
@@ -56,8 +76,9 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     world = _validate(x, weight, bias, group, backend, parallel_num, "return_gathered", return_gathered)
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num, group_name = dispatch.decide("all_gather_matmul", backend, parallel_num, x2d, weight, bias,
-                                            return_gathered, group, world)
+    name, num, group_name = dispatch.decide(
+        "all_gather_matmul", backend, parallel_num, x2d, weight, bias, return_gathered, group, world
+    )
     gathered_lead = (lead[0] * world,) + tuple(lead[1:])
     if return_gathered:
         y, x_gathered = library.all_gather_matmul_gathered(x2d, weight, bias, group_name, world, name, num)
@@ -66,10 +87,16 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return y.view(gathered_lead + (weight.shape[0],))
 
 
-def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                          *, group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None,
-                          parallel_num: Optional[int] = None, deterministic: bool = False
-                          ) -> torch.Tensor:
+def matmul_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
     """``y = reduce_scatter_dim0(x @ weight.T) + bias``; bias is added once, after the reduction.
 
     Reference::
@@ -83,19 +110,29 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     """
     world = _validate(x, weight, bias, group, backend, parallel_num, "deterministic", deterministic)
     if x.shape[0] % world != 0:
-        raise ValueError(f"matmul_reduce_scatter scatters dim 0 of x: m={x.shape[0]} (x shape "
-                         f"{tuple(x.shape)}) is not divisible by the group size W={world}")
+        raise ValueError(
+            f"matmul_reduce_scatter scatters dim 0 of x: m={x.shape[0]} (x shape "
+            f"{tuple(x.shape)}) is not divisible by the group size W={world}"
+        )
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num, group_name = dispatch.decide("matmul_reduce_scatter", backend, parallel_num, x2d, weight, bias,
-                                            deterministic, group, world)
+    name, num, group_name = dispatch.decide(
+        "matmul_reduce_scatter", backend, parallel_num, x2d, weight, bias, deterministic, group, world
+    )
     out = library.matmul_reduce_scatter(x2d, weight, bias, group_name, world, name, num, deterministic)
     return out.view((lead[0] // world,) + tuple(lead[1:]) + (weight.shape[0],))
 
 
-def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                      group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None,
-                      parallel_num: Optional[int] = None, deterministic: bool = False) -> torch.Tensor:
+def matmul_all_reduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
     """``y = all_reduce(x @ weight.T) + bias``.
 
     Reference::
@@ -109,18 +146,26 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     world = _validate(x, weight, bias, group, backend, parallel_num, "deterministic", deterministic)
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num, group_name = dispatch.decide("matmul_all_reduce", backend, parallel_num, x2d, weight, bias,
-                                            deterministic, group, world)
+    name, num, group_name = dispatch.decide(
+        "matmul_all_reduce", backend, parallel_num, x2d, weight, bias, deterministic, group, world
+    )
     out = library.matmul_all_reduce(x2d, weight, bias, group_name, world, name, num, deterministic)
     return out.view(tuple(lead) + (weight.shape[0],))
 
 
-def quantized_matmul_all_reduce(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                                bias: Optional[torch.Tensor] = None, *, group_size: Optional[int] = None,
-                                offset: Optional[torch.Tensor] = None,
-                                group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None,
-                                parallel_num: Optional[int] = None, deterministic: bool = False
-                                ) -> torch.Tensor:
+def quantized_matmul_all_reduce(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group_size: int | None = None,
+    offset: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+    deterministic: bool = False,
+) -> torch.Tensor:
     """w8A16 ``y = all_reduce(x @ dequant(qweight).T) + bias``.
 
     Reference::
@@ -135,18 +180,30 @@ def quantized_matmul_all_reduce(x: torch.Tensor, qweight: torch.Tensor, scale: t
     """
     quant.check_activation(x)
     spec = quant.quant_spec(qweight, scale, group_size, offset)
-    world = _validate(x, qweight, bias, group, backend, parallel_num, "deterministic", deterministic,
-                      weight_dtypes=(torch.int8,))
+    world = _validate(
+        x, qweight, bias, group, backend, parallel_num, "deterministic", deterministic, weight_dtypes=(torch.int8,)
+    )
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num, group_name = dispatch.decide("quantized_matmul_all_reduce", backend, parallel_num, x2d, qweight,
-                                            bias, deterministic, group, world, quant=(spec.mode, spec.group_size))
-    out = library.quantized_matmul_all_reduce(x2d, qweight, scale, bias, offset, spec.mode, spec.group_size,
-                                              group_name, world, name, num, deterministic)
+    name, num, group_name = dispatch.decide(
+        "quantized_matmul_all_reduce",
+        backend,
+        parallel_num,
+        x2d,
+        qweight,
+        bias,
+        deterministic,
+        group,
+        world,
+        quant=(spec.mode, spec.group_size),
+    )
+    out = library.quantized_matmul_all_reduce(
+        x2d, qweight, scale, bias, offset, spec.mode, spec.group_size, group_name, world, name, num, deterministic
+    )
     return out.view(tuple(lead) + (qweight.shape[0],))
 
 
-def check_errors(group: Optional[dist.ProcessGroup] = None) -> None:
+def check_errors(group: dist.ProcessGroup | None = None) -> None:
     """Raise the ``RuntimeError`` of a fused call that failed and was not reported yet.
 
     A fused call queues its kernels and returns without waiting for the device; a wait that timed

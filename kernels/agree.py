@@ -18,7 +18,7 @@ the fused path, which carries the descriptor in its own signals.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,21 @@ from .config import CocConfig
 
 DESCRIPTOR_VERSION = 1
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "quantized_matmul_all_reduce")
-FIELDS = ("version", "op", "m", "k", "n", "dtype", "bias", "return_gathered", "deterministic", "backend",
-          "parallel_num", "quant_mode", "group_size")
+FIELDS = (
+    "version",
+    "op",
+    "m",
+    "k",
+    "n",
+    "dtype",
+    "bias",
+    "return_gathered",
+    "deterministic",
+    "backend",
+    "parallel_num",
+    "quant_mode",
+    "group_size",
+)
 DESCRIPTOR_LEN = len(FIELDS)
 
 _BACKENDS = (None, "sequential", "chunked", "fused")
@@ -51,9 +64,20 @@ _MUST_AGREE = {
 Descriptor = tuple[int, ...]
 
 
-def describe_call(op: str, m: int, k: int, n: int, dtype: torch.dtype, *, bias: bool, flag: bool,
-                  backend: Optional[str] = None, parallel_num: Union[int, str, None] = None,
-                  quant_mode: Optional[str] = None, group_size: int = 0) -> Descriptor:
+def describe_call(
+    op: str,
+    m: int,
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+    *,
+    bias: bool,
+    flag: bool,
+    backend: str | None = None,
+    parallel_num: int | str | None = None,
+    quant_mode: str | None = None,
+    group_size: int = 0,
+) -> Descriptor:
     """The descriptor of one call: ``DESCRIPTOR_LEN`` ints in the order of :data:`FIELDS`.
 
     ``m`` is the row count the op sees (``m_local`` for ``all_gather_matmul``); ``flag`` is
@@ -70,15 +94,31 @@ def describe_call(op: str, m: int, k: int, n: int, dtype: torch.dtype, *, bias: 
         num = 0
     else:
         num = int(parallel_num)
-    return (DESCRIPTOR_VERSION, OPS.index(op), int(m), int(k), int(n), _DTYPES.index(dtype), int(bool(bias)),
-            int(flag) if gathers else _NOT_APPLICABLE, _NOT_APPLICABLE if gathers else int(flag),
-            _BACKENDS.index(backend), num, _QUANT_MODES.index(quant_mode), int(group_size))
+    return (
+        DESCRIPTOR_VERSION,
+        OPS.index(op),
+        int(m),
+        int(k),
+        int(n),
+        _DTYPES.index(dtype),
+        int(bool(bias)),
+        int(flag) if gathers else _NOT_APPLICABLE,
+        _NOT_APPLICABLE if gathers else int(flag),
+        _BACKENDS.index(backend),
+        num,
+        _QUANT_MODES.index(quant_mode),
+        int(group_size),
+    )
 
 
 def _shown(name: str, code: int) -> str:
     """A descriptor field as the user wrote it (dtype names, flags as bools, ``auto``)."""
-    lookup: dict[str, Sequence[object]] = {"op": OPS, "dtype": _DTYPES, "backend": _BACKENDS,
-                                           "quant_mode": _QUANT_MODES}
+    lookup: dict[str, Sequence[object]] = {
+        "op": OPS,
+        "dtype": _DTYPES,
+        "backend": _BACKENDS,
+        "quant_mode": _QUANT_MODES,
+    }
     if name in lookup:
         table = lookup[name]
         return str(table[code]) if 0 <= code < len(table) else f"<unknown code {code}>"
@@ -96,8 +136,9 @@ def _field_name(name: str, op_code: int) -> str:
     return name
 
 
-def format_mismatch(op: str, rank_a: Union[int, str], desc_a: Sequence[int], rank_b: Union[int, str],
-                    desc_b: Sequence[int]) -> Optional[str]:
+def format_mismatch(
+    op: str, rank_a: int | str, desc_a: Sequence[int], rank_b: int | str, desc_b: Sequence[int]
+) -> str | None:
     """The error message for two ranks' descriptors, or None when they agree.
 
     Only the fields the op needs equal are compared (see the module docstring); when the ops
@@ -105,8 +146,10 @@ def format_mismatch(op: str, rank_a: Union[int, str], desc_a: Sequence[int], ran
     label such as ``"1 (global 3)"``).
     """
     if len(desc_a) != DESCRIPTOR_LEN or len(desc_b) != DESCRIPTOR_LEN or desc_a[0] != desc_b[0]:
-        return (f"{op}: ranks disagree: rank {rank_a} and rank {rank_b} sent call descriptors of "
-                f"different versions ({list(desc_a)} vs {list(desc_b)}); run the same build on every rank")
+        return (
+            f"{op}: ranks disagree: rank {rank_a} and rank {rank_b} sent call descriptors of "
+            f"different versions ({list(desc_a)} vs {list(desc_b)}); run the same build on every rank"
+        )
     needed = set(FIELDS)
     for code in (desc_a[1], desc_b[1]):
         needed &= set(_MUST_AGREE[OPS[code]] if 0 <= code < len(OPS) else _COMMON)
@@ -114,15 +157,16 @@ def format_mismatch(op: str, rank_a: Union[int, str], desc_a: Sequence[int], ran
     for i, name in enumerate(FIELDS):
         if name in needed and desc_a[i] != desc_b[i]:
             shown = _field_name(name, desc_a[1])
-            parts.append(f"rank {rank_a} has {shown}={_shown(name, desc_a[i])}, "
-                         f"rank {rank_b} has {shown}={_shown(name, desc_b[i])}")
+            parts.append(
+                f"rank {rank_a} has {shown}={_shown(name, desc_a[i])}, "
+                f"rank {rank_b} has {shown}={_shown(name, desc_b[i])}"
+            )
     if not parts:
         return None
     return f"{op}: ranks disagree: " + "; ".join(parts)
 
 
-def first_mismatch(op: str, table: Sequence[Sequence[int]], labels: Optional[Sequence[str]] = None
-                   ) -> Optional[str]:
+def first_mismatch(op: str, table: Sequence[Sequence[int]], labels: Sequence[str] | None = None) -> str | None:
     """The message comparing group rank 0's descriptor with the first rank that disagrees, or None.
 
     Every rank that holds the same table gets the same message, so all of them raise alike.
@@ -135,15 +179,25 @@ def first_mismatch(op: str, table: Sequence[Sequence[int]], labels: Optional[Seq
     return None
 
 
-def _rank_labels(group: Optional[dist.ProcessGroup], world: int) -> list[str]:
+def _rank_labels(group: dist.ProcessGroup | None, world: int) -> list[str]:
     if group is None or group == dist.group.WORLD:
         return [str(r) for r in range(world)]
     return [f"{r} (global {g})" for r, g in enumerate(dist.get_process_group_ranks(group))]
 
 
-def check_call(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], flag: bool,
-               backend: Optional[str], parallel_num: Optional[int], quant: Optional[tuple[str, int]],
-               config: CocConfig, group: Optional[dist.ProcessGroup], world: int) -> None:
+def check_call(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    flag: bool,
+    backend: str | None,
+    parallel_num: int | None,
+    quant: tuple[str, int] | None,
+    config: CocConfig,
+    group: dist.ProcessGroup | None,
+    world: int,
+) -> None:
     """Compare this call's descriptor with every rank of ``group``; raise ``RuntimeError`` on all
     of them when any disagrees (``COC_CHECK=1``).
 
@@ -155,12 +209,23 @@ def check_call(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     n = weight.shape[0]
     requested = backend if backend is not None else ("fused" if config.use_fused else None)
     if requested == "sequential":
-        num: Union[int, str] = 1  # a sequential request ignores every split count
+        num: int | str = 1  # a sequential request ignores every split count
     else:
         num = parallel_num if parallel_num is not None else config.parallel_num_for(m, k, n)
     mode, group_size = quant if quant is not None else (None, 0)
-    mine = describe_call(op, m, k, n, x.dtype, bias=bias is not None, flag=flag, backend=requested,
-                         parallel_num=num, quant_mode=mode, group_size=group_size if mode == "per_group" else 0)
+    mine = describe_call(
+        op,
+        m,
+        k,
+        n,
+        x.dtype,
+        bias=bias is not None,
+        flag=flag,
+        backend=requested,
+        parallel_num=num,
+        quant_mode=mode,
+        group_size=group_size if mode == "per_group" else 0,
+    )
     # One fixed-size message on the device the op itself communicates from, so it goes through
     # the same group (gloo on CPU, NCCL on CUDA) whatever the shapes are.
     local = torch.tensor([mine], dtype=torch.int64, device=x.device)
@@ -171,5 +236,7 @@ def check_call(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if any(row != rows[0] for row in rows[1:]) and first_mismatch(op, rows) is not None:
         # Group and global ranks are looked up only for the message, off the agreeing path.
         message = first_mismatch(op, rows, _rank_labels(group, world))
-        raise RuntimeError(f"{message} (found by COC_CHECK=1 before any communication of the op; "
-                           "every rank refused the call, and the group stays usable)")
+        raise RuntimeError(
+            f"{message} (found by COC_CHECK=1 before any communication of the op; "
+            "every rank refused the call, and the group stays usable)"
+        )

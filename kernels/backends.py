@@ -7,7 +7,7 @@ of them imports another to reach the backends and there is no import cycle.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,14 +24,22 @@ def fused_module() -> Any:
     return fused
 
 
-def fused_unavailable(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
+def fused_unavailable(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
     """None when the fused kernels can run on ``group`` and ``device``, else why not."""
     return fused_module().unavailable_reason(group, device)
 
 
-def run(op: str, backend: str, parallel_num: int, x: torch.Tensor, weight: torch.Tensor,
-        bias: Optional[torch.Tensor], group: Optional[dist.ProcessGroup], world: int,
-        flag: bool) -> Any:
+def run(
+    op: str,
+    backend: str,
+    parallel_num: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    world: int,
+    flag: bool,
+) -> Any:
     """Run ``op`` on 2-D ``x``; ``flag`` is ``return_gathered`` for the all-gather op and
     ``deterministic`` for the reducing ops."""
     if backend == "fused":

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 from .config import BACKENDS, PARALLEL_NUMS
 
 
-def group_size(group: Optional[dist.ProcessGroup]) -> int:
+def group_size(group: dist.ProcessGroup | None) -> int:
     """World size of ``group``; 1 when torch.distributed is not initialized and no group is given."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1
@@ -61,11 +59,14 @@ def check_matmul_operands(x: object, weight: object, bias: object, *, weight_dty
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims [..., k], got shape {tuple(x.shape)}")
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [n, k] (torch.nn.functional.linear layout), "
-                         f"got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be 2-D [n, k] (torch.nn.functional.linear layout), got shape {tuple(weight.shape)}"
+        )
     if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"k mismatch: x has k={x.shape[-1]} (shape {tuple(x.shape)}) but weight has "
-                         f"k={weight.shape[1]} (shape {tuple(weight.shape)})")
+        raise ValueError(
+            f"k mismatch: x has k={x.shape[-1]} (shape {tuple(x.shape)}) but weight has "
+            f"k={weight.shape[1]} (shape {tuple(weight.shape)})"
+        )
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     if weight.dtype != x.dtype and weight.dtype not in weight_dtypes:
@@ -81,10 +82,15 @@ def check_matmul_operands(x: object, weight: object, bias: object, *, weight_dty
             raise TypeError(f"bias dtype {bias.dtype} does not match x dtype {x.dtype}")
         if bias.device != x.device:
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
-    needs_grad = [name for name, t in (("x", x), ("weight", weight), ("bias", bias))
-                  if isinstance(t, torch.Tensor) and t.requires_grad]
+    needs_grad = [
+        name
+        for name, t in (("x", x), ("weight", weight), ("bias", bias))
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
     if torch.is_grad_enabled() and needs_grad:
         # The collectives inside are not differentiable; returning a detached result would drop
         # gradients silently. The autopar linears wrap these ops in autograd Functions.
-        raise TypeError(f"kernels ops are forward-only and {', '.join(needs_grad)} requires grad; call them under "
-                        "torch.no_grad() or inside an autograd.Function (as autopar's linears do)")
+        raise TypeError(
+            f"kernels ops are forward-only and {', '.join(needs_grad)} requires grad; call them under "
+            "torch.no_grad() or inside an autograd.Function (as autopar's linears do)"
+        )

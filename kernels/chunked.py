@@ -22,12 +22,11 @@ which gives real overlap with the matmul in the calling thread.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 import torch.distributed as dist
 
 from . import comm, soc
+
 
 def split_rows(rows: int, parallel_num: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of up to ``parallel_num`` non-empty pieces covering ``rows``.
@@ -45,9 +44,15 @@ def split_rows(rows: int, parallel_num: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      group: Optional[dist.ProcessGroup], world: int, return_gathered: bool,
-                      parallel_num: int) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def all_gather_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    world: int,
+    return_gathered: bool,
+    parallel_num: int,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same result as ``sequential.all_gather_matmul``; gathers piece by piece, comm-first."""
     m_local, k = x.shape
     n = weight.shape[0]
@@ -66,7 +71,7 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     # Piece i holds rows [start, stop) of every rank: rank r's rows land at r * m_local + start.
     y = x.new_empty((world, m_local, n))
     x_gathered = x.new_empty((world, m_local, k)) if return_gathered else None
-    for (start, stop), buf, work in zip(pieces, bufs, works):
+    for (start, stop), buf, work in zip(pieces, bufs, works, strict=False):
         work.wait()
         y[:, start:stop] = soc.linear(buf, weight, bias).view(world, stop - start, n)
         if x_gathered is not None:
@@ -75,9 +80,15 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return (y, x_gathered.view(world * m_local, k)) if x_gathered is not None else y
 
 
-def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                          group: Optional[dist.ProcessGroup], world: int, deterministic: bool,
-                          parallel_num: int) -> torch.Tensor:
+def matmul_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    world: int,
+    deterministic: bool,
+    parallel_num: int,
+) -> torch.Tensor:
     """Same result as ``sequential.matmul_reduce_scatter``; compute-first pieces.
 
     Piece i covers rows [start, stop) of every rank's output block, so each piece is itself a
@@ -106,9 +117,15 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     return out if bias is None else out.add_(bias)
 
 
-def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      group: Optional[dist.ProcessGroup], world: int, deterministic: bool,
-                      parallel_num: int) -> torch.Tensor:
+def matmul_all_reduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    world: int,
+    deterministic: bool,
+    parallel_num: int,
+) -> torch.Tensor:
     """Same result as ``sequential.matmul_all_reduce``; compute-first pieces of rows."""
     m = x.shape[0]
     n = weight.shape[0]
@@ -125,9 +142,15 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return out if bias is None else out.add_(bias)
 
 
-def _fixed_order_all_reduce_pieces(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                   group: Optional[dist.ProcessGroup], world: int, parallel_num: int,
-                                   out: torch.Tensor) -> torch.Tensor:
+def _fixed_order_all_reduce_pieces(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    world: int,
+    parallel_num: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """Deterministic all-reduce per piece: exchange, sum in rank order, gather.
 
     Each piece's rows are zero-padded to a multiple of W (zeros keep the sums exact), exchanged

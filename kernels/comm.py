@@ -7,12 +7,11 @@ They hide the renames across torch releases (``all_gather_into_tensor`` -> ``all
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
 from .checks import group_size
+
 
 class _Done:
     """Stands for the work of a collective over one rank: there is nothing to wait for."""
@@ -21,12 +20,12 @@ class _Done:
         return True
 
 
-def _single_rank(group: Optional[dist.ProcessGroup]) -> bool:
+def _single_rank(group: dist.ProcessGroup | None) -> bool:
     # A group of one needs no communication, and works without torch.distributed initialized.
     return group_size(group) == 1
 
 
-def _local(out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Optional[_Done]:
+def _local(out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> _Done | None:
     if out.data_ptr() != inp.data_ptr():
         out.copy_(inp.view_as(out))
     return _Done() if async_op else None
@@ -36,32 +35,34 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
-               async_op: bool = False) -> Optional[dist.Work]:
+def all_gather(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+) -> dist.Work | None:
     """``out [W * r, ...] = concat over ranks of inp [r, ...]`` (rank order)."""
     if _single_rank(group):
         return _local(out, inp, async_op)
     return _all_gather_single(out, inp, group=group, async_op=async_op)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
-                   async_op: bool = False) -> Optional[dist.Work]:
+def reduce_scatter(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+) -> dist.Work | None:
     """``out [r, ...] = sum over ranks of inp [W * r, ...][rank * r : (rank + 1) * r]``."""
     if _single_rank(group):
         return _local(out, inp, async_op)
     return _reduce_scatter_single(out, inp, group=group, async_op=async_op)
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Optional[dist.ProcessGroup],
-               async_op: bool = False) -> Optional[dist.Work]:
+def all_to_all(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+) -> dist.Work | None:
     """``out[src] = inp_of_rank_src[rank]`` along dim 0, equal splits."""
     if _single_rank(group):
         return _local(out, inp, async_op)
     return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
 
 
-def all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], async_op: bool = False
-               ) -> Optional[dist.Work]:
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> dist.Work | None:
     """In-place sum over ranks."""
     if _single_rank(group):
         return _Done() if async_op else None

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import ast
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 PARALLEL_NUMS = (1, 2, 4, 8)
 BACKENDS = ("sequential", "chunked", "fused")
@@ -27,8 +28,7 @@ ENV_TUNE_CACHE = "COC_TUNE_CACHE"
 ENV_CHECK = "COC_CHECK"
 _ENV_VARS = (ENV_PARALLEL_NUM, ENV_FUSED, ENV_CONFIG, ENV_TIMEOUT, ENV_TUNE_CACHE, ENV_CHECK)
 
-DEFAULT_CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                   "configs", "coc.yaml")
+DEFAULT_CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "coc.yaml")
 
 ShapeKey = tuple[int, int, int]
 
@@ -37,7 +37,7 @@ ShapeKey = tuple[int, int, int]
 class CocConfig:
     """Resolved settings. Defaults are those of ``configs/coc.yaml`` and docs/api.md section 3."""
 
-    parallel_num: Union[int, str] = 1
+    parallel_num: int | str = 1
     use_fused: bool = False
     timeout: float = 60.0
     recompute_all_gather: bool = True
@@ -46,10 +46,10 @@ class CocConfig:
     enable_coc_in_column_backward: bool = False
     k_min: int = 1024
     k_max: int = 4096
-    tune_cache: Optional[str] = None  # JSON file of COC_PARALLEL_NUM=auto choices (kernels.tune)
+    tune_cache: str | None = None  # JSON file of COC_PARALLEL_NUM=auto choices (kernels.tune)
     check: bool = False  # COC_CHECK=1: ranks compare call descriptors before communicating (kernels.agree)
 
-    def parallel_num_for(self, m: int, k: int, n: int) -> Union[int, str]:
+    def parallel_num_for(self, m: int, k: int, n: int) -> int | str:
         """The split count for an op of shape ``[m, k, n]``: ``customized_coc`` wins over the env."""
         return self.customized_coc.get((m, k, n), self.parallel_num)
 
@@ -65,7 +65,7 @@ _YAML_KEYS: dict[str, tuple[type, ...]] = {
 }
 
 
-def _parse_parallel_num(raw: str, source: str) -> Union[int, str]:
+def _parse_parallel_num(raw: str, source: str) -> int | str:
     value = raw.strip().lower()
     if value == "auto":
         return "auto"
@@ -103,10 +103,12 @@ def parse_shape_key(key: Any) -> ShapeKey:
             parsed = ast.literal_eval(key.strip())
         except (ValueError, SyntaxError):
             parsed = None
-    if (not isinstance(parsed, (list, tuple)) or len(parsed) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in parsed)):
-        raise ValueError(f"customized_coc key {key!r} is not accepted; use '[m, k, n]' with three "
-                         "positive integers")
+    if (
+        not isinstance(parsed, (list, tuple))
+        or len(parsed) != 3
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in parsed)
+    ):
+        raise ValueError(f"customized_coc key {key!r} is not accepted; use '[m, k, n]' with three positive integers")
     return (parsed[0], parsed[1], parsed[2])
 
 
@@ -114,32 +116,35 @@ def _check_yaml(data: Any, path: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{ENV_CONFIG}={path!r}: the file must hold a mapping of coc_cfgs keys, "
-                         f"got {type(data).__name__}")
+        raise ValueError(
+            f"{ENV_CONFIG}={path!r}: the file must hold a mapping of coc_cfgs keys, got {type(data).__name__}"
+        )
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key not in _YAML_KEYS:
-            raise ValueError(f"{ENV_CONFIG}={path!r}: unknown key {key!r}; accepted keys are "
-                             f"{sorted(_YAML_KEYS)}")
+            raise ValueError(f"{ENV_CONFIG}={path!r}: unknown key {key!r}; accepted keys are {sorted(_YAML_KEYS)}")
         types = _YAML_KEYS[key]
         # bool is an int subclass: an int key given True/False is a mistake, not a number.
         if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
-            raise ValueError(f"{ENV_CONFIG}={path!r}: key {key!r} has value {value!r}; accepted: "
-                             f"{' or '.join(t.__name__ for t in types)}")
+            raise ValueError(
+                f"{ENV_CONFIG}={path!r}: key {key!r} has value {value!r}; accepted: "
+                f"{' or '.join(t.__name__ for t in types)}"
+            )
         if key == "customized_coc":
             table = {}
             for shape, num in value.items():
                 if num not in PARALLEL_NUMS or isinstance(num, bool):
-                    raise ValueError(f"{ENV_CONFIG}={path!r}: customized_coc[{shape!r}] = {num!r}; "
-                                     f"accepted parallel_num values are {PARALLEL_NUMS}")
+                    raise ValueError(
+                        f"{ENV_CONFIG}={path!r}: customized_coc[{shape!r}] = {num!r}; "
+                        f"accepted parallel_num values are {PARALLEL_NUMS}"
+                    )
                 try:
                     table[parse_shape_key(shape)] = num
                 except ValueError as e:
                     raise ValueError(f"{ENV_CONFIG}={path!r}: {e}") from None
             value = table
         elif key in ("k_min", "k_max") and value < 1:
-            raise ValueError(f"{ENV_CONFIG}={path!r}: key {key!r} has value {value!r}; accepted: "
-                             "an integer >= 1")
+            raise ValueError(f"{ENV_CONFIG}={path!r}: key {key!r} has value {value!r}; accepted: an integer >= 1")
         out[key] = value
     return out
 
@@ -151,8 +156,9 @@ def _load_yaml(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             return _check_yaml(yaml.safe_load(f), path)
     except OSError as e:
-        raise ValueError(f"{ENV_CONFIG}={path!r} cannot be read ({e.strerror}); "
-                         "accepted: the path of a readable YAML file") from None
+        raise ValueError(
+            f"{ENV_CONFIG}={path!r} cannot be read ({e.strerror}); accepted: the path of a readable YAML file"
+        ) from None
     except yaml.YAMLError as e:
         raise ValueError(f"{ENV_CONFIG}={path!r} is not valid YAML: {e}") from None
 
@@ -160,8 +166,10 @@ def _load_yaml(path: str) -> dict[str, Any]:
 def _parse_tune_cache(raw: str) -> str:
     path = os.path.abspath(os.path.expanduser(raw))
     if os.path.isdir(path) or not os.path.isdir(os.path.dirname(path)):
-        raise ValueError(f"{ENV_TUNE_CACHE}={raw!r} is not accepted; use the path of a JSON file "
-                         "(it may not exist yet) in an existing directory")
+        raise ValueError(
+            f"{ENV_TUNE_CACHE}={raw!r} is not accepted; use the path of a JSON file "
+            "(it may not exist yet) in an existing directory"
+        )
     return path
 
 
@@ -176,8 +184,9 @@ def build_config(env: Mapping[str, str]) -> CocConfig:
     k_min = values.get("k_min", CocConfig.k_min)
     k_max = values.get("k_max", CocConfig.k_max)
     if k_min > k_max:
-        raise ValueError(f"{ENV_CONFIG}={path!r}: k_min={k_min} is greater than k_max={k_max}; "
-                         "accepted: k_min <= k_max")
+        raise ValueError(
+            f"{ENV_CONFIG}={path!r}: k_min={k_min} is greater than k_max={k_max}; accepted: k_min <= k_max"
+        )
     if env.get(ENV_PARALLEL_NUM) is not None:
         values["parallel_num"] = _parse_parallel_num(env[ENV_PARALLEL_NUM], ENV_PARALLEL_NUM)
     if env.get(ENV_FUSED) is not None:
@@ -206,7 +215,7 @@ def _raw_env_values() -> tuple:
     return tuple(_ENV_DATA.get(key) for key in _ENV_KEYS)
 
 
-def _decode(value: Any) -> Optional[str]:
+def _decode(value: Any) -> str | None:
     return value if value is None or isinstance(value, str) else os.environ.decodevalue(value)
 
 
@@ -222,7 +231,7 @@ def get_config() -> CocConfig:
     config = _cache.get(key)
     if config is None:
         env_values = tuple(_decode(v) for v in raw)
-        config = build_config({n: v for n, v in zip(_ENV_VARS, env_values) if v is not None})
+        config = build_config({n: v for n, v in zip(_ENV_VARS, env_values, strict=False) if v is not None})
         if len(_cache) > 64:
             _cache.clear()
         _cache[key] = config

@@ -18,7 +18,6 @@ with static shapes).
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,8 +34,12 @@ def _warn_fallback(op: str, reason: str) -> None:
     if reason in _warned:
         return
     _warned.add(reason)
-    warnings.warn(f"{op}: the fused backend cannot run here ({reason}); using the chunked path "
-                  "instead (this warning is shown once per reason)", RuntimeWarning, stacklevel=5)
+    warnings.warn(
+        f"{op}: the fused backend cannot run here ({reason}); using the chunked path "
+        "instead (this warning is shown once per reason)",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -46,7 +49,7 @@ def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
 
 
 @torch.compiler.assume_constant_result
-def shape_keys(backend: Optional[str], parallel_num: Optional[int]) -> Union[None, str, tuple]:
+def shape_keys(backend: str | None, parallel_num: int | None) -> None | str | tuple:
     """What of the op's shape the choice depends on in the current environment: ``None``, nothing;
     ``"exact"``, the shape itself (``COC_CHECK=1`` compares it, ``auto`` tunes for it); else the
     ``customized_coc`` keys, of which only the one the shape equals (if any) matters."""
@@ -72,15 +75,39 @@ def _matching_key(keys: tuple, m: int, k: int, n: int) -> tuple[int, int, int]:
 
 
 @torch.compiler.assume_constant_result
-def _decide(op: str, backend: Optional[str], parallel_num: Optional[int], m: int, k: int, n: int,
-            dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device, has_bias: bool, flag: bool,
-            quant: Optional[tuple[str, int]], group_name: str, world: int) -> tuple[str, int]:
+def _decide(
+    op: str,
+    backend: str | None,
+    parallel_num: int | None,
+    m: int,
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    device: torch.device,
+    has_bias: bool,
+    flag: bool,
+    quant: tuple[str, int] | None,
+    group_name: str,
+    world: int,
+) -> tuple[str, int]:
     config = get_config()
     group = library.resolve_group(group_name)
     if config.check and world > 1:
         bias = _stand_in((n,), dtype, device) if has_bias else None
-        agree.check_call(op, _stand_in((m, k), dtype, device), _stand_in((n, k), weight_dtype, device), bias,
-                         flag, backend, parallel_num, quant, config, group, world)
+        agree.check_call(
+            op,
+            _stand_in((m, k), dtype, device),
+            _stand_in((n, k), weight_dtype, device),
+            bias,
+            flag,
+            backend,
+            parallel_num,
+            quant,
+            config,
+            group,
+            world,
+        )
     if backend == "sequential":
         return backend, 1
     if backend is None and config.use_fused:
@@ -91,12 +118,18 @@ def _decide(op: str, backend: Optional[str], parallel_num: Optional[int], m: int
             return backend, 1
         _warn_fallback(op, reason)
         backend = "chunked"
-    num: Union[int, str] = parallel_num if parallel_num is not None else config.parallel_num_for(m, k, n)
+    num: int | str = parallel_num if parallel_num is not None else config.parallel_num_for(m, k, n)
     if num == "auto":
         # Fused is a candidate only when nothing forced a backend (an unavailable fused request
         # has become "chunked" above).
-        num = choose_parallel_num(op, _stand_in((m, k), dtype, device), _stand_in((n, k), weight_dtype, device),
-                                  group, world, allow_fused=backend is None)
+        num = choose_parallel_num(
+            op,
+            _stand_in((m, k), dtype, device),
+            _stand_in((n, k), weight_dtype, device),
+            group,
+            world,
+            allow_fused=backend is None,
+        )
         if num == "fused":
             return "fused", 1
     assert isinstance(num, int)
@@ -105,9 +138,18 @@ def _decide(op: str, backend: Optional[str], parallel_num: Optional[int], m: int
     return backend, num
 
 
-def decide(op: str, backend: Optional[str], parallel_num: Optional[int], x: torch.Tensor, weight: torch.Tensor,
-           bias: Optional[torch.Tensor], flag: bool, group: Optional[dist.ProcessGroup], world: int,
-           quant: Optional[tuple[str, int]] = None) -> tuple[str, int, str]:
+def decide(
+    op: str,
+    backend: str | None,
+    parallel_num: int | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    flag: bool,
+    group: dist.ProcessGroup | None,
+    world: int,
+    quant: tuple[str, int] | None = None,
+) -> tuple[str, int, str]:
     """``(backend, parallel_num, group name)`` for a call of ``op`` on 2-D ``x``."""
     name = library.group_name(group)
     # _decide and shape_keys are assume_constant_result: while tracing, dynamo calls them with the
@@ -121,15 +163,25 @@ def decide(op: str, backend: Optional[str], parallel_num: Optional[int], x: torc
             m = k = n = 0
         elif keys != "exact":
             m, k, n = _matching_key(keys, m, k, n)
-    chosen, num = _decide(op, backend, parallel_num, m, k, n, x.dtype, weight.dtype, x.device, bias is not None,
-                          flag, quant, name, world)
+    chosen, num = _decide(
+        op, backend, parallel_num, m, k, n, x.dtype, weight.dtype, x.device, bias is not None, flag, quant, name, world
+    )
     return chosen, num, name
 
 
-def resolve(op: str, backend: Optional[str], parallel_num: Optional[int], x: torch.Tensor,
-            weight: torch.Tensor, group: Optional[dist.ProcessGroup], world: int, *,
-            bias: Optional[torch.Tensor] = None, flag: bool = False,
-            quant: Optional[tuple[str, int]] = None) -> tuple[str, int]:
+def resolve(
+    op: str,
+    backend: str | None,
+    parallel_num: int | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    world: int,
+    *,
+    bias: torch.Tensor | None = None,
+    flag: bool = False,
+    quant: tuple[str, int] | None = None,
+) -> tuple[str, int]:
     """``(backend, parallel_num)`` to run ``op`` with; ``x`` is the 2-D input as the op sees it.
 
     Under ``COC_CHECK=1`` the ranks first compare their calls (``kernels.agree``; ``bias``,
@@ -138,4 +190,3 @@ def resolve(op: str, backend: Optional[str], parallel_num: Optional[int], x: tor
     """
     chosen, num, _ = decide(op, backend, parallel_num, x, weight, bias, flag, group, world, quant)
     return chosen, num
-

@@ -35,7 +35,7 @@ a ``torch.library.custom_op`` would add about 8 µs, which is why the schema is 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,11 +49,13 @@ _LIB.define(f"all_gather_matmul(Tensor x, Tensor weight, Tensor? bias, {_COMM}) 
 _LIB.define(f"all_gather_matmul_gathered(Tensor x, Tensor weight, Tensor? bias, {_COMM}) -> (Tensor, Tensor)")
 _LIB.define(f"matmul_reduce_scatter(Tensor x, Tensor weight, Tensor? bias, {_COMM}, bool deterministic) -> Tensor")
 _LIB.define(f"matmul_all_reduce(Tensor x, Tensor weight, Tensor? bias, {_COMM}, bool deterministic) -> Tensor")
-_LIB.define("quantized_matmul_all_reduce(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, Tensor? offset, "
-            f"str quant_mode, int group_size, {_COMM}, bool deterministic) -> Tensor")
+_LIB.define(
+    "quantized_matmul_all_reduce(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, Tensor? offset, "
+    f"str quant_mode, int group_size, {_COMM}, bool deterministic) -> Tensor"
+)
 
 
-def group_name(group: Optional[dist.ProcessGroup]) -> str:
+def group_name(group: dist.ProcessGroup | None) -> str:
     """The name an op resolves ``group`` by; ``""`` for no group without torch.distributed."""
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -62,24 +64,39 @@ def group_name(group: Optional[dist.ProcessGroup]) -> str:
     return group.group_name
 
 
-def resolve_group(name: str) -> Optional[dist.ProcessGroup]:
+def resolve_group(name: str) -> dist.ProcessGroup | None:
     """The process group an op was given by name (``None`` for ``""``)."""
     if not name:
         return None
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-def _all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                       world: int, backend: str, parallel_num: int) -> torch.Tensor:
-    return backends.run("all_gather_matmul", backend, parallel_num, x, weight, bias, resolve_group(group_name),
-                        world, False)
+def _all_gather_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+) -> torch.Tensor:
+    return backends.run(
+        "all_gather_matmul", backend, parallel_num, x, weight, bias, resolve_group(group_name), world, False
+    )
 
 
-def _all_gather_matmul_gathered(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                group_name: str, world: int, backend: str, parallel_num: int
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    y, x_gathered = backends.run("all_gather_matmul", backend, parallel_num, x, weight, bias,
-                                 resolve_group(group_name), world, True)
+def _all_gather_matmul_gathered(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, x_gathered = backends.run(
+        "all_gather_matmul", backend, parallel_num, x, weight, bias, resolve_group(group_name), world, True
+    )
     if x_gathered.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
         # A group of one gathers nothing and the sequential path returns x itself; an operator's
         # output must not alias its input (autograd and compile assume fresh outputs).
@@ -87,26 +104,55 @@ def _all_gather_matmul_gathered(x: torch.Tensor, weight: torch.Tensor, bias: Opt
     return y, x_gathered
 
 
-def _matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                           world: int, backend: str, parallel_num: int, deterministic: bool) -> torch.Tensor:
-    return backends.run("matmul_reduce_scatter", backend, parallel_num, x, weight, bias, resolve_group(group_name),
-                        world, deterministic)
+def _matmul_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+    deterministic: bool,
+) -> torch.Tensor:
+    return backends.run(
+        "matmul_reduce_scatter", backend, parallel_num, x, weight, bias, resolve_group(group_name), world, deterministic
+    )
 
 
-def _matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                       world: int, backend: str, parallel_num: int, deterministic: bool) -> torch.Tensor:
-    return backends.run("matmul_all_reduce", backend, parallel_num, x, weight, bias, resolve_group(group_name),
-                        world, deterministic)
+def _matmul_all_reduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+    deterministic: bool,
+) -> torch.Tensor:
+    return backends.run(
+        "matmul_all_reduce", backend, parallel_num, x, weight, bias, resolve_group(group_name), world, deterministic
+    )
 
 
-def _quantized_matmul_all_reduce(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                                 bias: Optional[torch.Tensor], offset: Optional[torch.Tensor], quant_mode: str,
-                                 group_size: int, group_name: str, world: int, backend: str, parallel_num: int,
-                                 deterministic: bool) -> torch.Tensor:
+def _quantized_matmul_all_reduce(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    quant_mode: str,
+    group_size: int,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+    deterministic: bool,
+) -> torch.Tensor:
     groups = scale.shape[1] if quant_mode == "per_group" else 1
     spec = quant.QuantSpec(quant_mode, group_size, groups)
-    return quant.matmul_all_reduce(x, qweight, scale, bias, spec, offset, resolve_group(group_name), world,
-                                   deterministic, backend, parallel_num)
+    return quant.matmul_all_reduce(
+        x, qweight, scale, bias, spec, offset, resolve_group(group_name), world, deterministic, backend, parallel_num
+    )
 
 
 _IMPLS = {
@@ -121,36 +167,74 @@ for _name, _impl in _IMPLS.items():
 
 
 @torch.library.register_fake("coc::all_gather_matmul", lib=_LIB)
-def _all_gather_matmul_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                            world: int, backend: str, parallel_num: int) -> torch.Tensor:
+def _all_gather_matmul_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+) -> torch.Tensor:
     return x.new_empty((world * x.shape[0], weight.shape[0]))
 
 
 @torch.library.register_fake("coc::all_gather_matmul_gathered", lib=_LIB)
-def _all_gather_matmul_gathered_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                     group_name: str, world: int, backend: str, parallel_num: int
-                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def _all_gather_matmul_gathered_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.new_empty((world * x.shape[0], weight.shape[0])), x.new_empty((world * x.shape[0], x.shape[1])))
 
 
 @torch.library.register_fake("coc::matmul_reduce_scatter", lib=_LIB)
-def _matmul_reduce_scatter_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                group_name: str, world: int, backend: str, parallel_num: int,
-                                deterministic: bool) -> torch.Tensor:
+def _matmul_reduce_scatter_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+    deterministic: bool,
+) -> torch.Tensor:
     return x.new_empty((x.shape[0] // world, weight.shape[0]))
 
 
 @torch.library.register_fake("coc::matmul_all_reduce", lib=_LIB)
-def _matmul_all_reduce_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group_name: str,
-                            world: int, backend: str, parallel_num: int, deterministic: bool) -> torch.Tensor:
+def _matmul_all_reduce_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+    deterministic: bool,
+) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.register_fake("coc::quantized_matmul_all_reduce", lib=_LIB)
-def _quantized_matmul_all_reduce_fake(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                                      bias: Optional[torch.Tensor], offset: Optional[torch.Tensor], quant_mode: str,
-                                      group_size: int, group_name: str, world: int, backend: str,
-                                      parallel_num: int, deterministic: bool) -> torch.Tensor:
+def _quantized_matmul_all_reduce_fake(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    offset: torch.Tensor | None,
+    quant_mode: str,
+    group_size: int,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+    deterministic: bool,
+) -> torch.Tensor:
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
@@ -161,8 +245,17 @@ matmul_all_reduce = torch.ops.coc.matmul_all_reduce.default
 quantized_matmul_all_reduce = torch.ops.coc.quantized_matmul_all_reduce.default
 
 
-def call(op: str, backend: str, parallel_num: int, x: torch.Tensor, weight: torch.Tensor,
-         bias: Optional[torch.Tensor], group_name: str, world: int, flag: bool) -> Any:
+def call(
+    op: str,
+    backend: str,
+    parallel_num: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    world: int,
+    flag: bool,
+) -> Any:
     """Call ``op``'s operator on 2-D ``x``; ``flag`` is ``return_gathered`` for the all-gather op
     and ``deterministic`` for the reducing ops."""
     if op == "all_gather_matmul":

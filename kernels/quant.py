@@ -22,7 +22,6 @@ the Triton GEMM main loop (``kernels/fused/gemm_ar_w8a16.py``), never materializ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -46,8 +45,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def quantize_weight(weight: torch.Tensor, mode: str = "per_channel", group_size: Optional[int] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    weight: torch.Tensor, mode: str = "per_channel", group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 quantization of ``weight [n, k]``: ``(qweight int8 [n, k], scale)``.
 
     Reference::
@@ -73,8 +73,7 @@ def quantize_weight(weight: torch.Tensor, mode: str = "per_channel", group_size:
     if mode == "per_group":
         _check_group_size_value(group_size)
     elif group_size is not None:
-        raise ValueError(f"group_size={group_size!r} is only meaningful with mode='per_group', "
-                         f"got mode={mode!r}")
+        raise ValueError(f"group_size={group_size!r} is only meaningful with mode='per_group', got mode={mode!r}")
     w = weight.detach().float()
     if mode == "per_tensor":
         amax = w.abs().amax()
@@ -103,12 +102,12 @@ def quantize_weight(weight: torch.Tensor, mode: str = "per_channel", group_size:
 
 def _check_group_size_value(group_size: object) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size={group_size!r} is not accepted; per_group quantization needs "
-                         "a positive integer group_size")
+        raise ValueError(
+            f"group_size={group_size!r} is not accepted; per_group quantization needs a positive integer group_size"
+        )
 
 
-def quant_spec(qweight: torch.Tensor, scale: object, group_size: Optional[int],
-               offset: object) -> QuantSpec:
+def quant_spec(qweight: torch.Tensor, scale: object, group_size: int | None, offset: object) -> QuantSpec:
     """Check ``qweight``/``scale``/``offset``/``group_size`` together and name the layout."""
     if not isinstance(qweight, torch.Tensor):
         raise TypeError(f"qweight must be a torch.Tensor, got {type(qweight).__name__}")
@@ -131,21 +130,29 @@ def quant_spec(qweight: torch.Tensor, scale: object, group_size: Optional[int],
         groups = scale.shape[1]
         if group_size is None:
             if k % groups != 0:
-                raise ValueError(f"group_size=None cannot be inferred: k={k} is not divisible by the "
-                                 f"{groups} groups of scale {tuple(scale.shape)}; pass the group_size "
-                                 "used to quantize")
+                raise ValueError(
+                    f"group_size=None cannot be inferred: k={k} is not divisible by the "
+                    f"{groups} groups of scale {tuple(scale.shape)}; pass the group_size "
+                    "used to quantize"
+                )
             group_size = k // groups
         _check_group_size_value(group_size)
         if _ceil_div(k, group_size) != groups:
-            raise ValueError(f"group_size={group_size} does not match scale shape {tuple(scale.shape)}: "
-                             f"k={k} needs ceil({k} / {group_size}) = {_ceil_div(k, group_size)} groups")
+            raise ValueError(
+                f"group_size={group_size} does not match scale shape {tuple(scale.shape)}: "
+                f"k={k} needs ceil({k} / {group_size}) = {_ceil_div(k, group_size)} groups"
+            )
         spec = QuantSpec("per_group", group_size, groups)
     else:
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not fit qweight [n={n}, k={k}]; accepted: "
-                         f"[] (per_tensor), [{n}] (per_channel), [{n}, G] (per_group)")
+        raise ValueError(
+            f"scale shape {tuple(scale.shape)} does not fit qweight [n={n}, k={k}]; accepted: "
+            f"[] (per_tensor), [{n}] (per_channel), [{n}, G] (per_group)"
+        )
     if spec.mode != "per_group" and group_size is not None:
-        raise ValueError(f"group_size={group_size!r} needs a per_group scale [n, G], got scale shape "
-                         f"{tuple(scale.shape)} ({spec.mode})")
+        raise ValueError(
+            f"group_size={group_size!r} needs a per_group scale [n, G], got scale shape "
+            f"{tuple(scale.shape)} ({spec.mode})"
+        )
     if offset is not None:
         if not isinstance(offset, torch.Tensor):
             raise TypeError(f"offset must be a torch.Tensor or None, got {type(offset).__name__}")
@@ -167,8 +174,13 @@ def _expand(t: torch.Tensor, spec: QuantSpec, k: int) -> torch.Tensor:
     return t.repeat_interleave(spec.group_size, dim=1)[:, :k]
 
 
-def dequantize(qweight: torch.Tensor, scale: torch.Tensor, group_size: Optional[int] = None,
-               offset: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def dequantize(
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    group_size: int | None = None,
+    offset: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``(qweight - offset) * scale`` in fp32, rounded to ``dtype`` (default ``scale.dtype``)."""
     spec = quant_spec(qweight, scale, group_size, offset)
     k = qweight.shape[1]
@@ -185,14 +197,22 @@ def check_activation(x: torch.Tensor) -> None:
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if x.device.type == "cpu" else ())
     if x.dtype not in allowed:
-        raise TypeError(f"x dtype {x.dtype} is not accepted on {x.device.type}; use one of "
-                        f"{[str(d) for d in allowed]}")
+        raise TypeError(f"x dtype {x.dtype} is not accepted on {x.device.type}; use one of {[str(d) for d in allowed]}")
 
 
-def matmul_all_reduce(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                      bias: Optional[torch.Tensor], spec: QuantSpec, offset: Optional[torch.Tensor],
-                      group: Optional[dist.ProcessGroup], world: int, deterministic: bool,
-                      backend: str, parallel_num: int) -> torch.Tensor:
+def matmul_all_reduce(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    spec: QuantSpec,
+    offset: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    world: int,
+    deterministic: bool,
+    backend: str,
+    parallel_num: int,
+) -> torch.Tensor:
     """Run the w8A16 op on 2-D ``x`` with a resolved backend.
 
     Reference::
@@ -203,10 +223,8 @@ def matmul_all_reduce(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tenso
     if backend == "fused":
         from .fused.gemm_ar_w8a16 import matmul_all_reduce_w8a16
 
-        return matmul_all_reduce_w8a16(x, qweight, scale, offset, spec.group_size, bias, group,
-                                       deterministic)
-    weight = dequantize(qweight, scale, spec.group_size if spec.mode == "per_group" else None,
-                        offset, x.dtype)
+        return matmul_all_reduce_w8a16(x, qweight, scale, offset, spec.group_size, bias, group, deterministic)
+    weight = dequantize(qweight, scale, spec.group_size if spec.mode == "per_group" else None, offset, x.dtype)
     if backend == "chunked":
         return chunked.matmul_all_reduce(x, weight, bias, group, world, deterministic, parallel_num)
     return sequential.matmul_all_reduce(x, weight, bias, group, world, deterministic)

@@ -6,21 +6,24 @@ Every other backend is tested against these, and every benchmark divides by them
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 import torch.distributed as dist
 
 from . import comm, soc
 
 
-def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      group: Optional[dist.ProcessGroup], world: int, return_gathered: bool
-                      ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def all_gather_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    world: int,
+    return_gathered: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference::
 
-        x_gathered = all_gather_dim0(x)              # [W * m_local, k]
-        y = x_gathered @ weight.T + bias             # [W * m_local, n]
+    x_gathered = all_gather_dim0(x)              # [W * m_local, k]
+    y = x_gathered @ weight.T + bias             # [W * m_local, n]
     """
     if world == 1:
         x_gathered = x
@@ -31,13 +34,18 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return (y, x_gathered) if return_gathered else y
 
 
-def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                          group: Optional[dist.ProcessGroup], world: int, deterministic: bool
-                          ) -> torch.Tensor:
+def matmul_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    world: int,
+    deterministic: bool,
+) -> torch.Tensor:
     """Reference::
 
-        partial = x @ weight.T                       # [m, n] on every rank
-        y = reduce_scatter_dim0(partial) + bias      # [m / W, n]; rank order sum if deterministic
+    partial = x @ weight.T                       # [m, n] on every rank
+    y = reduce_scatter_dim0(partial) + bias      # [m / W, n]; rank order sum if deterministic
     """
     partial = soc.linear(x, weight)
     if world > 1:
@@ -53,8 +61,7 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     return partial if bias is None else partial.add_(bias)
 
 
-def fixed_order_all_reduce(partial: torch.Tensor, group: Optional[dist.ProcessGroup], world: int
-                           ) -> torch.Tensor:
+def fixed_order_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> torch.Tensor:
     """All-reduce summing in rank order, so all ranks hold the same bits (any row count).
 
     Rows are padded with zeros to a multiple of W, exchanged all-to-all, each rank sums its block
@@ -71,13 +78,18 @@ def fixed_order_all_reduce(partial: torch.Tensor, group: Optional[dist.ProcessGr
     return gathered[:m]
 
 
-def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      group: Optional[dist.ProcessGroup], world: int, deterministic: bool
-                      ) -> torch.Tensor:
+def matmul_all_reduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    world: int,
+    deterministic: bool,
+) -> torch.Tensor:
     """Reference::
 
-        partial = x @ weight.T                       # [m, n] on every rank
-        y = all_reduce(partial) + bias               # [m, n]; rank order sum if deterministic
+    partial = x @ weight.T                       # [m, n] on every rank
+    y = all_reduce(partial) + bias               # [m, n]; rank order sum if deterministic
     """
     partial = soc.linear(x, weight)
     if world > 1:

@@ -15,8 +15,6 @@ the benchmark's before/after comparison).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -46,8 +44,14 @@ def _enabled(x: torch.Tensor, force: bool) -> bool:
     return force or (x.is_cuda and get_config().matmul_soc_friendly)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-           out: Optional[torch.Tensor] = None, force: bool = False) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    force: bool = False,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [..., k]``, ``weight [n, k]``, with padded operands.
 
     Reference::

@@ -30,7 +30,8 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from . import backends, library
 from .config import ENV_TUNE_CACHE, PARALLEL_NUMS, get_config
 
-Choice = Union[int, str]
+Choice = int | str
 
 TUNE_REPS = 3
 CACHE_VERSION = 1
@@ -53,14 +54,15 @@ _memory: dict[tuple[str, tuple[int, ...]], Choice] = {}
 _file_cache: dict[tuple[str, int], dict[str, Choice]] = {}
 
 
-def tuning_key(op: str, m: int, k: int, n: int, dtype: torch.dtype, world: int, device_type: str,
-               allow_fused: bool) -> str:
+def tuning_key(
+    op: str, m: int, k: int, n: int, dtype: torch.dtype, world: int, device_type: str, allow_fused: bool
+) -> str:
     """The cache key: one line of text, readable in the JSON file."""
     candidates = "fused+chunked" if allow_fused else "chunked"
     return f"{op} m={m} k={k} n={n} {str(dtype).replace('torch.', '')} W={world} {device_type} {candidates}"
 
 
-def memory_key(key: str, group: Optional[dist.ProcessGroup], world: int) -> tuple[str, tuple[int, ...]]:
+def memory_key(key: str, group: dist.ProcessGroup | None, world: int) -> tuple[str, tuple[int, ...]]:
     """The in-memory cache key of ``key`` on ``group``: the choice is agreed per group, not per size."""
     if world == 1:
         return key, ()
@@ -76,8 +78,10 @@ def clear_memory_cache() -> None:
 def _check_choice(value: Any, where: str) -> Choice:
     if value == _FUSED or (value in PARALLEL_NUMS and not isinstance(value, bool)):
         return value
-    raise ValueError(f"{where}: choice {value!r} is not accepted; a cache entry must be one of "
-                     f"{PARALLEL_NUMS} or {_FUSED!r} (delete the entry or the file to re-tune)")
+    raise ValueError(
+        f"{where}: choice {value!r} is not accepted; a cache entry must be one of "
+        f"{PARALLEL_NUMS} or {_FUSED!r} (delete the entry or the file to re-tune)"
+    )
 
 
 def read_cache_file(path: str) -> dict[str, Choice]:
@@ -93,14 +97,15 @@ def read_cache_file(path: str) -> dict[str, Choice]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{ENV_TUNE_CACHE}={path!r} cannot be read as a tuning cache ({e}); fix or "
-                         "delete the file") from None
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(
-            data.get("entries"), dict):
-        raise ValueError(f"{ENV_TUNE_CACHE}={path!r} is not a version-{CACHE_VERSION} tuning cache "
-                         "({'version': 1, 'entries': {key: choice}}); fix or delete the file")
-    entries = {str(k): _check_choice(v, f"{ENV_TUNE_CACHE}={path!r} entry {k!r}")
-               for k, v in data["entries"].items()}
+        raise ValueError(
+            f"{ENV_TUNE_CACHE}={path!r} cannot be read as a tuning cache ({e}); fix or delete the file"
+        ) from None
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
+        raise ValueError(
+            f"{ENV_TUNE_CACHE}={path!r} is not a version-{CACHE_VERSION} tuning cache "
+            "({'version': 1, 'entries': {key: choice}}); fix or delete the file"
+        )
+    entries = {str(k): _check_choice(v, f"{ENV_TUNE_CACHE}={path!r} entry {k!r}") for k, v in data["entries"].items()}
     _file_cache[(path, mtime)] = entries
     return entries
 
@@ -125,27 +130,27 @@ def write_cache_entry(path: str, key: str, choice: Choice) -> None:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _encode(choice: Optional[Choice]) -> int:
+def _encode(choice: Choice | None) -> int:
     if choice is None:
         return 0
     return 9 if choice == _FUSED else int(choice)
 
 
-def _decode(code: int) -> Optional[Choice]:
+def _decode(code: int) -> Choice | None:
     if code == 0:
         return None
     return _FUSED if code == 9 else code
 
 
-def _group_rank(group: Optional[dist.ProcessGroup]) -> int:
+def _group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def _src_global_rank(group: Optional[dist.ProcessGroup]) -> int:
+def _src_global_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
-def _fused_available(group: Optional[dist.ProcessGroup], device: torch.device, world: int) -> bool:
+def _fused_available(group: dist.ProcessGroup | None, device: torch.device, world: int) -> bool:
     try:
         ok = backends.fused_unavailable(group, device) is None
     except (NotImplementedError, ImportError, AttributeError):
@@ -158,8 +163,9 @@ def _fused_available(group: Optional[dist.ProcessGroup], device: torch.device, w
     return ok
 
 
-def _runner(op: str, x: torch.Tensor, weight: torch.Tensor, group: Optional[dist.ProcessGroup],
-            world: int) -> Callable[[str, int], Any]:
+def _runner(
+    op: str, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None, world: int
+) -> Callable[[str, int], Any]:
     # Random operands of the call's shapes: the caller may pass stand-ins without memory (a
     # compiled call decides while tracing, on fake tensors), and the timing does not depend on
     # the values. The same seed on every rank keeps the operands, and so the work, identical.
@@ -170,13 +176,13 @@ def _runner(op: str, x: torch.Tensor, weight: torch.Tensor, group: Optional[dist
         qweight = torch.randint(-127, 128, tuple(weight.shape), dtype=torch.int8, device=x.device, generator=gen)
         scale = torch.ones(weight.shape[0], dtype=x.dtype, device=x.device)
         return lambda backend, num: library.quantized_matmul_all_reduce(
-            x, qweight, scale, None, None, "per_channel", qweight.shape[1], name, world, backend, num, False)
+            x, qweight, scale, None, None, "per_channel", qweight.shape[1], name, world, backend, num, False
+        )
     weight = torch.randn(tuple(weight.shape), dtype=x.dtype, device=x.device, generator=gen)
     return lambda backend, num: library.call(op, backend, num, x, weight, None, name, world, False)
 
 
-def _time(fn: Callable[[], Any], device: torch.device, group: Optional[dist.ProcessGroup],
-          world: int) -> float:
+def _time(fn: Callable[[], Any], device: torch.device, group: dist.ProcessGroup | None, world: int) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()  # warm-up: first-call costs (allocations, kernel compilation) are not the op's speed
     sync()
@@ -193,8 +199,14 @@ def _time(fn: Callable[[], Any], device: torch.device, group: Optional[dist.Proc
     return statistics.median(samples)
 
 
-def _measure(op: str, x: torch.Tensor, weight: torch.Tensor, group: Optional[dist.ProcessGroup],
-             world: int, candidates: list[Choice]) -> tuple[Choice, list[float]]:
+def _measure(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    world: int,
+    candidates: list[Choice],
+) -> tuple[Choice, list[float]]:
     run = _runner(op, x, weight, group, world)
     times = []
     with torch.no_grad():
@@ -212,27 +224,33 @@ def _measure(op: str, x: torch.Tensor, weight: torch.Tensor, group: Optional[dis
     return candidates[best], agreed
 
 
-def choose_parallel_num(op: str, x: torch.Tensor, weight: torch.Tensor,
-                        group: Optional[dist.ProcessGroup], world: int, allow_fused: bool = True
-                        ) -> Choice:
+def choose_parallel_num(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    world: int,
+    allow_fused: bool = True,
+) -> Choice:
     """The agreed split count (1, 2, 4, 8) or ``"fused"`` for this op shape; tunes on first use.
 
     Collective on the first call of a key (every rank of ``group`` must call it, as they do
     for the ops themselves); free afterwards.
     """
-    key = tuning_key(op, x.shape[0], x.shape[1], weight.shape[0], x.dtype, world, x.device.type,
-                     allow_fused)
+    key = tuning_key(op, x.shape[0], x.shape[1], weight.shape[0], x.dtype, world, x.device.type, allow_fused)
     mem_key = memory_key(key, group, world)
     choice = _memory.get(mem_key)
     if choice is not None:
         return choice
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         # Tuning communicates, times on the host and synchronizes: none of it can be captured.
-        raise RuntimeError(f"COC_PARALLEL_NUM=auto: the first call of {key!r} is inside CUDA graph capture; "
-                           "run the op once (a warm-up step) before capturing, so its split count is chosen")
+        raise RuntimeError(
+            f"COC_PARALLEL_NUM=auto: the first call of {key!r} is inside CUDA graph capture; "
+            "run the op once (a warm-up step) before capturing, so its split count is chosen"
+        )
     path = get_config().tune_cache
     rank = _group_rank(group) if world > 1 else 0
-    found: Optional[Choice] = None
+    found: Choice | None = None
     if path is not None and rank == 0:
         found = read_cache_file(path).get(key)
     if world > 1:
@@ -242,8 +260,10 @@ def choose_parallel_num(op: str, x: torch.Tensor, weight: torch.Tensor,
     if found is not None:
         choice = found
         if found == _FUSED and not _fused_available(group, x.device, world):
-            raise ValueError(f"{ENV_TUNE_CACHE}={path!r} entry {key!r} chose 'fused' but the fused backend "
-                             "cannot run here; delete the entry to re-tune")
+            raise ValueError(
+                f"{ENV_TUNE_CACHE}={path!r} entry {key!r} chose 'fused' but the fused backend "
+                "cannot run here; delete the entry to re-tune"
+            )
         if rank == 0:
             log.info("COC_PARALLEL_NUM=auto: %s -> %s (from %s)", key, choice, path)
     else:
@@ -252,7 +272,7 @@ def choose_parallel_num(op: str, x: torch.Tensor, weight: torch.Tensor,
             candidates.append(_FUSED)
         choice, agreed = _measure(op, x, weight, group, world, candidates)
         if rank == 0:
-            timings = ", ".join(f"{c}: {t * 1e3:.3f} ms" for c, t in zip(candidates, agreed))
+            timings = ", ".join(f"{c}: {t * 1e3:.3f} ms" for c, t in zip(candidates, agreed, strict=False))
             log.info("COC_PARALLEL_NUM=auto: %s -> %s (tuned; %s)", key, choice, timings)
             if path is not None:
                 write_cache_entry(path, key, choice)

@@ -1,4 +1,12 @@
+"""Suite-wide setup: the Triton interpreter on CPU, the ``gpu`` skip, and the ``triton`` marker by folder.
+
+``make test-triton36`` reruns the tests marked ``triton`` under the oldest supported Triton. A test is marked when it
+lives under a folder that holds only Triton-running tests (:data:`TRITON_FOLDERS`), when its module says so with
+``pytestmark = pytest.mark.triton``, or when its name or a parameter id names the fused backend (contains ``fused``).
+"""
+
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,18 +22,15 @@ if not torch.cuda.is_available():
 # this process too (kernels launched outside rank pools); the pools' ranks apply it per call.
 program_order.install_if_requested()
 
-
-# Modules whose tests run or compile Triton kernels (besides test_fused_*.py and tests named *fused*):
-# `make test-triton36` runs the tests marked `triton` again under the oldest supported Triton.
-# test_gpu_check is left out: its --allow-cpu flow runs the same fused ops as test_fused_*.py and
-# would add minutes to a CI that must stay within 15.
-TRITON_MODULES = {"test_heap", "test_dt_fused", "test_quant", "test_quant_linear", "test_soc", "test_program_order",
-                  "test_interpreter_compat"}
+TESTS_ROOT = Path(__file__).resolve().parent
+TRITON_FOLDERS = ("kernels/fused", "kernels/heap")
 
 
 def _needs_triton(item: pytest.Item) -> bool:
-    module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
-    return module in TRITON_MODULES or module.startswith("test_fused") or "fused" in item.name
+    rel = Path(str(item.path)).resolve().relative_to(TESTS_ROOT).as_posix()
+    if any(rel.startswith(folder + "/") for folder in TRITON_FOLDERS):
+        return True
+    return "fused" in item.name
 
 
 def pytest_configure(config):

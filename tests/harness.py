@@ -29,8 +29,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tests import program_order
 
@@ -73,8 +74,9 @@ def _private_pymp_dir(parent: str) -> None:
         tempfile.tempdir = saved
 
 
-def _worker(rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any,
-            env: dict[str, str]) -> None:
+def _worker(
+    rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any, env: dict[str, str]
+) -> None:
     os.environ.update(env)
     sys.path.insert(0, REPO_ROOT)
     _private_pymp_dir(os.path.dirname(store_path))
@@ -87,8 +89,9 @@ def _worker(rank: int, world_size: int, backend: str, store_path: str, tasks: An
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT)
+    )
     results.put(_Outcome(rank, True, "ready"))
     while True:
         task = tasks.get()
@@ -140,8 +143,12 @@ class RankPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         env = dict(RANK_ENV) if backend == "gloo" else {"OMP_NUM_THREADS": "1"}
         self._procs = [
-            ctx.Process(target=_worker, daemon=True, name=f"coc-rank{r}-of{world_size}",
-                        args=(r, world_size, backend, store_path, self._tasks[r], self._results, env))
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                name=f"coc-rank{r}-of{world_size}",
+                args=(r, world_size, backend, store_path, self._tasks[r], self._results, env),
+            )
             for r in range(world_size)
         ]
         for p in self._procs:
@@ -179,13 +186,19 @@ class RankPool:
                 # Drain what the dead rank's peers managed to report before deciding.
                 if first_error_at is None:
                     first_error_at = time.monotonic()
-                if allow_dead and all(r in got or not self._procs[r].is_alive()
-                                      for r in range(self.world_size)):
+                if allow_dead and all(r in got or not self._procs[r].is_alive() for r in range(self.world_size)):
                     break
         return [got.get(r) for r in range(self.world_size)]
 
-    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float,
-            env: dict[str, str | None], allow_dead: bool) -> list[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        timeout: float,
+        env: dict[str, str | None],
+        allow_dead: bool,
+    ) -> list[Any]:
         for q in self._tasks:
             q.put((fn, args, kwargs, env))
         outcomes = self._collect(timeout, allow_dead)
@@ -196,8 +209,10 @@ class RankPool:
                     if not allow_dead:
                         failures.append(f"--- rank {r}: process died (exit code {self._procs[r].exitcode})")
                 else:
-                    failures.append(f"--- rank {r}: no answer (hung or still running after the "
-                                    f"{timeout:.0f} s limit or after a peer failed)")
+                    failures.append(
+                        f"--- rank {r}: no answer (hung or still running after the "
+                        f"{timeout:.0f} s limit or after a peer failed)"
+                    )
             elif not o.ok:
                 failures.append(f"--- rank {r} raised:\n{o.value}")
         if failures or any(o is None for o in outcomes):
@@ -242,9 +257,16 @@ def get_pool(world_size: int, backend: str = "gloo") -> RankPool:
     return pool
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
-              env: dict[str, str | None] | None = None, backend: str = "gloo",
-              allow_dead: bool = False, **kwargs: Any) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: dict[str, str | None] | None = None,
+    backend: str = "gloo",
+    allow_dead: bool = False,
+    **kwargs: Any,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank of a pooled group.
 
     ``fn`` must be importable by reference (a module-level function). ``env`` entries are set in

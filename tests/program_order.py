@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any, Optional
+from typing import Any
 
 ENV = "COC_TEST_PROGRAM_ORDER"
 
 _state: dict[str, Any] = {"value": None, "rng": None}
 
 
-def parse(value: Optional[str]) -> Optional[str]:
+def parse(value: str | None) -> str | None:
     """The validated mode (``None`` for the interpreter's own order); ValueError naming a bad value."""
     if value is None or value in ("", "grid"):
         return None
@@ -37,7 +37,7 @@ def parse(value: Optional[str]) -> Optional[str]:
         return value
     if value.startswith("shuffle:"):
         try:
-            int(value[len("shuffle:"):])
+            int(value[len("shuffle:") :])
         except ValueError:
             pass
         else:
@@ -45,7 +45,7 @@ def parse(value: Optional[str]) -> Optional[str]:
     raise ValueError(f"{ENV}={value!r}: expected 'grid', 'reverse' or 'shuffle:SEED' with an integer SEED")
 
 
-def permutation(n: int) -> Optional[list[int]]:
+def permutation(n: int) -> list[int] | None:
     """This launch's order of ``n`` linear program indices under the current mode (None: grid order)."""
     mode = parse(os.environ.get(ENV))
     if mode is None:
@@ -54,7 +54,7 @@ def permutation(n: int) -> Optional[list[int]]:
         return list(range(n - 1, -1, -1))
     if _state["value"] != mode:
         # A new mode (or seed) restarts the sequence, so runs with one seed are reproducible.
-        _state["value"], _state["rng"] = mode, random.Random(int(mode[len("shuffle:"):]))
+        _state["value"], _state["rng"] = mode, random.Random(int(mode[len("shuffle:") :]))
     order = list(range(n))
     _state["rng"].shuffle(order)
     return order

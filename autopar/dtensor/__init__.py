@@ -17,6 +17,20 @@ from .pipeline import is_clipped, stage_meshes, to_stage
 from .placements import Partial, Placement, Replicate, Shard
 from .tensor import DistTensor, shard_tensor
 
-__all__ = ["DistTensor", "Partial", "Placement", "ProcessMesh", "Replicate", "Shard",
-           "attach_local_grads", "from_dtensor", "is_clipped", "reshard", "shard_tensor",
-           "stage_meshes", "sync_gradients", "to_dtensor", "to_stage"]
+__all__ = [
+    "DistTensor",
+    "Partial",
+    "Placement",
+    "ProcessMesh",
+    "Replicate",
+    "Shard",
+    "attach_local_grads",
+    "from_dtensor",
+    "is_clipped",
+    "reshard",
+    "shard_tensor",
+    "stage_meshes",
+    "sync_gradients",
+    "to_dtensor",
+    "to_stage",
+]

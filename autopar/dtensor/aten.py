@@ -19,7 +19,8 @@ Partial of the function): then the result has that layout too. Anything else rai
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -66,8 +67,13 @@ def _zero(func: Any, args: tuple, kwargs: dict) -> DistTensor:
 
 def _add(func: Any, args: tuple, kwargs: dict) -> DistTensor:
     a, b = args[0], args[1]
-    if isinstance(a, DistTensor) and isinstance(b, DistTensor) and kwargs.get("alpha", 1) == 1 \
-            and a._mesh == b._mesh and a._shape == b._shape:
+    if (
+        isinstance(a, DistTensor)
+        and isinstance(b, DistTensor)
+        and kwargs.get("alpha", 1) == 1
+        and a._mesh == b._mesh
+        and a._shape == b._shape
+    ):
         # Also the engine summing two gradient contributions (placements may differ).
         out = accumulate(a, b)
         if func is aten.add_.Tensor:
@@ -83,11 +89,12 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> DistTensor:
     dst, src = args[0], args[1]
     if isinstance(src, DistTensor):
         if src._mesh != dst._mesh:
-            raise ValueError(f"copy_: the source lives on mesh {src._mesh} but the destination on "
-                             f"{dst._mesh}; move it with autopar.reshard(src, mesh, placements)")
+            raise ValueError(
+                f"copy_: the source lives on mesh {src._mesh} but the destination on "
+                f"{dst._mesh}; move it with autopar.reshard(src, mesh, placements)"
+            )
         if src._shape != dst._shape:
-            raise ValueError(f"copy_: source shape {list(src._shape)} != destination shape "
-                             f"{list(dst._shape)}")
+            raise ValueError(f"copy_: source shape {list(src._shape)} != destination shape {list(dst._shape)}")
         if src._placements != dst._placements:
             check_placements_reachable(src._placements, dst._placements)
             src = reshard_nograd(src, dst._placements)
@@ -97,13 +104,14 @@ def _copy(func: Any, args: tuple, kwargs: dict) -> DistTensor:
     if not isinstance(src, torch.Tensor):
         raise TypeError(f"copy_: source must be a tensor, got {type(src).__name__}")
     if src.dim() != 0 and src.shape != dst._shape:
-        raise ValueError(f"copy_: a plain source tensor must have the global shape "
-                         f"{list(dst._shape)} (or be a scalar), got {list(src.shape)}")
+        raise ValueError(
+            f"copy_: a plain source tensor must have the global shape "
+            f"{list(dst._shape)} (or be a scalar), got {list(src.shape)}"
+        )
     if src.dim() == 0 and any(type(p) is Partial for p in dst._placements):
         raise NotImplementedError(f"copy_ of a scalar into a Partial DistTensor ({list(dst._placements)})")
     if dst._init:
-        piece = src if src.dim() == 0 else local_piece(src.to(dst._local.device), dst._mesh,
-                                                       dst._placements)
+        piece = src if src.dim() == 0 else local_piece(src.to(dst._local.device), dst._mesh, dst._placements)
         dst._local.copy_(piece, **kwargs)
     return dst
 
@@ -117,18 +125,22 @@ def _check_layouts(func: Any, dts: list[DistTensor]) -> None:
             raise NotImplementedError(
                 f"{func}: DistTensor operands must share mesh, global shape and placements here, got "
                 f"{list(x._shape)} {list(x._placements)} and {list(d._shape)} {list(d._placements)}"
-                f" (an optimizer step needs synced gradients: call autopar.sync_gradients first)")
+                f" (an optimizer step needs synced gradients: call autopar.sync_gradients first)"
+            )
     if any(type(p) is Partial for p in x._placements):
         raise NotImplementedError(
             f"{func} on a Partial DistTensor ({list(x._placements)}): reduce it first "
-            f"(autopar.sync_gradients for gradients, autopar.reshard otherwise)")
+            f"(autopar.sync_gradients for gradients, autopar.reshard otherwise)"
+        )
 
 
 def _check_no_plain(func: Any, args: Any) -> None:
     for a in tree_flatten(args)[0]:
         if isinstance(a, torch.Tensor) and not isinstance(a, DistTensor) and a.dim() != 0:
-            raise NotImplementedError(f"{func}: mixing a plain tensor of shape {list(a.shape)} with "
-                                      f"DistTensors; wrap it with autopar.shard_tensor first")
+            raise NotImplementedError(
+                f"{func}: mixing a plain tensor of shape {list(a.shape)} with "
+                f"DistTensors; wrap it with autopar.shard_tensor first"
+            )
 
 
 def _pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -142,8 +154,13 @@ def _pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
     return make(out, x._mesh, x._placements, x._shape, out.dtype, x._init)
 
 
-_FOREACH_OVERLOAD = {"List": "Tensor", "ScalarList": "Scalar", "Tensor": "Tensor",
-                     "Scalar": "Scalar", "default": "default"}
+_FOREACH_OVERLOAD = {
+    "List": "Tensor",
+    "ScalarList": "Scalar",
+    "Tensor": "Tensor",
+    "Scalar": "Scalar",
+    "default": "default",
+}
 
 
 def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -151,7 +168,7 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     op per list position, then one foreach call over the local pieces. Only the forms of
     elementwise ops (and ``zero_``): a reduction such as ``_foreach_norm`` of the pieces is not
     the norm of the tensors."""
-    base = func._schema.name[len("aten::_foreach_"):]
+    base = func._schema.name[len("aten::_foreach_") :]
     if base == "zero_":
         for t in args[0]:
             t._local.zero_()
@@ -159,13 +176,12 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     # The single-tensor overload this foreach overload applies per position (List -> Tensor).
     packet = getattr(aten, base, None)
     name = _FOREACH_OVERLOAD.get(func._overloadname, func._overloadname)
-    single = None if packet is None else getattr(packet, name if name in packet.overloads()
-                                                 else "default", None)
+    single = None if packet is None else getattr(packet, name if name in packet.overloads() else "default", None)
     if single is None or torch.Tag.pointwise not in single.tags:
-        raise NotImplementedError(f"{func} has no DistTensor SPMD rule (only the foreach forms of "
-                                  f"elementwise ops are supported)")
-    lists = [a for a in args if isinstance(a, (list, tuple)) and a and
-             isinstance(a[0], torch.Tensor)]
+        raise NotImplementedError(
+            f"{func} has no DistTensor SPMD rule (only the foreach forms of elementwise ops are supported)"
+        )
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
     for i in range(len(lists[0])):
         _check_layouts(func, [lst[i] for lst in lists if isinstance(lst[i], DistTensor)])
     _check_no_plain(func, (args, kwargs))
@@ -173,8 +189,7 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*largs, **lkwargs)
     if func._schema.is_mutable:
         return None if out is None else list(lists[0])
-    return [make(o, x._mesh, x._placements, x._shape, o.dtype, x._init)
-            for o, x in zip(out, lists[0])]
+    return [make(o, x._mesh, x._placements, x._shape, o.dtype, x._init) for o, x in zip(out, lists[0], strict=False)]
 
 
 def _default(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -183,21 +198,31 @@ def _default(func: Any, args: tuple, kwargs: dict) -> Any:
     if torch.Tag.pointwise in func.tags:
         return _pointwise(func, args, kwargs)
     if func in (aten._local_scalar_dense.default, aten.is_nonzero.default):
-        raise NotImplementedError("item() / bool() of a DistTensor: this rank holds only a piece; "
-                                  "use t.full_tensor().item() (collective over the mesh)")
-    raise NotImplementedError(f"{func} has no DistTensor SPMD rule (supported: matmul, +, -, *, /, "
-                              f"linear, gelu, relu, softmax, layer_norm, sum, mean, and elementwise "
-                              f"ops on operands of one layout)")
+        raise NotImplementedError(
+            "item() / bool() of a DistTensor: this rank holds only a piece; "
+            "use t.full_tensor().item() (collective over the mesh)"
+        )
+    raise NotImplementedError(
+        f"{func} has no DistTensor SPMD rule (supported: matmul, +, -, *, /, "
+        f"linear, gelu, relu, softmax, layer_norm, sum, mean, and elementwise "
+        f"ops on operands of one layout)"
+    )
 
 
 def _install() -> None:
     table: dict[Any, Callable] = {
-        aten.detach.default: _same_layout, aten.alias.default: _same_layout,
-        aten.clone.default: _same_layout, aten._to_copy.default: _same_layout,
-        aten.ones_like.default: _like, aten.zeros_like.default: _like,
-        aten.empty_like.default: _like, aten.full_like.default: _like,
-        aten.zero_.default: _zero, aten.copy_.default: _copy,
-        aten.add.Tensor: _add, aten.add_.Tensor: _add,
+        aten.detach.default: _same_layout,
+        aten.alias.default: _same_layout,
+        aten.clone.default: _same_layout,
+        aten._to_copy.default: _same_layout,
+        aten.ones_like.default: _like,
+        aten.zeros_like.default: _like,
+        aten.empty_like.default: _like,
+        aten.full_like.default: _like,
+        aten.zero_.default: _zero,
+        aten.copy_.default: _copy,
+        aten.add.Tensor: _add,
+        aten.add_.Tensor: _add,
     }
     ATEN.update({id(op): fn for op, fn in table.items()})
     ATEN_DEFAULT[:] = [_default]

@@ -16,14 +16,14 @@ and a Partial activation) are unified in :func:`accumulate`, which the engine re
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from . import redistribute as _rd
 from .mesh import ProcessMesh
-from .placements import PARTIAL_SUM, REPLICATE, Partial, Placement, Replicate, Shard, \
-    normalize_placements
+from .placements import PARTIAL_SUM, REPLICATE, Partial, Placement, Replicate, Shard, normalize_placements
 from .tensor import DistTensor, PendingMatmul, make, uninit
 
 _PARTIAL_AVG = Partial("avg")
@@ -39,7 +39,7 @@ class Node:
         self.backward = backward
         self.ctx = ctx
         self.saved = tuple(saved)
-        self.out: Optional[DistTensor] = None
+        self.out: DistTensor | None = None
 
 
 class _Op(torch.autograd.Function):
@@ -58,8 +58,9 @@ class _Op(torch.autograd.Function):
         return (None,) + tuple(ctx.node.backward(ctx.node.ctx, saved, g))
 
 
-def record(out: DistTensor, inputs: Sequence[DistTensor], backward: Callable, ctx: Any,
-           saved: Sequence[torch.Tensor] = ()) -> DistTensor:
+def record(
+    out: DistTensor, inputs: Sequence[DistTensor], backward: Callable, ctx: Any, saved: Sequence[torch.Tensor] = ()
+) -> DistTensor:
     """Attach ``out`` to the autograd graph of ``inputs``; returns the tensor to hand out."""
     node = Node(backward, ctx, saved)
     node.out = out
@@ -87,6 +88,7 @@ def requires_grads(xs: Sequence[torch.Tensor]) -> list[bool]:
 
 # -- placements of gradients ---------------------------------------------------------------------
 
+
 def grad_placement(in_pl: tuple, others: list[tuple], out_pl: tuple, g_pl: tuple) -> tuple:
     """Placements of an input's gradient from a local vector-Jacobian product.
 
@@ -104,8 +106,9 @@ def grad_placement(in_pl: tuple, others: list[tuple], out_pl: tuple, g_pl: tuple
             out.append(p)
         elif tp is Partial:
             out.append(REPLICATE)
-        elif type(g_pl[m]) is Replicate and type(out_pl[m]) is Replicate and \
-                all(type(o[m]) is Replicate for o in others):
+        elif (
+            type(g_pl[m]) is Replicate and type(out_pl[m]) is Replicate and all(type(o[m]) is Replicate for o in others)
+        ):
             out.append(REPLICATE)
         elif out_pl[m] == _PARTIAL_AVG:
             out.append(_PARTIAL_AVG)
@@ -116,18 +119,20 @@ def grad_placement(in_pl: tuple, others: list[tuple], out_pl: tuple, g_pl: tuple
 
 def output_grad(g: DistTensor, out_pl: tuple) -> DistTensor:
     """The gradient of a Partial output is Replicate; of a sharded output sharded the same way."""
-    want = tuple(REPLICATE if type(o) is Partial else (o if type(o) is Shard else gp)
-                 for o, gp in zip(out_pl, g._placements))
+    want = tuple(
+        REPLICATE if type(o) is Partial else (o if type(o) is Shard else gp)
+        for o, gp in zip(out_pl, g._placements, strict=False)
+    )
     return reshard_nograd(g, want) if want != g._placements else g
 
 
-def graph_vjp(saved: tuple, g: torch.Tensor, need: list[bool]) -> list[Optional[torch.Tensor]]:
+def graph_vjp(saved: tuple, g: torch.Tensor, need: list[bool]) -> list[torch.Tensor | None]:
     """Local vjp from a recorded local graph: ``saved`` is (output, leaf per needed input)."""
     local, leaves = saved[0], saved[1:]
     # retain_graph: this local graph belongs to the node, and torch frees it with the node's
     # saved tensors (after a backward without retain_graph), not here.
     grads = iter(torch.autograd.grad(local, leaves, g, retain_graph=True, allow_unused=True))
-    out: list[Optional[torch.Tensor]] = []
+    out: list[torch.Tensor | None] = []
     k = 0
     for n in need:
         if not n:
@@ -139,23 +144,29 @@ def graph_vjp(saved: tuple, g: torch.Tensor, need: list[bool]) -> list[Optional[
     return out
 
 
-def vjp_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[Optional[DistTensor]]:
+def vjp_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[DistTensor | None]:
     """Backward of one op: the local vjp (``local_vjp(saved, g_local, need)``, an explicit formula
     or :func:`graph_vjp`) and the placements of each input's gradient."""
     res, in_pls, in_shapes, in_dtypes, need, local_vjp = ctx
     out_pl = res.out_placements
     g = output_grad(g, out_pl)
     mesh = g._mesh
-    pls = [grad_placement(in_pls[i], in_pls[:i] + in_pls[i + 1:], out_pl, g._placements)
-           if need[i] else None for i in range(len(need))]
+    pls = [
+        grad_placement(in_pls[i], in_pls[:i] + in_pls[i + 1 :], out_pl, g._placements) if need[i] else None
+        for i in range(len(need))
+    ]
     if mesh._coord is None or not g._init:
-        return [uninit(mesh, pl, in_shapes[i], in_dtypes[i], g._local.device) if pl else None
-                for i, pl in enumerate(pls)]
-    return [None if lg is None else make(lg, mesh, pls[i], in_shapes[i], lg.dtype)
-            for i, lg in enumerate(local_vjp(saved, g._local, need))]
+        return [
+            uninit(mesh, pl, in_shapes[i], in_dtypes[i], g._local.device) if pl else None for i, pl in enumerate(pls)
+        ]
+    return [
+        None if lg is None else make(lg, mesh, pls[i], in_shapes[i], lg.dtype)
+        for i, lg in enumerate(local_vjp(saved, g._local, need))
+    ]
 
 
 # -- reshard (same mesh and cross-mesh) ---------------------------------------------------------
+
 
 def kernels_api():
     """The ``kernels`` package, imported on first use (a DistTensor that never reaches an
@@ -174,13 +185,13 @@ def pieces_nonempty(size: int, world: int) -> bool:
     return -(-size // world) * (world - 1) < size
 
 
-def _fused_reduce(x: PendingMatmul, placements: tuple) -> Optional[torch.Tensor]:
+def _fused_reduce(x: PendingMatmul, placements: tuple) -> torch.Tensor | None:
     """The local result of resharding a pending matmul, through one overlapped op, or None."""
     m = x._mesh_dim
     if x.is_computed() or x._placements[m] != PARTIAL_SUM:
         # The overlapped ops sum; a Partial("avg") dgrad takes the generic reshard.
         return None
-    if any(p != q for k, (p, q) in enumerate(zip(x._placements, placements)) if k != m):
+    if any(p != q for k, (p, q) in enumerate(zip(x._placements, placements, strict=False)) if k != m):
         return None
     dst = placements[m]
     group = x._mesh.get_group(m)
@@ -203,9 +214,10 @@ def reshard_nograd(x: DistTensor, placements: tuple) -> DistTensor:
 def reshard_backward(src: tuple, saved: tuple, g: DistTensor) -> list[DistTensor]:
     # Back to the input's layout: sharded stays sharded, a Partial input's gradient is Replicate,
     # a Replicate input keeps a Replicate or Partial gradient as it comes (no communication).
-    want = tuple(s if type(s) is Shard else
-                 (REPLICATE if type(s) is Partial or type(gp) is Shard else gp)
-                 for s, gp in zip(src, g._placements))
+    want = tuple(
+        s if type(s) is Shard else (REPLICATE if type(s) is Partial or type(gp) is Shard else gp)
+        for s, gp in zip(src, g._placements, strict=False)
+    )
     return [reshard_nograd(g, want)]
 
 
@@ -233,8 +245,9 @@ def _move_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[DistTensor]:
         g = reshard_nograd(g, (REPLICATE,) * dst_mesh.ndim)
     g_pl = g._placements if same else (REPLICATE,) * src_mesh.ndim
     recv_shape = _rd.local_shape(shape, src_mesh, g_pl) if src_mesh._coord is not None else None
-    local = _rd.move_across_meshes(g._local if g._init else None, dst_mesh, src_mesh, recv_shape,
-                                   dtype, g._local.device)
+    local = _rd.move_across_meshes(
+        g._local if g._init else None, dst_mesh, src_mesh, recv_shape, dtype, g._local.device
+    )
     if local is None:
         return [uninit(src_mesh, g_pl, shape, dtype, g._local.device)]
     return [make(local, src_mesh, g_pl, shape, dtype)]
@@ -245,10 +258,12 @@ def _move(x: DistTensor, mesh: ProcessMesh) -> DistTensor:
     same = x._mesh.shape == mesh.shape
     pl = x._placements if same else (REPLICATE,) * mesh.ndim
     recv_shape = _rd.local_shape(x._shape, mesh, pl) if mesh._coord is not None else None
-    local = _rd.move_across_meshes(x._local if x._init else None, x._mesh, mesh, recv_shape,
-                                   x._dtype, x._local.device)
-    out = uninit(mesh, pl, x._shape, x._dtype, x._local.device) if local is None else \
-        make(local, mesh, pl, x._shape, x._dtype)
+    local = _rd.move_across_meshes(x._local if x._init else None, x._mesh, mesh, recv_shape, x._dtype, x._local.device)
+    out = (
+        uninit(mesh, pl, x._shape, x._dtype, x._local.device)
+        if local is None
+        else make(local, mesh, pl, x._shape, x._dtype)
+    )
     if torch.is_grad_enabled() and requires_grad(x):
         return record(out, [x], _move_backward, (x._mesh, x._placements, x._shape, x._dtype))
     return out
@@ -270,28 +285,26 @@ def reshard(dt: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement]) 
     if any(type(p) is Partial for p in dt._placements):
         dt = convert(dt, tuple(REPLICATE if type(p) is Partial else p for p in dt._placements))
     if dt._mesh.shape == mesh.shape:
-        return _move(convert(dt, pl), mesh) if not any(type(p) is Partial for p in pl) else \
-            convert(_move(dt, mesh), pl)
+        return _move(convert(dt, pl), mesh) if not any(type(p) is Partial for p in pl) else convert(_move(dt, mesh), pl)
     moved = _move(convert(dt, (REPLICATE,) * dt._mesh.ndim), mesh)
     return convert(moved, pl)
 
 
 def _sum_placement(pa: Placement, pb: Placement) -> Placement:
     if any(type(p) is Partial and p.reduce_type in ("max", "min") for p in (pa, pb)):
-        return REPLICATE          # max(a) + max(b) is not max(a + b): reduce first
+        return REPLICATE  # max(a) + max(b) is not max(a + b): reduce first
     if pa == pb:
         return pa
     if {type(pa), type(pb)} <= {Partial, Replicate}:
-        return PARTIAL_SUM        # R -> P keeps the value on coordinate 0: free
-    return pa                     # anything else follows the first contribution's layout
+        return PARTIAL_SUM  # R -> P keeps the value on coordinate 0: free
+    return pa  # anything else follows the first contribution's layout
 
 
 def accumulate(a: DistTensor, b: DistTensor) -> DistTensor:
     """``a + b`` for two gradient contributions, unifying their placements first."""
-    target = tuple(_sum_placement(pa, pb) for pa, pb in zip(a._placements, b._placements))
+    target = tuple(_sum_placement(pa, pb) for pa, pb in zip(a._placements, b._placements, strict=False))
     a = reshard_nograd(a, target) if a._placements != target else a
     b = reshard_nograd(b, target) if b._placements != target else b
     if not a._init:
         return a
-    return make(a._local + b._local, a._mesh, a._placements, a._shape,
-                torch.promote_types(a._dtype, b._dtype))
+    return make(a._local + b._local, a._mesh, a._placements, a._shape, torch.promote_types(a._dtype, b._dtype))

@@ -10,7 +10,7 @@ and nothing else. No tensor dim is assumed to be "the batch".
 
 from __future__ import annotations
 
-from typing import Iterable, Union
+from collections.abc import Iterable
 
 import torch
 
@@ -19,13 +19,12 @@ from .placements import Partial, Replicate
 from .tensor import DistTensor, make
 
 
-def _collect(module_or_params: Union[torch.nn.Module, Iterable]) -> list[DistTensor]:
+def _collect(module_or_params: torch.nn.Module | Iterable) -> list[DistTensor]:
     if isinstance(module_or_params, DistTensor):
         items: Iterable = [module_or_params]
     elif isinstance(module_or_params, torch.nn.Module):
         # Registered parameters, and DistTensors set as plain attributes (not nn.Parameter).
-        items = list(module_or_params.parameters()) + \
-            [v for m in module_or_params.modules() for v in vars(m).values()]
+        items = list(module_or_params.parameters()) + [v for m in module_or_params.modules() for v in vars(m).values()]
     else:
         items = module_or_params
     seen, out = set(), []
@@ -36,8 +35,7 @@ def _collect(module_or_params: Union[torch.nn.Module, Iterable]) -> list[DistTen
     return out
 
 
-def sync_gradients(module_or_params: Union[torch.nn.Module, Iterable, DistTensor]
-                   ) -> list[tuple[str, ...]]:
+def sync_gradients(module_or_params: torch.nn.Module | Iterable | DistTensor) -> list[tuple[str, ...]]:
     """Reshard every DistTensor parameter's gradient to the parameter's placements.
 
     ``module_or_params``: a module (its DistTensor parameters and attributes, recursively), or
@@ -54,12 +52,14 @@ def sync_gradients(module_or_params: Union[torch.nn.Module, Iterable, DistTensor
         if g is None or g.placements == p.placements:
             reduced.append(())
             continue
-        diff = [m for m, (a, b) in enumerate(zip(g.placements, p.placements)) if a != b]
-        reduced.append(tuple(p.process_mesh.dim_names[m] for m in diff
-                             if isinstance(g.placements[m], Partial)))
-        all_reduce_only = all(isinstance(g.placements[m], Partial) and
-                              g.placements[m].reduce_type == "sum" and
-                              isinstance(p.placements[m], Replicate) for m in diff)
+        diff = [m for m, (a, b) in enumerate(zip(g.placements, p.placements, strict=False)) if a != b]
+        reduced.append(tuple(p.process_mesh.dim_names[m] for m in diff if isinstance(g.placements[m], Partial)))
+        all_reduce_only = all(
+            isinstance(g.placements[m], Partial)
+            and g.placements[m].reduce_type == "sum"
+            and isinstance(p.placements[m], Replicate)
+            for m in diff
+        )
         if all_reduce_only and g.is_initialized():
             buckets.setdefault((p.process_mesh, g.placements, p.placements, g.dtype), []).append(p)
         else:
@@ -76,13 +76,12 @@ def sync_gradients(module_or_params: Union[torch.nn.Module, Iterable, DistTensor
         for p in ps:
             local = p.grad.to_local()
             n = local.numel()
-            p.grad = make(flat[offset:offset + n].view_as(local), mesh, p.placements, p.shape, dtype)
+            p.grad = make(flat[offset : offset + n].view_as(local), mesh, p.placements, p.shape, dtype)
             offset += n
     return reduced
 
 
-def attach_local_grads(module_or_params: Union[torch.nn.Module, Iterable, DistTensor]
-                       ) -> list[torch.Tensor]:
+def attach_local_grads(module_or_params: torch.nn.Module | Iterable | DistTensor) -> list[torch.Tensor]:
     """Expose synced gradients to an optimizer built over the local pieces.
 
     Not needed with ``torch.optim`` on the DistTensor parameters themselves (they are tensors);
@@ -97,9 +96,11 @@ def attach_local_grads(module_or_params: Union[torch.nn.Module, Iterable, DistTe
         local = p.to_local()
         if p.grad is not None and p.is_initialized():
             if p.grad.placements != p.placements:
-                raise ValueError(f"attach_local_grads: the gradient is {list(p.grad.placements)} "
-                                 f"but the parameter is {list(p.placements)}; call "
-                                 f"sync_gradients first")
+                raise ValueError(
+                    f"attach_local_grads: the gradient is {list(p.grad.placements)} "
+                    f"but the parameter is {list(p.placements)}; call "
+                    f"sync_gradients first"
+                )
             local.grad = p.grad.to_local()
         locals_.append(local)
     return locals_

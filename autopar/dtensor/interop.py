@@ -27,8 +27,10 @@ _PROCESS_MESHES: dict[tuple, ProcessMesh] = {}
 
 def _dtensor_api():
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Partial as DPartial, Replicate as DReplicate, \
-        Shard as DShard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial as DPartial
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
 
     return DeviceMesh, DTensor, DShard, DReplicate, DPartial
 
@@ -39,8 +41,7 @@ def device_mesh_of(mesh: ProcessMesh, device_type: str = "cpu") -> Any:
     key = (mesh.shape, mesh.process_ids, mesh.dim_names, device_type)
     dm = _DEVICE_MESHES.get(key)
     if dm is None:
-        dm = DeviceMesh(device_type, torch.tensor(mesh.tolist(), dtype=torch.int64),
-                        mesh_dim_names=mesh.dim_names)
+        dm = DeviceMesh(device_type, torch.tensor(mesh.tolist(), dtype=torch.int64), mesh_dim_names=mesh.dim_names)
         _DEVICE_MESHES[key] = dm
     return dm
 
@@ -49,8 +50,7 @@ def process_mesh_of(device_mesh: Any) -> ProcessMesh:
     """The ProcessMesh with ``device_mesh``'s ranks and dim names (built once; collective then)."""
     ranks = device_mesh.mesh.tolist()
     names = device_mesh.mesh_dim_names
-    key = (tuple(device_mesh.mesh.shape), tuple(device_mesh.mesh.flatten().tolist()),
-           tuple(names) if names else None)
+    key = (tuple(device_mesh.mesh.shape), tuple(device_mesh.mesh.flatten().tolist()), tuple(names) if names else None)
     mesh = _PROCESS_MESHES.get(key)
     if mesh is None:
         mesh = _PROCESS_MESHES[key] = ProcessMesh(ranks, list(names) if names else None)
@@ -66,8 +66,10 @@ def _to_dtensor_placement(p: Placement) -> Any:
     # Older DTensor releases do not list their reduce ops; they pass any to the collective.
     supported = getattr(DPartial, "ALL_REDUCE_OPS", ("sum", "avg", "max", "min"))
     if p.reduce_type not in supported:
-        raise ValueError(f"to_dtensor: this torch's DTensor has no Partial({p.reduce_type!r}) "
-                         f"(it supports {list(supported)}); reshard to Replicate first")
+        raise ValueError(
+            f"to_dtensor: this torch's DTensor has no Partial({p.reduce_type!r}) "
+            f"(it supports {list(supported)}); reshard to Replicate first"
+        )
     return DPartial(p.reduce_type)
 
 
@@ -79,8 +81,10 @@ def _from_dtensor_placement(p: Any) -> Placement:
     if p.is_partial():
         op = getattr(p, "reduce_op", "sum")
         if op not in ("sum", "avg", "max", "min"):
-            raise ValueError(f"from_dtensor: DTensor placement Partial({op!r}) has no autopar "
-                             f"counterpart (sum, avg, max, min); redistribute it first")
+            raise ValueError(
+                f"from_dtensor: DTensor placement Partial({op!r}) has no autopar "
+                f"counterpart (sum, avg, max, min); redistribute it first"
+            )
         return Partial(op)
     raise ValueError(f"from_dtensor: unsupported DTensor placement {p!r}")
 
@@ -100,13 +104,16 @@ def to_dtensor(t: DistTensor) -> Any:
     _, DTensor, _, _, _ = _dtensor_api()
     mixed = {p.reduce_type for p in t._placements if type(p) is Partial}
     if len(mixed) > 1:
-        raise ValueError(f"to_dtensor: placements {list(t._placements)} mix Partial reduce types "
-                         f"{sorted(mixed)}, which DTensor does not support; reshard first")
+        raise ValueError(
+            f"to_dtensor: placements {list(t._placements)} mix Partial reduce types "
+            f"{sorted(mixed)}, which DTensor does not support; reshard first"
+        )
     local = t._local
     dm = device_mesh_of(t._mesh, local.device.type)
     placements = [_to_dtensor_placement(p) for p in t._placements]
-    return DTensor.from_local(local.detach(), dm, placements, run_check=False, shape=t._shape,
-                              stride=_contiguous_stride(t._shape))
+    return DTensor.from_local(
+        local.detach(), dm, placements, run_check=False, shape=t._shape, stride=_contiguous_stride(t._shape)
+    )
 
 
 def from_dtensor(t: Any) -> DistTensor:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,10 +55,19 @@ def _group_for(ranks: tuple[int, ...]) -> Any:
 class ProcessMesh:
     """N-D mesh of global ranks. ``ProcessMesh([[0, 1], [2, 3]], dim_names=["dp", "tp"])``."""
 
-    __slots__ = ("shape", "process_ids", "dim_names", "_strides", "_coord", "_groups", "_key",
-                 "_my_rank", "__weakref__")
+    __slots__ = (
+        "shape",
+        "process_ids",
+        "dim_names",
+        "_strides",
+        "_coord",
+        "_groups",
+        "_key",
+        "_my_rank",
+        "__weakref__",
+    )
 
-    def __init__(self, mesh: Union[Sequence, torch.Tensor], dim_names: Optional[Sequence[str]] = None):
+    def __init__(self, mesh: Sequence | torch.Tensor, dim_names: Sequence[str] | None = None):
         shape, ids = _nested_shape(mesh)
         if len(set(ids)) != len(ids):
             raise ValueError(f"ProcessMesh(mesh): duplicate ranks in {ids}")
@@ -67,8 +77,9 @@ class ProcessMesh:
             dim_names = [f"d{i}" for i in range(len(shape))]
         dim_names = list(dim_names)
         if len(dim_names) != len(shape):
-            raise ValueError(f"ProcessMesh(dim_names): {len(dim_names)} names {dim_names} for a "
-                             f"{len(shape)}-D mesh of shape {shape}")
+            raise ValueError(
+                f"ProcessMesh(dim_names): {len(dim_names)} names {dim_names} for a {len(shape)}-D mesh of shape {shape}"
+            )
         if len(set(dim_names)) != len(dim_names):
             raise ValueError(f"ProcessMesh(dim_names): duplicate names in {dim_names}")
         self.shape = tuple(shape)
@@ -81,8 +92,7 @@ class ProcessMesh:
         self._key = (self.shape, self.process_ids)
         self._my_rank = dist.get_rank() if dist.is_initialized() else 0
         if dist.is_initialized() and max(ids) >= dist.get_world_size():
-            raise ValueError(f"ProcessMesh(mesh): rank {max(ids)} does not exist in a world of "
-                             f"{dist.get_world_size()}")
+            raise ValueError(f"ProcessMesh(mesh): rank {max(ids)} does not exist in a world of {dist.get_world_size()}")
         self._coord = self.coordinate(self._my_rank) if self._my_rank in self.process_ids else None
         self._groups: list[Any] = [None] * len(shape)
         if dist.is_initialized():
@@ -98,8 +108,9 @@ class ProcessMesh:
                 if list(ranks) != sorted(ranks):
                     # torch orders a group's members by global rank; collectives then return
                     # pieces in that order, which must be the mesh coordinate order.
-                    raise ValueError(f"ProcessMesh: ranks along mesh dim {d} must increase, got "
-                                     f"{list(ranks)} in mesh {self}")
+                    raise ValueError(
+                        f"ProcessMesh: ranks along mesh dim {d} must increase, got {list(ranks)} in mesh {self}"
+                    )
                 group = _group_for(tuple(ranks))
                 if self._coord is not None and self._my_rank in ranks:
                     self._groups[d] = group
@@ -113,10 +124,10 @@ class ProcessMesh:
     def size(self) -> int:
         return len(self.process_ids)
 
-    def get_dim_size(self, dim: Union[int, str]) -> int:
+    def get_dim_size(self, dim: int | str) -> int:
         return self.shape[self._dim(dim)]
 
-    def _dim(self, dim: Union[int, str]) -> int:
+    def _dim(self, dim: int | str) -> int:
         if isinstance(dim, str):
             if dim not in self.dim_names:
                 raise ValueError(f"mesh dim name {dim!r} not in {list(self.dim_names)}")
@@ -132,12 +143,12 @@ class ProcessMesh:
         if rank not in self.process_ids:
             raise ValueError(f"rank {rank} is not in mesh {self}")
         flat = self.process_ids.index(rank)
-        return tuple((flat // s) % n for s, n in zip(self._strides, self.shape))
+        return tuple((flat // s) % n for s, n in zip(self._strides, self.shape, strict=False))
 
     def rank_at(self, coord: Sequence[int]) -> int:
-        return self.process_ids[sum(c * s for c, s in zip(coord, self._strides))]
+        return self.process_ids[sum(c * s for c, s in zip(coord, self._strides, strict=False))]
 
-    def dim_groups(self, dim: Union[int, str]) -> list[tuple[int, ...]]:
+    def dim_groups(self, dim: int | str) -> list[tuple[int, ...]]:
         """Rank lists along mesh dim ``dim``, one per coordinate of the other dims, in order."""
         d = self._dim(dim)
         others = [range(n) if i != d else [0] for i, n in enumerate(self.shape)]
@@ -153,15 +164,15 @@ class ProcessMesh:
 
     # -- this rank's view -------------------------------------------------------------------------
     @property
-    def my_coordinate(self) -> Optional[tuple[int, ...]]:
+    def my_coordinate(self) -> tuple[int, ...] | None:
         """This process's coordinate, or None when it is outside the mesh (a clipped rank)."""
         return self._coord
 
-    def get_group(self, dim: Union[int, str]) -> Any:
+    def get_group(self, dim: int | str) -> Any:
         """The subgroup of this rank along ``dim`` (None for a size-1 dim or a rank outside)."""
         return self._groups[self._dim(dim)]
 
-    def get_submesh(self, dim: Union[int, str], index: int) -> "ProcessMesh":
+    def get_submesh(self, dim: int | str, index: int) -> ProcessMesh:
         """The (ndim-1)-D mesh at ``index`` along ``dim`` (e.g. a pipeline stage). Collective."""
         d = self._dim(dim)
         coords = itertools.product(*[range(n) for n in self.shape])
@@ -169,27 +180,27 @@ class ProcessMesh:
         ranks = [self.rank_at(c) for c in coords if c[d] == index]
         nested: Any = ranks
         for n in reversed(shape[1:]):
-            nested = [nested[i:i + n] for i in range(0, len(nested), n)]
+            nested = [nested[i : i + n] for i in range(0, len(nested), n)]
         names = [n for i, n in enumerate(self.dim_names) if i != d]
         if not shape:
             return ProcessMesh(ranks, dim_names=["d0"])
         return ProcessMesh(nested, dim_names=names)
 
-    def __getitem__(self, index: int) -> "ProcessMesh":
+    def __getitem__(self, index: int) -> ProcessMesh:
         return self.get_submesh(0, index)
 
     def tolist(self) -> Any:
         """The ranks as a nested list of the mesh's shape."""
         nested: Any = list(self.process_ids)
         for n in reversed(self.shape[1:]):
-            nested = [nested[i:i + n] for i in range(0, len(nested), n)]
+            nested = [nested[i : i + n] for i in range(0, len(nested), n)]
         return nested
 
     def __reduce__(self):
         # Process groups do not pickle; an unpickled mesh is rebuilt from its ranks and names.
         return (_rebuild_mesh, (self.tolist(), list(self.dim_names)))
 
-    def __deepcopy__(self, memo: dict) -> "ProcessMesh":
+    def __deepcopy__(self, memo: dict) -> ProcessMesh:
         # A mesh names process groups, which are shared, never copied.
         return self
 
@@ -200,11 +211,13 @@ class ProcessMesh:
         return hash(self._key)
 
     def __repr__(self) -> str:
-        return f"ProcessMesh(shape={list(self.shape)}, process_ids={list(self.process_ids)}, " \
-               f"dim_names={list(self.dim_names)})"
+        return (
+            f"ProcessMesh(shape={list(self.shape)}, process_ids={list(self.process_ids)}, "
+            f"dim_names={list(self.dim_names)})"
+        )
 
 
-_LIVE: "weakref.WeakValueDictionary[tuple, ProcessMesh]" = weakref.WeakValueDictionary()
+_LIVE: weakref.WeakValueDictionary[tuple, ProcessMesh] = weakref.WeakValueDictionary()
 
 
 def _rebuild_mesh(ranks: Any, dim_names: list[str]) -> ProcessMesh:

@@ -10,19 +10,29 @@ shape, dtype, mesh and placements; its backward likewise does nothing there.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .autograd import (grad_placement, graph_vjp, kernels_api, output_grad, pieces_nonempty,
-                       record, requires_grad, requires_grads, reshard_backward,
-                       reshard_same_mesh, vjp_backward)
+from .autograd import (
+    grad_placement,
+    graph_vjp,
+    kernels_api,
+    output_grad,
+    pieces_nonempty,
+    record,
+    requires_grad,
+    requires_grads,
+    reshard_backward,
+    reshard_same_mesh,
+    vjp_backward,
+)
 from .mesh import ProcessMesh
 from .placements import REPLICATE, Partial, Replicate, Shard
 from .rules import RuleResult, broadcast_labels, einsum_rule, matmul_labels, reduction_labels
-from .tensor import HANDLERS, UNARY_PLAIN, DistTensor, empty_local, lid_of, make, pending, uninit, \
-    wrap
+from .tensor import HANDLERS, UNARY_PLAIN, DistTensor, empty_local, lid_of, make, pending, uninit, wrap
 
 _RULE_CACHE: dict[tuple, tuple] = {}
 _MM_CACHE: dict[tuple, tuple] = {}
@@ -36,8 +46,10 @@ def _as_dist(x: Any, mesh: ProcessMesh) -> DistTensor:
     """A plain tensor mixed into a DistTensor op is the same value on every rank: Replicate."""
     if isinstance(x, DistTensor):
         if x._mesh is not mesh and x._mesh != mesh:
-            raise ValueError(f"operands live on different meshes ({x._mesh} and {mesh}); move one "
-                             f"with autopar.reshard(t, mesh, placements) first")
+            raise ValueError(
+                f"operands live on different meshes ({x._mesh} and {mesh}); move one "
+                f"with autopar.reshard(t, mesh, placements) first"
+            )
         return x
     if isinstance(x, torch.Tensor):
         pl = (REPLICATE,) * mesh.ndim
@@ -52,9 +64,11 @@ def _rule_entry(key: tuple, rule: Callable[..., RuleResult], inputs: Sequence[Di
     entry = _RULE_CACHE.get(key)
     if entry is None:
         res = rule(*inputs)
-        entry = _RULE_CACHE[key] = (res, tuple(lid_of(x._shape, p) for x, p in
-                                               zip(inputs, res.in_placements)),
-                                    lid_of(res.out_shape, res.out_placements))
+        entry = _RULE_CACHE[key] = (
+            res,
+            tuple(lid_of(x._shape, p) for x, p in zip(inputs, res.in_placements, strict=False)),
+            lid_of(res.out_shape, res.out_placements),
+        )
     return entry
 
 
@@ -64,14 +78,18 @@ def _rule_entry(key: tuple, rule: Callable[..., RuleResult], inputs: Sequence[Di
 _grad_enabled = torch.is_grad_enabled
 
 
-def _apply1(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, x: DistTensor,
-            vjp: Optional[Callable] = None, plain: Optional[dict[int, tuple]] = None
-            ) -> DistTensor:
+def _apply1(
+    key: tuple,
+    rule: Callable[..., RuleResult],
+    local_fn: Callable,
+    x: DistTensor,
+    vjp: Callable | None = None,
+    plain: dict[int, tuple] | None = None,
+) -> DistTensor:
     """``plain``: the op's UNARY_PLAIN table, for ops whose registered torch functions compute
     ``local_fn(piece)`` when given the piece alone; a call served here enters its layout there."""
     entry = _RULE_CACHE.get(key)
-    if entry is not None and not _grad_enabled() and x._lid == entry[1][0] and \
-            x._mesh._coord is not None:
+    if entry is not None and not _grad_enabled() and x._lid == entry[1][0] and x._mesh._coord is not None:
         local = local_fn(x._local)
         res = entry[0]
         f = (x._mesh, res.out_placements, res.out_shape, entry[2])
@@ -81,8 +99,14 @@ def _apply1(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, x: 
     return _apply(key, rule, local_fn, [x], vjp=vjp)
 
 
-def _apply2(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, a: DistTensor,
-            b: DistTensor, vjp: Optional[Callable] = None) -> DistTensor:
+def _apply2(
+    key: tuple,
+    rule: Callable[..., RuleResult],
+    local_fn: Callable,
+    a: DistTensor,
+    b: DistTensor,
+    vjp: Callable | None = None,
+) -> DistTensor:
     entry = _RULE_CACHE.get(key)
     if entry is not None and not _grad_enabled():
         in_lids = entry[1]
@@ -94,9 +118,14 @@ def _apply2(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, a: 
     return _apply(key, rule, local_fn, [a, b], vjp=vjp)
 
 
-def _apply(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable,
-           inputs: list[DistTensor], out_dtype: Optional[torch.dtype] = None,
-           vjp: Optional[Callable] = None) -> DistTensor:
+def _apply(
+    key: tuple,
+    rule: Callable[..., RuleResult],
+    local_fn: Callable,
+    inputs: list[DistTensor],
+    out_dtype: torch.dtype | None = None,
+    vjp: Callable | None = None,
+) -> DistTensor:
     """Run one op: cached rule, reshard inputs, local op (or clip), record the autograd node.
 
     ``rule(*inputs)`` is called only when ``key`` is not cached (a module-level function, so the
@@ -113,28 +142,41 @@ def _apply(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable,
     if need is None or not any(need):
         if mesh._coord is None:
             dtype = out_dtype or _promote(inputs)
-            return make(empty_local(dtype, inputs[0]._local.device), mesh, res.out_placements,
-                        res.out_shape, dtype, False, out_lid)
+            return make(
+                empty_local(dtype, inputs[0]._local.device),
+                mesh,
+                res.out_placements,
+                res.out_shape,
+                dtype,
+                False,
+                out_lid,
+            )
         local = local_fn(*[x._local for x in inputs])
         return wrap(local, mesh, res.out_placements, res.out_shape, out_lid)
-    ctx = (res, [x._placements for x in inputs], [x._shape for x in inputs],
-           [x._dtype for x in inputs], need, vjp or graph_vjp)
+    ctx = (
+        res,
+        [x._placements for x in inputs],
+        [x._shape for x in inputs],
+        [x._dtype for x in inputs],
+        need,
+        vjp or graph_vjp,
+    )
     if mesh._coord is None:
         dtype = out_dtype or _promote(inputs)
-        out = make(empty_local(dtype, inputs[0]._local.device), mesh, res.out_placements,
-                   res.out_shape, dtype, False, out_lid)
+        out = make(
+            empty_local(dtype, inputs[0]._local.device), mesh, res.out_placements, res.out_shape, dtype, False, out_lid
+        )
         return record(out, inputs, vjp_backward, ctx)
     if vjp is not None:
         pieces = [x._local for x in inputs]
         local = local_fn(*pieces)
         out = make(local, mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
         return record(out, inputs, vjp_backward, ctx, pieces)
-    leaves = [x._local.detach().requires_grad_() if n else x._local for x, n in zip(inputs, need)]
+    leaves = [x._local.detach().requires_grad_() if n else x._local for x, n in zip(inputs, need, strict=False)]
     with torch.enable_grad():
         local = local_fn(*leaves)
     out = make(local.detach(), mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
-    return record(out, inputs, vjp_backward, ctx,
-                  [local] + [leaf for leaf, n in zip(leaves, need) if n])
+    return record(out, inputs, vjp_backward, ctx, [local] + [leaf for leaf, n in zip(leaves, need, strict=False) if n])
 
 
 def _promote(ins: list[DistTensor]) -> torch.dtype:
@@ -146,7 +188,8 @@ def _promote(ins: list[DistTensor]) -> torch.dtype:
 
 # -- overlapped matmul + collective (kernels) --------------------------------------------------------
 
-def _mm_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[Optional[DistTensor]]:
+
+def _mm_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[DistTensor | None]:
     """Explicit vjp of ``y = x @ w.T`` (x [..., k], w [n, k]) for the overlapped paths.
 
     dgrad ``dx = dy @ w``, wgrad ``dw = dy_2d.T @ x_2d``; placements as any local vjp.
@@ -156,25 +199,28 @@ def _mm_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[Optional[DistT
     out_pl = res.out_placements
     g = output_grad(g, out_pl)
     mesh = g._mesh
-    grads: list[Optional[DistTensor]] = []
+    grads: list[DistTensor | None] = []
     for i in range(2):
         if not need[i]:
             grads.append(None)
             continue
-        pl = grad_placement(in_pls[i], in_pls[:i] + in_pls[i + 1:], out_pl, g._placements)
+        pl = grad_placement(in_pls[i], in_pls[:i] + in_pls[i + 1 :], out_pl, g._placements)
         if not g._init:
             grads.append(uninit(mesh, pl, in_shapes[i], in_dtypes[i], g._local.device))
             continue
         gl = g._local
         if i == 0:
             partial = [m for m, p in enumerate(pl) if type(p) is Partial]
-            if len(partial) == 1 and mesh.shape[partial[0]] > 1 and gl.ndim >= 2 and \
-                    pieces_nonempty(res.out_shape[-1], mesh.shape[partial[0]]):
+            if (
+                len(partial) == 1
+                and mesh.shape[partial[0]] > 1
+                and gl.ndim >= 2
+                and pieces_nonempty(res.out_shape[-1], mesh.shape[partial[0]])
+            ):
                 # dgrad that is Partial on one mesh dim (e.g. Megatron's sequence-parallel column
                 # backward): left pending, so the reshard that follows (reduce-scatter back to
                 # Shard(0)) runs as one overlapped matmul_reduce_scatter.
-                grads.append(pending(gl, w_local.mT, mesh, pl, in_shapes[i], in_dtypes[i],
-                                     partial[0]))
+                grads.append(pending(gl, w_local.mT, mesh, pl, in_shapes[i], in_dtypes[i], partial[0]))
                 continue
             lg = torch.matmul(gl, w_local)
         else:
@@ -185,20 +231,27 @@ def _mm_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[Optional[DistT
     return grads
 
 
-def _record_mm(out: DistTensor, x: DistTensor, b: DistTensor, x_local: torch.Tensor,
-               w_local: torch.Tensor, res: RuleResult, transposed: bool) -> DistTensor:
+def _record_mm(
+    out: DistTensor,
+    x: DistTensor,
+    b: DistTensor,
+    x_local: torch.Tensor,
+    w_local: torch.Tensor,
+    res: RuleResult,
+    transposed: bool,
+) -> DistTensor:
     if not torch.is_grad_enabled():
         return out
     need = requires_grads((x, b))
     if not any(need):
         return out
-    ctx = (res, [x._placements, b._placements], [x._shape, b._shape], [x._dtype, b._dtype], need,
-           transposed)
+    ctx = (res, [x._placements, b._placements], [x._shape, b._shape], [x._dtype, b._dtype], need, transposed)
     return record(out, [x, b], _mm_backward, ctx, [x_local, w_local])
 
 
-def _matmul_like(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, a: DistTensor,
-                 b: DistTensor, transposed: bool) -> DistTensor:
+def _matmul_like(
+    key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, a: DistTensor, b: DistTensor, transposed: bool
+) -> DistTensor:
     """matmul / linear with a 2-D weight: route the two overlappable patterns to ``kernels``.
 
     ``transposed``: b is ``[k, n]`` (matmul) rather than ``[n, k]`` (linear).
@@ -207,42 +260,57 @@ def _matmul_like(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable
     if entry is None:
         res = rule(a, b)
         partial = [m for m, p in enumerate(res.out_placements) if type(p) is Partial]
-        pend_dim = partial[0] if len(partial) == 1 and b.ndim == 2 and a.ndim >= 2 and \
-            res.out_placements[partial[0]].reduce_type == "sum" else -1
-        entry = _MM_CACHE[key] = (res, (lid_of(a._shape, res.in_placements[0]),
-                                        lid_of(b._shape, res.in_placements[1])),
-                                  lid_of(res.out_shape, res.out_placements), pend_dim)
+        pend_dim = (
+            partial[0]
+            if len(partial) == 1 and b.ndim == 2 and a.ndim >= 2 and res.out_placements[partial[0]].reduce_type == "sum"
+            else -1
+        )
+        entry = _MM_CACHE[key] = (
+            res,
+            (lid_of(a._shape, res.in_placements[0]), lid_of(b._shape, res.in_placements[1])),
+            lid_of(res.out_shape, res.out_placements),
+            pend_dim,
+        )
     res, in_lids, out_lid, pend_dim = entry
     mesh = a._mesh
     if mesh._coord is None or b._lid != in_lids[1]:
         return _apply(key, rule, local_fn, [a, b])
     if a._lid == in_lids[0]:
-        if pend_dim >= 0 and mesh.shape[pend_dim] > 1 and \
-                pieces_nonempty(a._shape[-1], mesh.shape[pend_dim]):
+        if pend_dim >= 0 and mesh.shape[pend_dim] > 1 and pieces_nonempty(a._shape[-1], mesh.shape[pend_dim]):
             w_local = b._local.mT if transposed else b._local
-            out = pending(a._local, w_local, mesh, res.out_placements, res.out_shape,
-                          torch.promote_types(a._dtype, b._dtype), pend_dim, out_lid)
+            out = pending(
+                a._local,
+                w_local,
+                mesh,
+                res.out_placements,
+                res.out_shape,
+                torch.promote_types(a._dtype, b._dtype),
+                pend_dim,
+                out_lid,
+            )
             return _record_mm(out, a, b, a._local, w_local, res, transposed)
         local = local_fn(a._local, b._local)
         out = make(local, mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
         if not _grad_enabled():
             _PLAIN[key] = (mesh, res.out_placements, res.out_shape, out_lid)
             return out
-        return _record_mm(out, a, b, a._local, b._local.mT if transposed else b._local, res,
-                          transposed)
+        return _record_mm(out, a, b, a._local, b._local.mT if transposed else b._local, res, transposed)
     w_local = b._local.mT if transposed else b._local
     # all_gather_matmul: a is Shard(0) on exactly one mesh dim that the rule gathers, b is
     # sharded on the output columns there, and nothing else changes.
-    diff = [m for m, (p, q) in enumerate(zip(a._placements, res.in_placements[0])) if p != q]
+    diff = [m for m, (p, q) in enumerate(zip(a._placements, res.in_placements[0], strict=False)) if p != q]
     if len(diff) != 1:
         return _apply(key, rule, local_fn, [a, b])
     m = diff[0]
     W = mesh.shape[m]
-    if a._placements[m] != Shard(0) or type(res.in_placements[0][m]) is not Replicate or \
-            res.out_placements[m] != Shard(a.ndim - 1) or a._shape[0] % W:
+    if (
+        a._placements[m] != Shard(0)
+        or type(res.in_placements[0][m]) is not Replicate
+        or res.out_placements[m] != Shard(a.ndim - 1)
+        or a._shape[0] % W
+    ):
         return _apply(key, rule, local_fn, [a, b])
-    y, gathered = kernels_api().all_gather_matmul(a._local, w_local, group=mesh.get_group(m),
-                                               return_gathered=True)
+    y, gathered = kernels_api().all_gather_matmul(a._local, w_local, group=mesh.get_group(m), return_gathered=True)
     a_full = make(gathered, mesh, res.in_placements[0], a._shape, a._dtype, True, in_lids[0])
     if torch.is_grad_enabled() and requires_grad(a):
         a_full = record(a_full, [a], reshard_backward, a._placements)
@@ -251,6 +319,7 @@ def _matmul_like(key: tuple, rule: Callable[..., RuleResult], local_fn: Callable
 
 
 # -- ops ----------------------------------------------------------------------------------------------
+
 
 def _mesh_of(*xs) -> ProcessMesh:
     for x in xs:
@@ -261,8 +330,9 @@ def _mesh_of(*xs) -> ProcessMesh:
 
 def _matmul_rule(a: DistTensor, b: DistTensor) -> RuleResult:
     labels, out, forbidden = matmul_labels(a._shape, b._shape)
-    return einsum_rule(labels, out, [a._shape, b._shape], [a._placements, b._placements],
-                       "linear", forbidden, priority=(1, 0))
+    return einsum_rule(
+        labels, out, [a._shape, b._shape], [a._placements, b._placements], "linear", forbidden, priority=(1, 0)
+    )
 
 
 def matmul(a, b) -> DistTensor:
@@ -283,9 +353,10 @@ def matmul(a, b) -> DistTensor:
 def _linear_rule(x: DistTensor, w: DistTensor) -> RuleResult:
     if x.ndim < 1 or w.ndim != 2:
         raise ValueError(f"linear: x {list(x._shape)} and weight {list(w._shape)} (need 2-D weight)")
-    lead = "abcdefghij"[:x.ndim - 1]
-    return einsum_rule([lead + "k", "nk"], lead + "n", [x._shape, w._shape],
-                       [x._placements, w._placements], "linear", priority=(1, 0))
+    lead = "abcdefghij"[: x.ndim - 1]
+    return einsum_rule(
+        [lead + "k", "nk"], lead + "n", [x._shape, w._shape], [x._placements, w._placements], "linear", priority=(1, 0)
+    )
 
 
 def linear(x, weight, bias=None) -> DistTensor:
@@ -293,16 +364,18 @@ def linear(x, weight, bias=None) -> DistTensor:
     mesh = _mesh_of(x, weight, bias)
     x, w = _as_dist(x, mesh), _as_dist(weight, mesh)
     key = ("linear", x._lid, w._lid)
-    y = _matmul_like(key, _linear_rule, F.linear, x, w, False) if x.ndim >= 2 else \
-        _apply(key, _linear_rule, F.linear, [x, w])
+    y = (
+        _matmul_like(key, _linear_rule, F.linear, x, w, False)
+        if x.ndim >= 2
+        else _apply(key, _linear_rule, F.linear, [x, w])
+    )
     return y if bias is None else binary("add", y, bias)
 
 
 def _broadcast_rule(kind: str) -> Callable[[DistTensor, DistTensor], RuleResult]:
     def rule(a: DistTensor, b: DistTensor) -> RuleResult:
         labels, out, forbidden = broadcast_labels([a._shape, b._shape])
-        return einsum_rule(labels, out, [a._shape, b._shape], [a._placements, b._placements], kind,
-                           forbidden)
+        return einsum_rule(labels, out, [a._shape, b._shape], [a._placements, b._placements], kind, forbidden)
 
     return rule
 
@@ -334,10 +407,12 @@ def _vjp_div(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
 
 # op -> (local function, rule, local vjp): + and - keep matching Partials, * is linear in each
 # operand (one Partial may stay), / is not linear in its divisor.
-_BINARY = {"add": (operator.add, _broadcast_rule("add"), _vjp_add),
-           "sub": (operator.sub, _broadcast_rule("add"), _vjp_sub),
-           "mul": (operator.mul, _broadcast_rule("linear"), _vjp_mul),
-           "div": (operator.truediv, _broadcast_rule("nonlinear"), _vjp_div)}
+_BINARY = {
+    "add": (operator.add, _broadcast_rule("add"), _vjp_add),
+    "sub": (operator.sub, _broadcast_rule("add"), _vjp_sub),
+    "mul": (operator.mul, _broadcast_rule("linear"), _vjp_mul),
+    "div": (operator.truediv, _broadcast_rule("nonlinear"), _vjp_div),
+}
 
 
 def binary(op: str, a, b) -> DistTensor:
@@ -353,12 +428,12 @@ def binary(op: str, a, b) -> DistTensor:
 
 
 def _linear_elementwise_rule(x: DistTensor) -> RuleResult:
-    lab = "abcdefghijklmnop"[:x.ndim]
+    lab = "abcdefghijklmnop"[: x.ndim]
     return einsum_rule([lab], lab, [x._shape], [x._placements], "linear")
 
 
 def _nonlinear_rule(x: DistTensor, forbidden_dims: Sequence[int] = ()) -> RuleResult:
-    lab = "abcdefghijklmnop"[:x.ndim]
+    lab = "abcdefghijklmnop"[: x.ndim]
     forbidden = frozenset(lab[d] for d in forbidden_dims)
     return einsum_rule([lab], lab, [x._shape], [x._placements], "nonlinear", forbidden)
 
@@ -367,8 +442,13 @@ def _with_scalar(op: str, x: DistTensor, c: float, x_first: bool) -> DistTensor:
     """x * c and x / c scale (linear: a Partial stays Partial); x + c, c - x, c / x do not."""
     if op == "mul" or (op == "div" and x_first):
         c = c if op == "mul" else 1.0 / c
-        return _apply(("scale", x._lid), _linear_elementwise_rule, lambda t: t * c, [x],
-                      vjp=lambda saved, g, need: [_fit(g * c, saved[0])])
+        return _apply(
+            ("scale", x._lid),
+            _linear_elementwise_rule,
+            lambda t: t * c,
+            [x],
+            vjp=lambda saved, g, need: [_fit(g * c, saved[0])],
+        )
     fn = _BINARY[op][0]
     local_fn = (lambda t: fn(t, c)) if x_first else (lambda t: fn(c, t))
     return _apply(("scalar_" + op, x._lid, x_first), _nonlinear_rule, local_fn, [x])
@@ -385,10 +465,13 @@ _RELU_PLAIN: dict[int, tuple] = {}
 def _gelu(x: DistTensor, approximate: str = "none") -> DistTensor:
     if approximate == "none":
         return _apply1(("gelu", x._lid), _nonlinear_rule, F.gelu, x, _vjp_gelu, _GELU_PLAIN)
-    return _apply1(("gelu", x._lid, approximate), _nonlinear_rule,
-                   lambda t: F.gelu(t, approximate=approximate), x,
-                   lambda saved, g, need: [torch.ops.aten.gelu_backward(g, saved[0],
-                                                                        approximate=approximate)])
+    return _apply1(
+        ("gelu", x._lid, approximate),
+        _nonlinear_rule,
+        lambda t: F.gelu(t, approximate=approximate),
+        x,
+        lambda saved, g, need: [torch.ops.aten.gelu_backward(g, saved[0], approximate=approximate)],
+    )
 
 
 def _vjp_gelu(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
@@ -408,8 +491,7 @@ def _relu(x: DistTensor, inplace: bool = False) -> DistTensor:
 def softmax(x: DistTensor, dim: int, _stacklevel: int = 3, dtype=None) -> DistTensor:
     d = dim % x.ndim
     key = ("softmax", x._lid, d)
-    return _apply(key, lambda t: _nonlinear_rule(t, [d]), lambda t: torch.softmax(t, d, dtype=dtype),
-                  [x], dtype)
+    return _apply(key, lambda t: _nonlinear_rule(t, [d]), lambda t: torch.softmax(t, d, dtype=dtype), [x], dtype)
 
 
 def _torch_softmax(x: DistTensor, dim: int, dtype=None) -> DistTensor:
@@ -422,19 +504,25 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -
     x = _as_dist(x, mesh)
     normalized_shape = tuple(normalized_shape)
     k = len(normalized_shape)
-    if tuple(x._shape[x.ndim - k:]) != normalized_shape:
-        raise ValueError(f"layer_norm: normalized_shape {list(normalized_shape)} is not the trailing "
-                         f"shape of x {list(x._shape)}")
+    if tuple(x._shape[x.ndim - k :]) != normalized_shape:
+        raise ValueError(
+            f"layer_norm: normalized_shape {list(normalized_shape)} is not the trailing shape of x {list(x._shape)}"
+        )
     ops = [x] + [_as_dist(t, mesh) for t in (weight, bias) if t is not None]
     has_w, has_b = weight is not None, bias is not None
-    key = ("layer_norm", normalized_shape, has_w, has_b, eps) + \
-        tuple(t._lid for t in ops)
+    key = ("layer_norm", normalized_shape, has_w, has_b, eps) + tuple(t._lid for t in ops)
 
     def rule(*_: DistTensor) -> RuleResult:
-        lab = "abcdefghijklmnop"[:x.ndim]
-        norm = lab[x.ndim - k:]
-        return einsum_rule([lab] + [norm] * (len(ops) - 1), lab, [t._shape for t in ops],
-                           [t._placements for t in ops], "nonlinear", frozenset(norm))
+        lab = "abcdefghijklmnop"[: x.ndim]
+        norm = lab[x.ndim - k :]
+        return einsum_rule(
+            [lab] + [norm] * (len(ops) - 1),
+            lab,
+            [t._shape for t in ops],
+            [t._placements for t in ops],
+            "nonlinear",
+            frozenset(norm),
+        )
 
     def local_fn(xl, *wb):
         w = wb[0] if has_w else None
@@ -444,8 +532,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -
     return _apply(key, rule, local_fn, ops)
 
 
-def _reduce(op: str, x: DistTensor, dim, keepdim: bool, dtype: Optional[torch.dtype] = None
-            ) -> DistTensor:
+def _reduce(op: str, x: DistTensor, dim, keepdim: bool, dtype: torch.dtype | None = None) -> DistTensor:
     if dim is None:
         dims = tuple(range(x.ndim))
     else:
@@ -513,6 +600,7 @@ def _reflected(op: str) -> Callable[[Any, Any], DistTensor]:
 
 def _torch_binary(op: str) -> Callable[..., DistTensor]:
     """``torch.add(a, b, alpha=...)`` and friends; ``alpha`` scales ``b`` as torch does."""
+
     def fn(a, b, *, alpha=1, out=None, rounding_mode=None):
         if out is not None or rounding_mode is not None:
             raise NotImplementedError(f"torch.{op} on DistTensors with out= or rounding_mode=")
@@ -525,30 +613,47 @@ def _install() -> None:
     """Register the handlers with DistTensor's ``__torch_function__`` and set its operator
     methods (``a @ b``, ``a + b``, ...), which then skip the torch-function round trip."""
     methods: dict[str, Callable] = {
-        "__matmul__": matmul, "__rmatmul__": lambda a, b: matmul(b, a),
+        "__matmul__": matmul,
+        "__rmatmul__": lambda a, b: matmul(b, a),
         "__neg__": _neg,
     }
-    for op, names in (("add", ("add", "__add__", "__radd__")), ("sub", ("sub", "__sub__", "__rsub__")),
-                      ("mul", ("mul", "__mul__", "__rmul__")),
-                      ("div", ("div", "__truediv__", "__rtruediv__"))):
+    for op, names in (
+        ("add", ("add", "__add__", "__radd__")),
+        ("sub", ("sub", "__sub__", "__rsub__")),
+        ("mul", ("mul", "__mul__", "__rmul__")),
+        ("div", ("div", "__truediv__", "__rtruediv__")),
+    ):
         HANDLERS[getattr(torch, op)] = HANDLERS[getattr(torch.Tensor, names[0])] = _torch_binary(op)
         methods[names[1]], methods[names[2]] = _operator(op), _reflected(op)
     for name, fn in methods.items():
         HANDLERS[getattr(torch.Tensor, name)] = fn
         setattr(DistTensor, name, fn)
-    HANDLERS.update({
-        torch.matmul: matmul, torch.mm: matmul, torch.Tensor.matmul: matmul, torch.Tensor.mm: matmul,
-        F.linear: linear, torch.neg: _neg, torch.Tensor.neg: _neg,
-        torch.relu: _relu, F.relu: _relu, torch.Tensor.relu: _relu,
-        F.gelu: _gelu,
-        torch.softmax: _torch_softmax, F.softmax: softmax, torch.Tensor.softmax: _torch_softmax,
-        F.layer_norm: layer_norm,
-        torch.sum: _sum, torch.Tensor.sum: _sum, torch.mean: _mean, torch.Tensor.mean: _mean,
-    })
+    HANDLERS.update(
+        {
+            torch.matmul: matmul,
+            torch.mm: matmul,
+            torch.Tensor.matmul: matmul,
+            torch.Tensor.mm: matmul,
+            F.linear: linear,
+            torch.neg: _neg,
+            torch.Tensor.neg: _neg,
+            torch.relu: _relu,
+            F.relu: _relu,
+            torch.Tensor.relu: _relu,
+            F.gelu: _gelu,
+            torch.softmax: _torch_softmax,
+            F.softmax: softmax,
+            torch.Tensor.softmax: _torch_softmax,
+            F.layer_norm: layer_norm,
+            torch.sum: _sum,
+            torch.Tensor.sum: _sum,
+            torch.mean: _mean,
+            torch.Tensor.mean: _mean,
+        }
+    )
     # Called with the piece alone, these compute what their handler's local function does (F.relu
     # is not among them: it always passes ``inplace``, so it never takes the short path).
-    UNARY_PLAIN.update({F.gelu: _GELU_PLAIN, torch.relu: _RELU_PLAIN,
-                        torch.Tensor.relu: _RELU_PLAIN})
+    UNARY_PLAIN.update({F.gelu: _GELU_PLAIN, torch.relu: _RELU_PLAIN, torch.Tensor.relu: _RELU_PLAIN})
 
 
 _install()

@@ -12,7 +12,7 @@ raise ``NotImplementedError``; a clipped rank could not know their shape.
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 from .autograd import reshard
 from .mesh import ProcessMesh
@@ -20,7 +20,7 @@ from .placements import Placement
 from .tensor import DistTensor
 
 
-def stage_meshes(mesh: ProcessMesh, pp_dim: Union[int, str] = 0) -> list[ProcessMesh]:
+def stage_meshes(mesh: ProcessMesh, pp_dim: int | str = 0) -> list[ProcessMesh]:
     """The sub-meshes of ``mesh`` along its pipeline dim ``pp_dim``, stage 0 first. Collective."""
     return [mesh.get_submesh(pp_dim, i) for i in range(mesh.get_dim_size(pp_dim))]
 

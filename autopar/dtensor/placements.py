@@ -8,7 +8,7 @@ one mesh dim (what ``dims_mapping`` can express); uneven shards follow ``torch.c
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 REDUCE_TYPES = ("sum", "avg", "max", "min")
 
@@ -85,8 +85,7 @@ class Partial(Placement):
 
     def __init__(self, reduce_type: str = "sum"):
         if reduce_type not in REDUCE_TYPES:
-            raise ValueError(f"Partial(reduce_type): reduce_type must be one of {REDUCE_TYPES}, "
-                             f"got {reduce_type!r}")
+            raise ValueError(f"Partial(reduce_type): reduce_type must be one of {REDUCE_TYPES}, got {reduce_type!r}")
         object.__setattr__(self, "reduce_type", reduce_type)
 
     def __setattr__(self, name, value):
@@ -114,8 +113,9 @@ PARTIAL_SUM = Partial("sum")
 PlacementsLike = Sequence[Placement]
 
 
-def normalize_placements(placements: Union[PlacementsLike, Placement], mesh_ndim: int,
-                         tensor_ndim: int) -> tuple[Placement, ...]:
+def normalize_placements(
+    placements: PlacementsLike | Placement, mesh_ndim: int, tensor_ndim: int
+) -> tuple[Placement, ...]:
     """Validate ``placements`` for a mesh of ``mesh_ndim`` dims and a tensor of ``tensor_ndim`` dims.
 
     Negative shard dims are normalized; missing trailing entries are Replicate (as DTensor).
@@ -124,8 +124,9 @@ def normalize_placements(placements: Union[PlacementsLike, Placement], mesh_ndim
         placements = (placements,)
     placements = tuple(placements)
     if len(placements) > mesh_ndim:
-        raise ValueError(f"placements {list(placements)} has {len(placements)} entries but the mesh "
-                         f"has {mesh_ndim} dim(s)")
+        raise ValueError(
+            f"placements {list(placements)} has {len(placements)} entries but the mesh has {mesh_ndim} dim(s)"
+        )
     out = []
     sharded: dict[int, int] = {}
     for mesh_dim, p in enumerate(placements):
@@ -134,11 +135,12 @@ def normalize_placements(placements: Union[PlacementsLike, Placement], mesh_ndim
         if type(p) is Shard:
             d = p.dim + tensor_ndim if p.dim < 0 else p.dim
             if not 0 <= d < tensor_ndim:
-                raise ValueError(f"placements[{mesh_dim}]={p!r} is out of range for a tensor with "
-                                 f"{tensor_ndim} dim(s)")
+                raise ValueError(f"placements[{mesh_dim}]={p!r} is out of range for a tensor with {tensor_ndim} dim(s)")
             if d in sharded:
-                raise ValueError(f"tensor dim {d} is sharded on mesh dims {sharded[d]} and {mesh_dim}; "
-                                 f"a tensor dim may be sharded by at most one mesh dim")
+                raise ValueError(
+                    f"tensor dim {d} is sharded on mesh dims {sharded[d]} and {mesh_dim}; "
+                    f"a tensor dim may be sharded by at most one mesh dim"
+                )
             sharded[d] = mesh_dim
             p = Shard(d) if d != p.dim else p
         out.append(p)
@@ -158,15 +160,15 @@ def to_partial_status(placements: Sequence[Placement]) -> dict[int, str]:
     return {m: p.reduce_type for m, p in enumerate(placements) if type(p) is Partial}
 
 
-def from_dims_mapping(dims_mapping: Sequence[int], mesh_ndim: int,
-                      partial_status: dict[int, str] | None = None) -> tuple[Placement, ...]:
+def from_dims_mapping(
+    dims_mapping: Sequence[int], mesh_ndim: int, partial_status: dict[int, str] | None = None
+) -> tuple[Placement, ...]:
     """Inverse of the two views: Paddle's ``dims_mapping`` + ``partial_status`` to placements."""
     out: list[Placement] = [REPLICATE] * mesh_ndim
     for tensor_dim, mesh_dim in enumerate(dims_mapping):
         if mesh_dim >= 0:
             if out[mesh_dim] != REPLICATE:
-                raise ValueError(f"dims_mapping {list(dims_mapping)} maps two tensor dims to mesh dim "
-                                 f"{mesh_dim}")
+                raise ValueError(f"dims_mapping {list(dims_mapping)} maps two tensor dims to mesh dim {mesh_dim}")
             out[mesh_dim] = Shard(tensor_dim)
     for mesh_dim, rt in (partial_status or {}).items():
         if out[mesh_dim] != REPLICATE:

@@ -23,7 +23,7 @@ S->S), then the others, so a tensor dim is never sharded by two mesh dims at onc
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,12 +33,12 @@ from kernels import comm as kernel_comm
 from .mesh import ProcessMesh
 from .placements import REPLICATE, Partial, Placement, Replicate, Shard, chunk_bounds
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-               "min": dist.ReduceOp.MIN}
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def local_shape(global_shape: Sequence[int], mesh: ProcessMesh, placements: Sequence[Placement],
-                coord: Sequence[int] | None = None) -> list[int]:
+def local_shape(
+    global_shape: Sequence[int], mesh: ProcessMesh, placements: Sequence[Placement], coord: Sequence[int] | None = None
+) -> list[int]:
     """Shape of the local piece at mesh coordinate ``coord`` (default: this rank's)."""
     coord = mesh.my_coordinate if coord is None else coord
     shape = list(global_shape)
@@ -53,7 +53,7 @@ def _pad_dim0(x: torch.Tensor, rows: int) -> torch.Tensor:
     if x.shape[0] == rows:
         return x.contiguous()
     out = x.new_zeros((rows,) + tuple(x.shape[1:]))
-    out[:x.shape[0]] = x
+    out[: x.shape[0]] = x
     return out
 
 
@@ -76,8 +76,7 @@ def all_reduce(x: torch.Tensor, reduce_type: str, group, world: int) -> torch.Te
     return out
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, reduce_type: str, group, world: int,
-                   index: int) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, reduce_type: str, group, world: int, index: int) -> torch.Tensor:
     """P->S(dim) along one mesh dim."""
     size = x.shape[dim]
     s, e = chunk_bounds(size, world, index)
@@ -89,7 +88,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, reduce_type: str, group, world: in
     kernel_comm.reduce_scatter(out, xt, group)
     if reduce_type == "avg":
         out.div_(world)
-    return out[:e - s].movedim(0, dim)
+    return out[: e - s].movedim(0, dim)
 
 
 def local_slice(x: torch.Tensor, dim: int, world: int, index: int) -> torch.Tensor:
@@ -98,8 +97,9 @@ def local_slice(x: torch.Tensor, dim: int, world: int, index: int) -> torch.Tens
     return x.narrow(dim, s, e - s)
 
 
-def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, src_size: int, group, world: int,
-               index: int) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, src_dim: int, dst_dim: int, src_size: int, group, world: int, index: int
+) -> torch.Tensor:
     """S(src_dim)->S(dst_dim) along one mesh dim, uneven pieces padded to a common size."""
     ca = -(-src_size // world)
     dst_size = x.shape[dst_dim]
@@ -108,7 +108,7 @@ def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, src_size: int, group
     dst_pos = dst_dim if dst_dim > src_dim else dst_dim + 1
     # Block r of the send buffer: my rows along src_dim (padded to ca), rank r's piece of dst_dim
     # (padded to cb); one equal-sized block per peer is what all_to_all_single exchanges.
-    send = xa.new_zeros((world, ca) + tuple(xa.shape[1:dst_pos]) + (cb,) + tuple(xa.shape[dst_pos + 1:]))
+    send = xa.new_zeros((world, ca) + tuple(xa.shape[1:dst_pos]) + (cb,) + tuple(xa.shape[dst_pos + 1 :]))
     for r in range(world):
         s, e = chunk_bounds(dst_size, world, r)
         piece = xa.narrow(dst_pos, s, e - s)
@@ -129,8 +129,9 @@ def replicate_to_partial(x: torch.Tensor, reduce_type: str, index: int) -> torch
     return x
 
 
-def _step(x: torch.Tensor, global_shape: Sequence[int], mesh: ProcessMesh, m: int, src: Placement,
-          dst: Placement) -> torch.Tensor:
+def _step(
+    x: torch.Tensor, global_shape: Sequence[int], mesh: ProcessMesh, m: int, src: Placement, dst: Placement
+) -> torch.Tensor:
     world = mesh.shape[m]
     if world == 1:
         # One rank along this dim: every placement holds the whole value (and there is no group).
@@ -161,7 +162,7 @@ def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, 
     def sharded_elsewhere(d: int, m: int) -> bool:
         return any(type(p) is Shard and p.dim == d for k, p in enumerate(cur) if k != m)
 
-    for m, (s, d) in enumerate(zip(src, dst)):
+    for m, (s, d) in enumerate(zip(src, dst, strict=False)):
         if type(s) is Shard and s != d:
             if type(d) is Shard and not sharded_elsewhere(d.dim, m):
                 steps.append((m, s, d))
@@ -181,8 +182,9 @@ def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, 
     return steps
 
 
-def redistribute_local(x: torch.Tensor, global_shape: Sequence[int], mesh: ProcessMesh,
-                       src: Sequence[Placement], dst: Sequence[Placement]) -> torch.Tensor:
+def redistribute_local(
+    x: torch.Tensor, global_shape: Sequence[int], mesh: ProcessMesh, src: Sequence[Placement], dst: Sequence[Placement]
+) -> torch.Tensor:
     """The local piece of the tensor at placements ``dst``, given the piece at ``src``."""
     for m, s, d in plan(src, dst):
         x = _step(x, global_shape, mesh, m, s, d)
@@ -190,19 +192,31 @@ def redistribute_local(x: torch.Tensor, global_shape: Sequence[int], mesh: Proce
 
 
 def check_placements_reachable(src: Sequence[Placement], dst: Sequence[Placement]) -> None:
-    for m, (s, d) in enumerate(zip(src, dst)):
-        if type(d) is Partial and type(s) is Partial and s.reduce_type != d.reduce_type \
-                and s.reduce_type in ("max", "min"):
-            raise ValueError(f"cannot reshard {list(src)} -> {list(dst)}: mesh dim {m} would turn "
-                             f"{s} into {d}, which needs the reduced value first; reshard to "
-                             f"Replicate() and then to {d}")
+    for m, (s, d) in enumerate(zip(src, dst, strict=False)):
+        if (
+            type(d) is Partial
+            and type(s) is Partial
+            and s.reduce_type != d.reduce_type
+            and s.reduce_type in ("max", "min")
+        ):
+            raise ValueError(
+                f"cannot reshard {list(src)} -> {list(dst)}: mesh dim {m} would turn "
+                f"{s} into {d}, which needs the reduced value first; reshard to "
+                f"Replicate() and then to {d}"
+            )
 
 
 # -- cross-mesh moves (pipeline stages) ----------------------------------------------------------
 
-def move_across_meshes(x: torch.Tensor | None, src_mesh: ProcessMesh, dst_mesh: ProcessMesh,
-                       recv_shape: Sequence[int] | None, dtype: torch.dtype,
-                       device: torch.device) -> torch.Tensor | None:
+
+def move_across_meshes(
+    x: torch.Tensor | None,
+    src_mesh: ProcessMesh,
+    dst_mesh: ProcessMesh,
+    recv_shape: Sequence[int] | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
     """Send the local piece of every coordinate of ``src_mesh`` to ``dst_mesh``.
 
     Same mesh shape: flat position ``i`` of ``src_mesh`` sends to flat position ``i`` of
@@ -229,4 +243,3 @@ def move_across_meshes(x: torch.Tensor | None, src_mesh: ProcessMesh, dst_mesh: 
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return out
-

@@ -26,26 +26,43 @@ Both tables are filled by those modules, and ``ops`` sets the operator methods (
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from . import redistribute as _rd
 from .mesh import ProcessMesh, _rebuild_mesh
-from .placements import Partial, Placement, Replicate, Shard, chunk_bounds, normalize_placements, \
-    to_dims_mapping, to_partial_status
+from .placements import (
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    chunk_bounds,
+    normalize_placements,
+    to_dims_mapping,
+    to_partial_status,
+)
 
-HANDLERS: dict[Any, Callable] = {}     # torch-level function -> handler(*args, **kwargs)
+HANDLERS: dict[Any, Callable] = {}  # torch-level function -> handler(*args, **kwargs)
 # torch-level function of one tensor -> {input layout id: (mesh, out placements, out shape, out
 # layout id)} for calls that need only ``func(piece)`` and a wrapper (no gradient, the rule's input
 # layout already): __torch_function__ serves them without the handler's frame and argument
 # repacking. Filled by ops.py on a call the handler found to be such a call.
 UNARY_PLAIN: dict[Any, dict[int, tuple]] = {}
-ATEN: dict[int, Callable] = {}         # id(aten overload) -> handler(func, args, kwargs)
-ATEN_DEFAULT: list[Callable] = []      # handler for aten ops not in ATEN (set by aten.py)
+ATEN: dict[int, Callable] = {}  # id(aten overload) -> handler(func, args, kwargs)
+ATEN_DEFAULT: list[Callable] = []  # handler for aten ops not in ATEN (set by aten.py)
 
-_DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "argwhere", "unique_consecutive",
-                   "__getitem__", "index_select", "where"}
+_DATA_DEPENDENT = {
+    "nonzero",
+    "masked_select",
+    "unique",
+    "argwhere",
+    "unique_consecutive",
+    "__getitem__",
+    "index_select",
+    "where",
+}
 
 _LIDS: dict[tuple, int] = {}
 _EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -54,7 +71,7 @@ _MWS = torch.Tensor._make_wrapper_subclass
 # positionally and reads dtype, device and layout off the piece, where _make_wrapper_subclass parses
 # keyword arguments: 0.72 us instead of 1.07 per wrapper made and freed, the largest single cost of
 # a cached op (docs/dtensor.md). It stores the piece and ``spec`` as ``_local_tensor`` / ``_spec``.
-_NEW: Optional[Callable] = getattr(torch.Tensor, "_dtensor__new__", None)
+_NEW: Callable | None = getattr(torch.Tensor, "_dtensor__new__", None)
 
 
 class Layout:
@@ -75,7 +92,7 @@ class Layout:
         self.stride = tuple(reversed(stride))
 
 
-_LAYOUTS: list[Layout] = []   # by layout id
+_LAYOUTS: list[Layout] = []  # by layout id
 
 
 def lid_of(shape: Sequence[int], placements: tuple) -> int:
@@ -103,17 +120,22 @@ class DistTensor(torch.Tensor):
 
     # ``_local_tensor`` and ``_spec`` (a Layout) are the names ``_dtensor__new__`` stores into;
     # ``_local`` (set below) reads the same slot.
-    __slots__ = ("_local_tensor", "_spec", "_mesh", "_placements", "_lid", "_shape", "_dtype",
-                 "_init")
+    __slots__ = ("_local_tensor", "_spec", "_mesh", "_placements", "_lid", "_shape", "_dtype", "_init")
 
     def __new__(cls, *args: Any, **kwargs: Any):
-        raise TypeError("DistTensor(...): build one with autopar.shard_tensor(data, mesh, placements) "
-                        "or DistTensor.from_local(local, mesh, placements)")
+        raise TypeError(
+            "DistTensor(...): build one with autopar.shard_tensor(data, mesh, placements) "
+            "or DistTensor.from_local(local, mesh, placements)"
+        )
 
     # -- construction -----------------------------------------------------------------------------
     @staticmethod
-    def from_local(local: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Placement],
-                   global_shape: Optional[Sequence[int]] = None) -> "DistTensor":
+    def from_local(
+        local: torch.Tensor,
+        mesh: ProcessMesh,
+        placements: Sequence[Placement],
+        global_shape: Sequence[int] | None = None,
+    ) -> DistTensor:
         """Wrap this rank's piece (no copy). Without ``global_shape`` shards are assumed even."""
         if not isinstance(local, torch.Tensor) or isinstance(local, DistTensor):
             raise TypeError(f"from_local(local): expected a plain torch.Tensor, got {type(local).__name__}")
@@ -134,9 +156,11 @@ class DistTensor(torch.Tensor):
         global_shape = torch.Size(global_shape)
         expect = _rd.local_shape(global_shape, mesh, pl)
         if list(local.shape) != expect:
-            raise ValueError(f"from_local(local): local shape {list(local.shape)} does not match "
-                             f"global_shape {list(global_shape)} with placements {list(pl)} at mesh "
-                             f"coordinate {mesh.my_coordinate} (expected {expect})")
+            raise ValueError(
+                f"from_local(local): local shape {list(local.shape)} does not match "
+                f"global_shape {list(global_shape)} with placements {list(pl)} at mesh "
+                f"coordinate {mesh.my_coordinate} (expected {expect})"
+            )
         return make(local.detach(), mesh, pl, global_shape, local.dtype)
 
     # -- views (Python properties: the C++ ones would go through __torch_function__) ----------------
@@ -144,7 +168,7 @@ class DistTensor(torch.Tensor):
     def shape(self) -> torch.Size:
         return self._shape
 
-    def size(self, dim: Optional[int] = None):
+    def size(self, dim: int | None = None):
         return self._shape if dim is None else self._shape[dim]
 
     @property
@@ -187,19 +211,29 @@ class DistTensor(torch.Tensor):
     def full_tensor(self) -> torch.Tensor:
         """The global value, gathered and reduced on every rank of the mesh. Not tracked."""
         if not self._init:
-            raise ValueError(f"full_tensor(): this rank ({self._mesh._my_rank}) is outside the tensor's "
-                             f"mesh {self._mesh}; only ranks of the mesh hold data")
-        return _rd.redistribute_local(self._local, self._shape, self._mesh, self._placements,
-                                      tuple(Replicate() for _ in self._placements))
+            raise ValueError(
+                f"full_tensor(): this rank ({self._mesh._my_rank}) is outside the tensor's "
+                f"mesh {self._mesh}; only ranks of the mesh hold data"
+            )
+        return _rd.redistribute_local(
+            self._local, self._shape, self._mesh, self._placements, tuple(Replicate() for _ in self._placements)
+        )
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         state = "" if self._init else ", uninitialized"
         grad = ", requires_grad=True" if torch.Tensor.requires_grad.__get__(self) else ""
-        return (f"DistTensor(shape={list(self._shape)}, dtype={self._dtype}, placements="
-                f"{list(self._placements)}, mesh={list(self._mesh.shape)}{state}{grad})")
+        return (
+            f"DistTensor(shape={list(self._shape)}, dtype={self._dtype}, placements="
+            f"{list(self._placements)}, mesh={list(self._mesh.shape)}{state}{grad})"
+        )
 
-    def backward(self, gradient: Optional[torch.Tensor] = None, retain_graph: Optional[bool] = None,
-                 create_graph: bool = False, inputs: Any = None) -> None:
+    def backward(
+        self,
+        gradient: torch.Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: Any = None,
+    ) -> None:
         torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
 
     # -- the two dispatch protocols -----------------------------------------------------------------
@@ -219,7 +253,8 @@ class DistTensor(torch.Tensor):
             raise NotImplementedError(
                 f"{name} on DistTensor: its output shape depends on the data, which a rank outside "
                 f"the mesh (pipeline non-computation clip) cannot infer; convert with full_tensor() "
-                f"on the ranks of the mesh first")
+                f"on the ranks of the mesh first"
+            )
         # Tensor plumbing (properties, requires_grad_, ...) and ops without a rule go down to ATen,
         # where __torch_dispatch__ serves or rejects them.
         with torch._C.DisableTorchFunctionSubclass():
@@ -234,13 +269,12 @@ class DistTensor(torch.Tensor):
         return handler(func, args, kwargs or {})
 
     # -- copy, pickle, tracing --------------------------------------------------------------------
-    def __deepcopy__(self, memo: dict) -> "DistTensor":
+    def __deepcopy__(self, memo: dict) -> DistTensor:
         if id(self) in memo:
             return memo[id(self)]
         if not torch.Tensor.is_leaf.__get__(self):
             raise RuntimeError("deepcopy of a DistTensor that is not a graph leaf; detach() it first")
-        new = make(self._local.clone(), self._mesh, self._placements, self._shape, self._dtype,
-                   self._init)
+        new = make(self._local.clone(), self._mesh, self._placements, self._shape, self._dtype, self._init)
         memo[id(self)] = new
         if torch.Tensor.requires_grad.__get__(self):
             torch.Tensor.requires_grad_(new)
@@ -252,9 +286,19 @@ class DistTensor(torch.Tensor):
         return new
 
     def __reduce_ex__(self, protocol: int):
-        return (_rebuild_dist_tensor,
-                (self._local, self._mesh, self._placements, self._shape, self._dtype, self._init,
-                 torch.Tensor.requires_grad.__get__(self), bool(getattr(self, "_is_param", False))))
+        return (
+            _rebuild_dist_tensor,
+            (
+                self._local,
+                self._mesh,
+                self._placements,
+                self._shape,
+                self._dtype,
+                self._init,
+                torch.Tensor.requires_grad.__get__(self),
+                bool(getattr(self, "_is_param", False)),
+            ),
+        )
 
     def __tensor_flatten__(self):
         # Makes DistTensor a traceable wrapper subclass: module.to() then swaps parameters whole
@@ -262,8 +306,7 @@ class DistTensor(torch.Tensor):
         return ["_local"], (self._mesh, self._placements, self._shape, self._init)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any
-                             ) -> "DistTensor":
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> DistTensor:
         local = inner["_local"]
         mesh, placements, shape, init = meta
         return make(local, mesh, placements, shape, local.dtype, init)
@@ -290,9 +333,14 @@ def _private_constructor_works() -> bool:
         r = _NEW(DistTensor, piece, layout, False)
         # torch.Tensor's own accessors: DistTensor overrides some to read its slots, unset here.
         base = torch.Tensor
-        return (tuple(base.size(r)) == (4, 3) and base.stride(r) == (3, 1)
-                and base.dtype.__get__(r) == torch.float64 and base.device.__get__(r) == piece.device
-                and _LOCAL_SLOT.__get__(r) is piece and not base.requires_grad.__get__(r))
+        return (
+            tuple(base.size(r)) == (4, 3)
+            and base.stride(r) == (3, 1)
+            and base.dtype.__get__(r) == torch.float64
+            and base.device.__get__(r) == piece.device
+            and _LOCAL_SLOT.__get__(r) is piece
+            and not base.requires_grad.__get__(r)
+        )
     except Exception:  # noqa: BLE001 - any failure of a private API means: do not use it
         return False
 
@@ -301,9 +349,16 @@ if not _private_constructor_works():
     _NEW = None
 
 
-def make(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape: torch.Size,
-         dtype: torch.dtype, init: bool = True, lid: Optional[int] = None,
-         cls: type = DistTensor) -> DistTensor:
+def make(
+    local: torch.Tensor,
+    mesh: ProcessMesh,
+    placements: tuple,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    init: bool = True,
+    lid: int | None = None,
+    cls: type = DistTensor,
+) -> DistTensor:
     """A DistTensor around ``local`` (not copied), of global ``shape`` and ``dtype``."""
     if lid is None:
         lid = lid_of(shape, placements)
@@ -321,8 +376,7 @@ def make(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape: torch
     return r
 
 
-def wrap(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape: torch.Size,
-         lid: int) -> DistTensor:
+def wrap(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape: torch.Size, lid: int) -> DistTensor:
     """``make`` for the per-op hot path: an initialized DistTensor whose dtype is its piece's and
     whose layout id is known."""
     if _NEW is None:
@@ -337,8 +391,9 @@ def wrap(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape: torch
     return r
 
 
-def uninit(mesh: ProcessMesh, placements: tuple, shape: torch.Size, dtype: torch.dtype,
-           device: torch.device) -> DistTensor:
+def uninit(
+    mesh: ProcessMesh, placements: tuple, shape: torch.Size, dtype: torch.dtype, device: torch.device
+) -> DistTensor:
     return make(empty_local(dtype, device), mesh, placements, shape, dtype, False)
 
 
@@ -369,9 +424,16 @@ class PendingMatmul(DistTensor):
         return _LOCAL_SLOT.__get__(self, DistTensor) is not None
 
 
-def pending(x_local: torch.Tensor, w_local: torch.Tensor, mesh: ProcessMesh, placements: tuple,
-            shape: torch.Size, dtype: torch.dtype, mesh_dim: int,
-            lid: Optional[int] = None) -> PendingMatmul:
+def pending(
+    x_local: torch.Tensor,
+    w_local: torch.Tensor,
+    mesh: ProcessMesh,
+    placements: tuple,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    mesh_dim: int,
+    lid: int | None = None,
+) -> PendingMatmul:
     """A DistTensor standing for ``x_local @ w_local.T`` (Partial on ``mesh_dim``), not computed."""
     out = _MWS(PendingMatmul, shape, dtype=dtype, device=x_local.device)
     _LOCAL_SLOT.__set__(out, None)
@@ -423,9 +485,16 @@ def shard_tensor(data: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Pla
     return make(local, mesh, pl, data.shape, data.dtype)
 
 
-def _rebuild_dist_tensor(local: torch.Tensor, mesh: ProcessMesh, placements: tuple,
-                         shape: torch.Size, dtype: torch.dtype, init: bool, requires_grad: bool,
-                         is_param: bool) -> torch.Tensor:
+def _rebuild_dist_tensor(
+    local: torch.Tensor,
+    mesh: ProcessMesh,
+    placements: tuple,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    init: bool,
+    requires_grad: bool,
+    is_param: bool,
+) -> torch.Tensor:
     t = make(local, mesh, tuple(placements), torch.Size(shape), dtype, init)
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)

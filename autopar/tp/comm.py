@@ -9,7 +9,7 @@ is waited for where it is first needed) and trace into a graph under ``torch.com
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 
 import kernels
 
-Group = Optional[dist.ProcessGroup]
+Group = dist.ProcessGroup | None
 
 # Renamed in newer torch releases (the old names warn); same arguments.
 _all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -43,8 +43,7 @@ def resolve_tp_group(tp_group: Group, is_expert: bool = False) -> Group:
     """
     if tp_group is not None:
         if not isinstance(tp_group, dist.ProcessGroup):
-            raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, "
-                            f"got {type(tp_group).__name__}")
+            raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}")
         return tp_group
     if not (dist.is_available() and dist.is_initialized()):
         return None
@@ -64,23 +63,24 @@ def rank_of(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def all_gather_matmul(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       group: Group, return_gathered: bool) -> Any:
+def all_gather_matmul(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, return_gathered: bool
+) -> Any:
     if group is None:
         y = torch.nn.functional.linear(x2d, weight, bias)
         return (y, x2d) if return_gathered else y
     return kernels.all_gather_matmul(x2d, weight, bias, group=group, return_gathered=return_gathered)
 
 
-def matmul_reduce_scatter(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                           group: Group) -> torch.Tensor:
+def matmul_reduce_scatter(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group
+) -> torch.Tensor:
     if group is None:
         return torch.nn.functional.linear(x2d, weight, bias)
     return kernels.matmul_reduce_scatter(x2d, weight, bias, group=group)
 
 
-def matmul_all_reduce(x2d: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                       group: Group) -> torch.Tensor:
+def matmul_all_reduce(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group) -> torch.Tensor:
     if group is None:
         return torch.nn.functional.linear(x2d, weight, bias)
     return kernels.matmul_all_reduce(x2d, weight, bias, group=group)
@@ -136,8 +136,10 @@ def _split_last_dim(t: torch.Tensor, group: Group) -> torch.Tensor:
     if world == 1:
         return t
     if t.shape[-1] % world != 0:
-        raise ValueError(f"the last dim of the input ({t.shape[-1]}, shape {tuple(t.shape)}) must be "
-                         f"divisible by the tensor-parallel size W={world} to scatter it")
+        raise ValueError(
+            f"the last dim of the input ({t.shape[-1]}, shape {tuple(t.shape)}) must be "
+            f"divisible by the tensor-parallel size W={world} to scatter it"
+        )
     return t.chunk(world, dim=-1)[rank_of(group)].contiguous()
 
 

@@ -7,7 +7,7 @@ Megatron modules (already built ones included) through them.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -15,8 +15,12 @@ from kernels import checks
 from kernels.config import get_config
 
 from .comm import GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
-from .functions import (ColumnParallelLinearFunction, ColumnParallelLinearSPFunction, RowParallelLinearFunction,
-                        RowParallelLinearSPFunction)
+from .functions import (
+    ColumnParallelLinearFunction,
+    ColumnParallelLinearSPFunction,
+    RowParallelLinearFunction,
+    RowParallelLinearSPFunction,
+)
 from .wgrad import WgradOptions
 
 
@@ -44,10 +48,12 @@ def _mark_offloading(config: Any, input_parallel: torch.Tensor) -> None:
         input_parallel.activation_offloading = getattr(config, "cpu_offloading_activations", False)
 
 
-def column_parallel_forward(module: torch.nn.Module, input_: torch.Tensor,
-                            weight: Optional[torch.Tensor] = None,
-                            runtime_gather_output: Optional[bool] = None
-                            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def column_parallel_forward(
+    module: torch.nn.Module,
+    input_: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    runtime_gather_output: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward of a column-parallel linear (ours or Megatron's) on the overlapped paths.
 
     Returns ``(output, output_bias)``: ``output`` is ``[s, b, n/W]`` (``[s, b, n]`` when
@@ -55,16 +61,17 @@ def column_parallel_forward(module: torch.nn.Module, input_: torch.Tensor,
     """
     if weight is None:
         if module.weight is None:
-            raise RuntimeError("weight was not supplied to ColumnParallelLinear forward pass "
-                               "and skip_weight_param_allocation is True.")
+            raise RuntimeError(
+                "weight was not supplied to ColumnParallelLinear forward pass and skip_weight_param_allocation is True."
+            )
         weight = module.weight
     else:
         expected_shape = (module.output_size_per_partition, module.input_size)
         if tuple(weight.shape) != expected_shape:
-            raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, "
-                               f"not {expected_shape} as expected")
-    checks.check_input_k(input_, weight.shape[1], name="input_",
-                         expected=f"weight has k={weight.shape[1]} (shape {tuple(weight.shape)})")
+            raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, not {expected_shape} as expected")
+    checks.check_input_k(
+        input_, weight.shape[1], name="input_", expected=f"weight has k={weight.shape[1]} (shape {tuple(weight.shape)})"
+    )
     group = module.tp_group
     bias = module.bias if not module.skip_bias_add else None
     config = module.config
@@ -80,21 +87,20 @@ def column_parallel_forward(module: torch.nn.Module, input_: torch.Tensor,
     explicit_expert_comm = getattr(module, "explicit_expert_comm", False)
     if module.sequence_parallel and not explicit_expert_comm:
         output_parallel = ColumnParallelLinearSPFunction.apply(
-            input_, weight, bias, group, recompute_all_gather, coc_in_backward, wgrad_opts)
+            input_, weight, bias, group, recompute_all_gather, coc_in_backward, wgrad_opts
+        )
     else:
         allreduce_dgrad = module.allreduce_dgrad and not explicit_expert_comm
         output_parallel = ColumnParallelLinearFunction.apply(
-            input_, weight, bias, group, allreduce_dgrad, coc_in_backward,
-            wgrad_opts)
+            input_, weight, bias, group, allreduce_dgrad, coc_in_backward, wgrad_opts
+        )
 
     gather_output = module.gather_output if runtime_gather_output is None else runtime_gather_output
-    output = (GatherFromTensorParallelRegion.apply(output_parallel, group) if gather_output
-              else output_parallel)
+    output = GatherFromTensorParallelRegion.apply(output_parallel, group) if gather_output else output_parallel
     return output, (module.bias if module.skip_bias_add else None)
 
 
-def row_parallel_forward(module: torch.nn.Module, input_: torch.Tensor
-                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def row_parallel_forward(module: torch.nn.Module, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward of a row-parallel linear (ours or Megatron's) on the overlapped paths.
 
     Returns ``(output, output_bias)``: ``output`` is ``[s, b, n]`` (``[s/W, b, n]`` with sequence
@@ -103,11 +109,16 @@ def row_parallel_forward(module: torch.nn.Module, input_: torch.Tensor
     group = module.tp_group
     k_local = module.weight.shape[1]
     if module.input_is_parallel:
-        checks.check_input_k(input_, k_local, name="input_",
-                             expected=f"weight has k={k_local} (shape {tuple(module.weight.shape)})")
+        checks.check_input_k(
+            input_, k_local, name="input_", expected=f"weight has k={k_local} (shape {tuple(module.weight.shape)})"
+        )
     else:
-        checks.check_input_k(input_, module.input_size, name="input_",
-                             expected=f"input_is_parallel=False needs the full input_size={module.input_size}")
+        checks.check_input_k(
+            input_,
+            module.input_size,
+            name="input_",
+            expected=f"input_is_parallel=False needs the full input_size={module.input_size}",
+        )
     if module.input_is_parallel:
         input_parallel = input_
     else:
@@ -118,16 +129,16 @@ def row_parallel_forward(module: torch.nn.Module, input_: torch.Tensor
 
     explicit_expert_comm = getattr(module, "explicit_expert_comm", False)
     if explicit_expert_comm and not module.skip_bias_add:
-        raise RuntimeError("an expert RowParallelLinear with explicit expert communication "
-                           "needs skip_bias_add=True (its output is not reduced here)")
+        raise RuntimeError(
+            "an expert RowParallelLinear with explicit expert communication "
+            "needs skip_bias_add=True (its output is not reduced here)"
+        )
     bias = None if module.skip_bias_add else module.bias
     wgrad_opts = _wgrad_options(module, column=False)
     if explicit_expert_comm:
         output = RowParallelLinearFunction.apply(input_parallel, module.weight, None, None, wgrad_opts)
     elif module.sequence_parallel:
-        output = RowParallelLinearSPFunction.apply(input_parallel, module.weight, bias, group,
-                                                   wgrad_opts)
+        output = RowParallelLinearSPFunction.apply(input_parallel, module.weight, bias, group, wgrad_opts)
     else:
-        output = RowParallelLinearFunction.apply(input_parallel, module.weight, bias, group,
-                                                 wgrad_opts)
+        output = RowParallelLinearFunction.apply(input_parallel, module.weight, bias, group, wgrad_opts)
     return output, (module.bias if module.skip_bias_add else None)

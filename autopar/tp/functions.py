@@ -14,7 +14,7 @@ others are flattened into rows.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ from .comm import Group, rows
 from .wgrad import WgradOptions, custom_bwd, custom_fwd, defer_wgrad, save_for_wgrad, wgrad_and_bias_grad
 
 
-def _finish_dgrad(ctx: Any, grad_x: Optional[torch.Tensor], in_flight: bool) -> Optional[torch.Tensor]:
+def _finish_dgrad(ctx: Any, grad_x: torch.Tensor | None, in_flight: bool) -> torch.Tensor | None:
     """The input gradient in the input's shape, its collective waited for if ``in_flight``: the
     column Functions start it before the weight gradient and finish it after, to overlap the two."""
     if in_flight:
@@ -57,9 +57,16 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
 
     @staticmethod
     @custom_fwd
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                group: Group, allreduce_dgrad: bool, coc_in_backward: bool,
-                wgrad_opts: WgradOptions) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group,
+        allreduce_dgrad: bool,
+        coc_in_backward: bool,
+        wgrad_opts: WgradOptions,
+    ) -> torch.Tensor:
         x, weight, bias = save_for_wgrad(ctx, x, weight, bias, wgrad_opts)
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
         ctx.group = group
@@ -85,8 +92,7 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
                     grad_x = comm.start_all_reduce(grad_x, ctx.group)
                     reducing = True
         deferred = need_w and defer_wgrad(grad_y, ctx.wgrad_opts)
-        grad_w, grad_b = wgrad_and_bias_grad(ctx, None if deferred else grad_y2d, rows(x) if need_w else None,
-                                             grad_y2d)
+        grad_w, grad_b = wgrad_and_bias_grad(ctx, None if deferred else grad_y2d, rows(x) if need_w else None, grad_y2d)
         return _finish_dgrad(ctx, grad_x, reducing), grad_w, grad_b, None, None, None, None
 
 
@@ -119,9 +125,16 @@ class ColumnParallelLinearSPFunction(torch.autograd.Function):
 
     @staticmethod
     @custom_fwd
-    def forward(ctx: Any, x_shard_s: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor], group: Group, recompute_all_gather: bool,
-                coc_in_backward: bool, wgrad_opts: WgradOptions) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x_shard_s: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group,
+        recompute_all_gather: bool,
+        coc_in_backward: bool,
+        wgrad_opts: WgradOptions,
+    ) -> torch.Tensor:
         x_shard_s, weight, bias = save_for_wgrad(ctx, x_shard_s, weight, bias, wgrad_opts)
         x2d = rows(x_shard_s)
         need_w = ctx.needs_input_grad[1]
@@ -191,9 +204,14 @@ class RowParallelLinearFunction(torch.autograd.Function):
 
     @staticmethod
     @custom_fwd
-    def forward(ctx: Any, x_shard_k: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor], group: Group, wgrad_opts: WgradOptions
-                ) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x_shard_k: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group,
+        wgrad_opts: WgradOptions,
+    ) -> torch.Tensor:
         x_shard_k, weight, bias = save_for_wgrad(ctx, x_shard_k, weight, bias, wgrad_opts)
         ctx.save_for_backward(x_shard_k if ctx.needs_input_grad[1] else None, weight)
         y2d = comm.matmul_all_reduce(rows(x_shard_k), weight, bias, group)
@@ -205,8 +223,9 @@ class RowParallelLinearFunction(torch.autograd.Function):
         x_shard_k, weight = ctx.saved_tensors
         grad_y2d = rows(grad_y.contiguous())
         grad_x = grad_y2d.matmul(weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w, grad_b = wgrad_and_bias_grad(ctx, grad_y2d, rows(x_shard_k) if x_shard_k is not None else None,
-                                             grad_y2d)
+        grad_w, grad_b = wgrad_and_bias_grad(
+            ctx, grad_y2d, rows(x_shard_k) if x_shard_k is not None else None, grad_y2d
+        )
         return grad_x, grad_w, grad_b, None, None
 
 
@@ -235,14 +254,21 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
 
     @staticmethod
     @custom_fwd
-    def forward(ctx: Any, x_shard_k: torch.Tensor, weight: torch.Tensor,
-                bias: Optional[torch.Tensor], group: Group, wgrad_opts: WgradOptions
-                ) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x_shard_k: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: Group,
+        wgrad_opts: WgradOptions,
+    ) -> torch.Tensor:
         world = comm.world_size(group)
         if x_shard_k.dim() < 2 or x_shard_k.shape[0] % world != 0:
-            raise ValueError(f"sequence-parallel RowParallelLinear needs the sequence dim (dim 0) of "
-                             f"the input divisible by the tensor-parallel size W={world}, got input "
-                             f"shape {tuple(x_shard_k.shape)}")
+            raise ValueError(
+                f"sequence-parallel RowParallelLinear needs the sequence dim (dim 0) of "
+                f"the input divisible by the tensor-parallel size W={world}, got input "
+                f"shape {tuple(x_shard_k.shape)}"
+            )
         x_shard_k, weight, bias = save_for_wgrad(ctx, x_shard_k, weight, bias, wgrad_opts)
         ctx.save_for_backward(x_shard_k if ctx.needs_input_grad[1] else None, weight)
         ctx.group = group
@@ -257,8 +283,9 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
         grad_y_shard2d = rows(grad_y_shard_s.contiguous())
         grad_x = grad_y2d = None
         if need_x:
-            grad_x2d, grad_y2d = comm.all_gather_matmul(grad_y_shard2d, weight.t(), None, ctx.group,
-                                                        return_gathered=True)
+            grad_x2d, grad_y2d = comm.all_gather_matmul(
+                grad_y_shard2d, weight.t(), None, ctx.group, return_gathered=True
+            )
             grad_x = grad_x2d.view(ctx.x_shape)
         elif need_w:
             grad_y2d = comm.gather_rows(grad_y_shard2d, ctx.group)

@@ -12,7 +12,8 @@ sequence parallel) case, whose communication runs through :mod:`kernels`, so the
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.nn.parameter import Parameter
@@ -31,8 +32,7 @@ def _set_tp_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
-        raise ValueError(f"{what}={numerator} is not divisible by the tensor-parallel size "
-                         f"W={denominator}")
+        raise ValueError(f"{what}={numerator} is not divisible by the tensor-parallel size W={denominator}")
     return numerator // denominator
 
 
@@ -49,15 +49,27 @@ def _use_device_init(config: Any) -> bool:
     return random is not None and random.get_cuda_rng_tracker().is_initialized()
 
 
-def _init_weight(weight: Parameter, *, output_size: int, input_size: int, per_partition: int,
-                 partition_dim: int, init_method: Callable, stride: int, return_master: bool,
-                 params_dtype: torch.dtype, rank: int, world: int, device_init: bool,
-                 is_expert: bool) -> Optional[torch.Tensor]:
+def _init_weight(
+    weight: Parameter,
+    *,
+    output_size: int,
+    input_size: int,
+    per_partition: int,
+    partition_dim: int,
+    init_method: Callable,
+    stride: int,
+    return_master: bool,
+    params_dtype: torch.dtype,
+    rank: int,
+    world: int,
+    device_init: bool,
+    is_expert: bool,
+) -> torch.Tensor | None:
     """Megatron's ``_initialize_affine_weight_cpu`` / ``_gpu``: same values for the same seed."""
     _set_tp_attributes(weight, True, partition_dim, stride)
     if device_init:
-        from megatron.core.tensor_parallel.random import (get_cuda_rng_tracker,
-                                                          get_expert_parallel_rng_tracker_name)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
         tracker = get_cuda_rng_tracker()
         with tracker.fork(get_expert_parallel_rng_tracker_name()) if is_expert else tracker.fork():
             init_method(weight)
@@ -83,7 +95,8 @@ class _ExtraStateMixin:
 
     def _register_extra_state_hook(self) -> None:
         self._register_load_state_dict_pre_hook(
-            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
+            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state")
+        )
 
     def set_extra_state(self, state: Any) -> None:
         """Extra state is ignored."""
@@ -92,21 +105,31 @@ class _ExtraStateMixin:
         """Keep compatibility with TE state dicts."""
         return None
 
-    def _sharded_state_dict(self, prefix: str, sharded_offsets: tuple, metadata: Optional[dict],
-                            tp_axis_map: dict[str, int]) -> dict:
+    def _sharded_state_dict(
+        self, prefix: str, sharded_offsets: tuple, metadata: dict | None, tp_axis_map: dict[str, int]
+    ) -> dict:
         # Megatron's distributed checkpointing calls this on every submodule that has it and
         # otherwise treats the parameters as replicated over TP, which would save one rank's
         # shard as the whole tensor; so the TP axes must be declared as Megatron's modules do.
         try:
-            from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
-                                                         make_sharded_tensors_for_checkpoint)
+            from megatron.core.transformer.utils import (
+                ensure_metadata_has_dp_cp_group,
+                make_sharded_tensors_for_checkpoint,
+            )
         except ImportError as e:
-            raise ImportError("sharded_state_dict() is Megatron's distributed checkpointing and "
-                              f"needs megatron-core (pip install megatron-core): {e}") from e
+            raise ImportError(
+                "sharded_state_dict() is Megatron's distributed checkpointing and "
+                f"needs megatron-core (pip install megatron-core): {e}"
+            ) from e
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True), prefix, tp_axis_map, sharded_offsets,
-            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            tp_axis_map,
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
 
 
 class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
@@ -119,14 +142,26 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
     runtime_gather_output=None) -> (output, output_bias)``.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable,
-                 bias: bool = True, gather_output: bool = False, stride: int = 1,
-                 keep_master_weight_for_test: bool = False, skip_bias_add: bool = False,
-                 skip_weight_param_allocation: bool = False,
-                 embedding_activation_buffer: Optional[list] = None,
-                 grad_output_buffer: Optional[list] = None, is_expert: bool = False,
-                 tp_comm_buffer_name: Optional[str] = None, disable_grad_reduce: bool = False,
-                 tp_group: Group = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Callable,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        skip_bias_add: bool = False,
+        skip_weight_param_allocation: bool = False,
+        embedding_activation_buffer: list | None = None,
+        grad_output_buffer: list | None = None,
+        is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        disable_grad_reduce: bool = False,
+        tp_group: Group = None,
+    ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
@@ -148,16 +183,25 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
 
         self.master_weight = None
         if not skip_weight_param_allocation:
-            self.weight = Parameter(torch.empty(self.output_size_per_partition, input_size,
-                                                device=device, dtype=params_dtype))
+            self.weight = Parameter(
+                torch.empty(self.output_size_per_partition, input_size, device=device, dtype=params_dtype)
+            )
             if perform_init:
                 self.master_weight = _init_weight(
-                    self.weight, output_size=output_size, input_size=input_size,
-                    per_partition=self.output_size_per_partition, partition_dim=0,
-                    init_method=init_method, stride=stride,
-                    return_master=keep_master_weight_for_test, params_dtype=params_dtype,
-                    rank=rank, world=world, device_init=_use_device_init(config),
-                    is_expert=is_expert)
+                    self.weight,
+                    output_size=output_size,
+                    input_size=input_size,
+                    per_partition=self.output_size_per_partition,
+                    partition_dim=0,
+                    init_method=init_method,
+                    stride=stride,
+                    return_master=keep_master_weight_for_test,
+                    params_dtype=params_dtype,
+                    rank=rank,
+                    world=world,
+                    device_init=_use_device_init(config),
+                    is_expert=is_expert,
+                )
             else:
                 _set_tp_attributes(self.weight, True, 0, stride)
             self.weight.allreduce = not (self.is_expert and self.expert_parallel)
@@ -165,8 +209,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
             self.weight = None
 
         if bias:
-            self.bias = Parameter(torch.empty(self.output_size_per_partition, device=device,
-                                              dtype=params_dtype))
+            self.bias = Parameter(torch.empty(self.output_size_per_partition, device=device, dtype=params_dtype))
             _set_tp_attributes(self.bias, True, 0, stride)
             if perform_init:
                 with torch.no_grad():
@@ -177,16 +220,19 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
 
         self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
         if self.sequence_parallel and world <= 1:
-            warnings.warn("`sequence_parallel` is set to `True`, but tensor model parallel size "
-                          f"is {world}. Disabling sequence parallel.")
+            warnings.warn(
+                "`sequence_parallel` is set to `True`, but tensor model parallel size "
+                f"is {world}. Disabling sequence parallel.",
+                stacklevel=2,
+            )
             self.sequence_parallel = False
         self.allreduce_dgrad = world > 1 and not self.sequence_parallel and not disable_grad_reduce
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self._register_extra_state_hook()
 
-    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                runtime_gather_output: Optional[bool] = None
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_ [s, b, input_size]`` (``[s/W, b, input_size]`` with sequence parallelism) ->
         ``(output [s, b, output_size / W] or [s, b, output_size] when gathering, output_bias)``."""
         return column_parallel_forward(self, input_, weight, runtime_gather_output)
@@ -194,15 +240,16 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
     def backward_dw(self) -> None:
         """Delayed weight-gradient computation is not supported (as in Megatron's module)."""
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Megatron distributed checkpointing: weight and bias sharded along axis 0 over TP."""
         return self._sharded_state_dict(prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0})
 
     def __repr__(self) -> str:
         tp = self.output_size // self.output_size_per_partition
-        return (f"{type(self).__name__}(in_features={self.input_size}, "
-                f"out_features={self.output_size}, bias={self.bias is not None}, TP={tp})")
+        return (
+            f"{type(self).__name__}(in_features={self.input_size}, "
+            f"out_features={self.output_size}, bias={self.bias is not None}, TP={tp})"
+        )
 
 
 class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
@@ -214,10 +261,22 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
     ``megatron.core.tensor_parallel.RowParallelLinear``. ``forward(input_) -> (output, output_bias)``.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, config: Any, init_method: Callable,
-                 bias: bool, input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
-                 keep_master_weight_for_test: bool = False, is_expert: bool = False,
-                 tp_comm_buffer_name: Optional[str] = None, tp_group: Group = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: Any,
+        init_method: Callable,
+        bias: bool,
+        input_is_parallel: bool,
+        skip_bias_add: bool,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        is_expert: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        tp_group: Group = None,
+    ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
@@ -238,16 +297,26 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         device = _param_device(config)
         perform_init = getattr(config, "perform_initialization", True)
 
-        self.weight = Parameter(torch.empty(output_size, self.input_size_per_partition,
-                                            device=device, dtype=params_dtype))
+        self.weight = Parameter(
+            torch.empty(output_size, self.input_size_per_partition, device=device, dtype=params_dtype)
+        )
         self.master_weight = None
         if perform_init:
             self.master_weight = _init_weight(
-                self.weight, output_size=output_size, input_size=input_size,
-                per_partition=self.input_size_per_partition, partition_dim=1,
-                init_method=init_method, stride=stride, return_master=keep_master_weight_for_test,
-                params_dtype=params_dtype, rank=rank, world=world,
-                device_init=_use_device_init(config), is_expert=is_expert)
+                self.weight,
+                output_size=output_size,
+                input_size=input_size,
+                per_partition=self.input_size_per_partition,
+                partition_dim=1,
+                init_method=init_method,
+                stride=stride,
+                return_master=keep_master_weight_for_test,
+                params_dtype=params_dtype,
+                rank=rank,
+                world=world,
+                device_init=_use_device_init(config),
+                is_expert=is_expert,
+            )
         else:
             _set_tp_attributes(self.weight, True, 1, stride)
         self.weight.allreduce = not (self.is_expert and self.expert_parallel)
@@ -265,18 +334,19 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
             self.register_parameter("bias", None)
         self._register_extra_state_hook()
 
-    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_ [s, b, input_size / W]`` (or ``[s, b, input_size]`` when not
         ``input_is_parallel``) -> ``(output [s, b, output_size] or [s/W, b, output_size] with
         sequence parallelism, output_bias)``."""
         return row_parallel_forward(self, input_)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Megatron distributed checkpointing: weight sharded along axis 1 over TP, bias whole."""
         return self._sharded_state_dict(prefix, sharded_offsets, metadata, {"weight": 1})
 
     def __repr__(self) -> str:
         tp = self.input_size // self.input_size_per_partition
-        return (f"{type(self).__name__}(in_features={self.input_size}, "
-                f"out_features={self.output_size}, bias={self.bias is not None}, TP={tp})")
+        return (
+            f"{type(self).__name__}(in_features={self.input_size}, "
+            f"out_features={self.output_size}, bias={self.bias is not None}, TP={tp})"
+        )

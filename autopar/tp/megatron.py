@@ -11,7 +11,8 @@ original methods back.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -22,9 +23,12 @@ __all__ = ["patch_megatron", "unpatch_megatron", "is_megatron_patched"]
 _ORIGINAL_FORWARDS: dict[type, Callable] = {}
 
 
-def _column_forward(self: torch.nn.Module, input_: torch.Tensor,
-                    weight: Optional[torch.Tensor] = None,
-                    runtime_gather_output: Optional[bool] = None) -> Any:
+def _column_forward(
+    self: torch.nn.Module,
+    input_: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    runtime_gather_output: bool | None = None,
+) -> Any:
     """Megatron ``ColumnParallelLinear.forward`` on autopar's overlapped paths."""
     return column_parallel_forward(self, input_, weight, runtime_gather_output)
 
@@ -38,8 +42,10 @@ def _megatron_classes() -> tuple[tuple[type, Callable], ...]:
     try:
         from megatron.core.tensor_parallel import layers
     except ImportError as e:
-        raise ImportError("patch_megatron() needs megatron-core (pip install megatron-core); "
-                          f"importing megatron.core.tensor_parallel failed: {e}") from e
+        raise ImportError(
+            "patch_megatron() needs megatron-core (pip install megatron-core); "
+            f"importing megatron.core.tensor_parallel failed: {e}"
+        ) from e
     return ((layers.ColumnParallelLinear, _column_forward), (layers.RowParallelLinear, _row_forward))
 
 

@@ -49,19 +49,19 @@ class ParallelConfig:
             if f.type in ("bool", bool) and not isinstance(value, bool):
                 raise TypeError(f"ParallelConfig.{f.name} must be a bool, got {value!r}")
         if self.params_dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"ParallelConfig.params_dtype must be one of {_FLOAT_DTYPES}, "
-                            f"got {self.params_dtype!r}")
+            raise TypeError(f"ParallelConfig.params_dtype must be one of {_FLOAT_DTYPES}, got {self.params_dtype!r}")
         for name in ("expert_model_parallel_size", "wgrad_deferral_limit"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"ParallelConfig.{name} must be an int, got {value!r}")
         if self.expert_model_parallel_size < 1:
-            raise ValueError(f"ParallelConfig.expert_model_parallel_size must be >= 1, "
-                             f"got {self.expert_model_parallel_size}")
+            raise ValueError(
+                f"ParallelConfig.expert_model_parallel_size must be >= 1, got {self.expert_model_parallel_size}"
+            )
         if self.wgrad_deferral_limit < 0:
-            raise ValueError(f"ParallelConfig.wgrad_deferral_limit must be >= 0, "
-                             f"got {self.wgrad_deferral_limit}")
+            raise ValueError(f"ParallelConfig.wgrad_deferral_limit must be >= 0, got {self.wgrad_deferral_limit}")
         if self.defer_embedding_wgrad_compute and not self.gradient_accumulation_fusion:
             # Same rule as Megatron: the deferred weight gradient is accumulated into main_grad.
-            raise ValueError("ParallelConfig.defer_embedding_wgrad_compute=True requires "
-                             "gradient_accumulation_fusion=True")
+            raise ValueError(
+                "ParallelConfig.defer_embedding_wgrad_compute=True requires gradient_accumulation_fusion=True"
+            )

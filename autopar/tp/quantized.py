@@ -16,7 +16,7 @@ the layer raises ``RuntimeError``. Sequence parallelism would need a quantized
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,17 +32,26 @@ class _QuantizedRowParallelFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x_shard_k: torch.Tensor, layer: "QuantizedRowParallelLinear",
-                bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        ctx: Any, x_shard_k: torch.Tensor, layer: QuantizedRowParallelLinear, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         return kernels.quantized_matmul_all_reduce(
-            x_shard_k.detach(), layer.qweight, layer.scale, None if bias is None else bias.detach(),
-            group_size=layer.group_size, offset=layer.offset, group=layer.tp_group)
+            x_shard_k.detach(),
+            layer.qweight,
+            layer.scale,
+            None if bias is None else bias.detach(),
+            group_size=layer.group_size,
+            offset=layer.offset,
+            group=layer.tp_group,
+        )
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[None, None, None]:
-        raise RuntimeError("QuantizedRowParallelLinear is inference-only: its int8 weights have no "
-                           "gradient and no backward exists; run it under torch.no_grad() or keep the "
-                           "float RowParallelLinear for training")
+        raise RuntimeError(
+            "QuantizedRowParallelLinear is inference-only: its int8 weights have no "
+            "gradient and no backward exists; run it under torch.no_grad() or keep the "
+            "float RowParallelLinear for training"
+        )
 
 
 class QuantizedRowParallelLinear(torch.nn.Module):
@@ -55,10 +64,18 @@ class QuantizedRowParallelLinear(torch.nn.Module):
     else ``None``. ``input_`` must be fp16 / bf16 (fp32 on CPU).
     """
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], *,
-                 input_is_parallel: bool, skip_bias_add: bool,
-                 tp_group: Optional[dist.ProcessGroup] = None, group_size: Optional[int] = None,
-                 offset: Optional[torch.Tensor] = None) -> None:
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        input_is_parallel: bool,
+        skip_bias_add: bool,
+        tp_group: dist.ProcessGroup | None = None,
+        group_size: int | None = None,
+        offset: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         kernels.quant.quant_spec(qweight, scale, group_size, offset)
         self.register_buffer("qweight", qweight)
@@ -70,45 +87,59 @@ class QuantizedRowParallelLinear(torch.nn.Module):
         self.skip_bias_add = skip_bias_add
         self.tp_group = tp_group
 
-    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             world = 1 if self.tp_group is None and not dist.is_initialized() else dist.get_world_size(self.tp_group)
             rank = 0 if world == 1 else dist.get_rank(self.tp_group)
             k_local = self.qweight.shape[1]
             if input_.shape[-1] != k_local * world:
-                raise ValueError(f"input_is_parallel=False needs the full input [..., {k_local * world}], "
-                                 f"got shape {tuple(input_.shape)}")
-            input_ = input_[..., rank * k_local:(rank + 1) * k_local]
+                raise ValueError(
+                    f"input_is_parallel=False needs the full input [..., {k_local * world}], "
+                    f"got shape {tuple(input_.shape)}"
+                )
+            input_ = input_[..., rank * k_local : (rank + 1) * k_local]
         bias = None if self.skip_bias_add else self.bias
         output = _QuantizedRowParallelFunction.apply(input_, self, bias)
         return output, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
-        return (f"qweight={tuple(self.qweight.shape)}, scale={tuple(self.scale.shape)}, "
-                f"bias={self.bias is not None}, group_size={self.group_size}")
+        return (
+            f"qweight={tuple(self.qweight.shape)}, scale={tuple(self.scale.shape)}, "
+            f"bias={self.bias is not None}, group_size={self.group_size}"
+        )
 
 
-def quantize_row_parallel_linear(module: torch.nn.Module, mode: str = "per_channel",
-                                 group_size: Optional[int] = None) -> QuantizedRowParallelLinear:
+def quantize_row_parallel_linear(
+    module: torch.nn.Module, mode: str = "per_channel", group_size: int | None = None
+) -> QuantizedRowParallelLinear:
     """A :class:`QuantizedRowParallelLinear` from a float RowParallelLinear (local, no communication).
 
     ``mode`` / ``group_size`` as :func:`kernels.quantize_weight`, applied to this rank's shard.
     """
     config = getattr(module, "config", None)
     if getattr(config, "sequence_parallel", False) or getattr(module, "sequence_parallel", False):
-        raise NotImplementedError("quantize_row_parallel_linear: sequence_parallel=True needs a quantized "
-                                  "matmul_reduce_scatter, which kernels does not provide; quantize a "
-                                  "layer built with sequence_parallel=False")
+        raise NotImplementedError(
+            "quantize_row_parallel_linear: sequence_parallel=True needs a quantized "
+            "matmul_reduce_scatter, which kernels does not provide; quantize a "
+            "layer built with sequence_parallel=False"
+        )
     if getattr(module, "explicit_expert_comm", False):
-        raise NotImplementedError("quantize_row_parallel_linear: expert layers with explicit expert "
-                                  "communication are not supported")
+        raise NotImplementedError(
+            "quantize_row_parallel_linear: expert layers with explicit expert communication are not supported"
+        )
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise TypeError(f"quantize_row_parallel_linear needs a RowParallelLinear with a 2-D weight, got "
-                        f"{type(module).__name__}")
+        raise TypeError(
+            f"quantize_row_parallel_linear needs a RowParallelLinear with a 2-D weight, got {type(module).__name__}"
+        )
     qweight, scale = kernels.quantize_weight(weight.detach(), mode, group_size)
     bias = getattr(module, "bias", None)
     return QuantizedRowParallelLinear(
-        qweight, scale, None if bias is None else bias.detach().clone(),
-        input_is_parallel=bool(module.input_is_parallel), skip_bias_add=bool(module.skip_bias_add),
-        tp_group=getattr(module, "tp_group", None), group_size=group_size if mode == "per_group" else None)
+        qweight,
+        scale,
+        None if bias is None else bias.detach().clone(),
+        input_is_parallel=bool(module.input_is_parallel),
+        skip_bias_add=bool(module.skip_bias_add),
+        tp_group=getattr(module, "tp_group", None),
+        group_size=group_size if mode == "per_group" else None,
+    )

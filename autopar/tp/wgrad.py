@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -23,11 +23,11 @@ class WgradOptions:
     """How the weight gradient is delivered (Megatron's semantics)."""
 
     gradient_accumulation_fusion: bool = False
-    grad_output_buffer: Optional[list] = None
+    grad_output_buffer: list | None = None
     wgrad_deferral_limit: int = 0
 
 
-def main_grad_for(weight: torch.Tensor, opts: WgradOptions) -> Optional[torch.Tensor]:
+def main_grad_for(weight: torch.Tensor, opts: WgradOptions) -> torch.Tensor | None:
     if not opts.gradient_accumulation_fusion:
         return None
     return getattr(weight, "main_grad", None)
@@ -44,9 +44,13 @@ def defer_wgrad(grad_y: torch.Tensor, opts: WgradOptions) -> bool:
     return False
 
 
-def weight_grad(weight: torch.Tensor, main_grad: Optional[torch.Tensor], opts: WgradOptions,
-                 grad_y2d: Optional[torch.Tensor], x2d: Optional[torch.Tensor]
-                 ) -> Optional[torch.Tensor]:
+def weight_grad(
+    weight: torch.Tensor,
+    main_grad: torch.Tensor | None,
+    opts: WgradOptions,
+    grad_y2d: torch.Tensor | None,
+    x2d: torch.Tensor | None,
+) -> torch.Tensor | None:
     """``grad_w = grad_y2d.T @ x2d`` returned, or added into ``weight.main_grad``.
 
     ``grad_y2d`` is None when the GEMM was deferred (the caller computes it later).
@@ -56,16 +60,19 @@ def weight_grad(weight: torch.Tensor, main_grad: Optional[torch.Tensor], opts: W
             return None
         return grad_y2d.t().matmul(x2d)
     if main_grad is None:
-        raise RuntimeError("gradient_accumulation_fusion=True needs weight.main_grad (the buffer the "
-                           "weight gradient is added into, e.g. allocated by Megatron's "
-                           "DistributedDataParallel); this weight had none at forward time")
+        raise RuntimeError(
+            "gradient_accumulation_fusion=True needs weight.main_grad (the buffer the "
+            "weight gradient is added into, e.g. allocated by Megatron's "
+            "DistributedDataParallel); this weight had none at forward time"
+        )
     # A module reused across layers (e.g. MTP logits) may have its main_grad swapped between
     # forward and backward; Megatron restores the one captured at forward time.
     weight.main_grad = main_grad
     if grad_y2d is not None:
         if main_grad.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise RuntimeError(f"Unsupported gradient type for gradient accumulation fusion: "
-                               f"main_grad dtype {main_grad.dtype}")
+            raise RuntimeError(
+                f"Unsupported gradient type for gradient accumulation fusion: main_grad dtype {main_grad.dtype}"
+            )
         if fused_weight_gradient_mlp_cuda is not None and main_grad.is_cuda:
             if main_grad.dtype == torch.float32:
                 fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x2d, grad_y2d, main_grad)
@@ -80,12 +87,11 @@ def weight_grad(weight: torch.Tensor, main_grad: Optional[torch.Tensor], opts: W
         # on the main backward thread, and reads the flag to skip adding .grad to main_grad.
         make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
         weight.grad_added_to_main_grad = True
-        return make(main_grad.shape, dtype=x2d.dtype if x2d is not None else weight.dtype,
-                    device=main_grad.device)
+        return make(main_grad.shape, dtype=x2d.dtype if x2d is not None else weight.dtype, device=main_grad.device)
     return None
 
 
-def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple:
+def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     """Operands in the autocast dtype when autocast is on for their device.
 
     A plain ``torch.matmul`` would be autocast by torch; the kernels ops check that x, weight and
@@ -98,8 +104,9 @@ def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     return (x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
 
 
-def save_for_wgrad(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                   wgrad_opts: WgradOptions) -> tuple:
+def save_for_wgrad(
+    ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wgrad_opts: WgradOptions
+) -> tuple:
     """The forward bookkeeping every Function shares; returns the autocast ``(x, weight, bias)``.
 
     The Function saves its tensors itself: the input it keeps is read by the weight gradient
@@ -115,8 +122,9 @@ def save_for_wgrad(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Option
     return x, weight, bias
 
 
-def wgrad_and_bias_grad(ctx: Any, grad_y2d: Optional[torch.Tensor], x2d: Optional[torch.Tensor],
-                        grad_b_rows: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def wgrad_and_bias_grad(
+    ctx: Any, grad_y2d: torch.Tensor | None, x2d: torch.Tensor | None, grad_b_rows: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(grad_w, grad_b)`` as the Function's inputs need them; ``grad_b_rows`` is summed over rows."""
     need_w, need_b = ctx.needs_input_grad[1:3]
     grad_w = weight_grad(ctx.weight_param, ctx.main_grad, ctx.wgrad_opts, grad_y2d, x2d) if need_w else None

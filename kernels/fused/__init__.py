@@ -10,26 +10,27 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..heap import cupy_install_hint, import_cupy
-from . import interpreter_compat  # noqa: F401  (repairs Triton 3.6's interpreter under NumPy >= 2.4)
+from . import (
+    interpreter_compat,  # noqa: F401  (repairs Triton 3.6's interpreter under NumPy >= 2.4)
+    runtime,
+)
 from .ag_gemm import all_gather_matmul
 from .gemm_ar import matmul_all_reduce
 from .gemm_rs import matmul_reduce_scatter
-from . import runtime
 from .runtime import check_errors, resolve_group, triton_interpreted, world_size
 
 __all__ = ["unavailable_reason", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "check_errors"]
 
 # Values keep the group alive so its id cannot be reused by a later group while cached.
-_REASONS: dict[tuple[int, str], tuple[dist.ProcessGroup, Optional[str]]] = {}
+_REASONS: dict[tuple[int, str], tuple[dist.ProcessGroup, str | None]] = {}
 
 
-def _locality_reason(infos: list[tuple[Optional[str], str, int, tuple[int, ...]]]) -> Optional[str]:
+def _locality_reason(infos: list[tuple[str | None, str, int, tuple[int, ...]]]) -> str | None:
     """Can every rank map every peer's memory?
 
     ``infos``: per rank (local reason, host, GPU index, GPU indices it has no peer access to). The
@@ -49,7 +50,7 @@ def _locality_reason(infos: list[tuple[Optional[str], str, int, tuple[int, ...]]
     return None
 
 
-def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
+def unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
     """None when the fused kernels can run on ``group`` and ``device``, else why not (for the fallback warning).
 
     The first call for a (group, device) exchanges host names and local reasons (one collective over ``group``); every
@@ -57,15 +58,18 @@ def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device)
     """
     group = resolve_group(group)
     if world_size(group) == 1:
-        return None if device.type == "cuda" or triton_interpreted() else (
-            "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before kernels is imported)")
+        return (
+            None
+            if device.type == "cuda" or triton_interpreted()
+            else ("CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before kernels is imported)")
+        )
     key = (id(group), str(device))
     if key in _REASONS:
         return _REASONS[key][1]
     if runtime.capturing(device):
         # The answer needs a collective (and then the heap's creation, more): neither can be captured.
         runtime._refuse_capture("call", None, 0)
-    reason: Optional[str] = None
+    reason: str | None = None
     if device.type == "cuda":
         try:
             import_cupy()
@@ -83,8 +87,11 @@ def unavailable_reason(group: Optional[dist.ProcessGroup], device: torch.device)
     index, no_access = -1, ()
     if device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()
-        no_access = tuple(j for j in range(torch.cuda.device_count())
-                          if j != index and not torch.cuda.can_device_access_peer(index, j))
+        no_access = tuple(
+            j
+            for j in range(torch.cuda.device_count())
+            if j != index and not torch.cuda.can_device_access_peer(index, j)
+        )
     # Every rank takes part in the exchange even when it already knows its own answer, and all
     # ranks adopt the first reason any rank found, so they all choose the same backend.
     infos: list = [None] * dist.get_world_size(group)

@@ -20,10 +20,10 @@ Each rank only reads its own ``G`` and only peers write it, so step 1 is the who
 Under the interpreter the GEMM of step 3 waits only on other ranks' step 2, never on a later program
 of its own launch.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,22 +35,63 @@ from .gemm import BlockConfig, acc_dtype, block_config, dot_precision, matmul, t
 
 
 @triton.jit
-def _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn,
-             HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr):
+def _store_y(
+    acc,
+    bias_ptr,
+    y_ptr,
+    offs_m,
+    mask_m,
+    offs_n,
+    mask_n,
+    stride_ym,
+    stride_yn,
+    HAS_BIAS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
-def _ag_gemm_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_ptr, M_LOCAL, N, K, n_tiles,
-                    chunk_rows, stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn, rank,
-                    timeout: tl.int64, flag_offset,
-                    WORLD: tl.constexpr, CHANNEL: tl.constexpr, FLAG_STRIDE: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, STORE_A: tl.constexpr,
-                    USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _ag_gemm_kernel(
+    x_ptr,
+    data_tab_ptr,
+    sig_tab_ptr,
+    w_ptr,
+    bias_ptr,
+    y_ptr,
+    g_ptr,
+    M_LOCAL,
+    N,
+    K,
+    n_tiles,
+    chunk_rows,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_ym,
+    stride_yn,
+    rank,
+    timeout: tl.int64,
+    flag_offset,
+    WORLD: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    FLAG_STRIDE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    STORE_A: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid = tl.program_id(0)
     tiles_per_shard = tl.cdiv(M_LOCAL, BLOCK_M)
     pid_m = pid // n_tiles
@@ -73,23 +114,76 @@ def _ag_gemm_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, w_ptr, bias_ptr, y_ptr, g_
         # Own rows straight from x: no flag, so this launch never waits on the push launch of its
         # own process (which then need not be co-resident with it). Skipped after a failed check.
         if signals.failed(pad) == 0:
-            acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, local_rows, mask_m, offs_n,
-                              mask_n, K, g_ptr + rank * M_LOCAL * K, K, store_mask, BLOCK_M, BLOCK_N, BLOCK_K,
-                              STORE_A, ACC_DTYPE, DOT_PRECISION)
+            acc = tile_matmul(
+                x_ptr,
+                stride_xm,
+                stride_xk,
+                w_ptr,
+                stride_wn,
+                stride_wk,
+                local_rows,
+                mask_m,
+                offs_n,
+                mask_n,
+                K,
+                g_ptr + rank * M_LOCAL * K,
+                K,
+                store_mask,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                STORE_A,
+                ACC_DTYPE,
+                DOT_PRECISION,
+            )
             _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, ACC_DTYPE)
     else:
         epoch = signals.call_epoch(pad)
         if signals.wait_signal(pad + flag, epoch, pad, timeout, 1 + src + WORLD * CHANNEL, USE_GLOBALTIMER):
             g_local = signals.peer_ptr(data_tab_ptr, rank, y_ptr.dtype.element_ty)
-            acc = tile_matmul(g_local, K, 1, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
-                              g_ptr, K, store_mask, BLOCK_M, BLOCK_N, BLOCK_K, STORE_A, ACC_DTYPE, DOT_PRECISION)
+            acc = tile_matmul(
+                g_local,
+                K,
+                1,
+                w_ptr,
+                stride_wn,
+                stride_wk,
+                offs_m,
+                mask_m,
+                offs_n,
+                mask_n,
+                K,
+                g_ptr,
+                K,
+                store_mask,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                STORE_A,
+                ACC_DTYPE,
+                DOT_PRECISION,
+            )
             _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, ACC_DTYPE)
 
 
 @triton.jit(do_not_specialize=["rank"])
-def _push_shard_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, M_LOCAL, K, stride_xm, stride_xk, chunk_rows, n_chunks,
-                       rank, WORLD: tl.constexpr, FLAG_OFFSET: tl.constexpr,
-                       FLAG_STRIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _push_shard_kernel(
+    x_ptr,
+    data_tab_ptr,
+    sig_tab_ptr,
+    M_LOCAL,
+    K,
+    stride_xm,
+    stride_xk,
+    chunk_rows,
+    n_chunks,
+    rank,
+    WORLD: tl.constexpr,
+    FLAG_OFFSET: tl.constexpr,
+    FLAG_STRIDE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # Program (step, c) copies chunk c of x into row block ``rank`` of rank (rank - 1 - step)'s
     # gather buffer and then raises that rank's flag AG[rank, c]. Rank d's GEMM reads its own rows
     # (from its x) first and shard d + 1 next, so rank - 1 is served first, then rank - 2, ...
@@ -111,12 +205,12 @@ def _push_shard_kernel(x_ptr, data_tab_ptr, sig_tab_ptr, M_LOCAL, K, stride_xm, 
                 mask = mask_r[:, None] & (ks < K)[None, :]
                 tile = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=mask)
                 tl.store(g + (rank * M_LOCAL + rows)[:, None] * K + ks[None, :], tile, mask=mask)
-        signals.send_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + FLAG_OFFSET + rank * FLAG_STRIDE + c,
-                            signals.call_epoch(pad))
+        signals.send_signal(
+            signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + FLAG_OFFSET + rank * FLAG_STRIDE + c, signals.call_epoch(pad)
+        )
 
 
-def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side: Optional[torch.cuda.Stream]
-                ) -> bool:
+def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side: torch.cuda.Stream | None) -> bool:
     """Copy ``x`` chunk by chunk into row block ``r`` of every peer's gather buffer, flag after each chunk.
 
     One kernel, so the pushes are skipped on the device when the call check failed: copies queued
@@ -135,11 +229,24 @@ def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side:
     if gpu:
         side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
-        _push_shard_kernel[((w - 1) * n_chunks,)](x, heap.data_ptrs, heap.sig_ptrs, m_local, k, x.stride(0), x.stride(1),
-                                            chunk_rows, n_chunks, r, WORLD=w,
-                                            FLAG_OFFSET=signals.channel_offset(signals.CH_AG, w),
-                                            FLAG_STRIDE=signals.AG_MAX_SPLITS, BLOCK_R=32 if gpu else 16,
-                                            BLOCK_K=128 if gpu else 64, num_warps=4 if gpu else 1)
+        _push_shard_kernel[((w - 1) * n_chunks,)](
+            x,
+            heap.data_ptrs,
+            heap.sig_ptrs,
+            m_local,
+            k,
+            x.stride(0),
+            x.stride(1),
+            chunk_rows,
+            n_chunks,
+            r,
+            WORLD=w,
+            FLAG_OFFSET=signals.channel_offset(signals.CH_AG, w),
+            FLAG_STRIDE=signals.AG_MAX_SPLITS,
+            BLOCK_R=32 if gpu else 16,
+            BLOCK_K=128 if gpu else 64,
+            num_warps=4 if gpu else 1,
+        )
     return gpu
 
 
@@ -155,8 +262,15 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _gemm(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-          return_gathered: bool, cfg: BlockConfig, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gemm(
+    call: runtime.FusedCall,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    return_gathered: bool,
+    cfg: BlockConfig,
+    chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the outputs and launch the GEMM over the gathered rows; ``(y, x_gathered or y)``."""
     heap, w = call.heap, call.world_size
     m_local, k = x.shape
@@ -168,22 +282,52 @@ def _gemm(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Tensor, bias: 
     n_tiles = max(triton.cdiv(n, cfg.block_n), 1 if return_gathered else 0)
     grid = (w * triton.cdiv(m_local, cfg.block_m) * n_tiles,)
     if grid[0] > 0:
-        _ag_gemm_kernel[grid](x, heap.data_ptrs, heap.sig_ptrs, weight, bias if bias is not None else y, y,
-                              x_gathered, m_local, n, k, n_tiles, chunk_rows, x.stride(0), x.stride(1),
-                              weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-                              call.rank, call.timeout_ticks, signals.channel_offset(signals.CH_AG, w),
-                              WORLD=w, CHANNEL=signals.CH_AG, FLAG_STRIDE=signals.AG_MAX_SPLITS,
-                              HAS_BIAS=bias is not None, STORE_A=return_gathered,
-                              USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(x.dtype),
-                              DOT_PRECISION=dot_precision(x.dtype, x.device),
-                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _ag_gemm_kernel[grid](
+            x,
+            heap.data_ptrs,
+            heap.sig_ptrs,
+            weight,
+            bias if bias is not None else y,
+            y,
+            x_gathered,
+            m_local,
+            n,
+            k,
+            n_tiles,
+            chunk_rows,
+            x.stride(0),
+            x.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            y.stride(0),
+            y.stride(1),
+            call.rank,
+            call.timeout_ticks,
+            signals.channel_offset(signals.CH_AG, w),
+            WORLD=w,
+            CHANNEL=signals.CH_AG,
+            FLAG_STRIDE=signals.AG_MAX_SPLITS,
+            HAS_BIAS=bias is not None,
+            STORE_A=return_gathered,
+            USE_GLOBALTIMER=call.use_globaltimer,
+            ACC_DTYPE=acc_dtype(x.dtype),
+            DOT_PRECISION=dot_precision(x.dtype, x.device),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     return y, x_gathered
 
 
-def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      group: Optional[dist.ProcessGroup], return_gathered: bool
-                      ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+def all_gather_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    return_gathered: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused all-gather + GEMM over the group's symmetric heap.
 
     Shapes: x ``[m_local, k]`` (same ``m_local`` on every rank), weight ``[n, k]``, bias ``[n]`` ->

@@ -9,7 +9,6 @@ Rows and columns outside the matrices are masked, so any ``m``, ``n``, ``k`` wor
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 import triton
@@ -57,8 +56,9 @@ SMALL_M = 64
 NARROW_BLOCK_K = 16
 
 
-def block_config(device: torch.device, rows: Optional[int] = None, k: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None) -> BlockConfig:
+def block_config(
+    device: torch.device, rows: int | None = None, k: int | None = None, dtype: torch.dtype | None = None
+) -> BlockConfig:
     """Tile configuration of a GEMM launch on ``device`` with operands of ``dtype``.
 
     ``rows``: the row count a tile owner has (``m`` of a local GEMM, the rows per owner of a
@@ -94,8 +94,11 @@ def load_a(a_ptr, stride_am, stride_ak, offs_m, mask_m, k0, K, BLOCK_K: tl.const
     """The ``[BLOCK_M, BLOCK_K]`` A tile of k step ``k0`` (zeros outside), its ``offs_k`` and ``mask_k``."""
     offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
     mask_k = offs_k < K
-    a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    a = tl.load(
+        a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+        mask=mask_m[:, None] & mask_k[None, :],
+        other=0.0,
+    )
     return a, offs_k, mask_k
 
 
@@ -119,23 +122,55 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
-def store_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS: tl.constexpr,
-               ROUND_FIRST: tl.constexpr):
+def store_tile(
+    c_ptr,
+    acc,
+    bias_ptr,
+    offs_m,
+    mask_m,
+    offs_n,
+    mask_n,
+    stride_cm,
+    stride_cn,
+    HAS_BIAS: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
+):
     """``c[offs_m, offs_n] = acc + bias`` in ``c``'s dtype. ``ROUND_FIRST`` rounds the product to that
     dtype before bias is added in fp32, as the w8A16 reference does (``partial.add_(bias)``)."""
     if ROUND_FIRST:
         acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(acc.dtype)[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 @triton.jit
-def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m, mask_m, offs_n, mask_n, K,
-                g_ptr, stride_gm, g_mask_m,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_A: tl.constexpr,
-                ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def tile_matmul(
+    a_ptr,
+    stride_am,
+    stride_ak,
+    b_ptr,
+    stride_bn,
+    stride_bk,
+    offs_m,
+    mask_m,
+    offs_n,
+    mask_n,
+    K,
+    g_ptr,
+    stride_gm,
+    g_mask_m,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STORE_A: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """``a[offs_m, :] @ b[offs_n, :].T`` accumulated in ``ACC_DTYPE``; with ``STORE_A`` also copies the
     A rows selected by ``g_mask_m`` to ``g``.
 
@@ -145,8 +180,11 @@ def tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
     for k0 in range(0, K, BLOCK_K):
         a, offs_k, mask_k = load_a(a_ptr, stride_am, stride_ak, offs_m, mask_m, k0, K, BLOCK_K)
-        b = tl.load(b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
-                    mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        b = tl.load(
+            b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
+            mask=mask_n[None, :] & mask_k[:, None],
+            other=0.0,
+        )
         if STORE_A:
             tl.store(g_ptr + offs_m[:, None] * stride_gm + offs_k[None, :], a, mask=g_mask_m[:, None] & mask_k[None, :])
         acc = dot_acc(a, b, acc, DOT_PRECISION, ACC_DTYPE)
@@ -166,12 +204,51 @@ def dot_acc(a, b, acc, DOT_PRECISION: tl.constexpr, ACC_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bn, stride_bk,
-                   stride_cm, stride_cn, HAS_BIAS: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _matmul_kernel(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    HAS_BIAS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = tile_matmul(a_ptr, stride_am, stride_ak, b_ptr, stride_bn, stride_bk, offs_m, mask_m, offs_n, mask_n, K,
-                      c_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE, DOT_PRECISION)
+    acc = tile_matmul(
+        a_ptr,
+        stride_am,
+        stride_ak,
+        b_ptr,
+        stride_bn,
+        stride_bk,
+        offs_m,
+        mask_m,
+        offs_n,
+        mask_n,
+        K,
+        c_ptr,
+        0,
+        mask_m,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        False,
+        ACC_DTYPE,
+        DOT_PRECISION,
+    )
     store_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS, False)
 
 
@@ -184,7 +261,7 @@ def local_launch(x: torch.Tensor, n: int) -> tuple[torch.Tensor, BlockConfig, tu
     return out, cfg, (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` with the fused ops' GEMM core (fp32 accumulate, fp64 for fp64); the W == 1 path.
 
     x ``[m, k]`` (any strides), weight ``[n, k]`` (any strides), bias ``[n]`` or None -> ``[m, n]``.
@@ -198,9 +275,28 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if grid[0] == 0:
         return out
     bias_arg = bias.contiguous() if bias is not None else out
-    _matmul_kernel[grid](x, weight, bias_arg, out, m, n, k, x.stride(0), x.stride(1), weight.stride(0),
-                         weight.stride(1), out.stride(0), out.stride(1), HAS_BIAS=bias is not None,
-                         ACC_DTYPE=acc_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype, x.device),
-                         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _matmul_kernel[grid](
+        x,
+        weight,
+        bias_arg,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HAS_BIAS=bias is not None,
+        ACC_DTYPE=acc_dtype(x.dtype),
+        DOT_PRECISION=dot_precision(x.dtype, x.device),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out

@@ -15,7 +15,7 @@ bitwise identical outputs: that is the default, ``deterministic=True`` costs not
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,10 +33,27 @@ ALGORITHMS = ("auto", "one_shot", "two_shot")
 
 
 @triton.jit(do_not_specialize=["rank", "target", "timeout"])
-def _gather_rows_kernel(data_tab_ptr, sig_tab_ptr, out_ptr, M, N, LD, ROWS_OWN, stride_om, stride_on,
-                        rank, target: tl.int64, timeout: tl.int64, o_base, ar_offset,
-                        WORLD: tl.constexpr, CHANNEL: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gather_rows_kernel(
+    data_tab_ptr,
+    sig_tab_ptr,
+    out_ptr,
+    M,
+    N,
+    LD,
+    ROWS_OWN,
+    stride_om,
+    stride_on,
+    rank,
+    target: tl.int64,
+    timeout: tl.int64,
+    o_base,
+    ar_offset,
+    WORLD: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_owner = tl.cdiv(ROWS_OWN, BLOCK_M) * n_tiles
@@ -48,20 +65,34 @@ def _gather_rows_kernel(data_tab_ptr, sig_tab_ptr, out_ptr, M, N, LD, ROWS_OWN, 
     offs_n = (rem % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_m = (local_rows < ROWS_OWN) & (offs_m < M)
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    ok = signals.wait_signal(pad + signals.counter(pad, ar_offset, owner, WORLD), target, pad, timeout,
-                             1 + owner + WORLD * CHANNEL, USE_GLOBALTIMER)
+    ok = signals.wait_signal(
+        pad + signals.counter(pad, ar_offset, owner, WORLD),
+        target,
+        pad,
+        timeout,
+        1 + owner + WORLD * CHANNEL,
+        USE_GLOBALTIMER,
+    )
     if ok:
         # o_base is W * ROWS_OWN * LD elements, a multiple of 8 (LD is).
         o_local = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty) + tl.multiple_of(o_base, 8)
         o_offs, col_mask = slot_tile(offs_m, offs_n, LD)
         rows = tl.load(o_local + o_offs, mask=mask_m[:, None] & col_mask)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, rows,
-                 mask=mask_m[:, None] & (offs_n < N)[None, :])
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+            rows,
+            mask=mask_m[:, None] & (offs_n < N)[None, :],
+        )
 
 
-def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      group: Optional[dist.ProcessGroup], deterministic: bool, algorithm: str = "auto"
-                      ) -> torch.Tensor:
+def matmul_all_reduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    deterministic: bool,
+    algorithm: str = "auto",
+) -> torch.Tensor:
     """Fused GEMM + all-reduce over the group's symmetric heap.
 
     Shapes: x ``[m, k_local]`` (any ``m``, same on every rank), weight ``[n, k_local]``, bias ``[n]``
@@ -91,9 +122,17 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     cfg = block_config(x.device, tile_rows(algorithm, m, w), x.shape[1], x.dtype)
     # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
     descriptor = runtime.describe("matmul_all_reduce", m, x.shape[1], n, x.dtype, bias is not None, deterministic)
-    return all_reduce_partials("matmul_all_reduce", group, x, n, bias, algorithm, cfg, descriptor,
-                               lambda call, rows_own, broadcast: scatter_partials(call, x, weight, rows_own,
-                                                                                  broadcast, cfg))
+    return all_reduce_partials(
+        "matmul_all_reduce",
+        group,
+        x,
+        n,
+        bias,
+        algorithm,
+        cfg,
+        descriptor,
+        lambda call, rows_own, broadcast: scatter_partials(call, x, weight, rows_own, broadcast, cfg),
+    )
 
 
 def tile_rows(algorithm: str, m: int, world_size: int) -> int:
@@ -101,10 +140,17 @@ def tile_rows(algorithm: str, m: int, world_size: int) -> int:
     return m if algorithm == "one_shot" else triton.cdiv(m, world_size)
 
 
-def all_reduce_partials(op: str, group: dist.ProcessGroup, x: torch.Tensor, n: int, bias: Optional[torch.Tensor],
-                        algorithm: str, cfg: BlockConfig, descriptor: tuple[int, ...],
-                        scatter: Callable[[runtime.FusedCall, int, bool], int]
-                        ) -> torch.Tensor:
+def all_reduce_partials(
+    op: str,
+    group: dist.ProcessGroup,
+    x: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    algorithm: str,
+    cfg: BlockConfig,
+    descriptor: tuple[int, ...],
+    scatter: Callable[[runtime.FusedCall, int, bool], int],
+) -> torch.Tensor:
     """The exchange of a fused GEMM + all-reduce, ``algorithm`` "one_shot" or "two_shot", around a
     scatter GEMM.
 
@@ -134,10 +180,26 @@ def all_reduce_partials(op: str, group: dist.ProcessGroup, x: torch.Tensor, n: i
         heap = call.heap
         grid = (w * triton.cdiv(rows_own, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         if grid[0] > 0:
-            _gather_rows_kernel[grid](heap.data_ptrs, heap.sig_ptrs, out, m, n, slot_stride(n), rows_own,
-                                      out.stride(0), out.stride(1),
-                                      call.rank, ar_target, call.timeout_ticks, slots,
-                                      signals.channel_offset(signals.CH_AR, w), WORLD=w, CHANNEL=signals.CH_AR,
-                                      USE_GLOBALTIMER=call.use_globaltimer, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                                      num_warps=cfg.num_warps)
+            _gather_rows_kernel[grid](
+                heap.data_ptrs,
+                heap.sig_ptrs,
+                out,
+                m,
+                n,
+                slot_stride(n),
+                rows_own,
+                out.stride(0),
+                out.stride(1),
+                call.rank,
+                ar_target,
+                call.timeout_ticks,
+                slots,
+                signals.channel_offset(signals.CH_AR, w),
+                WORLD=w,
+                CHANNEL=signals.CH_AR,
+                USE_GLOBALTIMER=call.use_globaltimer,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps,
+            )
     return out

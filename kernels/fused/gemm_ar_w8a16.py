@@ -12,7 +12,6 @@ means the fused result differs from the sequential reference only by summation o
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,10 +30,29 @@ PER_TENSOR, PER_CHANNEL, PER_GROUP, PER_GROUP_ALIGNED = 0, 1, 2, 3
 
 
 @triton.jit
-def _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk, s_ptr, o_ptr, stride_sn,
-                       stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE,
-                       MODE: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_matmul_w8a16(
+    x_ptr,
+    stride_xm,
+    stride_xk,
+    q_ptr,
+    stride_qn,
+    stride_qk,
+    s_ptr,
+    o_ptr,
+    stride_sn,
+    stride_sg,
+    offs_m,
+    mask_m,
+    offs_n,
+    mask_n,
+    K,
+    GROUP_SIZE,
+    MODE: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """fp32 ``x[offs_m, :] @ dequant(q)[offs_n, :].T`` for int8 ``q [n, k]``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if MODE == 0:
@@ -48,8 +66,9 @@ def _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk,
     for k0 in range(0, K, BLOCK_K):
         a, offs_k, mask_k = load_a(x_ptr, stride_xm, stride_xk, offs_m, mask_m, k0, K, BLOCK_K)
         b_mask = mask_n[None, :] & mask_k[:, None]
-        b = tl.load(q_ptr + offs_n[None, :] * stride_qn + offs_k[:, None] * stride_qk, mask=b_mask,
-                    other=0).to(tl.float32)
+        b = tl.load(q_ptr + offs_n[None, :] * stride_qn + offs_k[:, None] * stride_qk, mask=b_mask, other=0).to(
+            tl.float32
+        )
         if MODE == 3:
             s_offs = offs_n * stride_sn + (k0 // GROUP_SIZE) * stride_sg
             s_tile = tl.load(s_ptr + s_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -70,37 +89,143 @@ def _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk,
 
 
 @triton.jit
-def _matmul_w8a16_kernel(x_ptr, q_ptr, s_ptr, o_ptr, bias_ptr, c_ptr, M, N, K, GROUP_SIZE,
-                         stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg, stride_cm, stride_cn,
-                         MODE: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _matmul_w8a16_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    o_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    GROUP_SIZE,
+    stride_xm,
+    stride_xk,
+    stride_qn,
+    stride_qk,
+    stride_sn,
+    stride_sg,
+    stride_cm,
+    stride_cn,
+    MODE: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk, s_ptr, o_ptr, stride_sn,
-                             stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE, MODE, HAS_OFFSET,
-                             BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _tile_matmul_w8a16(
+        x_ptr,
+        stride_xm,
+        stride_xk,
+        q_ptr,
+        stride_qn,
+        stride_qk,
+        s_ptr,
+        o_ptr,
+        stride_sn,
+        stride_sg,
+        offs_m,
+        mask_m,
+        offs_n,
+        mask_n,
+        K,
+        GROUP_SIZE,
+        MODE,
+        HAS_OFFSET,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
     store_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS, True)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
-def _gemm_w8a16_scatter_kernel(x_ptr, q_ptr, s_ptr, o_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, LD, ROWS_OWN,
-                               GROUP_SIZE, stride_xm, stride_xk, stride_qn, stride_qk, stride_sn, stride_sg,
-                               rank, timeout: tl.int64, done_offset, cnt_offset,
-                               MODE: tl.constexpr, HAS_OFFSET: tl.constexpr, WORLD: tl.constexpr,
-                               BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               GROUP_M: tl.constexpr):
+def _gemm_w8a16_scatter_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    o_ptr,
+    data_tab_ptr,
+    sig_tab_ptr,
+    M,
+    N,
+    K,
+    LD,
+    ROWS_OWN,
+    GROUP_SIZE,
+    stride_xm,
+    stride_xk,
+    stride_qn,
+    stride_qk,
+    stride_sn,
+    stride_sg,
+    rank,
+    timeout: tl.int64,
+    done_offset,
+    cnt_offset,
+    MODE: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    WORLD: tl.constexpr,
+    BROADCAST: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     # gemm_rs's tile mapping and push, so its reduce (gemm_rs.reduce_slots) and gemm_ar's gather
     # kernel consume these tiles unchanged.
-    owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, M, N, ROWS_OWN,
-                                                                     WORLD, BROADCAST, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = _tile_matmul_w8a16(x_ptr, stride_xm, stride_xk, q_ptr, stride_qn, stride_qk, s_ptr, o_ptr, stride_sn,
-                             stride_sg, offs_m, mask_m, offs_n, mask_n, K, GROUP_SIZE, MODE, HAS_OFFSET,
-                             BLOCK_M, BLOCK_N, BLOCK_K)
-    push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD,
-              ROWS_OWN, rank, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
+    owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(
+        tl.program_id(0), rank, M, N, ROWS_OWN, WORLD, BROADCAST, BLOCK_M, BLOCK_N, GROUP_M
+    )
+    acc = _tile_matmul_w8a16(
+        x_ptr,
+        stride_xm,
+        stride_xk,
+        q_ptr,
+        stride_qn,
+        stride_qk,
+        s_ptr,
+        o_ptr,
+        stride_sn,
+        stride_sg,
+        offs_m,
+        mask_m,
+        offs_n,
+        mask_n,
+        K,
+        GROUP_SIZE,
+        MODE,
+        HAS_OFFSET,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    push_tile(
+        acc.to(x_ptr.dtype.element_ty),
+        data_tab_ptr,
+        sig_tab_ptr,
+        owner,
+        local_rows,
+        mask_m,
+        offs_n,
+        LD,
+        ROWS_OWN,
+        rank,
+        timeout,
+        done_offset,
+        cnt_offset,
+        WORLD,
+        BROADCAST,
+        USE_GLOBALTIMER,
+    )
 
 
-def _quant_args(scale: torch.Tensor, offset: Optional[torch.Tensor]) -> tuple:
+def _quant_args(scale: torch.Tensor, offset: torch.Tensor | None) -> tuple:
     """``(scale, offset or scale, stride_sn, stride_sg)``; one set of strides serves both tensors
     (same shape, both contiguous), 0 where the layout has no such dim."""
     scale = scale.contiguous()
@@ -110,8 +235,18 @@ def _quant_args(scale: torch.Tensor, offset: Optional[torch.Tensor]) -> tuple:
     return scale, offset, stride_sn, stride_sg
 
 
-def _scatter(call: runtime.FusedCall, x: torch.Tensor, qweight: torch.Tensor, quant: tuple, mode: int,
-             has_offset: bool, group_size: int, rows_own: int, broadcast: bool, cfg: BlockConfig) -> int:
+def _scatter(
+    call: runtime.FusedCall,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    quant: tuple,
+    mode: int,
+    has_offset: bool,
+    group_size: int,
+    rows_own: int,
+    broadcast: bool,
+    cfg: BlockConfig,
+) -> int:
     """Launch the dequantizing scatter GEMM; return the ``RS`` target (as gemm_rs.scatter_partials)."""
     heap, w = call.heap, call.world_size
     m, k = x.shape
@@ -121,18 +256,51 @@ def _scatter(call: runtime.FusedCall, x: torch.Tensor, qweight: torch.Tensor, qu
     grid = (per_owner * (1 if broadcast else w),)
     if grid[0] > 0:
         _gemm_w8a16_scatter_kernel[grid](
-            x, qweight, scale, offset, heap.data_ptrs, heap.sig_ptrs, m, n, k, slot_stride(n), rows_own, group_size,
-            x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), stride_sn, stride_sg,
-            call.rank, call.timeout_ticks,
-            signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
-            MODE=mode, HAS_OFFSET=has_offset, WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            x,
+            qweight,
+            scale,
+            offset,
+            heap.data_ptrs,
+            heap.sig_ptrs,
+            m,
+            n,
+            k,
+            slot_stride(n),
+            rows_own,
+            group_size,
+            x.stride(0),
+            x.stride(1),
+            qweight.stride(0),
+            qweight.stride(1),
+            stride_sn,
+            stride_sg,
+            call.rank,
+            call.timeout_ticks,
+            signals.channel_offset(signals.CH_DONE, w),
+            signals.channel_offset(signals.CH_RS, w),
+            MODE=mode,
+            HAS_OFFSET=has_offset,
+            WORLD=w,
+            BROADCAST=broadcast,
+            USE_GLOBALTIMER=call.use_globaltimer,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     return per_owner
 
 
-def matmul_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: Optional[torch.Tensor],
-                 group_size: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def matmul_w8a16(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """Local ``x @ dequant(qweight).T + bias`` with the dequantizing GEMM core (the W == 1 path)."""
     m, k = x.shape
     n = qweight.shape[0]
@@ -144,12 +312,35 @@ def matmul_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, of
     s, o, stride_sn, stride_sg = _quant_args(scale, offset)
     # The kernel indexes bias with unit stride.
     bias = bias.contiguous() if bias is not None else None
-    _matmul_w8a16_kernel[grid](x, qweight, s, o, bias if bias is not None else out, out, m, n, k, group_size,
-                               x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), stride_sn, stride_sg,
-                               out.stride(0), out.stride(1), MODE=mode, HAS_OFFSET=offset is not None,
-                               HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                               BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-                               num_stages=cfg.num_stages)
+    _matmul_w8a16_kernel[grid](
+        x,
+        qweight,
+        s,
+        o,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        group_size,
+        x.stride(0),
+        x.stride(1),
+        qweight.stride(0),
+        qweight.stride(1),
+        stride_sn,
+        stride_sg,
+        out.stride(0),
+        out.stride(1),
+        MODE=mode,
+        HAS_OFFSET=offset is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     return out
 
 
@@ -167,9 +358,16 @@ def _quant_config(cfg: BlockConfig, scale: torch.Tensor, group_size: int) -> tup
     return cfg, PER_GROUP_ALIGNED if group_size % cfg.block_k == 0 else PER_GROUP
 
 
-def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                            offset: Optional[torch.Tensor], group_size: int, bias: Optional[torch.Tensor],
-                            group: Optional[dist.ProcessGroup], deterministic: bool) -> torch.Tensor:
+def matmul_all_reduce_w8a16(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    deterministic: bool,
+) -> torch.Tensor:
     """Fused w8A16 GEMM + all-reduce over the group's symmetric heap.
 
     Shapes: x ``[m, k_local]`` (fp16 / bf16; fp32 under the interpreter), qweight int8
@@ -197,9 +395,27 @@ def matmul_all_reduce_w8a16(x: torch.Tensor, qweight: torch.Tensor, scale: torch
     quant = _quant_args(scale, offset)
     # The fixed-order reduce of gemm_rs is always used; ``deterministic`` is compared across ranks only.
     layout = ("per_tensor", "per_channel", "per_group")[scale.dim()]
-    descriptor = runtime.describe("quantized_matmul_all_reduce", m, x.shape[1], n, x.dtype, bias is not None,
-                                  deterministic, layout, group_size if layout == "per_group" else 0)
-    return all_reduce_partials("quantized_matmul_all_reduce", group, x, n, bias, algorithm, cfg, descriptor,
-                               lambda call, rows_own, broadcast: _scatter(call, x, qweight, quant, mode,
-                                                                          offset is not None, group_size,
-                                                                          rows_own, broadcast, cfg))
+    descriptor = runtime.describe(
+        "quantized_matmul_all_reduce",
+        m,
+        x.shape[1],
+        n,
+        x.dtype,
+        bias is not None,
+        deterministic,
+        layout,
+        group_size if layout == "per_group" else 0,
+    )
+    return all_reduce_partials(
+        "quantized_matmul_all_reduce",
+        group,
+        x,
+        n,
+        bias,
+        algorithm,
+        cfg,
+        descriptor,
+        lambda call, rows_own, broadcast: _scatter(
+            call, x, qweight, quant, mode, offset is not None, group_size, rows_own, broadcast, cfg
+        ),
+    )

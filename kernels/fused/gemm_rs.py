@@ -22,8 +22,6 @@ every rank (one-shot all-reduce) and with ``PUSH`` the reduce sends its rows to 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 import triton
@@ -34,8 +32,18 @@ from .gemm import BlockConfig, acc_dtype, block_config, dot_precision, grouped_t
 
 
 @triton.jit
-def scatter_tile(pid, rank, M, N, ROWS_OWN, WORLD: tl.constexpr, BROADCAST: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def scatter_tile(
+    pid,
+    rank,
+    M,
+    N,
+    ROWS_OWN,
+    WORLD: tl.constexpr,
+    BROADCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
     """The tile of scatter-GEMM program ``pid``: ``(owner, local_rows, offs_m, mask_m, offs_n, mask_n)``.
 
     Owner by owner; within an owner's ``ROWS_OWN x N`` block the tiles go in grouped order
@@ -47,8 +55,7 @@ def scatter_tile(pid, rank, M, N, ROWS_OWN, WORLD: tl.constexpr, BROADCAST: tl.c
     else:
         # Peers' rows first (r + 1 first), own rows last: remote stores start as early as possible.
         owner = (rank + 1 + pid // tiles_per_owner) % WORLD
-    local_rows, mask_local, offs_n, mask_n = grouped_tile(pid % tiles_per_owner, ROWS_OWN, N, BLOCK_M, BLOCK_N,
-                                                          GROUP_M)
+    local_rows, mask_local, offs_n, mask_n = grouped_tile(pid % tiles_per_owner, ROWS_OWN, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = owner * ROWS_OWN + local_rows
     return owner, local_rows, offs_m, mask_local & (offs_m < M), offs_n, mask_n
 
@@ -66,8 +73,24 @@ def slot_tile(rows, offs_n, LD):
 
 
 @triton.jit
-def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD, ROWS_OWN, rank, timeout, done_offset, cnt_offset,
-              WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
+def push_tile(
+    tile,
+    data_tab_ptr,
+    sig_tab_ptr,
+    owner,
+    local_rows,
+    mask_m,
+    offs_n,
+    LD,
+    ROWS_OWN,
+    rank,
+    timeout,
+    done_offset,
+    cnt_offset,
+    WORLD: tl.constexpr,
+    BROADCAST: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr,
+):
     """Store ``tile`` into slot ``[rank]`` of its owner (of every rank with ``BROADCAST``), each once
     that rank's ``DONE`` shows it no longer reads its slots of the previous call, then bump its
     ``RS[rank]`` counter. Columns ``[n, LD)`` of ``tile`` are zeros (masked weight rows)."""
@@ -93,27 +116,107 @@ def push_tile(tile, data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
-def _gemm_scatter_kernel(x_ptr, w_ptr, data_tab_ptr, sig_tab_ptr, M, N, K, LD, ROWS_OWN,
-                         stride_xm, stride_xk, stride_wn, stride_wk, rank, timeout: tl.int64,
-                         done_offset, cnt_offset,
-                         WORLD: tl.constexpr, BROADCAST: tl.constexpr, USE_GLOBALTIMER: tl.constexpr,
-                         ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, M, N, ROWS_OWN,
-                                                                     WORLD, BROADCAST, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = tile_matmul(x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk, offs_m, mask_m, offs_n, mask_n, K,
-                      x_ptr, 0, mask_m, BLOCK_M, BLOCK_N, BLOCK_K, False, ACC_DTYPE, DOT_PRECISION)
-    push_tile(acc.to(x_ptr.dtype.element_ty), data_tab_ptr, sig_tab_ptr, owner, local_rows, mask_m, offs_n, LD,
-              ROWS_OWN, rank, timeout, done_offset, cnt_offset, WORLD, BROADCAST, USE_GLOBALTIMER)
+def _gemm_scatter_kernel(
+    x_ptr,
+    w_ptr,
+    data_tab_ptr,
+    sig_tab_ptr,
+    M,
+    N,
+    K,
+    LD,
+    ROWS_OWN,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    rank,
+    timeout: tl.int64,
+    done_offset,
+    cnt_offset,
+    WORLD: tl.constexpr,
+    BROADCAST: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(
+        tl.program_id(0), rank, M, N, ROWS_OWN, WORLD, BROADCAST, BLOCK_M, BLOCK_N, GROUP_M
+    )
+    acc = tile_matmul(
+        x_ptr,
+        stride_xm,
+        stride_xk,
+        w_ptr,
+        stride_wn,
+        stride_wk,
+        offs_m,
+        mask_m,
+        offs_n,
+        mask_n,
+        K,
+        x_ptr,
+        0,
+        mask_m,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        False,
+        ACC_DTYPE,
+        DOT_PRECISION,
+    )
+    push_tile(
+        acc.to(x_ptr.dtype.element_ty),
+        data_tab_ptr,
+        sig_tab_ptr,
+        owner,
+        local_rows,
+        mask_m,
+        offs_n,
+        LD,
+        ROWS_OWN,
+        rank,
+        timeout,
+        done_offset,
+        cnt_offset,
+        WORLD,
+        BROADCAST,
+        USE_GLOBALTIMER,
+    )
 
 
 @triton.jit(do_not_specialize=["rank", "target", "timeout"])
-def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN, ROWS_VALID, N, LD,
-                         stride_om, stride_on, rank, target: tl.int64, timeout: tl.int64, cnt_offset,
-                         done_offset, push_offset, push_base,
-                         WORLD: tl.constexpr, CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         PUSH: tl.constexpr, USE_GLOBALTIMER: tl.constexpr, ACC_DTYPE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _reduce_slots_kernel(
+    data_tab_ptr,
+    sig_tab_ptr,
+    bias_ptr,
+    out_ptr,
+    ROWS_OWN,
+    ROWS_VALID,
+    N,
+    LD,
+    stride_om,
+    stride_on,
+    rank,
+    target: tl.int64,
+    timeout: tl.int64,
+    cnt_offset,
+    done_offset,
+    push_offset,
+    push_base,
+    WORLD: tl.constexpr,
+    CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PUSH: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     offs_m = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -123,8 +226,14 @@ def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN,
     slots = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty)
     ok = True
     for src in tl.static_range(WORLD):
-        ok = ok & signals.wait_signal(pad + signals.counter(pad, cnt_offset, src, WORLD), target, pad, timeout,
-                                      1 + src + WORLD * CHANNEL, USE_GLOBALTIMER)
+        ok = ok & signals.wait_signal(
+            pad + signals.counter(pad, cnt_offset, src, WORLD),
+            target,
+            pad,
+            timeout,
+            1 + src + WORLD * CHANNEL,
+            USE_GLOBALTIMER,
+        )
     if ok:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
         # Fixed rank order: the result does not depend on which peer finished first (deterministic).
@@ -142,18 +251,22 @@ def _reduce_slots_kernel(data_tab_ptr, sig_tab_ptr, bias_ptr, out_ptr, ROWS_OWN,
             push_mask = mask_m[:, None] & col_mask
             for i in tl.static_range(WORLD):
                 dst = (rank + 1 + i) % WORLD
-                ok_dst = signals.wait_signal(pad + done_offset + dst, epoch - 1, pad, timeout, 1 + dst,
-                                             USE_GLOBALTIMER)
+                ok_dst = signals.wait_signal(pad + done_offset + dst, epoch - 1, pad, timeout, 1 + dst, USE_GLOBALTIMER)
                 if ok_dst:
                     # push_base is W * ROWS_OWN * LD elements, a multiple of 8 (LD is).
-                    o_region = (signals.peer_ptr(data_tab_ptr, dst, out_ptr.dtype.element_ty)
-                                + tl.multiple_of(push_base, 8))
+                    o_region = signals.peer_ptr(data_tab_ptr, dst, out_ptr.dtype.element_ty) + tl.multiple_of(
+                        push_base, 8
+                    )
                     tl.store(o_region + push_offs, result, mask=push_mask)
-                    signals.add_signal(signals.peer_ptr(sig_tab_ptr, dst, tl.int64)
-                                       + signals.counter(pad, push_offset, rank, WORLD), 1)
+                    signals.add_signal(
+                        signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + signals.counter(pad, push_offset, rank, WORLD), 1
+                    )
         else:
-            tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, result,
-                     mask=mask_m[:, None] & (offs_n < N)[None, :])
+            tl.store(
+                out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+                result,
+                mask=mask_m[:, None] & (offs_n < N)[None, :],
+            )
 
 
 def slot_stride(n: int) -> int:
@@ -165,8 +278,9 @@ def tiles(rows: int, n: int, cfg: BlockConfig) -> int:
     return triton.cdiv(rows, cfg.block_m) * triton.cdiv(n, cfg.block_n)
 
 
-def scatter_partials(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Tensor, rows_own: int,
-                     broadcast: bool, cfg: BlockConfig) -> int:
+def scatter_partials(
+    call: runtime.FusedCall, x: torch.Tensor, weight: torch.Tensor, rows_own: int, broadcast: bool, cfg: BlockConfig
+) -> int:
     """Launch the scatter GEMM; return the ``RS`` target (tiles per owner) every peer's counter must reach here."""
     heap, w = call.heap, call.world_size
     m, k = x.shape
@@ -174,19 +288,50 @@ def scatter_partials(call: runtime.FusedCall, x: torch.Tensor, weight: torch.Ten
     per_owner = tiles(rows_own, n, cfg)
     grid = (per_owner * (1 if broadcast else w),)
     if grid[0] > 0:
-        _gemm_scatter_kernel[grid](x, weight, heap.data_ptrs, heap.sig_ptrs, m, n, k, slot_stride(n), rows_own,
-                                   x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-                                   call.rank, call.timeout_ticks,
-                                   signals.channel_offset(signals.CH_DONE, w), signals.channel_offset(signals.CH_RS, w),
-                                   WORLD=w, BROADCAST=broadcast, USE_GLOBALTIMER=call.use_globaltimer,
-                                   ACC_DTYPE=acc_dtype(x.dtype), DOT_PRECISION=dot_precision(x.dtype, x.device),
-                                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                   GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _gemm_scatter_kernel[grid](
+            x,
+            weight,
+            heap.data_ptrs,
+            heap.sig_ptrs,
+            m,
+            n,
+            k,
+            slot_stride(n),
+            rows_own,
+            x.stride(0),
+            x.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            call.rank,
+            call.timeout_ticks,
+            signals.channel_offset(signals.CH_DONE, w),
+            signals.channel_offset(signals.CH_RS, w),
+            WORLD=w,
+            BROADCAST=broadcast,
+            USE_GLOBALTIMER=call.use_globaltimer,
+            ACC_DTYPE=acc_dtype(x.dtype),
+            DOT_PRECISION=dot_precision(x.dtype, x.device),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     return per_owner
 
 
-def reduce_slots(call: runtime.FusedCall, out: torch.Tensor, bias: Optional[torch.Tensor], rows_own: int,
-                 rows_valid: int, n: int, target: int, push_base: Optional[int], cfg: BlockConfig) -> int:
+def reduce_slots(
+    call: runtime.FusedCall,
+    out: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows_own: int,
+    rows_valid: int,
+    n: int,
+    target: int,
+    push_base: int | None,
+    cfg: BlockConfig,
+) -> int:
     """Launch the fixed-order reduce of the ``W`` slots; with ``push_base`` push the rows to every rank.
 
     Returns the ``AR`` target of the rows pushed (each owner's tile count; 0 unless pushing).
@@ -197,25 +342,50 @@ def reduce_slots(call: runtime.FusedCall, out: torch.Tensor, bias: Optional[torc
     # The kernel indexes bias with unit stride.
     bias = bias.contiguous() if bias is not None else None
     if grid[0] > 0:
-        _reduce_slots_kernel[grid](heap.data_ptrs, heap.sig_ptrs, bias if bias is not None else out, out,
-                                   rows_own, rows_valid, n, slot_stride(n), out.stride(0), out.stride(1),
-                                   call.rank, target, call.timeout_ticks,
-                                   signals.channel_offset(signals.CH_RS, w), signals.channel_offset(signals.CH_DONE, w),
-                                   signals.channel_offset(signals.CH_AR, w), push_base if push else 0,
-                                   WORLD=w, CHANNEL=signals.CH_RS, HAS_BIAS=bias is not None, PUSH=push,
-                                   USE_GLOBALTIMER=call.use_globaltimer, ACC_DTYPE=acc_dtype(out.dtype),
-                                   BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+        _reduce_slots_kernel[grid](
+            heap.data_ptrs,
+            heap.sig_ptrs,
+            bias if bias is not None else out,
+            out,
+            rows_own,
+            rows_valid,
+            n,
+            slot_stride(n),
+            out.stride(0),
+            out.stride(1),
+            call.rank,
+            target,
+            call.timeout_ticks,
+            signals.channel_offset(signals.CH_RS, w),
+            signals.channel_offset(signals.CH_DONE, w),
+            signals.channel_offset(signals.CH_AR, w),
+            push_base if push else 0,
+            WORLD=w,
+            CHANNEL=signals.CH_RS,
+            HAS_BIAS=bias is not None,
+            PUSH=push,
+            USE_GLOBALTIMER=call.use_globaltimer,
+            ACC_DTYPE=acc_dtype(out.dtype),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+        )
     return grid[0] if push else 0
 
 
-def group_and_size(group: Optional[dist.ProcessGroup]) -> tuple[dist.ProcessGroup, int]:
+def group_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, int]:
     """The group a fused op runs on (``None``: the default group) and its size."""
     group = runtime.resolve_group(group)
     return group, runtime.world_size(group)
 
 
-def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                          group: Optional[dist.ProcessGroup], deterministic: bool) -> torch.Tensor:
+def matmul_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    deterministic: bool,
+) -> torch.Tensor:
     """Fused GEMM + reduce-scatter over the group's symmetric heap.
 
     Shapes: x ``[m, k_local]`` (``m % W == 0``, same on every rank), weight ``[n, k_local]``,

@@ -11,7 +11,8 @@ installed interpreter's ``__index__`` fails on a one-element array, so newer Tri
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

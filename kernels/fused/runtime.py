@@ -24,8 +24,8 @@ import contextlib
 import functools
 import os
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -38,11 +38,11 @@ from ..heap import CallMismatch, SymmetricHeap, destroy_heap, get_heap, heaps_of
 from . import signals
 
 
-def resolve_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
-def world_size(group: Optional[dist.ProcessGroup]) -> int:
+def world_size(group: dist.ProcessGroup | None) -> int:
     """Size of ``group``; 1 without torch.distributed initialized (docs/api.md: W == 1 needs no process group)."""
     return group_size(group)
 
@@ -52,11 +52,31 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def describe(op: str, m: int, k: int, n: int, dtype: torch.dtype, bias: bool, flag: bool,
-             quant_mode: Optional[str] = None, group_size: int = 0) -> tuple[int, ...]:
+def describe(
+    op: str,
+    m: int,
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+    bias: bool,
+    flag: bool,
+    quant_mode: str | None = None,
+    group_size: int = 0,
+) -> tuple[int, ...]:
     """This rank's descriptor of a fused call (:func:`kernels.agree.describe_call`, backend ``"fused"``)."""
-    return agree.describe_call(op, m, k, n, dtype, bias=bias, flag=flag, backend="fused", parallel_num=None,
-                               quant_mode=quant_mode, group_size=group_size)
+    return agree.describe_call(
+        op,
+        m,
+        k,
+        n,
+        dtype,
+        bias=bias,
+        flag=flag,
+        backend="fused",
+        parallel_num=None,
+        quant_mode=quant_mode,
+        group_size=group_size,
+    )
 
 
 _MASKS: dict[str, int] = {}
@@ -124,23 +144,27 @@ def _refuse(op: str, group: dist.ProcessGroup, device: torch.device) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             destroy_heap(group, device, keep_captured=True)
-        raise RuntimeError(f"fused {op}: an earlier fused call on this process group failed ({failed[1]}); "
-                           "its ranks no longer agree on the call sequence, so the fused path refuses the group. "
-                           "Create a new process group (or restart the job) to use it again")
+        raise RuntimeError(
+            f"fused {op}: an earlier fused call on this process group failed ({failed[1]}); "
+            "its ranks no longer agree on the call sequence, so the fused path refuses the group. "
+            "Create a new process group (or restart the job) to use it again"
+        )
 
 
-def _refuse_capture(op: str, heap: Optional[SymmetricHeap], data_bytes: int) -> None:
+def _refuse_capture(op: str, heap: SymmetricHeap | None, data_bytes: int) -> None:
     """Inside CUDA-graph capture: raise if the call would create or grow the heap (collectives, a sync)."""
     if heap is None:
         raise RuntimeError(
             f"fused {op}: the group's first fused call on this device is inside CUDA-graph capture; it creates "
             "the symmetric heap with collectives, which cannot be captured. Make the same call once before "
-            "capturing (the usual warm-up), then capture")
+            "capturing (the usual warm-up), then capture"
+        )
     if heap.data_bytes < data_bytes:
         raise RuntimeError(
             f"fused {op}: inside CUDA-graph capture this call needs a heap of {data_bytes} bytes and the group's "
             f"has {heap.data_bytes}; growing it exchanges handles and synchronizes, which cannot be captured. "
-            "Make the largest call once before capturing (the usual warm-up), then capture")
+            "Make the largest call once before capturing (the usual warm-up), then capture"
+        )
 
 
 _mps_warned = False
@@ -154,9 +178,12 @@ def _warn_if_mps(device: torch.device) -> None:
     # A running MPS daemon has a control pipe in its pipe directory (default /tmp/nvidia-mps).
     pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps"
     if os.path.exists(os.path.join(pipes, "control")):
-        warnings.warn("fused kernels under CUDA MPS: kernels of several processes share the GPU at once, and a "
-                      "spinning grid larger than its share can starve a peer's producer until COC_TIMEOUT",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            "fused kernels under CUDA MPS: kernels of several processes share the GPU at once, and a "
+            "spinning grid larger than its share can starve a peer's producer until COC_TIMEOUT",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _attach_record(heap: SymmetricHeap) -> np.ndarray:
@@ -166,13 +193,13 @@ def _attach_record(heap: SymmetricHeap) -> np.ndarray:
         record = torch.zeros(signals.RECORD_WORDS, dtype=torch.int64, pin_memory=pinned)
         address = torch.tensor([record.data_ptr()], dtype=torch.int64)
         # Once per heap, before its first kernel: a blocking copy is fine here.
-        heap.sig_view(heap.rank)[signals.RECORD_WORD:signals.RECORD_WORD + 1].copy_(address)
+        heap.sig_view(heap.rank)[signals.RECORD_WORD : signals.RECORD_WORD + 1].copy_(address)
         heap.error_record = record
         heap.error_view = record.numpy()
     return heap.error_view
 
 
-def _verdict(op: str, group: dist.ProcessGroup) -> "functools.partial[Optional[str]]":
+def _verdict(op: str, group: dist.ProcessGroup) -> functools.partial[str | None]:
     """The judge of the descriptors exchanged when the group's heap is created."""
     return functools.partial(_first_mismatch, op, group)
 
@@ -183,15 +210,17 @@ def _labels(group: dist.ProcessGroup) -> list[str]:
     return [str(r) if r == g else f"{r} (global {g})" for r, g in enumerate(ranks)]
 
 
-def _first_mismatch(op: str, group: dist.ProcessGroup, descriptors: Sequence[object]) -> Optional[str]:
+def _first_mismatch(op: str, group: dist.ProcessGroup, descriptors: Sequence[object]) -> str | None:
     labels = _labels(group)
     me = dist.get_rank(group)
     for peer, theirs in enumerate(descriptors):
         if peer != me:
             message = agree.format_mismatch(op, labels[me], descriptors[me], labels[peer], theirs)
             if message is not None:
-                return (f"fused {message} (found at the group's first fused call, before its heap was created; "
-                        "nothing was allocated and the group stays usable)")
+                return (
+                    f"fused {message} (found at the group's first fused call, before its heap was created; "
+                    "nothing was allocated and the group stays usable)"
+                )
     return None
 
 
@@ -211,8 +240,9 @@ def _open(op: str, heap: SymmetricHeap, descriptor: tuple[int, ...]) -> FusedCal
     return FusedCall(op, heap, descriptor, ticks, use_globaltimer)
 
 
-def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int,
-          descriptor: tuple[int, ...]) -> FusedCall:
+def begin(
+    op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int, descriptor: tuple[int, ...]
+) -> FusedCall:
     """Open the next call on the group's heap: check it against every peer's, then grow the heap if needed.
 
     The heap is created (first call) with the descriptors exchanged alongside the handles, so ranks
@@ -248,8 +278,9 @@ def begin(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: i
 
 
 @contextlib.contextmanager
-def fused_call(op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int,
-               descriptor: tuple[int, ...]) -> Iterator[FusedCall]:
+def fused_call(
+    op: str, group: dist.ProcessGroup, device: torch.device, data_bytes: int, descriptor: tuple[int, ...]
+) -> Iterator[FusedCall]:
     """``begin`` ... ``finish`` around the launches of one fused call.
 
     The body sets ``call.outputs`` (the tensors it returns), which ``finish`` fills with NaN if a
@@ -274,7 +305,7 @@ def fused_call(op: str, group: dist.ProcessGroup, device: torch.device, data_byt
     finish(call, call.outputs)
 
 
-def finish(call: FusedCall, outputs: Sequence[Optional[torch.Tensor]] = ()) -> None:
+def finish(call: FusedCall, outputs: Sequence[torch.Tensor | None] = ()) -> None:
     """Signal ``DONE`` (or poison ``outputs`` after a failure) and raise if a failure is already known."""
     heap = call.heap
     try:
@@ -286,8 +317,9 @@ def finish(call: FusedCall, outputs: Sequence[Optional[torch.Tensor]] = ()) -> N
     raise_recorded(heap)
 
 
-def _message(heap: SymmetricHeap, code: int, epoch: int, mine: Sequence[int], peer_words: Sequence[int],
-             ticks: int) -> str:
+def _message(
+    heap: SymmetricHeap, code: int, epoch: int, mine: Sequence[int], peer_words: Sequence[int], ticks: int
+) -> str:
     phase, peer = signals.decode_error(code, heap.world_size)
     op_code = mine[agree.FIELDS.index("op")]
     op = agree.OPS[op_code] if 0 <= op_code < len(agree.OPS) else "(an unknown op)"
@@ -298,13 +330,17 @@ def _message(heap: SymmetricHeap, code: int, epoch: int, mine: Sequence[int], pe
         detail = agree.format_mismatch(op, labels[heap.rank], mine, labels[peer], peer_words)
         if detail is None:
             detail = f"{op}: ranks disagree: {me} and {them} described different calls"
-        return (f"fused {detail} (epoch {epoch}; found by the call check before any data moved: no output of that "
-                "call holds a result (NaN), and the fused path refuses this group from now on)")
+        return (
+            f"fused {detail} (epoch {epoch}; found by the call check before any data moved: no output of that "
+            "call holds a result (NaN), and the fused path refuses this group from now on)"
+        )
     # The bound the kernel ran with (a replayed graph keeps its capture's COC_TIMEOUT).
     timeout = ticks / (1e9 if heap.device.type == "cuda" else 1e3)
     what = signals.PHASES.get(phase, f"signal phase {phase}")
-    return (f"fused {op}: {me} waited more than COC_TIMEOUT={timeout:g} s for {them} to {what} (epoch {epoch}); "
-            "the peer is dead, stuck, or did not make the same call")
+    return (
+        f"fused {op}: {me} waited more than COC_TIMEOUT={timeout:g} s for {them} to {what} (epoch {epoch}); "
+        "the peer is dead, stuck, or did not make the same call"
+    )
 
 
 def raise_recorded(heap: SymmetricHeap) -> None:
@@ -320,8 +356,8 @@ def raise_recorded(heap: SymmetricHeap) -> None:
         return
     epoch = int(view[signals.RECORD_EPOCH])
     n = len(agree.FIELDS)
-    mine = [int(v) for v in view[signals.RECORD_MINE:signals.RECORD_MINE + n]]
-    peer_words = [int(v) for v in view[signals.RECORD_DESC:signals.RECORD_DESC + n]]
+    mine = [int(v) for v in view[signals.RECORD_MINE : signals.RECORD_MINE + n]]
+    peer_words = [int(v) for v in view[signals.RECORD_DESC : signals.RECORD_DESC + n]]
     message = _message(heap, code, epoch, mine, peer_words, int(view[signals.RECORD_TIMEOUT]))
     heap.failure_reported = True
     _FAILED_GROUPS[id(heap.group)] = (heap.group, message)
@@ -336,7 +372,7 @@ def raise_recorded(heap: SymmetricHeap) -> None:
     raise RuntimeError(message)
 
 
-def check_errors(group: Optional[dist.ProcessGroup] = None) -> None:
+def check_errors(group: dist.ProcessGroup | None = None) -> None:
     """Raise the ``RuntimeError`` of a failed fused call not reported yet (on ``group``, or any group if None).
 
     Reads host memory only, so it never waits for the device: on a GPU it reports the failures of

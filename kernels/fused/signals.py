@@ -160,8 +160,9 @@ def _now(clock_ptr, USE_GLOBALTIMER: tl.constexpr):
 @triton.jit
 def _sleep(ns):
     """``nanosleep`` (sm_70+): a spinning thread yields its issue slots to the SM's other warps."""
-    tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32, is_pure=False,
-                              pack=1)
+    tl.inline_asm_elementwise(
+        "nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -272,14 +273,51 @@ def add_signal(flag_ptr, increment):
     tl.atomic_add(flag_ptr, increment, sem="release", scope="sys")
 
 
-@triton.jit(do_not_specialize=["rank", "timeout", "must_agree", "d0", "d1", "d2", "d3", "d4", "d5", "d6", "d7",
-                               "d8", "d9", "d10", "d11", "d12"])
-def _check_call_kernel(sig_tab_ptr, rank, timeout: tl.int64, must_agree: tl.int64,
-                       d0: tl.int64, d1: tl.int64, d2: tl.int64, d3: tl.int64, d4: tl.int64, d5: tl.int64,
-                       d6: tl.int64, d7: tl.int64, d8: tl.int64, d9: tl.int64, d10: tl.int64, d11: tl.int64,
-                       d12: tl.int64,
-                       WORLD: tl.constexpr, DESC_LEN: tl.constexpr, DESC_OFFSET: tl.constexpr,
-                       COUNTERS_OFFSET: tl.constexpr, COUNTERS: tl.constexpr, USE_GLOBALTIMER: tl.constexpr):
+@triton.jit(
+    do_not_specialize=[
+        "rank",
+        "timeout",
+        "must_agree",
+        "d0",
+        "d1",
+        "d2",
+        "d3",
+        "d4",
+        "d5",
+        "d6",
+        "d7",
+        "d8",
+        "d9",
+        "d10",
+        "d11",
+        "d12",
+    ]
+)
+def _check_call_kernel(
+    sig_tab_ptr,
+    rank,
+    timeout: tl.int64,
+    must_agree: tl.int64,
+    d0: tl.int64,
+    d1: tl.int64,
+    d2: tl.int64,
+    d3: tl.int64,
+    d4: tl.int64,
+    d5: tl.int64,
+    d6: tl.int64,
+    d7: tl.int64,
+    d8: tl.int64,
+    d9: tl.int64,
+    d10: tl.int64,
+    d11: tl.int64,
+    d12: tl.int64,
+    WORLD: tl.constexpr,
+    DESC_LEN: tl.constexpr,
+    DESC_OFFSET: tl.constexpr,
+    COUNTERS_OFFSET: tl.constexpr,
+    COUNTERS: tl.constexpr,
+    USE_GLOBALTIMER: tl.constexpr,
+):
     pad = peer_ptr(sig_tab_ptr, rank, tl.int64)
     # The epoch advances here, on the device, so a replayed graph advances it too. One program:
     # nothing races this read-modify-write, and every later kernel of the call reads the word
@@ -332,9 +370,18 @@ def _check_call_kernel(sig_tab_ptr, rank, timeout: tl.int64, must_agree: tl.int6
 
 
 @triton.jit(do_not_specialize=["rank", "n0", "n1"])
-def _finish_call_kernel(sig_tab_ptr, out0_ptr, n0, out1_ptr, n1, rank,
-                        WORLD: tl.constexpr, DONE_OFFSET: tl.constexpr, OUTPUTS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _finish_call_kernel(
+    sig_tab_ptr,
+    out0_ptr,
+    n0,
+    out1_ptr,
+    n1,
+    rank,
+    WORLD: tl.constexpr,
+    DONE_OFFSET: tl.constexpr,
+    OUTPUTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     pad = peer_ptr(sig_tab_ptr, rank, tl.int64)
     epoch = call_epoch(pad)
@@ -363,10 +410,19 @@ def check_call(heap, descriptor: tuple[int, ...], must_agree: int, timeout: int,
         raise ValueError(f"descriptor: {len(descriptor)} words, the check kernel takes 13")
     # RS and AR are adjacent channels of two banks each: one masked store zeroes a bank of both.
     assert channel_offset(CH_AR, w) == channel_offset(CH_RS, w) + 2 * w
-    _check_call_kernel[(1,)](heap.sig_ptrs, heap.rank, timeout, must_agree, *descriptor,
-                             WORLD=w, DESC_LEN=len(descriptor), DESC_OFFSET=channel_offset(CH_DESC, w),
-                             COUNTERS_OFFSET=channel_offset(CH_RS, w), COUNTERS=triton.next_power_of_2(2 * w),
-                             USE_GLOBALTIMER=use_globaltimer)
+    _check_call_kernel[(1,)](
+        heap.sig_ptrs,
+        heap.rank,
+        timeout,
+        must_agree,
+        *descriptor,
+        WORLD=w,
+        DESC_LEN=len(descriptor),
+        DESC_OFFSET=channel_offset(CH_DESC, w),
+        COUNTERS_OFFSET=channel_offset(CH_RS, w),
+        COUNTERS=triton.next_power_of_2(2 * w),
+        USE_GLOBALTIMER=use_globaltimer,
+    )
 
 
 def finish_call(heap, outputs: tuple, programs: int) -> None:
@@ -378,6 +434,15 @@ def finish_call(heap, outputs: tuple, programs: int) -> None:
         raise ValueError(f"outputs: at most 2 tensors, got {len(outs)}")
     padded = outs + [heap.sig_ptrs] * (2 - len(outs))
     sizes = [o.numel() for o in outs] + [0] * (2 - len(outs))
-    _finish_call_kernel[(programs,)](heap.sig_ptrs, padded[0], sizes[0], padded[1], sizes[1], heap.rank,
-                                     WORLD=w, DONE_OFFSET=channel_offset(CH_DONE, w), OUTPUTS=len(outs),
-                                     BLOCK=1024)
+    _finish_call_kernel[(programs,)](
+        heap.sig_ptrs,
+        padded[0],
+        sizes[0],
+        padded[1],
+        sizes[1],
+        heap.rank,
+        WORLD=w,
+        DONE_OFFSET=channel_offset(CH_DONE, w),
+        OUTPUTS=len(outs),
+        BLOCK=1024,
+    )

@@ -17,15 +17,24 @@ from shapes all ranks share (which the fused ops do: their sizes depend only on 
 from __future__ import annotations
 
 import atexit
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .base import CallMismatch, SymmetricHeap, Verdict
 
-__all__ = ["SymmetricHeap", "CallMismatch", "get_heap", "peek_heap", "heaps_of", "destroy_heap", "destroy_all_heaps",
-           "cupy_install_hint", "import_cupy"]
+__all__ = [
+    "SymmetricHeap",
+    "CallMismatch",
+    "get_heap",
+    "peek_heap",
+    "heaps_of",
+    "destroy_heap",
+    "destroy_all_heaps",
+    "cupy_install_hint",
+    "import_cupy",
+]
 
 
 def cupy_install_hint() -> str:
@@ -42,6 +51,7 @@ def import_cupy() -> Any:
     except ImportError as e:
         raise ImportError(f"CUDA IPC heaps need CuPy: {cupy_install_hint()}") from e
     return cupy
+
 
 _HEAPS: dict[tuple[int, str], tuple[object, SymmetricHeap]] = {}
 # Heaps replaced (grown) or dropped after a failure while a CUDA graph may still replay launches
@@ -60,13 +70,13 @@ def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
-def peek_heap(group: dist.ProcessGroup, device: torch.device) -> Optional[SymmetricHeap]:
+def peek_heap(group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap | None:
     """The cached heap of ``group`` on ``device`` or None (no collective)."""
     entry = _HEAPS.get(_key(group, device))
     return None if entry is None else entry[1]
 
 
-def heaps_of(group: Optional[dist.ProcessGroup]) -> list[SymmetricHeap]:
+def heaps_of(group: dist.ProcessGroup | None) -> list[SymmetricHeap]:
     """The cached heaps of ``group`` on every device (of every group when None), then its retired
     captured heaps; no collective."""
     current = [heap for (gid, _), (_, heap) in list(_HEAPS.items()) if group is None or gid == id(group)]
@@ -81,8 +91,14 @@ def _drop(group: object, heap: SymmetricHeap) -> None:
         heap.close()
 
 
-def get_heap(group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int,
-             descriptor: object = None, verdict: Optional[Verdict] = None) -> SymmetricHeap:
+def get_heap(
+    group: dist.ProcessGroup,
+    device: torch.device,
+    data_bytes: int,
+    sig_words: int,
+    descriptor: object = None,
+    verdict: Verdict | None = None,
+) -> SymmetricHeap:
     """The group's heap on ``device`` with at least ``data_bytes`` of data and ``sig_words`` int64 flags.
 
     Collective only when the heap is created or grown: every rank of ``group`` must call with the
@@ -122,8 +138,7 @@ def get_heap(group: dist.ProcessGroup, device: torch.device, data_bytes: int, si
     return heap
 
 
-def destroy_heap(group: dist.ProcessGroup, device: Optional[torch.device] = None,
-                 keep_captured: bool = False) -> None:
+def destroy_heap(group: dist.ProcessGroup, device: torch.device | None = None, keep_captured: bool = False) -> None:
     """Unmap and free the heap(s) of ``group`` (all devices when ``device`` is None), retired ones
     included. Local, no collective.
 
@@ -133,6 +148,7 @@ def destroy_heap(group: dist.ProcessGroup, device: Optional[torch.device] = None
     fused path's own teardown after a failure: a graph may still be replayed, and its calls then
     find the failure and skip their work).
     """
+
     def ours(gid: int, dev: str) -> bool:
         return gid == id(group) and (device is None or dev == str(device))
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 # Judges the descriptors every rank brought to a heap's creation: None when they agree, else the
 # error message (the same on every rank, since every rank judges the same gathered list).
-Verdict = Callable[[Sequence[object]], Optional[str]]
+Verdict = Callable[[Sequence[object]], str | None]
 
 
 class CallMismatch(RuntimeError):
@@ -41,8 +41,8 @@ class SymmetricHeap:
         self.failure_reported = False
         self.closed = False
         # Host memory the kernels write a failure into (set up by the heap's user, see kernels.fused.runtime).
-        self.error_record: Optional[torch.Tensor] = None
-        self.error_view: Optional[object] = None
+        self.error_record: torch.Tensor | None = None
+        self.error_view: object | None = None
         self._raw: list[torch.Tensor] = []
         self.data_ptrs = torch.empty(0, dtype=torch.int64)
         self.sig_ptrs = torch.empty(0, dtype=torch.int64)
@@ -52,7 +52,7 @@ class SymmetricHeap:
         return self.data_bytes + 8 * self.sig_words
 
     @staticmethod
-    def judge(descriptors: Sequence[object], verdict: Optional[Verdict]) -> None:
+    def judge(descriptors: Sequence[object], verdict: Verdict | None) -> None:
         """Raise :class:`CallMismatch` if ``verdict`` finds the gathered descriptors disagree.
 
         Called by every rank right after the handle exchange, before anything is mapped or a second
@@ -77,13 +77,14 @@ class SymmetricHeap:
             numel *= s
         end = offset + numel * itemsize
         if offset % itemsize or end > self.data_bytes:
-            raise ValueError(f"data_view: {numel} x {dtype} at offset {offset} does not fit the heap "
-                             f"({self.data_bytes} bytes)")
+            raise ValueError(
+                f"data_view: {numel} x {dtype} at offset {offset} does not fit the heap ({self.data_bytes} bytes)"
+            )
         return self._raw[peer][offset:end].view(dtype).view(shape)
 
     def sig_view(self, peer: int) -> torch.Tensor:
         """``peer``'s signal pad as an int64 tensor ``[sig_words]``."""
-        return self._raw[peer][self.data_bytes:self.total_bytes].view(torch.int64)
+        return self._raw[peer][self.data_bytes : self.total_bytes].view(torch.int64)
 
     def arm_clock(self, on: bool) -> None:
         """Keep the pad clock running (``on``) for the duration of a call; GPU kernels use

@@ -9,7 +9,6 @@ Tensors over the raw addresses are made through ``__cuda_array_interface__``.
 from __future__ import annotations
 
 import socket
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,8 +22,13 @@ class _CudaArray:
     """A minimal ``__cuda_array_interface__`` exporter for ``nbytes`` bytes at ``ptr``."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def _as_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -36,16 +40,25 @@ def _as_tensor(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """
     t = torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
     if t.data_ptr() != ptr:
-        raise RuntimeError(f"symmetric heap: torch {torch.__version__} copied the CUDA IPC mapping at {ptr:#x} "
-                           f"into {t.data_ptr():#x} instead of viewing it; peer memory cannot be shared")
+        raise RuntimeError(
+            f"symmetric heap: torch {torch.__version__} copied the CUDA IPC mapping at {ptr:#x} "
+            f"into {t.data_ptr():#x} instead of viewing it; peer memory cannot be shared"
+        )
     return t
 
 
 class CudaIpcHeap(SymmetricHeap):
     """Symmetric heap over CUDA IPC (ranks on one host with peer access, or sharing one GPU)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int,
-                 descriptor: object = None, verdict: Optional[Verdict] = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        data_bytes: int,
+        sig_words: int,
+        descriptor: object = None,
+        verdict: Verdict | None = None,
+    ):
         from . import import_cupy
 
         cupy = import_cupy()

@@ -24,7 +24,6 @@ import secrets
 import socket
 import threading
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -116,8 +115,15 @@ class _Clock(threading.Thread):
 class ShmHeap(SymmetricHeap):
     """Symmetric heap over POSIX shared memory (CPU tensors; ranks on one host)."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, data_bytes: int, sig_words: int,
-                 descriptor: object = None, verdict: Optional[Verdict] = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        data_bytes: int,
+        sig_words: int,
+        descriptor: object = None,
+        verdict: Verdict | None = None,
+    ):
         super().__init__(group, device, data_bytes, sig_words)
         self._maps: list[mmap.mmap] = []
         name = segment_name()
@@ -137,8 +143,9 @@ class ShmHeap(SymmetricHeap):
                     if peer == self.rank:
                         maps.append(own)
                     elif host != infos[self.rank][0]:
-                        raise RuntimeError(f"rank {self.global_ranks[peer]} is on host {host}, "
-                                           f"not {infos[self.rank][0]}")
+                        raise RuntimeError(
+                            f"rank {self.global_ranks[peer]} is on host {host}, not {infos[self.rank][0]}"
+                        )
                     else:
                         maps.append(open_segment(peer_name, self.total_bytes))
             except (OSError, RuntimeError) as e:

@@ -5,7 +5,6 @@ Results are pure functions of (op, shapes, placements, args), so :mod:`autopar.d
 them per key and a repeated op costs one dict lookup.
 """
 
-from .einsum import (RuleResult, broadcast_labels, einsum_rule, matmul_labels,
-                     reduction_labels)
+from .einsum import RuleResult, broadcast_labels, einsum_rule, matmul_labels, reduction_labels
 
 __all__ = ["RuleResult", "einsum_rule", "broadcast_labels", "matmul_labels", "reduction_labels"]

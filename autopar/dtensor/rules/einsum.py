@@ -22,7 +22,8 @@ normalization axis, broadcast size-1 axes) are never sharded.
 from __future__ import annotations
 
 import string
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -43,21 +44,28 @@ class RuleResult(NamedTuple):
 KINDS = ("linear", "add", "linear_first", "nonlinear")
 
 
-def einsum_rule(in_labels: Sequence[str], out_labels: str, shapes: Sequence[Sequence[int]],
-                placements: Sequence[Sequence[Placement]], kind: str,
-                forbidden: frozenset = frozenset(),
-                priority: Sequence[int] | None = None) -> RuleResult:
+def einsum_rule(
+    in_labels: Sequence[str],
+    out_labels: str,
+    shapes: Sequence[Sequence[int]],
+    placements: Sequence[Sequence[Placement]],
+    kind: str,
+    forbidden: frozenset = frozenset(),
+    priority: Sequence[int] | None = None,
+) -> RuleResult:
     if kind not in KINDS:
         raise ValueError(f"einsum_rule(kind): {kind!r} not in {KINDS}")
     mesh_ndim = len(placements[0])
     sizes: dict[str, int] = {}
-    for i, (labels, shape) in enumerate(zip(in_labels, shapes)):
+    for i, (labels, shape) in enumerate(zip(in_labels, shapes, strict=False)):
         if len(labels) != len(shape):
             raise ValueError(f"input {i}: {len(labels)} labels {labels!r} for shape {list(shape)}")
-        for axis, (lab, n) in enumerate(zip(labels, shape)):
+        for axis, (lab, n) in enumerate(zip(labels, shape, strict=False)):
             if sizes.setdefault(lab, n) != n:
-                raise ValueError(f"size mismatch on axis {lab!r}: input {i} dim {axis} has {n}, "
-                                 f"another input has {sizes[lab]} (shapes {[list(s) for s in shapes]})")
+                raise ValueError(
+                    f"size mismatch on axis {lab!r}: input {i} dim {axis} has {n}, "
+                    f"another input has {sizes[lab]} (shapes {[list(s) for s in shapes]})"
+                )
 
     def allowed(lab: str) -> bool:
         return lab not in forbidden and (kind == "linear" or lab in out_labels)
@@ -74,7 +82,8 @@ def einsum_rule(in_labels: Sequence[str], out_labels: str, shapes: Sequence[Sequ
                     raise ValueError(
                         f"conflicting shardings of one tensor axis: input {prev[1]} dim {prev[2]} is "
                         f"sharded on mesh dim {prev[0]} but input {i} dim {p.dim} (the same axis "
-                        f"{lab!r} of '{','.join(in_labels)}->{out_labels}') is sharded on mesh dim {m}")
+                        f"{lab!r} of '{','.join(in_labels)}->{out_labels}') is sharded on mesh dim {m}"
+                    )
                 owner.setdefault(lab, (m, i, p.dim))
 
     n_in = len(in_labels)
@@ -102,8 +111,7 @@ def einsum_rule(in_labels: Sequence[str], out_labels: str, shapes: Sequence[Sequ
         if rt in ("sum", "avg"):
             if kind == "linear":
                 keep = partial[:1]
-            elif kind == "add" and len(partial) == n_in and \
-                    all(placements[i][m].reduce_type == rt for i in partial):
+            elif kind == "add" and len(partial) == n_in and all(placements[i][m].reduce_type == rt for i in partial):
                 keep = partial
             elif kind == "linear_first" and partial[0] == 0:
                 keep = [0]
@@ -111,11 +119,11 @@ def einsum_rule(in_labels: Sequence[str], out_labels: str, shapes: Sequence[Sequ
             req[i][m] = placements[i][m]
         if keep:
             out[m] = placements[keep[0]][m]
-    return RuleResult(tuple(tuple(r) for r in req), tuple(out),
-                      torch.Size([sizes[lab] for lab in out_labels]))
+    return RuleResult(tuple(tuple(r) for r in req), tuple(out), torch.Size([sizes[lab] for lab in out_labels]))
 
 
 # -- label builders -----------------------------------------------------------------------------
+
 
 def broadcast_labels(shapes: Sequence[Sequence[int]]) -> tuple[list[str], str, frozenset]:
     """Elementwise broadcasting as einsum labels; size-1 broadcast axes get unique labels."""
@@ -126,8 +134,9 @@ def broadcast_labels(shapes: Sequence[Sequence[int]]) -> tuple[list[str], str, f
             pos = ndim - len(s) + j
             if n != 1:
                 if out_sizes[pos] not in (1, n):
-                    raise ValueError(f"shapes {[list(x) for x in shapes]} do not broadcast "
-                                     f"(dim {pos}: {out_sizes[pos]} vs {n})")
+                    raise ValueError(
+                        f"shapes {[list(x) for x in shapes]} do not broadcast (dim {pos}: {out_sizes[pos]} vs {n})"
+                    )
                 out_sizes[pos] = n
     out = _LETTERS[:ndim]
     labels, forbidden, u = [], set(), 0

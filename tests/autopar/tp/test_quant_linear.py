@@ -1,0 +1,109 @@
+"""QuantizedRowParallelLinear: inference with int8 weights built from a RowParallelLinear.
+
+Reference per rank: ``all_reduce(x_shard @ dequant(qweight_shard).T) + bias``; the full input
+(``input_is_parallel=False``) and the full float weight are built from one seed on every rank.
+Tolerances as in test_quant.py (fp32, W partial sums of short dot products).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+import kernels
+from kernels.quant import dequantize
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.triton  # runs Triton kernels (interpreted on CPU)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+IN, OUT = 24, 10
+
+
+def _row(input_is_parallel, skip_bias_add, sequence_parallel=False):
+    torch.manual_seed(0)  # the master weight is drawn on the CPU: same on every rank
+    config = autopar.ParallelConfig(sequence_parallel=sequence_parallel, use_cpu_initialization=True)
+    layer = autopar.RowParallelLinear(
+        IN,
+        OUT,
+        config=config,
+        init_method=torch.nn.init.normal_,
+        bias=True,
+        input_is_parallel=input_is_parallel,
+        skip_bias_add=skip_bias_add,
+        # explicit: resolving the default would import megatron (seconds)
+        tp_group=dist.group.WORLD if dist.is_initialized() else None,
+    )
+    with torch.no_grad():
+        layer.bias.copy_(torch.arange(OUT, dtype=torch.float32))
+    return layer
+
+
+def _check_linear(rank, world):
+    k_local = IN // world
+    cases = 0
+    for mode, group_size in (("per_channel", None), ("per_group", 5), ("per_tensor", None)):
+        for input_is_parallel in (True, False):
+            for skip_bias_add in (False, True):
+                layer = _row(input_is_parallel, skip_bias_add)
+                qlayer = autopar.quantize_row_parallel_linear(layer, mode, group_size)
+                torch.manual_seed(1)
+                x_full = torch.randn(3, 2, IN)
+                x_shard = x_full[..., rank * k_local : (rank + 1) * k_local]
+                with torch.no_grad():
+                    out, out_bias = qlayer(x_shard if input_is_parallel else x_full)
+                    float_out, _ = layer(x_shard if input_is_parallel else x_full)
+                w = dequantize(qlayer.qweight, qlayer.scale, group_size, dtype=torch.float32)
+                ref = x_shard @ w.T
+                dist.all_reduce(ref)
+                if skip_bias_add:
+                    assert out_bias is qlayer.bias
+                    torch.testing.assert_close(out_bias, layer.bias.detach(), rtol=0, atol=0)
+                else:
+                    assert out_bias is None
+                    ref = ref + layer.bias.detach()
+                torch.testing.assert_close(out, ref, **TOL)
+                # Close to the float layer within the int8 rounding: |dW| <= scale / 2 per weight,
+                # summed over IN inputs of |x| <= 4.
+                torch.testing.assert_close(out, float_out, rtol=0, atol=IN * 4 * qlayer.scale.max().item())
+                cases += 1
+    return cases
+
+
+def test_quantized_row_parallel_linear_forward():
+    assert run_ranks(_check_linear, 2) == [12, 12]
+
+
+def _check_backward_and_sp(rank, world):
+    qlayer = autopar.quantize_row_parallel_linear(_row(True, False))
+    x = torch.randn(3, 2, IN // world, requires_grad=True)
+    out, _ = qlayer(x)  # forward works even when the input requires grad
+    errors = []
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        errors.append(str(e))
+    try:
+        autopar.quantize_row_parallel_linear(_row(True, False, sequence_parallel=True))
+    except NotImplementedError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_backward_and_sequence_parallel_refused():
+    for errors in run_ranks(_check_backward_and_sp, 2):
+        assert len(errors) == 2
+        assert "inference-only" in errors[0]
+        assert "sequence_parallel" in errors[1]
+
+
+def test_wrong_full_input_width():
+    layer = _row(False, False)
+    qlayer = autopar.quantize_row_parallel_linear(layer)
+    with pytest.raises(ValueError, match="input_is_parallel=False"):
+        qlayer(torch.randn(2, IN + 1))
+    with torch.no_grad():
+        out, _ = qlayer(torch.ones(2, IN))
+    w = dequantize(qlayer.qweight, qlayer.scale, dtype=torch.float32)
+    torch.testing.assert_close(out, torch.ones(2, IN) @ w.T + layer.bias.detach(), **TOL)
+    assert kernels.quant.quant_spec(qlayer.qweight, qlayer.scale, None, None).mode == "per_channel"

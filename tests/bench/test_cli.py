@@ -1,0 +1,265 @@
+"""python -m bench end to end on CPU: the tiny suite on its own ranks and under torchrun, model and
+single modes, and the correctness gate that runs before any timing."""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.runner import check_backend, make_inputs, op_call
+from bench.suites import Case
+from bench.timing import Timer
+from tests.harness import REPO_ROOT
+
+
+def _bench(args, tmp_path, timeout=120, launcher=None):
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = (launcher or [sys.executable, "-m", "bench"]) + args + ["--out-dir", str(tmp_path), "--name", "out"]
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_documents_the_tool():
+    r = subprocess.run(
+        [sys.executable, "-m", "bench", "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    for word in ("--suite", "--backends", "--world-sizes", "overlap", "torchrun", "--mode", "PREDICTION", "tiny"):
+        assert word in r.stdout, word
+
+
+def _check_report(tmp_path, worlds):
+    doc = json.loads((tmp_path / "out.json").read_text())
+    meta = doc["meta"]
+    assert meta["device"]["type"] == "cpu" and meta["versions"]["torch"] == torch.__version__
+    assert "revision" in meta["git"] and meta["dist_backend"] == "gloo"
+    records = doc["records"]
+    assert {r["world"] for r in records} == set(worlds)
+    for rec in records:
+        by = {b["backend"]: b for b in rec["backends"]}
+        assert by["sequential"]["status"] == "ok" and by["sequential"]["speedup"] == 1.0
+        assert rec["gemm_ms"]["median"] > 0
+        for b in rec["backends"]:
+            assert b["status"] in ("ok", "skipped"), (rec["label"], b)
+            if b["status"] == "skipped":
+                assert b["reason"]
+                continue
+            # The correctness gate ran and passed before the timing.
+            assert b["max_abs_err"] <= b["tol"] * max(b["ref_max_abs"], 1.0) * 2
+            if b.get("interpreted"):  # fused under Triton's interpreter: checked, not timed
+                assert b["backend"] == "fused" and "ms" not in b
+                continue
+            assert b["ms"]["median"] > 0 and b["ms"]["n"] >= 1
+        if rec["world"] > 1:
+            assert rec["comm_ms"]["median"] > 0 and rec["comm_busbw_GBps"] > 0
+            chunked = by.get("chunked2")
+            if chunked and chunked["status"] == "ok":
+                assert chunked["overlap_eff"] is not None and chunked["model_ms"] > 0
+    rows = list(
+        csv.DictReader(line for line in (tmp_path / "out.csv").read_text().splitlines() if not line.startswith("#"))
+    )
+    assert len(rows) == sum(len(r["backends"]) for r in records)
+    return doc
+
+
+def test_tiny_suite_runs_checks_times_and_writes_reports(tmp_path):
+    r = _bench(["--suite", "tiny", "--no-progress", "--repeats", "3"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "speedup" in r.stdout and "PREDICTION" in r.stdout
+    doc = _check_report(tmp_path, [1, 2])
+    assert doc["model"]["link_models"]["2"]["fits"], "the CPU run calibrates the gloo link model"
+    assert doc["model"]["summary"]
+
+
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+    reason="torchrun not installed",
+)
+def test_under_torchrun(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    launcher = [
+        torchrun if os.path.exists(torchrun) else "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "bench",
+    ]
+    r = _bench(
+        [
+            "--suite",
+            "tiny",
+            "--ops",
+            "ag,rs",
+            "--backends",
+            "sequential,chunked2",
+            "--no-progress",
+            "--format",
+            "json,csv",
+        ],
+        tmp_path,
+        launcher=launcher,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = _check_report(tmp_path, [2])
+    assert doc["meta"]["torchrun"] is True
+    assert {r["op"] for r in doc["records"]} == {"all_gather_matmul", "matmul_reduce_scatter"}
+
+
+def test_model_mode_predicts_without_measuring(tmp_path):
+    r = _bench(["--mode", "model", "--gpu", "H800", "--suite", "flux-ref"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "MODEL PREDICTIONS" in r.stdout
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["link_model"]["kind"] == "model parameters (not measurements)"
+    for rec in doc["records"]:
+        fused = next(b for b in rec["backends"] if b["backend"] == "fused")
+        assert fused["model_speedup"] > 1.0
+    r = _bench(["--mode", "model", "--suite", "flux-ref"], tmp_path)
+    assert r.returncode != 0 and "--gpu" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip message")
+def test_single_mode_skips_cleanly_on_cpu(tmp_path):
+    r = _bench(["--mode", "single"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "needs a CUDA GPU" in r.stdout
+
+
+def test_single_mode_code_path_on_cpu(tmp_path):
+    """--allow-cpu runs single mode end to end (interpreter times mean nothing; the checks do)."""
+    r = _bench(
+        [
+            "--mode",
+            "single",
+            "--allow-cpu",
+            "--suite",
+            "tiny",
+            "--tokens",
+            "40",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--no-progress",
+        ],
+        tmp_path,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = json.loads((tmp_path / "out.json").read_text())["records"]
+    shapes = {tuple(rec["gemm_shape"]): rec for rec in records}
+    assert set(shapes) == {(40, 96, 80), (40, 96, 160), (40, 192, 80)}
+    for (_m, _k, n), rec in shapes.items():
+        assert rec["core_correct"] is True
+        # fp32 rows are 128-byte aligned at multiples of 32 elements: n = 80 is padded, 160 is not.
+        assert ("soc_speedup" in rec) == (n % 32 != 0) and rec.get("soc_correct", True) is True
+        for row in rec["ops"]:
+            assert {"fused_ms", "chunked4_ms", "sequential_ms"} <= set(row), row
+    assert "soc pad speed" in r.stdout
+
+
+def test_correctness_gate_flags_a_wrong_result():
+    case = Case("t", "l", "matmul_all_reduce", 37, 24, 19, 1, "fp32")
+    timer = Timer(torch.device("cpu"))
+    inputs = make_inputs(case, 0, 0, torch.device("cpu"))
+    ref = op_call(case, "sequential", inputs)()
+    assert check_backend(case, "chunked4", inputs, ref, timer)["status"] == "ok"
+    bad = check_backend(case, "chunked4", inputs, ref * 1.01, timer)
+    assert bad["status"] == "incorrect" and "exceeds tolerance" in bad["reason"]
+    unknown = check_backend(case, "chunked3", inputs, ref, timer)
+    assert unknown["status"] == "skipped" and "3" in unknown["reason"]
+
+
+def _records_for_plot():
+    return [
+        {
+            "layer": "l",
+            "op": "matmul_all_reduce",
+            "tokens": 64,
+            "world": 2,
+            "backends": [
+                {"backend": "sequential", "speedup": 1.0},
+                {"backend": "chunked2", "speedup": 1.2},
+                {"backend": "fused", "status": "skipped"},
+            ],
+        }
+    ]
+
+
+def test_plot_is_written_when_matplotlib_is_installed(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import report
+
+    assert report.write_plot(str(tmp_path / "p.png"), _records_for_plot(), "t") is None
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path, monkeypatch):
+    from bench import report
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    why = report.write_plot(str(tmp_path / "p.png"), _records_for_plot(), "t")
+    assert "matplotlib" in why and not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.gpu
+def test_single_mode_on_gpu(tmp_path):
+    r = _bench(
+        [
+            "--mode",
+            "single",
+            "--suite",
+            "tiny",
+            "--dtypes",
+            "fp16",
+            "--world-sizes",
+            "2",
+            "--repeats",
+            "5",
+            "--no-progress",
+        ],
+        tmp_path,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "out.json").read_text())
+    for rec in doc["records"]:
+        assert rec["torch_ms"]["median"] > 0
+        assert rec.get("core_correct", True), rec
+
+
+@pytest.mark.gpu
+def test_run_mode_on_one_gpu(tmp_path):
+    r = _bench(
+        ["--suite", "tiny", "--dtypes", "fp16", "--world-sizes", "1", "--no-progress", "--gpu", "H100"],
+        tmp_path,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["meta"]["device"]["type"] == "cuda" and doc["meta"]["dist_backend"] == "nccl"
+    for rec in doc["records"]:
+        assert all(b["status"] in ("ok", "skipped") for b in rec["backends"]), rec
+
+
+def _launch_probe(rank, world, device, mode):
+    if mode == "raise" and rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    if mode == "die" and rank == 1:
+        os._exit(7)
+    return (rank, world, device.type)
+
+
+def test_spawned_ranks_report_results_errors_and_deaths():
+    from bench.launch import LaunchError, spawn
+
+    assert spawn(_launch_probe, 2, "cpu", 60, "ok") == (0, 2, "cpu")
+    with pytest.raises(LaunchError, match="(?s)rank 1 raised:.*fails on purpose"):
+        spawn(_launch_probe, 2, "cpu", 60, "raise")
+    with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] died \(exit codes \[7\]\)"):
+        spawn(_launch_probe, 2, "cpu", 60, "die")

@@ -1,0 +1,144 @@
+"""bench.model: the alpha-beta link model, calibration, pipeline schedules and the GPU roofline."""
+
+import math
+
+import pytest
+
+from bench import model
+from bench.model import CollectiveFit, LinkModel, chunk_rows, pipeline_comm_first, pipeline_compute_first
+
+
+def test_bus_factor_follows_nccl_tests_convention():
+    assert model.bus_factor("all_gather", 8) == pytest.approx(7 / 8)
+    assert model.bus_factor("reduce_scatter", 4) == pytest.approx(3 / 4)
+    assert model.bus_factor("all_reduce", 2) == pytest.approx(1.0)
+    assert model.bus_factor("all_reduce", 1) == 0.0
+    with pytest.raises(ValueError, match="broadcast"):
+        model.bus_factor("broadcast", 2)
+
+
+def test_calibrate_recovers_alpha_and_bandwidth_exactly():
+    alpha, bw = 40e-6, 2.5e9
+    samples = []
+    for coll in ("all_gather", "all_reduce"):
+        for nbytes in (1e4, 1e5, 1e6, 4e6):
+            samples.append((coll, 2, nbytes, alpha + model.bus_factor(coll, 2) * nbytes / bw))
+    link = model.calibrate(samples)
+    for coll in ("all_gather", "all_reduce"):
+        fit = link.fits[(coll, 2)]
+        assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
+        assert fit.bus_bytes_per_s == pytest.approx(bw, rel=1e-6)
+        assert fit.rel_rms == pytest.approx(0.0, abs=1e-9)
+        assert link.collective_time(coll, 3e6, 2) == pytest.approx(alpha + model.bus_factor(coll, 2) * 3e6 / bw)
+
+
+def test_calibrate_needs_two_sizes():
+    with pytest.raises(ValueError, match="two or more sizes"):
+        model.calibrate([("all_gather", 2, 1e4, 1e-4), ("all_gather", 2, 1e4, 2e-4)])
+
+
+def test_links_yaml_collective_time_is_the_documented_formula():
+    link, _ = model.load_gpu("H100")
+    nbytes = 64e6
+    expected = 10e-6 + 6 * 0.5e-6 + 7 / 8 * nbytes / (450e9 * 0.82)
+    assert link.collective_time("all_gather", nbytes, 8) == pytest.approx(expected)
+    expected_ar = 10e-6 + 13 * 0.5e-6 + 2 * 7 / 8 * nbytes / (450e9 * 0.82)
+    assert link.collective_time("all_reduce", nbytes, 8) == pytest.approx(expected_ar)
+    assert link.collective_time("all_reduce", nbytes, 1) == 0.0
+
+
+def test_chunk_rows_uneven_split_sums_to_m():
+    assert chunk_rows(10, 4) == [3, 3, 2, 2]
+    assert chunk_rows(3, 8) == [1, 1, 1]
+    assert sum(chunk_rows(4093, 8)) == 4093
+
+
+def test_pipelines_by_hand():
+    # Two pieces of 1 s GEMM and 1 s collective: the second GEMM hides the first collective.
+    assert pipeline_compute_first([1, 1], [1, 1], 0.0) == pytest.approx(3.0)
+    assert pipeline_comm_first([1, 1], [1, 1], 0.0) == pytest.approx(3.0)
+    # Interference only applies while the neighbour's transfer is running.
+    assert pipeline_compute_first([1, 1], [1, 1], 0.5) == pytest.approx(3.5)
+    assert pipeline_compute_first([1, 1], [0.0, 0.0], 0.5) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("g,c", [([1, 2, 3], [3, 2, 1]), ([0.5] * 8, [0.1] * 8), ([0.1] * 4, [2.0] * 4)])
+def test_pipelines_between_physical_bounds(g, c):
+    for fn in (pipeline_compute_first, pipeline_comm_first):
+        t = fn(g, c, 0.0)
+        assert max(sum(g), sum(c)) <= t + 1e-12
+        assert t <= sum(g) + sum(c) + 1e-12
+
+
+def _flat_gemm(rate_flops):
+    return lambda m, k, n: 2.0 * m * k * n / rate_flops
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"])
+def test_predictions_respect_the_overlap_limit(op):
+    link, _ = model.load_gpu("H100")
+    gemm = _flat_gemm(700e12)
+    world, shape = 8, (8192, 8192, 1280) if op == "all_gather_matmul" else (8192, 1024, 8192)
+    elems = 8192 * (8192 if op == "all_gather_matmul" else 8192)
+    coll = model.OP_COLLECTIVE[op]
+    t_g, t_c = gemm(*shape), link.collective_time(coll, elems * 2, world)
+    seq = model.predict(op, "sequential", world, shape, elems, "bf16", gemm, link)
+    assert seq == pytest.approx(t_g + t_c)
+    for backend in ("chunked2", "chunked4", "chunked8", "fused"):
+        t = model.predict(op, backend, world, shape, elems, "bf16", gemm, link)
+        assert t >= t_g - 1e-12, backend  # an op never beats its own GEMM
+        assert t >= model.bus_factor("all_gather", world) * elems * 2 / link.link_bytes_per_s - 1e-12, backend
+
+
+def test_fused_not_modelled_without_peer_memory_parameters():
+    link = LinkModel(name="x", source="test", fits={("all_reduce", 2): CollectiveFit(1e-5, 1e9)})
+    assert model.predict("matmul_all_reduce", "fused", 2, (64, 32, 16), 64 * 16, "fp32", _flat_gemm(1e9), link) is None
+    assert (
+        model.predict("matmul_all_reduce", "chunked2", 2, (64, 32, 16), 64 * 16, "fp32", _flat_gemm(1e9), link)
+        is not None
+    )
+
+
+def test_roofline_large_gemm_runs_at_peak_times_efficiency():
+    _, spec = model.load_gpu("H100")
+    m = k = n = 16384  # 128 x 64 tiles of 128 x 256: a whole number of waves is not needed at this size
+    t = spec.gemm_time(m, k, n, "bf16")
+    ideal = 2 * m * k * n / (989e12 * 0.80)
+    assert ideal <= t <= ideal * 1.05
+    # Small GEMMs are bounded by waves / memory, never faster than the ideal.
+    assert spec.gemm_time(64, 8192, 1024, "bf16") >= 2 * 64 * 8192 * 1024 / (989e12 * 0.80)
+
+
+def test_detect_generation_from_cuda_device_names():
+    assert model.detect_generation("NVIDIA H100 80GB HBM3") == "H100"
+    assert model.detect_generation("NVIDIA H200") == "H200"
+    assert model.detect_generation("NVIDIA A100-SXM4-80GB") == "A100"
+    assert model.detect_generation("NVIDIA H800") == "H800"
+    assert model.detect_generation("Tesla T4") is None
+    with pytest.raises(ValueError, match="unknown GPU generation"):
+        model.load_gpu("T4")
+
+
+def test_gemm_times_prefers_measurements_then_scales_by_rows():
+    g = model.GemmTimes({(100, 8, 8): 2.0})
+    assert g(100, 8, 8) == 2.0
+    assert g(50, 8, 8) == pytest.approx(1.0)
+    with pytest.raises(KeyError):
+        g(50, 9, 8)
+    assert math.isclose(model.GemmTimes({}, lambda m, k, n: 7.0)(1, 2, 3), 7.0)
+
+
+def test_full_interference_serializes_the_pipeline():
+    assert pipeline_compute_first([1, 1], [1, 1], 1.0) == pytest.approx(4.0)
+    assert pipeline_comm_first([1, 1], [1, 1], 1.0) == pytest.approx(4.0)
+
+
+def test_interference_from_bare_timings_is_clamped_to_0_1():
+    from bench.runner import interference
+
+    assert interference(10.0, 5.0, 10.0) == 0.0  # the collective hid entirely
+    assert interference(10.0, 5.0, 12.5) == pytest.approx(0.5)
+    assert interference(10.0, 5.0, 15.0) == pytest.approx(1.0)  # serialized
+    assert interference(10.0, 5.0, 40.0) == 1.0  # noise cannot claim more than serializing
+    assert interference(10.0, 5.0, 8.0) == 0.0
+    assert interference(10.0, 0.0, 12.0) == 0.0

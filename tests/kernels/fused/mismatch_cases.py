@@ -1,0 +1,98 @@
+"""Rank bodies of the fused call check: ranks that describe different calls (module level so the rank
+pools can unpickle them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.kernels.fused.cases import assert_close, make_inputs, reference, run_op
+
+# (op, field, what the last rank changes); the other ranks make the base call of ``mismatch_call``.
+MISMATCH_CASES = (
+    ("ag", "m_local", {"rows": 6}),
+    ("ag", "m_local", {"rows": 64}),  # the last rank's call needs a larger heap: it must not enter the growth
+    ("ag", "k", {"k": 9}),
+    ("ag", "dtype", {"dtype": torch.float64}),
+    ("ag", "return_gathered", {"flag": True}),
+    ("rs", "m", {"rows_per_rank": 4}),
+    ("rs", "n", {"n": 7}),
+    ("rs", "deterministic", {"flag": False}),
+    ("ar", "n", {"n": 5}),
+    ("ar", "dtype", {"dtype": torch.float64}),
+    ("ar", "deterministic", {"flag": False}),
+)
+
+
+def mismatch_call(op: str, rank: int, world: int, group: Any, changes: dict[str, Any]) -> Any:
+    """One fused call with a small base shape; ``changes`` alter rows (``rows_per_rank``: rows / W of
+    the reduce-scatter), k, n, dtype or the flag."""
+    from kernels import fused
+
+    rows = changes.get("rows", changes.get("rows_per_rank", 2) * world if op == "rs" else 5)
+    k, n = changes.get("k", 8), changes.get("n", 6)
+    dtype = changes.get("dtype", torch.float32)
+    flag = changes.get("flag", op != "ag")
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    fn = {"ag": fused.all_gather_matmul, "rs": fused.matmul_reduce_scatter, "ar": fused.matmul_all_reduce}[op]
+    return fn(x, w, b, group, flag)
+
+
+def mismatch_body(rank: int, world: int) -> list[str]:
+    """Every case of MISMATCH_CASES on a fresh group whose heap exists (the in-kernel check), then one
+    at a group's first call (the heap-creation exchange); returns each case's error message."""
+    messages = []
+    for op, field, changes in MISMATCH_CASES:
+        group = dist.new_group(list(range(world)))
+        mismatch_call(op, rank, world, group, {})  # creates the heap: the mismatch below meets the kernel check
+        try:
+            got = mismatch_call(op, rank, world, group, changes if rank == world - 1 else {})
+        except RuntimeError as e:
+            messages.append(str(e))
+        else:
+            raise AssertionError(
+                f"{op} with ranks differing in {field} returned a tensor of shape "
+                f"{tuple(got[0].shape if isinstance(got, tuple) else got.shape)} on rank {rank}"
+            )
+        # Fail-stop: the group is refused at once, without waiting for any peer.
+        start = time.monotonic()
+        try:
+            mismatch_call(op, rank, world, group, {})
+        except RuntimeError as e:
+            assert "earlier fused call on this process group failed" in str(e) and field in str(e), e
+        else:
+            raise AssertionError("a fused call on a group with a failed call ran")
+        assert time.monotonic() - start < 1.0
+    # At the first call of a group the descriptors travel with the heap handles: nothing is
+    # created, and the group stays usable.
+    group = dist.new_group(list(range(world)))
+    try:
+        mismatch_call("rs", rank, world, group, {"n": 7} if rank == world - 1 else {})
+    except RuntimeError as e:
+        messages.append(str(e))
+        assert "group stays usable" in str(e), e
+    else:
+        raise AssertionError("a first call with ranks differing in n returned a tensor")
+    from kernels.heap import peek_heap
+
+    assert peek_heap(group, torch.device("cpu")) is None
+    assert mismatch_call("rs", rank, world, group, {}).shape == (2, 6)
+    # A fresh group after all that works, and valid per-rank differences are never reported:
+    # all_gather_matmul's n (uneven column shards) and the reducing ops' k (uneven contracted shards).
+    group = dist.new_group(list(range(world)))
+    xs, ws, b = make_inputs("ag", world, 5, 8, 6, True, 9)
+    assert_close(
+        f"ag after mismatches, rank {rank}",
+        run_op("ag", xs[rank], ws[rank], b, group),
+        reference("ag", xs, ws, b, rank),
+        torch.float32,
+    )
+    assert mismatch_call("ag", rank, world, group, {"n": 6 + rank}).shape == (5 * world, 6 + rank)
+    assert mismatch_call("rs", rank, world, group, {"k": 8 + rank}).shape == (2, 6)
+    return messages

@@ -1,0 +1,506 @@
+"""The fused kernels compile for a Hopper GPU (sm_90a) even where no GPU exists, and compile well.
+
+The interpreter does not type-check like the compiler (operand types of atomics, loop-carried
+types, inline assembly), so CI compiles the GPU build of every kernel with a spin loop in a
+subprocess without ``TRITON_INTERPRET`` (Triton's bundled ptxas does the last step).
+
+Each kernel is compiled under the argument specialization a real launch of it gets: the example
+arguments below go through the JIT's own binder, so pointers of torch tensors are 16-byte aligned,
+integers divisible by 16 are marked so, integers equal to 1 become constants and
+``do_not_specialize`` is honoured. For those aligned shapes the compiled code must not
+
+* touch global memory 16 bits at a time (a pointer loaded from a peer table carries no alignment
+  unless the kernel states it: without it every peer access is one element per instruction, and
+  the GEMM's operand loads lose cp.async pipelining), nor
+* spill registers (local memory in the cubin, cuobjdump ``-res-usage``; the driver's ``n_spills``).
+
+Registers per kernel are printed. Odd shapes (k, n not multiples of 8) are compiled too: there the
+alignment hints must not claim what does not hold, and 16-bit accesses are expected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from tests.harness import REPO_ROOT
+
+GPU_TARGET = ("cuda", 90, 32)
+# One access instruction of 16 bits to global memory (no .v2/.v4 vector form).
+_ACCESS_16 = re.compile(
+    r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)\.global(?:\.[a-z0-9_]+)*\.(?:b16|u16|s16|f16|bf16)\s", re.MULTILINE
+)
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_like_launch(fn, args: dict, num_warps: int, num_stages: int = 3):
+    """Compile ``fn`` for sm_90a as ``fn[grid](**args, num_warps=..., num_stages=...)`` would on an
+    H100: the JIT's binder computes the signature, constants and alignment attributes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    missing = set(fn.arg_names) - set(args)
+    if missing:
+        raise TypeError(f"{fn.__name__}: no example value for {sorted(missing)}")
+    target = GPUTarget(*GPU_TARGET)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    bound, specialization, opts = binder(**args, **options)
+    opts, signature, constexprs, attrs = fn._pack_args(backend, options, bound, specialization, opts)
+    return compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
+
+
+def resources(kernel) -> tuple[int, int]:
+    """``(registers, local bytes)`` per thread of a compiled kernel, read from its cubin.
+
+    Triton kernels have no local arrays and no calls, so local memory (the stack frame, which is
+    what the driver reports as a kernel's ``n_spills``) holds only register spills.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        out = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+    usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", out))
+    return int(usage["REG"]), int(usage["STACK"]) + int(usage["LOCAL"])
+
+
+def accesses_16bit(kernel) -> list[str]:
+    return [m.group(0).strip() for m in _ACCESS_16.finditer(kernel.asm["ptx"])]
+
+
+# A [BLOCK_N] vector (bias, per-channel scales) loaded once per program may land one element per
+# thread in the layouts of 4-warp tiles: up to 2 such loads are not a peer tile moved 16 bits at a
+# time (a 128x128 tile at 8 warps is 64 per thread).
+ONCE_PER_PROGRAM = 2
+# Known exceptions, by label prefix: (16-bit accesses allowed, spilled bytes allowed, why).
+ALLOWED = {
+    # Per-group scales [n, groups] are strided along n: a [BLOCK_N] gather per k step (local memory).
+    "w8a16_scatter PER_GROUP_ALIGNED": (4, 0, "scale column gather per k step"),
+    "w8a16_scatter PER_GROUP ": (None, 0, "scale tile gather per k step"),
+    # The NaN fill of a failed call's outputs (error path only).
+    "finish_call": (16, 0, "error path"),
+    # Odd k: the all-gather buffer's rows (stride k) and x's rows are not 16-byte aligned, so A is
+    # loaded an element at a time; the gather buffer layout is the AG protocol's (see docs/fused.md).
+    "ag_gemm odd": (None, 0, "odd k, unaligned gather-buffer rows"),
+    "push_shard odd": (None, 64, "odd k, unaligned gather-buffer rows"),
+}
+
+
+def _blocks(cfg) -> dict:
+    return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+
+
+def _cases():
+    """``(label, kernel, args, num_warps, num_stages, aligned)``: a launch as the host code makes it.
+
+    ``aligned`` cases (k and n multiples of 16) must make no 16-bit global access at all.
+    """
+    import torch
+    import triton.language as tl
+
+    from kernels.fused import ag_gemm, gemm, gemm_ar, gemm_ar_w8a16, gemm_rs, signals
+
+    def t(dtype=torch.float16):
+        return torch.empty(64, dtype=dtype)
+
+    cuda = torch.device("cuda")
+    tab = t(torch.int64)
+    timer = dict(USE_GLOBALTIMER=True)
+    acc = dict(ACC_DTYPE=tl.float32)
+    timeout = 60 * 10**9
+    cases = []
+    # (W, k, n, rows per owner): LLaMA-like aligned shapes, decode-size m, and odd k and n.
+    for w, k, n, rows_own in ((8, 8192, 4096, 512), (8, 8192, 4096, 16), (4, 4097, 8191, 1024)):
+        aligned = k % 16 == 0 and n % 16 == 0
+        tag = f"{'' if aligned else 'odd '}W={w} k={k} n={n} rows={rows_own}"
+        ld = gemm_rs.slot_stride(n)
+        cfg = gemm.block_config(cuda, rows_own, k, torch.float16)
+        launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        off = {c: signals.channel_offset(c, w) for c in range(signals.NUM_CHANNELS)}
+        sig = dict(sig_tab_ptr=tab, rank=w - 2, timeout=timeout)
+        cases.append(
+            (
+                f"ag_gemm {tag}",
+                ag_gemm._ag_gemm_kernel,
+                dict(
+                    x_ptr=t(),
+                    data_tab_ptr=tab,
+                    w_ptr=t(),
+                    bias_ptr=t(),
+                    y_ptr=t(),
+                    g_ptr=t(),
+                    M_LOCAL=rows_own,
+                    N=n,
+                    K=k,
+                    n_tiles=-(-n // cfg.block_n),
+                    chunk_rows=256,
+                    stride_xm=k,
+                    stride_xk=1,
+                    stride_wn=k,
+                    stride_wk=1,
+                    stride_ym=n,
+                    stride_yn=1,
+                    flag_offset=off[signals.CH_AG],
+                    WORLD=w,
+                    CHANNEL=signals.CH_AG,
+                    FLAG_STRIDE=signals.AG_MAX_SPLITS,
+                    HAS_BIAS=True,
+                    STORE_A=True,
+                    **sig,
+                    **timer,
+                    **acc,
+                    DOT_PRECISION="tf32",
+                    **_blocks(cfg),
+                ),
+                cfg.num_warps,
+                cfg.num_stages,
+                aligned,
+            )
+        )
+        cases.append(
+            (
+                f"push_shard {tag}",
+                ag_gemm._push_shard_kernel,
+                dict(
+                    x_ptr=t(),
+                    data_tab_ptr=tab,
+                    sig_tab_ptr=tab,
+                    M_LOCAL=rows_own,
+                    K=k,
+                    stride_xm=k,
+                    stride_xk=1,
+                    chunk_rows=256,
+                    n_chunks=4,
+                    rank=w - 2,
+                    WORLD=w,
+                    FLAG_OFFSET=off[signals.CH_AG],
+                    FLAG_STRIDE=signals.AG_MAX_SPLITS,
+                    BLOCK_R=32,
+                    BLOCK_K=128,
+                ),
+                4,
+                3,
+                aligned,
+            )
+        )
+        m = w * rows_own
+        for broadcast in (False, True):
+            cases.append(
+                (
+                    f"gemm_scatter broadcast={broadcast} {tag}",
+                    gemm_rs._gemm_scatter_kernel,
+                    dict(
+                        x_ptr=t(),
+                        w_ptr=t(),
+                        data_tab_ptr=tab,
+                        M=m,
+                        N=n,
+                        K=k,
+                        LD=ld,
+                        ROWS_OWN=rows_own,
+                        stride_xm=k,
+                        stride_xk=1,
+                        stride_wn=k,
+                        stride_wk=1,
+                        done_offset=off[signals.CH_DONE],
+                        cnt_offset=off[signals.CH_RS],
+                        WORLD=w,
+                        BROADCAST=broadcast,
+                        **sig,
+                        **timer,
+                        **acc,
+                        DOT_PRECISION="tf32",
+                        GROUP_M=cfg.group_m,
+                        **_blocks(cfg),
+                    ),
+                    *launch.values(),
+                    aligned,
+                )
+            )
+        for push in (False, True):
+            cases.append(
+                (
+                    f"reduce_slots push={push} {tag}",
+                    gemm_rs._reduce_slots_kernel,
+                    dict(
+                        data_tab_ptr=tab,
+                        bias_ptr=t(),
+                        out_ptr=t(),
+                        ROWS_OWN=rows_own,
+                        ROWS_VALID=rows_own,
+                        N=n,
+                        LD=ld,
+                        stride_om=n,
+                        stride_on=1,
+                        target=7 * w,
+                        cnt_offset=off[signals.CH_RS],
+                        done_offset=off[signals.CH_DONE],
+                        push_offset=off[signals.CH_AR],
+                        push_base=w * rows_own * ld,
+                        WORLD=w,
+                        CHANNEL=signals.CH_RS,
+                        HAS_BIAS=True,
+                        PUSH=push,
+                        **sig,
+                        **timer,
+                        **acc,
+                        BLOCK_M=cfg.block_m,
+                        BLOCK_N=cfg.block_n,
+                    ),
+                    cfg.num_warps,
+                    1,
+                    aligned,
+                )
+            )
+        cases.append(
+            (
+                f"gather_rows {tag}",
+                gemm_ar._gather_rows_kernel,
+                dict(
+                    data_tab_ptr=tab,
+                    out_ptr=t(),
+                    M=m,
+                    N=n,
+                    LD=ld,
+                    ROWS_OWN=rows_own,
+                    stride_om=n,
+                    stride_on=1,
+                    target=7 * w,
+                    o_base=w * rows_own * ld,
+                    ar_offset=off[signals.CH_AR],
+                    WORLD=w,
+                    CHANNEL=signals.CH_AR,
+                    **sig,
+                    **timer,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n,
+                ),
+                cfg.num_warps,
+                1,
+                aligned,
+            )
+        )
+        for name, group_size in (("PER_CHANNEL", 0), ("PER_GROUP_ALIGNED", 128), ("PER_GROUP", 40)):
+            groups = -(-k // group_size) if group_size else 1
+            scale = torch.empty((n, groups) if group_size else (n,), dtype=torch.float16)
+            qcfg, mode = gemm_ar_w8a16._quant_config(cfg, scale, group_size)
+            assert ("PER_GROUP" not in name) or mode == getattr(gemm_ar_w8a16, name), (name, mode)
+            cases.append(
+                (
+                    f"w8a16_scatter {name} {tag}",
+                    gemm_ar_w8a16._gemm_w8a16_scatter_kernel,
+                    dict(
+                        x_ptr=t(),
+                        q_ptr=t(torch.int8),
+                        s_ptr=t(),
+                        o_ptr=t(torch.float32),
+                        data_tab_ptr=tab,
+                        M=m,
+                        N=n,
+                        K=k,
+                        LD=ld,
+                        ROWS_OWN=rows_own,
+                        GROUP_SIZE=max(group_size, 1),
+                        stride_xm=k,
+                        stride_xk=1,
+                        stride_qn=k,
+                        stride_qk=1,
+                        stride_sn=groups,
+                        stride_sg=1,
+                        done_offset=off[signals.CH_DONE],
+                        cnt_offset=off[signals.CH_RS],
+                        MODE=mode,
+                        HAS_OFFSET=True,
+                        WORLD=w,
+                        BROADCAST=False,
+                        GROUP_M=qcfg.group_m,
+                        **sig,
+                        **timer,
+                        **_blocks(qcfg),
+                    ),
+                    qcfg.num_warps,
+                    qcfg.num_stages,
+                    aligned,
+                )
+            )
+    for m, dtype, precision in (
+        (4096, torch.float32, "ieee"),
+        (4096, torch.float16, "tf32"),
+        (16, torch.float16, "tf32"),
+    ):
+        cfg = gemm.block_config(cuda, m, 4096, dtype)
+        cases.append(
+            (
+                f"matmul {dtype} {precision} m={m}",
+                gemm._matmul_kernel,
+                dict(
+                    a_ptr=t(dtype),
+                    b_ptr=t(dtype),
+                    bias_ptr=t(dtype),
+                    c_ptr=t(dtype),
+                    M=m,
+                    N=4096,
+                    K=4096,
+                    stride_am=4096,
+                    stride_ak=1,
+                    stride_bn=4096,
+                    stride_bk=1,
+                    stride_cm=4096,
+                    stride_cn=1,
+                    HAS_BIAS=True,
+                    ACC_DTYPE=tl.float32,
+                    DOT_PRECISION=precision,
+                    GROUP_M=cfg.group_m,
+                    **_blocks(cfg),
+                ),
+                cfg.num_warps,
+                cfg.num_stages,
+                True,
+            )
+        )
+    cases += [
+        (
+            "check_call W=4",
+            signals._check_call_kernel,
+            dict(
+                sig_tab_ptr=tab,
+                rank=2,
+                timeout=timeout,
+                must_agree=8191,
+                **{f"d{i}": 1000 + i for i in range(13)},
+                WORLD=4,
+                DESC_LEN=13,
+                DESC_OFFSET=signals.channel_offset(signals.CH_DESC, 4),
+                COUNTERS_OFFSET=signals.channel_offset(signals.CH_RS, 4),
+                COUNTERS=8,
+                **timer,
+            ),
+            4,
+            1,
+            True,
+        ),
+        (
+            "finish_call W=4",
+            signals._finish_call_kernel,
+            dict(
+                sig_tab_ptr=tab,
+                out0_ptr=t(),
+                n0=4096 * 4096,
+                out1_ptr=t(),
+                n1=4096 * 1024,
+                rank=2,
+                WORLD=4,
+                DONE_OFFSET=signals.channel_offset(signals.CH_DONE, 4),
+                OUTPUTS=2,
+                BLOCK=1024,
+            ),
+            4,
+            1,
+            True,
+        ),
+    ]
+    return cases
+
+
+# GEMMs whose aligned operand tiles must reach shared memory by 16-byte cp.async (pipelined), the
+# A operand of the all-gather GEMM included (it comes through a peer-table pointer).
+PIPELINED = ("ag_gemm W", "gemm_scatter", "matmul torch.float16")
+_CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)\b")
+
+
+def main() -> None:
+    failures = []
+    print(f"{'kernel':58} {'regs':>5} {'spill B':>8} {'16-bit':>7}")
+    for label, fn, args, num_warps, num_stages, aligned in _cases():
+        kernel = compile_like_launch(fn, args, num_warps, num_stages)
+        regs, spills = resources(kernel)
+        narrow = accesses_16bit(kernel)
+        print(f"{label:58} {regs:5d} {spills:8d} {len(narrow):7d}", flush=True)
+        allowed_16, allowed_spill, _ = next(
+            (v for p, v in ALLOWED.items() if label.startswith(p)), (ONCE_PER_PROGRAM, 0, "")
+        )
+        if spills > allowed_spill:
+            failures.append(f"{label}: {spills} bytes of register spills")
+        if aligned and label.startswith(PIPELINED) and not _CP_ASYNC_16.search(kernel.asm["ptx"]):
+            failures.append(f"{label}: no 16-byte cp.async (operand loads not pipelined)")
+        if aligned and allowed_16 is not None and len(narrow) > allowed_16:
+            failures.append(f"{label}: {len(narrow)} 16-bit global accesses, e.g. {narrow[:3]}")
+    if failures:
+        print("FAILED\n" + "\n".join(failures))
+        sys.exit(1)
+    print("compiled: no spills, no 16-bit global accesses on aligned shapes")
+
+
+def test_fused_kernels_compile_for_sm90():
+    if not all(os.path.exists(_tool(name)) for name in ("ptxas", "cuobjdump")):
+        pytest.skip("Triton's bundled ptxas or cuobjdump is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", "import tests.kernels.fused.test_compile_sm90 as t; t.main()"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "compiled: no spills" in proc.stdout
+
+
+def test_gpu_block_config_keeps_tile_counts_agreed():
+    """Tile counts (signal targets) depend only on the rows per owner and n, which every rank agrees
+    on; only block_k follows the per-rank k (uneven k shards are allowed)."""
+    import torch
+
+    from kernels.fused import gemm, gemm_ar_w8a16
+    from kernels.fused.gemm_rs import slot_stride, tiles
+
+    cuda = torch.device("cuda")
+    f16, f32 = torch.float16, torch.float32
+    assert gemm.block_config(torch.device("cpu"), 8, 3, f16) == gemm.CPU_BLOCKS
+    assert gemm.block_config(cuda) == gemm.GPU_BLOCKS
+    assert gemm.block_config(cuda, 65, 4096, f16) == gemm.GPU_BLOCKS
+    small = gemm.block_config(cuda, 64, 4096, f16)
+    assert (small.block_m, small.num_warps) == (64, 4)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for rows in (1, 64, 65, 1000):
+            configs = []
+            for allow_tf32 in (False, True):
+                torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+                configs += [gemm.block_config(cuda, rows, k, dtype) for k in (4096, 4097, 3) for dtype in (f16, f32)]
+            assert len({tiles(rows, 4097, cfg) for cfg in configs}) == 1, rows
+        assert gemm.block_config(cuda, 512, 4096, f32).block_k == 64
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert gemm.block_config(cuda, 512, 4096, f32).block_k == gemm.NARROW_BLOCK_K
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert gemm.block_config(cuda, 512, 4097, f16).block_k == gemm.NARROW_BLOCK_K
+    assert gemm.block_config(cuda, 512, 4096, f16).block_k == 64
+    per_group = torch.empty(8, 3)
+    assert gemm_ar_w8a16._quant_config(gemm.GPU_BLOCKS, per_group, 128) == (
+        gemm.GPU_BLOCKS,
+        gemm_ar_w8a16.PER_GROUP_ALIGNED,
+    )
+    cfg, mode = gemm_ar_w8a16._quant_config(gemm.GPU_BLOCKS, per_group, 48)
+    assert (cfg.block_k, cfg.block_m, mode) == (16, 128, gemm_ar_w8a16.PER_GROUP_ALIGNED)
+    assert gemm_ar_w8a16._quant_config(gemm.GPU_BLOCKS, per_group, 40)[1] == gemm_ar_w8a16.PER_GROUP
+    assert [slot_stride(n) for n in (1, 8, 9, 4097)] == [8, 8, 16, 4104]

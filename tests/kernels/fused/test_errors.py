@@ -1,0 +1,211 @@
+"""The fused path's error reporting without host synchronization, and its host-side guards.
+
+Rank bodies live in this module (the rank pools import them by reference).
+"""
+
+import os
+import sys
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import REPO_ROOT, run_ranks
+from tests.kernels.fused import cases as fused_cases
+
+TIMEOUT_S = 2.0
+KERNELS_DIR = os.path.join(REPO_ROOT, "kernels") + os.sep
+# Every way a host reads a tensor's values (on a CUDA tensor each one synchronizes with the device).
+_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
+
+
+def _steady_state_plan(rank: int, world: int, group: Any) -> list:
+    import kernels
+
+    g = torch.Generator().manual_seed(rank)
+    x, w, b = torch.randn(6, 16, generator=g), torch.randn(12, 16, generator=g), torch.randn(12, generator=g)
+    x_rs = torch.randn(2 * world, 16, generator=g)
+    return [
+        lambda: kernels.all_gather_matmul(x, w, b, group=group, backend="fused", return_gathered=True),
+        lambda: kernels.matmul_reduce_scatter(x_rs, w, b, group=group, backend="fused"),
+        lambda: kernels.matmul_all_reduce(x, w, b, group=group, backend="fused", deterministic=True),
+    ]
+
+
+def spy_body(rank: int, world: int) -> tuple[list, list]:
+    """Count host reads of tensor values made by code under kernels/ during steady-state fused calls."""
+    group = dist.new_group(list(range(world)))
+    plan = _steady_state_plan(rank, world, group)
+    for call in plan:  # the first calls create the heap, its error record and compile the kernels
+        call()
+    reads: list = []
+    saved = {name: getattr(torch.Tensor, name) for name in _READS}
+    saved_sync = torch.cuda.synchronize
+
+    def spy(name: str, real: Any) -> Any:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = sys._getframe(1)
+            if caller.f_code.co_filename.startswith(KERNELS_DIR):
+                reads.append((name, caller.f_code.co_filename, caller.f_lineno))
+            return real(self, *args, **kwargs)
+
+        return wrapper
+
+    def sync(*args: Any, **kwargs: Any) -> None:
+        reads.append(("torch.cuda.synchronize", "", 0))
+
+    for name in _READS:
+        setattr(torch.Tensor, name, spy(name, saved[name]))
+    torch.cuda.synchronize = sync
+    try:
+        # The spy itself works: a read made from a file under kernels/ is caught.
+        exec(compile("t.item()", os.path.join(KERNELS_DIR, "probe.py"), "exec"), {"t": torch.ones(1)})
+        probe, reads[:] = list(reads), []
+        for _ in range(3):
+            for call in plan:
+                call()
+    finally:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, real)
+        torch.cuda.synchronize = saved_sync
+    return probe, reads
+
+
+def test_steady_state_fused_calls_never_read_device_memory():
+    for probe, reads in run_ranks(spy_body, 2):
+        assert [name for name, _, _ in probe] == ["item"]
+        assert reads == [], reads
+
+
+def deferred_error_body(rank: int, world: int, how: str) -> tuple[float, str, bool] | None:
+    """Rank 1 leaves after one call; rank 0's next call fails inside its kernels while the host
+    reads the error record too early (as on a GPU, where the kernels have not run when the host
+    reads). The failure must surface at ``kernels.check_errors`` or at the next call."""
+    import kernels
+    from kernels.fused import runtime
+    from kernels.heap import destroy_heap
+
+    group = dist.new_group(list(range(world)))
+    xs, ws, b = fused_cases.make_inputs("rs", world, 3, 8, 6, True, 5)
+    fused_cases.run_op("rs", xs[rank], ws[rank], b, group)
+    if rank != 0:
+        destroy_heap(group)
+        return None
+    start = time.monotonic()
+    real = runtime.raise_recorded
+    runtime.raise_recorded = lambda heap: None
+    try:
+        y = fused_cases.run_op("rs", xs[rank], ws[rank], b, group)
+    finally:
+        runtime.raise_recorded = real
+    poisoned = bool(torch.isnan(y).all())
+    try:
+        if how == "check_errors":
+            kernels.check_errors()
+        else:
+            fused_cases.run_op("rs", xs[rank], ws[rank], b, group)
+    except RuntimeError as e:
+        elapsed, message = time.monotonic() - start, str(e)
+    else:
+        raise AssertionError(f"{how} did not report the failed call")
+    kernels.check_errors(group)  # reported once; afterwards the group is refused
+    with pytest.raises(RuntimeError, match="earlier fused call on this process group failed"):
+        fused_cases.run_op("rs", xs[rank], ws[rank], b, group)
+    return elapsed, message, poisoned
+
+
+@pytest.mark.parametrize("how", ["check_errors", "next_call"])
+def test_failure_recorded_by_kernels_surfaces_later_without_sync(how):
+    results = run_ranks(deferred_error_body, 2, how, env={"COC_TIMEOUT": str(TIMEOUT_S)}, timeout=90)
+    elapsed, message, poisoned = results[0]
+    assert results[1] is None
+    assert poisoned, "the failed call's output was not filled with NaN"
+    assert TIMEOUT_S * 0.9 <= elapsed <= TIMEOUT_S + 5, elapsed
+    assert message.startswith("fused matmul_reduce_scatter: rank 0"), message
+    assert "for rank 1 (group rank 1) to publish its call descriptor" in message, message
+    assert "COC_TIMEOUT=2" in message, message
+
+
+def test_check_errors_without_fused_calls_is_silent():
+    import kernels
+
+    kernels.check_errors()
+    kernels.check_errors(None)
+
+
+def test_capture_refuses_heap_creation_and_growth_only():
+    """Inside capture a call that would create or grow the heap raises, naming the warm-up it needs;
+    a call that fits the heap passes (the multi-rank replay tests run those)."""
+    from types import SimpleNamespace
+
+    from kernels.fused import runtime
+
+    with pytest.raises(RuntimeError, match="first fused call.*inside CUDA-graph capture.*once before capturing"):
+        runtime._refuse_capture("matmul_all_reduce", None, 4096)
+    heap = SimpleNamespace(data_bytes=4096)
+    with pytest.raises(RuntimeError, match="needs a heap of 8192 bytes.*has 4096.*largest call once"):
+        runtime._refuse_capture("matmul_all_reduce", heap, 8192)
+    runtime._refuse_capture("matmul_all_reduce", heap, 4096)
+    # Only a CUDA stream can be capturing.
+    assert not runtime.capturing(torch.device("cpu"))
+
+
+def test_mps_warns_once(monkeypatch, tmp_path):
+    from kernels.fused import runtime
+
+    (tmp_path / "control").touch()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    monkeypatch.setattr(runtime, "_mps_warned", False)
+    with pytest.warns(RuntimeWarning, match="MPS"):
+        runtime._warn_if_mps(torch.device("cuda", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runtime._warn_if_mps(torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("cuda, extra", [("12.4", "cuda12"), ("13.0", "cuda13"), (None, "cuda12")])
+def test_cupy_hint_names_the_wheel_for_torchs_cuda(monkeypatch, cuda, extra):
+    from kernels import heap
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert f"coc[{extra}]" in heap.cupy_install_hint()
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as if no CuPy wheel were installed
+    with pytest.raises(ImportError, match=rf"coc\[{extra}\]"):
+        heap.import_cupy()
+
+
+def test_peer_views_must_not_be_copies(monkeypatch):
+    from kernels.heap import cuda_ipc
+
+    # A torch that copies instead of wrapping the IPC address must be refused, not used.
+    monkeypatch.setattr(torch, "as_tensor", lambda obj, device=None: torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="copied the CUDA IPC mapping"):
+        cuda_ipc._as_tensor(0x1000, 8, torch.device("cpu"))
+
+
+def gated_push_body(rank: int, world: int) -> bool | None:
+    """Rank 1 is alive but late: rank 0's call check times out, and its all-gather must then push
+    nothing into rank 1's gather buffer (rank 1 could still be reading it for its previous call)."""
+    from kernels.heap import peek_heap
+
+    group = dist.new_group(list(range(world)))
+    xs, ws, b = fused_cases.make_inputs("ag", world, 4, 8, 6, False, 2)
+    fused_cases.run_op("ag", xs[rank], ws[rank], b, group)
+    heap = peek_heap(group, torch.device("cpu"))
+    rows = heap.data_view(heap.rank, torch.float32, (world * 4, 8))[:4]  # where rank 0's shard lands
+    if rank == 1:
+        rows.fill_(7.0)
+    dist.barrier(group)  # the sentinel is in place before rank 0's late call
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="to publish its call descriptor"):
+            fused_cases.run_op("ag", xs[rank], ws[rank], b, group)
+    dist.barrier(group)  # rank 0's call is over (timed out) before rank 1 looks
+    return bool((rows == 7.0).all()) if rank == 1 else None
+
+
+def test_timed_out_check_pushes_nothing_into_peers():
+    results = run_ranks(gated_push_body, 2, env={"COC_TIMEOUT": "1"}, timeout=90)
+    assert results[1] is True, "rank 0 pushed into rank 1's gather buffer after its call check timed out"

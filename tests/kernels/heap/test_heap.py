@@ -1,0 +1,134 @@
+"""Symmetric heap on POSIX shared memory: mapping, growth, permissions, no leak in /dev/shm."""
+
+import multiprocessing as mp
+import os
+import signal
+import stat
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kernels.heap import shm
+from tests.harness import REPO_ROOT, run_ranks
+
+
+def _own_segments(pid: int) -> list[str]:
+    prefix = f"{shm.SEGMENT_PREFIX}{pid}-"
+    return [name for name in os.listdir(shm.SHM_DIR) if name.startswith(prefix)]
+
+
+def _heap_body(rank: int, world: int) -> dict:
+    from kernels.heap import destroy_heap, get_heap, peek_heap
+
+    group = dist.new_group(list(range(world)))
+    dev = torch.device("cpu")
+    heap = get_heap(group, dev, 1000, 16)
+    assert heap.data_bytes >= 1000 and heap.data_bytes % 4096 == 0 and heap.sig_words == 16
+    segments_alive = _own_segments(os.getpid())
+    heap.data_view(rank, torch.int32, (4,))[:] = torch.arange(4, dtype=torch.int32) + 100 * rank
+    heap.sig_view(rank)[2] = rank + 7
+    dist.barrier(group)
+    seen = [heap.data_view(p, torch.int32, (4,)).tolist() for p in range(world)]
+    flags = [int(heap.sig_view(p)[2]) for p in range(world)]
+    # The pointer table holds the very addresses the views use.
+    ptrs_ok = all(
+        int(heap.data_ptrs[p]) == heap.data_view(p, torch.uint8, (1,)).data_ptr()
+        and int(heap.sig_ptrs[p]) == heap.sig_view(p).data_ptr()
+        for p in range(world)
+    )
+    same = get_heap(group, dev, 500, 8) is heap
+    grown = get_heap(group, dev, heap.data_bytes + 1, 16)
+    growth = (grown is not heap, heap.closed, grown.data_bytes == 2 * heap.data_bytes, grown.calls)
+    with pytest.raises(ValueError, match="does not fit"):
+        grown.data_view(rank, torch.float32, (grown.data_bytes,))
+    dist.barrier(group)
+    destroy_heap(group)
+    return {
+        "segments_alive": segments_alive,
+        "seen": seen,
+        "flags": flags,
+        "ptrs_ok": ptrs_ok,
+        "same": same,
+        "growth": growth,
+        "gone": peek_heap(group, dev) is None,
+        "segments_after": _own_segments(os.getpid()),
+    }
+
+
+def test_heap_maps_peers_grows_and_leaves_no_segment():
+    for world in (2, 3):
+        results = run_ranks(_heap_body, world)
+        for r in results:
+            assert r["seen"] == [[100 * p + i for i in range(4)] for p in range(world)]
+            assert r["flags"] == [p + 7 for p in range(world)]
+            assert r["ptrs_ok"] and r["same"] and r["gone"]
+            assert r["growth"] == (True, True, True, 0)
+            # Unlinked as soon as every peer mapped it: nothing in /dev/shm even while the heap lives.
+            assert r["segments_alive"] == [] and r["segments_after"] == []
+
+
+def test_segment_mode_is_0600_and_name_unguessable():
+    old = os.umask(0)  # the mode must not depend on a permissive umask
+    try:
+        name = shm.segment_name()
+        mapping = shm.create_segment(name, 4096)
+    finally:
+        os.umask(old)
+    try:
+        mode = stat.S_IMODE(os.stat(os.path.join(shm.SHM_DIR, name)).st_mode)
+        assert mode == 0o600, oct(mode)
+        assert len(name.rsplit("-", 1)[1]) == 32  # 128 random bits
+        assert name != shm.segment_name()
+        with pytest.raises(FileExistsError):
+            shm.create_segment(name, 4096)
+    finally:
+        mapping.close()
+        shm.unlink_segment(name)
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+
+
+def _kill_worker(rank: int, world: int, store_path: str, ready) -> None:
+    sys.path.insert(0, REPO_ROOT)
+    import datetime
+
+    from kernels.heap import get_heap
+
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    get_heap(dist.group.WORLD, torch.device("cpu"), 1 << 16, 8)
+    ready.put((rank, os.getpid()))
+    time.sleep(120)
+
+
+def test_killed_ranks_leak_no_segment():
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(target=_kill_worker, args=(r, 2, os.path.join(tmp, "store"), ready), daemon=True)
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            pids = dict(ready.get(timeout=90) for _ in procs)
+            os.kill(pids[1], signal.SIGKILL)
+            procs[1].join(10)
+            assert all(_own_segments(pid) == [] for pid in pids.values())
+            os.kill(pids[0], signal.SIGKILL)
+            procs[0].join(10)
+            assert all(_own_segments(pid) == [] for pid in pids.values())
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)

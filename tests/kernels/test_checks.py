@@ -1,0 +1,151 @@
+"""Every bad-input rule of docs/api.md section 1: ValueError/TypeError naming the argument and value."""
+
+import pytest
+import torch
+
+import kernels
+from tests.harness import run_ranks
+
+OPS = [kernels.all_gather_matmul, kernels.matmul_reduce_scatter, kernels.matmul_all_reduce]
+X = torch.randn(4, 6)
+W = torch.randn(5, 6)
+B = torch.randn(5)
+
+
+@pytest.mark.parametrize("op", OPS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "args,kwargs,exc,needle",
+    [
+        ((X[0], W), {}, ValueError, "x must have at least 2 dims"),
+        ((X, W[0]), {}, ValueError, "weight must be 2-D"),
+        ((X, torch.randn(2, 5, 6)), {}, ValueError, "shape (2, 5, 6)"),
+        ((X, torch.randn(5, 7)), {}, ValueError, "k mismatch: x has k=6"),
+        ((X, W.double()), {}, TypeError, "weight dtype torch.float64 does not match x dtype torch.float32"),
+        ((X.long(), W.long()), {}, TypeError, "x must be a floating-point tensor"),
+        ((X, W, torch.randn(4)), {}, ValueError, "bias must have shape (5,)"),
+        ((X, W, B.double()), {}, TypeError, "bias dtype torch.float64"),
+        ((X.tolist(), W), {}, TypeError, "x must be a torch.Tensor, got list"),
+        ((X, "w"), {}, TypeError, "weight must be a torch.Tensor, got str"),
+        ((X, W, 3.0), {}, TypeError, "bias must be a torch.Tensor or None, got float"),
+        ((X, W), {"backend": "nccl"}, ValueError, "backend='nccl' is not accepted"),
+        ((X, W), {"parallel_num": 3}, ValueError, "parallel_num=3 is not accepted"),
+        ((X, W), {"parallel_num": True}, ValueError, "parallel_num=True is not accepted"),
+        ((X, W), {"parallel_num": 2.0}, ValueError, "parallel_num=2.0 is not accepted"),
+        ((X, W), {"group": "tp"}, TypeError, "group must be a torch.distributed ProcessGroup"),
+    ],
+)
+def test_bad_input(op, args, kwargs, exc, needle):
+    with pytest.raises(exc) as e:
+        op(*args, **kwargs)
+    assert needle in str(e.value)
+
+
+def test_bad_flags():
+    with pytest.raises(TypeError, match="return_gathered must be a bool, got 1"):
+        kernels.all_gather_matmul(X, W, return_gathered=1)
+    with pytest.raises(TypeError, match="deterministic must be a bool, got 'yes'"):
+        kernels.matmul_all_reduce(X, W, deterministic="yes")
+
+
+def test_device_mismatch():
+    meta = torch.empty(5, 6, device="meta")
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu"):
+        kernels.matmul_all_reduce(X, meta)
+    with pytest.raises(ValueError, match="bias is on meta but x is on cpu"):
+        kernels.matmul_all_reduce(X, W, torch.empty(5, device="meta"))
+
+
+def test_requires_grad_is_refused_not_silently_detached():
+    w = W.clone().requires_grad_()
+    with pytest.raises(TypeError, match="forward-only and weight requires grad"):
+        kernels.matmul_all_reduce(X, w)
+    with torch.no_grad():
+        torch.testing.assert_close(kernels.matmul_all_reduce(X, w), X @ W.T)
+
+
+def test_world_one_without_process_group():
+    # torch.distributed not initialized in the test process: W == 1, no communication.
+    torch.testing.assert_close(kernels.matmul_reduce_scatter(X, W, B), X @ W.T + B)
+    y, xg = kernels.all_gather_matmul(X, W, B, parallel_num=2, return_gathered=True)
+    torch.testing.assert_close(xg, X, rtol=0, atol=0)
+    torch.testing.assert_close(y, X @ W.T + B)
+
+
+def _reduce_scatter_bad_rows(rank, world):
+    with pytest.raises(ValueError) as e:
+        kernels.matmul_reduce_scatter(torch.randn(7, 6), W)
+    assert "m=7" in str(e.value) and "W=3" in str(e.value)
+    with pytest.raises(ValueError, match="m=5"):
+        kernels.matmul_reduce_scatter(torch.randn(5, 2, 6), W)  # dim 0 is scattered, not s * b
+    return True
+
+
+def test_reduce_scatter_rows_not_divisible():
+    assert run_ranks(_reduce_scatter_bad_rows, 3) == [True] * 3
+
+
+def _empty_dims(rank, world):
+    """k == 0 (a rank whose shard of the contracted dim is empty) and m == 0 are valid shapes."""
+    out = {}
+    for backend in ("sequential", "chunked"):
+        w0 = torch.zeros(5, 0)
+        y = kernels.matmul_all_reduce(torch.zeros(4, 2, 0), w0, B, backend=backend, parallel_num=2)
+        torch.testing.assert_close(y, B.expand(4, 2, 5))  # the empty sum is 0, plus bias
+        y = kernels.matmul_reduce_scatter(torch.zeros(2 * world, 0), w0, backend=backend)
+        assert y.shape == (2, 5) and not y.any()
+        y, xg = kernels.all_gather_matmul(torch.zeros(3, 0), w0, backend=backend, return_gathered=True)
+        assert y.shape == (3 * world, 5) and xg.shape == (3 * world, 0) and not y.any()
+        y = kernels.all_gather_matmul(torch.zeros(0, 6), W, backend=backend, parallel_num=4)
+        out[backend] = tuple(y.shape)
+    return out
+
+
+def test_empty_k_and_m():
+    assert run_ranks(_empty_dims, 2) == [{"sequential": (0, 5), "chunked": (0, 5)}] * 2
+
+
+def _layer_k_mismatch(rank, world):
+    """The TP linears flatten [s, b, k] to rows: a wrong k must be reported with the shape passed."""
+    import autopar
+
+    messages = []
+    for sp in (False, True):
+        cfg = autopar.ParallelConfig(sequence_parallel=sp)
+        layers = [
+            autopar.ColumnParallelLinear(6, 8, config=cfg, init_method=torch.nn.init.normal_),
+            autopar.RowParallelLinear(
+                6,
+                8,
+                config=cfg,
+                init_method=torch.nn.init.normal_,
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=False,
+            ),
+        ]
+        if not sp:
+            layers.append(
+                autopar.RowParallelLinear(
+                    6,
+                    8,
+                    config=cfg,
+                    init_method=torch.nn.init.normal_,
+                    bias=True,
+                    input_is_parallel=False,
+                    skip_bias_add=False,
+                )
+            )
+        for layer in layers:
+            with pytest.raises(ValueError) as e:
+                layer(torch.randn(4, 3, 5))
+            messages.append(str(e.value))
+    return messages
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_layer_k_mismatch_names_the_shape_passed(world):
+    for messages in run_ranks(_layer_k_mismatch, world):
+        assert len(messages) == 5
+        for message in messages:
+            assert message.startswith("k mismatch: input_ has k=5 (shape (4, 3, 5)) but "), message
+        assert "input_is_parallel=False needs the full input_size=6" in messages[2]

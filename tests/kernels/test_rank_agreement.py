@@ -1,0 +1,236 @@
+"""COC_CHECK=1: ranks whose calls disagree are refused by name on every rank, before communicating.
+
+Without the check, such calls abort inside gloo ("Received data size doesn't match expected
+size") or return wrong values. Each case below makes the last rank differ from the others in one
+field; every rank must raise RuntimeError naming the op, rank 0, the odd rank and both values, no
+rank may return a tensor, and the same group must run a correct call afterwards.
+"""
+
+import os
+
+import pytest
+import torch
+
+import kernels
+from kernels import agree
+from tests.harness import run_ranks
+
+M, K, N = 6, 4, 5  # m divisible by 2 and 3: matmul_reduce_scatter scatters it
+
+# case -> (op on rank 0, the field named, rank 0's value, the odd rank's value)
+CASES = {
+    "m": ("matmul_all_reduce", "m", "6", "12"),
+    "m_local": ("all_gather_matmul", "m_local", "6", "3"),
+    "k": ("all_gather_matmul", "k", "4", "3"),
+    "n": ("matmul_reduce_scatter", "n", "5", "7"),
+    "n_all_reduce": ("matmul_all_reduce", "n", "5", "7"),
+    "dtype": ("matmul_all_reduce", "dtype", "torch.float32", "torch.float64"),
+    "return_gathered": ("all_gather_matmul", "return_gathered", "False", "True"),
+    "deterministic": ("matmul_reduce_scatter", "deterministic", "False", "True"),
+    "parallel_num": ("matmul_all_reduce", "parallel_num", "2", "4"),
+    "env_parallel_num": ("matmul_reduce_scatter", "parallel_num", "1", "2"),
+    "bias": ("matmul_all_reduce", "bias", "True", "False"),
+    "backend": ("matmul_all_reduce", "backend", "sequential", "chunked"),
+    "op": ("matmul_all_reduce", "op", "matmul_all_reduce", "all_gather_matmul"),
+    "quant_mode": ("quantized_matmul_all_reduce", "quant_mode", "per_channel", "per_tensor"),
+    "group_size": ("quantized_matmul_all_reduce", "group_size", "2", "4"),
+}
+
+
+def _tensors(m, k, n, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(m, k, generator=g, dtype=dtype),
+        torch.randn(n, k, generator=g, dtype=dtype),
+        torch.randn(n, generator=g, dtype=dtype),
+    )
+
+
+def _call(case, odd, backend):
+    """The case's call as this rank makes it (``odd``: the rank that differs)."""
+    op = CASES[case][0]
+    m, k, n, dtype = M, K, N, torch.float32
+    kwargs = {"backend": backend}
+    flag = False
+    with_bias = True
+    if odd:
+        if case == "m":
+            m = 12
+        elif case == "m_local":
+            m = 3
+        elif case == "k":
+            k = 3
+        elif case in ("n", "n_all_reduce"):
+            n = 7
+        elif case == "dtype":
+            dtype = torch.float64
+        elif case in ("return_gathered", "deterministic"):
+            flag = True
+        elif case == "bias":
+            with_bias = False
+        elif case == "op":
+            op = "all_gather_matmul"
+    if case == "parallel_num":
+        kwargs = {"backend": None, "parallel_num": 4 if odd else 2}
+    elif case == "backend":
+        kwargs = {"backend": "chunked" if odd else "sequential", "parallel_num": 2}
+    elif case == "env_parallel_num":
+        kwargs = {"backend": None}
+    x, w, b = _tensors(m, k, n, dtype)
+    b = b if with_bias else None
+    if op == "quantized_matmul_all_reduce":
+        k = 8
+        x, w, b = _tensors(m, k, n)
+        if case == "quant_mode":
+            qw, scale = kernels.quantize_weight(w, "per_tensor" if odd else "per_channel")
+        else:
+            qw, scale = kernels.quantize_weight(w, "per_group", group_size=4 if odd else 2)
+        return lambda: kernels.quantized_matmul_all_reduce(x, qw, scale, b, **kwargs)
+    fn = getattr(kernels, op)
+    flag_name = "return_gathered" if op == "all_gather_matmul" else "deterministic"
+    return lambda: fn(x, w, b, **kwargs, **{flag_name: flag})
+
+
+def _disagreeing_call(rank, world, case, backend):
+    odd = rank == world - 1
+    saved = os.environ.get("COC_PARALLEL_NUM")
+    if case == "env_parallel_num" and odd:
+        os.environ["COC_PARALLEL_NUM"] = "2"  # the user bug: one rank launched with another split
+    try:
+        with torch.no_grad():
+            try:
+                out = _call(case, odd, backend)()
+                outcome = ("returned", type(out).__name__)
+            except RuntimeError as e:
+                outcome = ("raised", str(e))
+    finally:
+        if saved is None:
+            os.environ.pop("COC_PARALLEL_NUM", None)
+        else:
+            os.environ["COC_PARALLEL_NUM"] = saved
+    # The check's own collective completed on every rank, so the group is in step: a correct
+    # call right after must work and be exact.
+    x, w, b = _tensors(M, K, N, seed=1)
+    with torch.no_grad():
+        y = kernels.matmul_all_reduce(x, w, b, backend=backend)
+    torch.testing.assert_close(y, world * (x @ w.T) + b)
+    return outcome
+
+
+@pytest.mark.parametrize("backend", ["sequential", "chunked"])
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_disagreeing_ranks_raise_by_name(case, world, backend):
+    op, field, value_0, value_odd = CASES[case]
+    outcomes = run_ranks(_disagreeing_call, world, case, backend, env={"COC_CHECK": "1", "COC_PARALLEL_NUM": None})
+    odd = world - 1
+    for rank, (kind, message) in enumerate(outcomes):
+        assert kind == "raised", f"rank {rank} returned a {message} from a disagreeing call"
+        local_op = "all_gather_matmul" if case == "op" and rank == odd else op
+        assert message.startswith(f"{local_op}: ranks disagree: "), message
+        assert f"rank 0 has {field}={value_0}" in message, message
+        assert f"rank {odd} has {field}={value_odd}" in message, message
+    # Every rank holds the same table, so all but the op prefix of the message is the same.
+    assert len({m.split(": ", 1)[1] for _, m in outcomes}) == 1
+
+
+def _uneven_shards(rank, world, backend):
+    """Valid differences: column-parallel n and row-parallel k may be sharded unevenly."""
+    with torch.no_grad():
+        x, w, b = _tensors(M, K, N + rank)
+        y = kernels.all_gather_matmul(x, w, b, backend=backend, parallel_num=2)
+        torch.testing.assert_close(y, torch.cat([x] * world) @ w.T + b)
+        ks = [K - r for r in range(world)]
+        parts = [_tensors(M, kr, N, seed=10 + r) for r, kr in enumerate(ks)]
+        x, w, _ = parts[rank]
+        y = kernels.matmul_all_reduce(x, w, backend=backend, parallel_num=2)
+        torch.testing.assert_close(y, sum(xr @ wr.T for xr, wr, _ in parts))
+    return True
+
+
+@pytest.mark.parametrize("backend", ["sequential", "chunked"])
+def test_uneven_shards_pass_the_check(backend):
+    assert run_ranks(_uneven_shards, 3, backend, env={"COC_CHECK": "1"}) == [True] * 3
+
+
+def _count_checks(rank, world, check):
+    calls = []
+    real = agree.check_call
+
+    def counting(op, *args, **kwargs):
+        calls.append(op)
+        return real(op, *args, **kwargs)
+
+    agree.check_call = counting
+    try:
+        x, w, b = _tensors(M, K, N)
+        qw, scale = kernels.quantize_weight(w)
+        with torch.no_grad():
+            for backend in ("sequential", "chunked"):
+                kernels.all_gather_matmul(x, w, b, backend=backend)
+                kernels.matmul_reduce_scatter(x, w, b, backend=backend)
+                kernels.matmul_all_reduce(x, w, b, backend=backend)
+                kernels.quantized_matmul_all_reduce(x, qw, scale, b, backend=backend)
+    finally:
+        agree.check_call = real
+    return calls
+
+
+@pytest.mark.parametrize("check", ["1", "0", "", None])
+def test_check_runs_only_when_switched_on(check):
+    """Off (0, empty or unset) means no check on the hot path; on means one per op call."""
+    calls = run_ranks(_count_checks, 2, check, env={"COC_CHECK": check})
+    expected = (
+        ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "quantized_matmul_all_reduce"] * 2
+        if check == "1"
+        else []
+    )
+    assert calls == [expected, expected]
+
+
+def test_format_mismatch_is_shared_and_precise():
+    """The descriptor format and message the fused path reuses."""
+    a = agree.describe_call("matmul_all_reduce", 16, 8, 4, torch.float32, bias=False, flag=False)
+    b = agree.describe_call("matmul_all_reduce", 8, 8, 4, torch.float16, bias=False, flag=False)
+    assert len(a) == agree.DESCRIPTOR_LEN
+    assert agree.format_mismatch("matmul_all_reduce", 0, a, 1, a) is None
+    assert agree.format_mismatch("matmul_all_reduce", 0, a, 1, b) == (
+        "matmul_all_reduce: ranks disagree: rank 0 has m=16, rank 1 has m=8; "
+        "rank 0 has dtype=torch.float32, rank 1 has dtype=torch.float16"
+    )
+    # k of a reducing op and n of the all-gather op may differ (uneven shards).
+    c = agree.describe_call("matmul_all_reduce", 16, 3, 4, torch.float32, bias=False, flag=False)
+    assert agree.format_mismatch("matmul_all_reduce", 0, a, 1, c) is None
+    g1 = agree.describe_call("all_gather_matmul", 2, 8, 4, torch.float32, bias=False, flag=True)
+    g2 = agree.describe_call("all_gather_matmul", 2, 8, 6, torch.float32, bias=False, flag=True)
+    assert agree.format_mismatch("all_gather_matmul", 0, g1, 1, g2) is None
+    assert agree.first_mismatch("all_gather_matmul", [g1, g2, g1[:3] + (9,) + g1[4:]]) == (
+        "all_gather_matmul: ranks disagree: rank 0 has k=8, rank 2 has k=9"
+    )
+    with pytest.raises(ValueError, match="op='matmul'"):
+        agree.describe_call("matmul", 1, 1, 1, torch.float32, bias=False, flag=False)
+
+
+def _subgroup_disagrees(rank, world):
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2])  # every rank creates it; only ranks 1 and 2 call the op on it
+    if rank == 0:
+        return None
+    x, w, _ = _tensors(M if rank == 1 else 2 * M, K, N)
+    with torch.no_grad(), pytest.raises(RuntimeError) as e:
+        kernels.matmul_all_reduce(x, w, group=group)
+    return str(e.value)
+
+
+def test_subgroup_ranks_are_named_by_group_and_global_rank():
+    _, *messages = run_ranks(_subgroup_disagrees, 3, env={"COC_CHECK": "1"})
+    for message in messages:
+        assert "rank 0 (global 1) has m=6, rank 1 (global 2) has m=12" in message, message
+
+
+def test_disagreement_is_caught_before_auto_tuning():
+    """COC_PARALLEL_NUM=auto tunes with collectives sized from the shapes: the check comes first."""
+    outcomes = run_ranks(_disagreeing_call, 2, "m", None, env={"COC_CHECK": "1", "COC_PARALLEL_NUM": "auto"})
+    for kind, message in outcomes:
+        assert kind == "raised" and "rank 0 has m=6, rank 1 has m=12" in message, message

@@ -1,0 +1,95 @@
+"""matmul_soc_friendly: padding plan, unchanged results for odd shapes, no-op on CPU.
+
+Padding adds ``0 * 0`` terms to every dot product and sliced-off columns, so the math is the
+same; the GEMM may block k differently, so fp32 results are compared with ``rtol = atol = 1e-5``
+(k <= 1100 terms of unit-variance products: rounding ~ sqrt(k) * eps * |y|).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import soc
+
+pytestmark = pytest.mark.triton  # runs Triton kernels (interpreted on CPU)
+
+
+def test_alignment_is_128_bytes_and_multiple_of_16():
+    assert soc.alignment(torch.float16) == 64
+    assert soc.alignment(torch.bfloat16) == 64
+    assert soc.alignment(torch.float32) == 32
+    assert soc.alignment(torch.float64) == 16
+
+
+@pytest.mark.parametrize(
+    "k,n,k_min,k_max,expected",
+    [
+        (1000, 10, 512, 4096, (1024, 32)),  # k in range: both padded
+        (1000, 10, 1024, 4096, (1000, 32)),  # k below k_min: only n
+        (5000, 64, 1024, 4096, (5000, 64)),  # k above k_max, n aligned: nothing
+        (1024, 96, 1024, 4096, (1024, 96)),  # already aligned at the range edge
+        (4095, 33, 1024, 4095, (4096, 64)),  # k at k_max is still padded
+    ],
+)
+def test_padded_shape(k, n, k_min, k_max, expected):
+    assert soc.padded_shape(k, n, torch.float32, k_min, k_max) == expected
+
+
+@pytest.fixture
+def wide_k_range(tmp_path, monkeypatch):
+    cfg = tmp_path / "coc.yaml"
+    cfg.write_text("k_min: 1\nk_max: 4096\n")
+    monkeypatch.setenv("COC_CONFIG", str(cfg))
+
+
+@pytest.mark.parametrize("m,k,n", [(7, 13, 10), (1, 1, 1), (5, 100, 33), (3, 1023, 65)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_forced_padding_keeps_results(wide_k_range, m, k, n, with_bias):
+    g = torch.Generator().manual_seed(m + k + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    ref = F.linear(x, w, b)
+    y = soc.linear(x, w, b, force=True)
+    assert y.shape == (m, n) and y.is_contiguous()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    out = torch.empty(m, n)
+    assert soc.linear(x, w, b, out=out, force=True) is out
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # Strided views into an output (the chunked path writes pieces of one buffer).
+    big = torch.zeros(m + 2, n)
+    soc.linear(x, w, b, out=big[1 : m + 1], force=True)
+    torch.testing.assert_close(big[1 : m + 1], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(big[0], torch.zeros(n)) and torch.equal(big[m + 1], torch.zeros(n))
+
+
+def test_forced_padding_leading_dims(wide_k_range):
+    """The chunked reduce-scatter multiplies a 3-D view ``[W, rows, k]``."""
+    x = torch.randn(3, 4, 13)[:, 1:3]
+    w = torch.randn(10, 13)
+    y = soc.linear(x, w, force=True)
+    assert y.shape == (3, 2, 10)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_noop_on_cpu(wide_k_range, monkeypatch):
+    def fail(*args):
+        raise AssertionError("padding planned on CPU without force")
+
+    monkeypatch.setattr(soc, "padded_shape", fail)
+    x, w, b = torch.randn(7, 13), torch.randn(10, 13), torch.randn(10)
+    assert torch.equal(soc.linear(x, w, b), F.linear(x, w, b))
+    out = torch.empty(7, 10)
+    soc.linear(x, w, out=out)
+    assert torch.equal(out, x @ w.T)
+
+
+@pytest.mark.gpu
+def test_cuda_padding_keeps_results(wide_k_range):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(33, 1000, device="cuda", dtype=torch.float16, generator=g)
+    w = torch.randn(77, 1000, device="cuda", dtype=torch.float16, generator=g)
+    ref = F.linear(x.float(), w.float())
+    y = soc.linear(x, w)
+    # fp16 output rounding plus fp32-accumulated dot products of 1000 terms.
+    torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
