@@ -102,6 +102,8 @@ MAX_BACKOFF_NS = 512
 # The same constants as seen from inside kernels (Triton reads only constexpr globals).
 _ERROR = tl.constexpr(ERROR_WORD)
 _RECORD = tl.constexpr(RECORD_WORD)
+# The call check runs as one warp: see the epoch update in _check_call_kernel.
+CHECK_CALL_WARPS = 1
 _EPOCH = tl.constexpr(EPOCH_WORD)
 _TIMEOUT = tl.constexpr(TIMEOUT_WORD)
 _MINE = tl.constexpr(MINE_WORD)
@@ -319,10 +321,14 @@ def _check_call_kernel(
     USE_GLOBALTIMER: tl.constexpr,
 ):
     pad = peer_ptr(sig_tab_ptr, rank, tl.int64)
-    # The epoch advances here, on the device, so a replayed graph advances it too. One program:
-    # nothing races this read-modify-write, and every later kernel of the call reads the word
-    # after this one finished (stream order).
+    # The epoch advances here, on the device, so a replayed graph advances it too. Every later
+    # kernel of the call reads the word after this one finished (stream order). Within this launch
+    # every thread loads the word and one thread stores it: the launch is one program of one warp
+    # (CHECK_CALL_WARPS), and the barrier orders every lane's load before the store, so no lane can
+    # read the advanced epoch and wait on the wrong descriptor slot. One warp also keeps the
+    # mismatch sums below uniform: tl.sum is a warp shuffle there, so no lane branches apart.
     epoch = tl.load(pad + _EPOCH) + 1
+    tl.debug_barrier()
     tl.store(pad + _EPOCH, epoch)
     tl.store(pad + _TIMEOUT, timeout)
     idx = tl.arange(0, _SLOT)
@@ -422,6 +428,7 @@ def check_call(heap, descriptor: tuple[int, ...], must_agree: int, timeout: int,
         COUNTERS_OFFSET=channel_offset(CH_RS, w),
         COUNTERS=triton.next_power_of_2(2 * w),
         USE_GLOBALTIMER=use_globaltimer,
+        num_warps=CHECK_CALL_WARPS,
     )
 
 
