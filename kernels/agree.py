@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import capture, comm
 from .config import CocConfig
 
 DESCRIPTOR_VERSION = 1
@@ -205,6 +205,14 @@ def check_call(
     requested (the argument, else the environment), before resolution: resolving may tune
     (``COC_PARALLEL_NUM=auto``), which runs collectives sized from the shapes.
     """
+    if capture.capturing(x.device):
+        # The check all-gathers every rank's descriptor and compares them on the host: a host read
+        # that capture cannot hold (it would fail with a raw CUDA error).
+        raise RuntimeError(
+            f"{op}: COC_CHECK=1 inside CUDA-graph capture; the check reads every rank's call descriptor on the "
+            "host, which cannot be captured. Run the checked call once before capturing (the usual warm-up) and "
+            "capture with COC_CHECK unset (0)"
+        )
     m, k = x.shape
     n = weight.shape[0]
     requested = backend if backend is not None else ("fused" if config.use_fused else None)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import backends, library
+from . import backends, capture, library
 from .config import ENV_TUNE_CACHE, PARALLEL_NUMS, get_config
 
 Choice = int | str
@@ -242,7 +242,7 @@ def choose_parallel_num(
     choice = _memory.get(mem_key)
     if choice is not None:
         return choice
-    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capture.capturing(x.device):
         # Tuning communicates, times on the host and synchronizes: none of it can be captured.
         raise RuntimeError(
             f"COC_PARALLEL_NUM=auto: the first call of {key!r} is inside CUDA graph capture; "

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import agree
+from ..capture import capturing
 from ..checks import group_size
 from ..config import get_config
 from ..heap import CallMismatch, SymmetricHeap, destroy_heap, get_heap, heaps_of, peek_heap
@@ -128,11 +129,6 @@ class FusedCall:
 # (and a rank that dropped its heap would pair its rebuild with a peer's later call). Failing every
 # further call on the group keeps that from ever silently mixing two calls' data.
 _FAILED_GROUPS: dict[int, tuple[dist.ProcessGroup, str]] = {}
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether work queued now on ``device``'s current stream is being captured into a CUDA graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _refuse(op: str, group: dist.ProcessGroup, device: torch.device) -> None:

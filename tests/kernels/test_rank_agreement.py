@@ -234,3 +234,35 @@ def test_disagreement_is_caught_before_auto_tuning():
     outcomes = run_ranks(_disagreeing_call, 2, "m", None, env={"COC_CHECK": "1", "COC_PARALLEL_NUM": "auto"})
     for kind, message in outcomes:
         assert kind == "raised" and "rank 0 has m=6, rank 1 has m=12" in message, message
+
+
+def test_check_inside_capture_is_refused_by_name_before_communicating(monkeypatch):
+    """Inside CUDA-graph capture the check's host read would fail with a raw CUDA error; it is refused by name
+    first (the group is None and no process group exists: reaching the all-gather would raise something else)."""
+    from kernels import capture
+
+    monkeypatch.setattr(capture, "capturing", lambda device: True)
+    x, w, b = _tensors(M, K, N)
+    config = kernels.get_config()
+    with pytest.raises(RuntimeError, match=r"matmul_all_reduce: COC_CHECK=1 inside CUDA-graph capture.*warm-up"):
+        agree.check_call("matmul_all_reduce", x, w, b, False, "sequential", 1, None, config, None, 2)
+
+
+def _check_in_capture(rank, world):
+    x, w, _ = (t.cuda() for t in _tensors(M, K, N))
+    kernels.matmul_all_reduce(x, w, backend="sequential")  # warm-up outside capture: the check runs
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        try:
+            kernels.matmul_all_reduce(x, w, backend="sequential")
+        except RuntimeError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.gpu
+def test_check_inside_real_capture_is_refused_by_name():
+    from tests.kernels.fused.cases import run_gpu_ranks
+
+    for message in run_gpu_ranks(_check_in_capture, 2, env={"COC_CHECK": "1"}):
+        assert message is not None and "COC_CHECK=1 inside CUDA-graph capture" in message, message
