@@ -12,22 +12,144 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from tests.harness import REPO_ROOT, run_ranks
 from tests.kernels.fused import cases as fused_cases
 
 TIMEOUT_S = 2.0
 KERNELS_DIR = os.path.join(REPO_ROOT, "kernels") + os.sep
-# Every way a host reads a tensor's values (on a CUDA tensor each one synchronizes with the device).
-_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# Calls that make the host wait for the device when their tensor lives on a GPU, by what they do:
+# read values on the host, decide an output size from the data, or copy to host memory. A
+# TorchFunctionMode sees every torch call (methods, functions, conversions) from the code under
+# test, so nothing depends on spying a fixed set of methods; on a GPU,
+# test_steady_state_fused_calls_never_sync_gpu asks CUDA itself (set_sync_debug_mode).
+_VALUE_READS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__"}
+_DATA_DEPENDENT = {
+    "equal",
+    "allclose",
+    "nonzero",
+    "argwhere",
+    "unique",
+    "unique_consecutive",
+    "masked_select",
+    "is_nonzero",
+    "bincount",
+    "histc",
+}
+_SYNC_PRIMITIVES = ("synchronize", "Stream.synchronize", "Event.synchronize", "Stream.query", "Event.query")
 
 
-def _steady_state_plan(rank: int, world: int, group: Any) -> list:
+def _is_host(device: Any) -> bool:
+    return (isinstance(device, str) and device.startswith("cpu")) or (
+        isinstance(device, torch.device) and device.type == "cpu"
+    )
+
+
+def _syncs(name: str, args: tuple, kwargs: dict) -> bool:
+    if name in _VALUE_READS or name in _DATA_DEPENDENT or name == "cpu":
+        return True
+    if name == "repeat_interleave":
+        return kwargs.get("output_size") is None
+    if name == "to":
+        targets = list(args[1:]) + [kwargs.get("device"), kwargs.get("other")]
+        return any(_is_host(a) or (isinstance(a, torch.Tensor) and a.device.type == "cpu") for a in targets)
+    if name in ("copy_", "pin_memory"):
+        return name == "pin_memory" or (isinstance(args[0], torch.Tensor) and args[0].is_pinned())
+    return False
+
+
+def _caller_under(root: str) -> tuple[str, int] | None:
+    """The innermost frame outside torch and this module, if it lies under ``root``."""
+    frame = sys._getframe(2)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(TORCH_DIR) or frame.f_code.co_filename == __file__
+    ):
+        frame = frame.f_back
+    if frame is not None and frame.f_code.co_filename.startswith(root):
+        return frame.f_code.co_filename, frame.f_lineno
+    return None
+
+
+class HostSyncRecorder(TorchFunctionMode):
+    """Record every torch call made from code under ``kernels/`` that would wait for a GPU.
+
+    A registered ``coc`` operator runs its Python implementation with this mode still active (the
+    dispatcher would otherwise run it with the mode popped, hiding everything the op does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, str, int]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if _syncs(name, args, kwargs):
+            where = _caller_under(KERNELS_DIR)
+            if where is not None:
+                self.reads.append((name, *where))
+        if isinstance(func, torch._ops.OpOverload) and func.namespace == "coc":
+            import kernels.library
+
+            impl = getattr(kernels.library, "_" + func._schema.name.split("::")[1])
+            with self:
+                return impl(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def spy_body(rank: int, world: int) -> tuple[list, list]:
+    """Host syncs made by code under kernels/ during steady-state fused calls."""
+    group = dist.new_group(list(range(world)))
+    plan = _steady_state_plan(rank, world, group)
+    for call in plan:  # the first calls create the heap, its error record and compile the kernels
+        call()
+    recorder = HostSyncRecorder()
+    saved = {name: _sync_target(name) for name in _SYNC_PRIMITIVES}
+
+    def sync(name: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> None:
+            recorder.reads.append((f"torch.cuda.{name}", "", 0))
+
+        return wrapper
+
+    for name in _SYNC_PRIMITIVES:
+        _set_sync_target(name, sync(name))
+    try:
+        with recorder:
+            # The recorder itself works: reads, a host copy and a data-dependent size made from a
+            # file under kernels/ are caught.
+            probe_src = "t.item(); t.to('cpu'); t.nonzero(); bool(t); torch.cuda.synchronize()"
+            exec(
+                compile(probe_src, os.path.join(KERNELS_DIR, "probe.py"), "exec"), {"t": torch.ones(1), "torch": torch}
+            )
+            probe, recorder.reads[:] = list(recorder.reads), []
+            for _ in range(3):
+                for call in plan:
+                    call()
+    finally:
+        for name, real in saved.items():
+            _set_sync_target(name, real)
+    return probe, recorder.reads
+
+
+def _sync_target(name: str) -> Any:
+    owner, _, attr = name.rpartition(".")
+    return getattr(getattr(torch.cuda, owner) if owner else torch.cuda, attr)
+
+
+def _set_sync_target(name: str, value: Any) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(getattr(torch.cuda, owner) if owner else torch.cuda, attr, value)
+
+
+def _steady_state_plan(rank: int, world: int, group: Any, device: str = "cpu") -> list:
     import kernels
 
     g = torch.Generator().manual_seed(rank)
     x, w, b = torch.randn(6, 16, generator=g), torch.randn(12, 16, generator=g), torch.randn(12, generator=g)
     x_rs = torch.randn(2 * world, 16, generator=g)
+    x, w, b, x_rs = (t.to(device) for t in (x, w, b, x_rs))
     return [
         lambda: kernels.all_gather_matmul(x, w, b, group=group, backend="fused", return_gathered=True),
         lambda: kernels.matmul_reduce_scatter(x_rs, w, b, group=group, backend="fused"),
@@ -35,49 +157,33 @@ def _steady_state_plan(rank: int, world: int, group: Any) -> list:
     ]
 
 
-def spy_body(rank: int, world: int) -> tuple[list, list]:
-    """Count host reads of tensor values made by code under kernels/ during steady-state fused calls."""
+def test_steady_state_fused_calls_never_read_device_memory():
+    for probe, reads in run_ranks(spy_body, 2):
+        assert [name for name, _, _ in probe] == ["item", "to", "nonzero", "__bool__", "torch.cuda.synchronize"]
+        assert reads == [], reads
+
+
+def _gpu_steady_state(rank: int, world: int) -> str:
     group = dist.new_group(list(range(world)))
-    plan = _steady_state_plan(rank, world, group)
-    for call in plan:  # the first calls create the heap, its error record and compile the kernels
+    plan = _steady_state_plan(rank, world, group, device="cuda")
+    for call in plan:
         call()
-    reads: list = []
-    saved = {name: getattr(torch.Tensor, name) for name in _READS}
-    saved_sync = torch.cuda.synchronize
-
-    def spy(name: str, real: Any) -> Any:
-        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            caller = sys._getframe(1)
-            if caller.f_code.co_filename.startswith(KERNELS_DIR):
-                reads.append((name, caller.f_code.co_filename, caller.f_lineno))
-            return real(self, *args, **kwargs)
-
-        return wrapper
-
-    def sync(*args: Any, **kwargs: Any) -> None:
-        reads.append(("torch.cuda.synchronize", "", 0))
-
-    for name in _READS:
-        setattr(torch.Tensor, name, spy(name, saved[name]))
-    torch.cuda.synchronize = sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
     try:
-        # The spy itself works: a read made from a file under kernels/ is caught.
-        exec(compile("t.item()", os.path.join(KERNELS_DIR, "probe.py"), "exec"), {"t": torch.ones(1)})
-        probe, reads[:] = list(reads), []
         for _ in range(3):
             for call in plan:
                 call()
     finally:
-        for name, real in saved.items():
-            setattr(torch.Tensor, name, real)
-        torch.cuda.synchronize = saved_sync
-    return probe, reads
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return "ok"
 
 
-def test_steady_state_fused_calls_never_read_device_memory():
-    for probe, reads in run_ranks(spy_body, 2):
-        assert [name for name, _, _ in probe] == ["item"]
-        assert reads == [], reads
+@pytest.mark.gpu
+def test_steady_state_fused_calls_never_sync_gpu():
+    """On a GPU, CUDA's own sync detector: any device-to-host wait inside a steady-state fused call raises."""
+    assert fused_cases.run_gpu_ranks(_gpu_steady_state, 2) == ["ok", "ok"]
 
 
 def deferred_error_body(rank: int, world: int, how: str) -> tuple[float, str, bool] | None:
