@@ -1,7 +1,7 @@
 from setuptools import find_packages, setup
 
 setup(
-    name="coc",
+    name="coc-overlap",
     version="0.1.0",
     description="Fused and overlapped communication-computation operators for tensor parallelism",
     long_description=open("README.md", encoding="utf-8").read(),
@@ -15,7 +15,14 @@ setup(
     # there by `python -m bench --mode gpu-check`, not in CI (no torch 2.11 CPU wheel on CI machines).
     install_requires=["torch>=2.11", "triton>=3.6", "pyyaml>=5.4"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "megatron-core>=0.9", "matplotlib>=3.5", "ruff==0.17.6"],
+        "test": [
+            "pytest>=7",
+            "pytest-timeout>=2.1",
+            "megatron-core>=0.9",
+            "matplotlib>=3.5",
+            "ruff==0.17.6",
+            "transformers>=5,<6",
+        ],
         # One CuPy wheel per CUDA major, matching torch.version.cuda: two of them installed side by side
         # would share one `cupy` package. The code imports `cupy` from whichever is installed.
         "cuda12": ["cupy-cuda12x>=13"],

@@ -1,5 +1,15 @@
 """autopar: tensor-parallel layers and distributed tensors on top of the overlapped ops in ``kernels``."""
 
+import kernels as _kernels
+
+if not hasattr(_kernels, "all_gather_matmul"):
+    # Another distribution's 'kernels' package replaced CoC's (kernels/name_clash.py explains).
+    raise ImportError(
+        f"autopar needs CoC's 'kernels' package, but 'import kernels' gave {_kernels.__file__}: another "
+        "distribution with the import name 'kernels' (such as Hugging Face's) overwrote it. Reinstall coc-overlap "
+        "in an environment without it"
+    )
+
 from .dtensor import (
     DistTensor,
     Partial,

@@ -17,9 +17,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import checks, dispatch, library, quant
+from . import checks, dispatch, library, name_clash, quant
 from .config import CocConfig, get_config
 from .quant import quantize_weight
+
+# Before anything runs: another installed 'kernels' distribution would have mixed its files with ours.
+name_clash.check(__path__[0])
 
 __all__ = [
     "all_gather_matmul",
