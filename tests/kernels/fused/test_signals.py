@@ -30,7 +30,7 @@ from kernels.fused import signals
 
 fn = signals._check_call_kernel
 signature = dict(sig_tab_ptr="*i64", rank="i32", timeout="i64", must_agree="i64",
-                 **{f"d{i}": "i64" for i in range(13)})
+                 **{a: "i64" for a in fn.arg_names if a[0] == "d" and a[1:].isdigit()})
 constexprs = dict(WORLD=4, DESC_LEN=13, DESC_OFFSET=100, COUNTERS_OFFSET=60, COUNTERS=8, USE_GLOBALTIMER=True)
 src = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
                 constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
