@@ -3,7 +3,7 @@ rules, ``reshard``, gradient sync and pipeline stages. See docs/dtensor.md.
 
 Module layout (imports go downwards only): ``placements``, ``mesh`` -> ``redistribute`` (local
 pieces and collectives) -> ``tensor`` (the class, construction, serialization) -> ``autograd``
-(nodes, reshard) -> ``ops`` (rules-based ops), ``aten`` (what reaches ``__torch_dispatch__``) ->
+(nodes, reshard) -> ``ops`` (rules-based ops, one module per op family), ``aten`` (what reaches ``__torch_dispatch__``) ->
 ``grad_sync``, ``pipeline``, ``interop``.
 """
 

@@ -9,7 +9,7 @@ piece lives in ``_local``; the layout (mesh, placements, global shape) in slots.
 Two entry points, chosen by measurement (docs/dtensor.md, "Design"):
 
 * ``__torch_function__`` (and the ``@``/``+``/... dunders, overridden directly) handles the ops
-  that have SPMD rules (:mod:`autopar.dtensor.ops`) at the Python level, before the dispatcher:
+  that have SPMD rules (:mod:`autopar.dtensor.ops`, one module per op family) at the Python level, before the dispatcher:
   one dict lookup, the cached rule, the local op and one wrapper (a cached no-grad ``F.gelu`` or
   ``relu`` is served inside ``__torch_function__`` itself). Reaching ``__torch_dispatch__``
   instead (through the dispatcher and the autograd layer, as DTensor does for every op) costs
@@ -64,14 +64,14 @@ _DATA_DEPENDENT = {
     "where",
 }
 
-_LIDS: dict[tuple, int] = {}
-_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-_MWS = torch.Tensor._make_wrapper_subclass
+_LAYOUT_ID_BY_KEY: dict[tuple, int] = {}
+_EMPTY_PIECES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+_MAKE_WRAPPER_SUBCLASS = torch.Tensor._make_wrapper_subclass
 # DTensor's own wrapper constructor (None in a torch without it). It takes every argument
 # positionally and reads dtype, device and layout off the piece, where _make_wrapper_subclass parses
 # keyword arguments: 0.72 us instead of 1.07 per wrapper made and freed, the largest single cost of
 # a cached op (docs/dtensor.md). It stores the piece and ``spec`` as ``_local_tensor`` / ``_spec``.
-_NEW: Callable | None = getattr(torch.Tensor, "_dtensor__new__", None)
+_DTENSOR_NEW: Callable | None = getattr(torch.Tensor, "_dtensor__new__", None)
 
 
 class Layout:
@@ -99,9 +99,9 @@ def lid_of(shape: Sequence[int], placements: tuple) -> int:
     """A small int naming a layout (global shape, placements): rule-cache keys and layout checks
     then hash and compare ints, not sizes and Placement objects (Python __hash__/__eq__)."""
     key = (tuple(shape), placements)
-    lid = _LIDS.get(key)
+    lid = _LAYOUT_ID_BY_KEY.get(key)
     if lid is None:
-        lid = _LIDS[key] = len(_LIDS)
+        lid = _LAYOUT_ID_BY_KEY[key] = len(_LAYOUT_ID_BY_KEY)
         _LAYOUTS.append(Layout(torch.Size(shape)))
     return lid
 
@@ -109,9 +109,9 @@ def lid_of(shape: Sequence[int], placements: tuple) -> int:
 def empty_local(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # On the data's device (zero elements allocate nothing): a clipped rank's placeholder tells a
     # later cross-mesh receive where to put the data (NCCL receives only into CUDA tensors).
-    t = _EMPTY.get((dtype, device))
+    t = _EMPTY_PIECES.get((dtype, device))
     if t is None:
-        t = _EMPTY[(dtype, device)] = torch.empty(0, dtype=dtype, device=device)
+        t = _EMPTY_PIECES[(dtype, device)] = torch.empty(0, dtype=dtype, device=device)
     return t
 
 
@@ -325,12 +325,12 @@ def _private_constructor_works() -> bool:
     no gradient. Checked once at import, so a torch whose private API differs (another release than
     the one tested) takes the public ``_make_wrapper_subclass`` path instead of failing or
     returning a wrong tensor."""
-    if _NEW is None:
+    if _DTENSOR_NEW is None:
         return False
     piece = torch.zeros(2, 3, dtype=torch.float64)
     layout = Layout(torch.Size((4, 3)))
     try:
-        r = _NEW(DistTensor, piece, layout, False)
+        r = _DTENSOR_NEW(DistTensor, piece, layout, False)
         # torch.Tensor's own accessors: DistTensor overrides some to read its slots, unset here.
         base = torch.Tensor
         return (
@@ -346,7 +346,7 @@ def _private_constructor_works() -> bool:
 
 
 if not _private_constructor_works():
-    _NEW = None
+    _DTENSOR_NEW = None
 
 
 def make(
@@ -362,10 +362,10 @@ def make(
     """A DistTensor around ``local`` (not copied), of global ``shape`` and ``dtype``."""
     if lid is None:
         lid = lid_of(shape, placements)
-    if _NEW is not None and dtype is local.dtype:
-        r = _NEW(cls, local, _LAYOUTS[lid], False)
+    if _DTENSOR_NEW is not None and dtype is local.dtype:
+        r = _DTENSOR_NEW(cls, local, _LAYOUTS[lid], False)
     else:
-        r = _MWS(cls, shape, dtype=dtype, device=local.device)
+        r = _MAKE_WRAPPER_SUBCLASS(cls, shape, dtype=dtype, device=local.device)
         _LOCAL_SLOT.__set__(r, local)
     r._mesh = mesh
     r._placements = placements
@@ -379,9 +379,9 @@ def make(
 def wrap(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape: torch.Size, lid: int) -> DistTensor:
     """``make`` for the per-op hot path: an initialized DistTensor whose dtype is its piece's and
     whose layout id is known."""
-    if _NEW is None:
+    if _DTENSOR_NEW is None:
         return make(local, mesh, placements, shape, local.dtype, True, lid)
-    r = _NEW(DistTensor, local, _LAYOUTS[lid], False)
+    r = _DTENSOR_NEW(DistTensor, local, _LAYOUTS[lid], False)
     r._mesh = mesh
     r._placements = placements
     r._lid = lid
@@ -435,7 +435,7 @@ def pending(
     lid: int | None = None,
 ) -> PendingMatmul:
     """A DistTensor standing for ``x_local @ w_local.T`` (Partial on ``mesh_dim``), not computed."""
-    out = _MWS(PendingMatmul, shape, dtype=dtype, device=x_local.device)
+    out = _MAKE_WRAPPER_SUBCLASS(PendingMatmul, shape, dtype=dtype, device=x_local.device)
     _LOCAL_SLOT.__set__(out, None)
     out._mesh, out._placements, out._shape, out._dtype, out._init = mesh, placements, shape, dtype, True
     out._lid = lid_of(shape, placements) if lid is None else lid

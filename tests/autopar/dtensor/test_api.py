@@ -252,8 +252,8 @@ def test_both_wrapper_constructors_give_the_same_tensors(monkeypatch, fast):
     import autopar.dtensor.tensor as T
 
     if not fast:
-        monkeypatch.setattr(T, "_NEW", None)
-    elif T._NEW is None:
+        monkeypatch.setattr(T, "_DTENSOR_NEW", None)
+    elif T._DTENSOR_NEW is None:
         pytest.skip("this torch has no torch.Tensor._dtensor__new__")
     mesh = ProcessMesh([0], dim_names=["dp"])
     X, W = torch.randn(4, 3), torch.randn(3, 5)
@@ -301,7 +301,7 @@ def test_private_constructor_probe_rejects_a_changed_api(monkeypatch: pytest.Mon
         raise AssertionError("unreachable")
 
     for fake in (local_shape, other_signature):
-        monkeypatch.setattr(tensor, "_NEW", fake)
+        monkeypatch.setattr(tensor, "_DTENSOR_NEW", fake)
         assert not tensor._private_constructor_works(), fake.__name__
 
 
