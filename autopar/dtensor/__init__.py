@@ -3,8 +3,8 @@ rules, ``reshard``, gradient sync and pipeline stages. See docs/dtensor.md.
 
 Module layout (imports go downwards only): ``placements``, ``mesh`` -> ``redistribute`` (local
 pieces and collectives) -> ``tensor`` (the class, construction, serialization) -> ``autograd``
-(nodes, reshard) -> ``ops`` (rules-based ops, one module per op family), ``aten`` (what reaches ``__torch_dispatch__``) ->
-``grad_sync``, ``pipeline``, ``interop``.
+(nodes, reshard) -> ``ops`` (rules-based ops, one module per op family), ``aten`` (what reaches
+``__torch_dispatch__``) -> ``grad_sync``, ``pipeline``, ``interop``.
 """
 
 from . import aten as _aten  # noqa: F401  (registers the __torch_dispatch__ handlers)

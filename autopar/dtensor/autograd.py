@@ -24,7 +24,7 @@ import torch
 from . import redistribute as _rd
 from .mesh import ProcessMesh
 from .placements import PARTIAL_SUM, REPLICATE, Partial, Placement, Replicate, Shard, normalize_placements
-from .tensor import DistTensor, PendingMatmul, make, uninit
+from .tensor import TRACKED_CONVERSIONS, DistTensor, PendingMatmul, make, uninit
 
 _PARTIAL_AVG = Partial("avg")
 
@@ -118,9 +118,13 @@ def grad_placement(in_pl: tuple, others: list[tuple], out_pl: tuple, g_pl: tuple
 
 
 def output_grad(g: DistTensor, out_pl: tuple) -> DistTensor:
-    """The gradient of a Partial output is Replicate; of a sharded output sharded the same way."""
+    """The gradient of a Partial output is Replicate; of a sharded output sharded the same way; of
+    a Replicate output Replicate or Partial (a local vjp is linear in the gradient), never sharded:
+    the local vjp needs a gradient piece shaped like the output piece."""
     want = tuple(
-        REPLICATE if type(o) is Partial else (o if type(o) is Shard else gp)
+        REPLICATE
+        if type(o) is Partial or (type(o) is Replicate and type(gp) is Shard)
+        else (o if type(o) is Shard else gp)
         for o, gp in zip(out_pl, g._placements, strict=False)
     )
     return reshard_nograd(g, want) if want != g._placements else g
@@ -308,3 +312,66 @@ def accumulate(a: DistTensor, b: DistTensor) -> DistTensor:
     if not a._init:
         return a
     return make(a._local + b._local, a._mesh, a._placements, a._shape, torch.promote_types(a._dtype, b._dtype))
+
+
+# -- conversions to and from plain tensors (DTensor's to_local / full_tensor / from_local) ----------
+
+
+def grad_placements_of(placements: tuple) -> tuple:
+    """DTensor's default for a conversion's gradient: the placements, Partial made Replicate (the
+    gradient of a pending sum is the same for every term)."""
+    return tuple(REPLICATE if type(p) is Partial else p for p in placements)
+
+
+class _ToLocal(torch.autograd.Function):
+    """``y = x.to_local()``: forward ``y = x``'s piece (a view, so autograd metadata lands on a
+    fresh tensor and not on the piece); backward ``dx = DistTensor(dy, grad_placements)``."""
+
+    @staticmethod
+    def forward(ctx, x: DistTensor, grad_pl: tuple) -> torch.Tensor:
+        ctx.meta = (x._mesh, grad_pl, x._shape, x._dtype, x._init)
+        ctx.set_materialize_grads(False)
+        local = x._local
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor | None):
+        mesh, grad_pl, shape, dtype, init = ctx.meta
+        if g is None:
+            return None, None
+        if not init:
+            return uninit(mesh, grad_pl, shape, dtype, g.device), None
+        return make(g, mesh, grad_pl, shape, g.dtype), None
+
+
+def to_local_tracked(x: DistTensor, grad_placements: Sequence[Placement] | None) -> torch.Tensor:
+    if grad_placements is None:
+        grad_pl = grad_placements_of(x._placements)
+    else:
+        grad_pl = normalize_placements(grad_placements, x._mesh.ndim, x.ndim)
+    with _NO_TORCH_FUNCTION():
+        return _ToLocal.apply(x, grad_pl)
+
+
+def full_tensor_tracked(x: DistTensor, grad_placements: Sequence[Placement] | None) -> torch.Tensor:
+    """``x.reshard(Replicate).to_local()``; the reshard's backward takes the gradient back to
+    ``x``'s shards (Replicate where ``x`` is Partial)."""
+    full = reshard_same_mesh(x, (REPLICATE,) * x._mesh.ndim)
+    return to_local_tracked(full, grad_placements)
+
+
+def _from_local_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[torch.Tensor | None]:
+    if not g._init:
+        return [None]
+    return [reshard_nograd(g, ctx)._local]
+
+
+def from_local_tracked(out: DistTensor, local: torch.Tensor) -> DistTensor:
+    """``DistTensor.from_local(local, ...)`` on autograd's graph: the gradient of ``local`` is the
+    piece of the DistTensor's gradient resharded to its placements (Partial made Replicate)."""
+    return record(out, [local], _from_local_backward, grad_placements_of(out._placements))
+
+
+TRACKED_CONVERSIONS.update(
+    {"to_local": to_local_tracked, "full_tensor": full_tensor_tracked, "from_local": from_local_tracked}
+)

@@ -65,16 +65,16 @@ def sync_gradients(module_or_params: torch.nn.Module | Iterable | DistTensor) ->
         else:
             p.grad = reshard_nograd(g, p.placements)
     for (mesh, g_pl, p_pl, dtype), ps in buckets.items():
-        flat = torch.cat([p.grad.to_local().reshape(-1) for p in ps])
+        flat = torch.cat([p.grad._local.reshape(-1) for p in ps])
         flat_pl = tuple(pl if isinstance(pl, Partial) else Replicate() for pl in g_pl)
         dst_pl = tuple(Replicate() for _ in p_pl)
         # The flat buffer is elementwise-aligned across ranks (same local shapes along every
         # reduced mesh dim), so one all-reduce per reduced mesh dim serves every parameter.
         flat_dt = make(flat, mesh, flat_pl, flat.shape, dtype)
-        flat = reshard_nograd(flat_dt, dst_pl).to_local()
+        flat = reshard_nograd(flat_dt, dst_pl)._local
         offset = 0
         for p in ps:
-            local = p.grad.to_local()
+            local = p.grad._local
             n = local.numel()
             p.grad = make(flat[offset : offset + n].view_as(local), mesh, p.placements, p.shape, dtype)
             offset += n
@@ -85,15 +85,15 @@ def attach_local_grads(module_or_params: torch.nn.Module | Iterable | DistTensor
     """Expose synced gradients to an optimizer built over the local pieces.
 
     Not needed with ``torch.optim`` on the DistTensor parameters themselves (they are tensors);
-    this serves code that keeps an optimizer over ``[p.to_local() for p in params]`` (the
-    parameters' own storage). It sets each
+    this serves code that keeps an optimizer over the local pieces (``p.to_local()`` under
+    ``torch.no_grad()``: with grad mode on it is a tracked view, as DTensor's). It sets each
     local piece's ``.grad`` to the local piece of ``p.grad`` (call it after
     :func:`sync_gradients`) and returns the local pieces, in order. Ranks outside a parameter's
     mesh get zero-element pieces, which optimizers skip harmlessly.
     """
     locals_ = []
     for p in _collect(module_or_params):
-        local = p.to_local()
+        local = p._local
         if p.grad is not None and p.is_initialized():
             if p.grad.placements != p.placements:
                 raise ValueError(
@@ -101,6 +101,6 @@ def attach_local_grads(module_or_params: torch.nn.Module | Iterable | DistTensor
                     f"but the parameter is {list(p.placements)}; call "
                     f"sync_gradients first"
                 )
-            local.grad = p.grad.to_local()
+            local.grad = p.grad._local
         locals_.append(local)
     return locals_

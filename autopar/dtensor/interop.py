@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .autograd import grad_placements_of, requires_grad, reshard_backward, reshard_nograd
 from .mesh import ProcessMesh
 from .placements import Partial, Placement, Replicate, Shard
 from .tensor import DistTensor, make, uninit
@@ -97,10 +98,8 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def to_dtensor(t: DistTensor) -> Any:
-    """A ``torch.distributed.tensor.DTensor`` viewing ``t``'s local piece (no copy, not tracked)."""
-    if not isinstance(t, DistTensor):
-        raise TypeError(f"to_dtensor(t): expected an autopar DistTensor, got {type(t).__name__}")
+def _as_dtensor(t: DistTensor) -> Any:
+    """The DTensor viewing ``t``'s piece (no copy, not tracked)."""
     _, DTensor, _, _, _ = _dtensor_api()
     mixed = {p.reduce_type for p in t._placements if type(p) is Partial}
     if len(mixed) > 1:
@@ -116,11 +115,8 @@ def to_dtensor(t: DistTensor) -> Any:
     )
 
 
-def from_dtensor(t: Any) -> DistTensor:
-    """An autopar DistTensor around ``t``'s local piece (no copy, not tracked)."""
-    _, DTensor, _, _, _ = _dtensor_api()
-    if not isinstance(t, DTensor):
-        raise TypeError(f"from_dtensor(t): expected a torch DTensor, got {type(t).__name__}")
+def _as_dist_tensor(t: Any) -> DistTensor:
+    """The DistTensor around DTensor ``t``'s piece (no copy, not tracked)."""
     mesh = process_mesh_of(t.device_mesh)
     placements = tuple(_from_dtensor_placement(p) for p in t.placements)
     local = t._local_tensor.detach()
@@ -128,3 +124,70 @@ def from_dtensor(t: Any) -> DistTensor:
     if mesh.my_coordinate is None:
         return uninit(mesh, placements, shape, t.dtype, local.device)
     return make(local, mesh, placements, shape, t.dtype)
+
+
+class _ToDTensor(torch.autograd.Function):
+    """``d = to_dtensor(t)``: forward ``d`` views ``t``'s piece; backward: the DTensor gradient
+    as a DistTensor, sharded like ``t`` (Replicate where ``t`` is Partial; a Replicate ``t`` keeps
+    a Partial gradient, reduced later by ``sync_gradients``)."""
+
+    @staticmethod
+    def forward(ctx, t: DistTensor) -> Any:
+        ctx.src = t._placements
+        ctx.set_materialize_grads(False)
+        return _as_dtensor(t)
+
+    @staticmethod
+    def backward(ctx, g: Any):
+        if g is None:
+            return None
+        return reshard_backward(ctx.src, (), _as_dist_tensor(g))[0]
+
+
+class _FromDTensor(torch.autograd.Function):
+    """``t = from_dtensor(d)``: forward ``t`` views ``d``'s piece; backward: the DistTensor
+    gradient as a DTensor with ``d``'s placements, Partial made Replicate (what DTensor's
+    ``from_local`` backward gives)."""
+
+    @staticmethod
+    def forward(ctx, d: Any) -> DistTensor:
+        t = _as_dist_tensor(d)
+        ctx.want = grad_placements_of(t._placements)
+        ctx.set_materialize_grads(False)
+        return t
+
+    @staticmethod
+    def backward(ctx, g: DistTensor | None):
+        if g is None:
+            return None
+        if g._placements != ctx.want:
+            g = reshard_nograd(g, ctx.want)
+        return _as_dtensor(g)
+
+
+def to_dtensor(t: DistTensor) -> Any:
+    """A ``torch.distributed.tensor.DTensor`` viewing ``t``'s local piece (no copy).
+
+    Differentiable (with grad mode on and ``t`` requiring grad): the DTensor's gradient flows
+    back to ``t``.
+    """
+    if not isinstance(t, DistTensor):
+        raise TypeError(f"to_dtensor(t): expected an autopar DistTensor, got {type(t).__name__}")
+    if torch.is_grad_enabled() and requires_grad(t):
+        with torch._C.DisableTorchFunctionSubclass():
+            return _ToDTensor.apply(t)
+    return _as_dtensor(t)
+
+
+def from_dtensor(t: Any) -> DistTensor:
+    """An autopar DistTensor around ``t``'s local piece (no copy).
+
+    Differentiable (with grad mode on and ``t`` requiring grad): the DistTensor's gradient flows
+    back to the DTensor.
+    """
+    _, DTensor, _, _, _ = _dtensor_api()
+    if not isinstance(t, DTensor):
+        raise TypeError(f"from_dtensor(t): expected a torch DTensor, got {type(t).__name__}")
+    if torch.is_grad_enabled() and t.requires_grad:
+        return _FromDTensor.apply(t)
+    return _as_dist_tensor(t)

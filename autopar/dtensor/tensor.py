@@ -9,7 +9,8 @@ piece lives in ``_local``; the layout (mesh, placements, global shape) in slots.
 Two entry points, chosen by measurement (docs/dtensor.md, "Design"):
 
 * ``__torch_function__`` (and the ``@``/``+``/... dunders, overridden directly) handles the ops
-  that have SPMD rules (:mod:`autopar.dtensor.ops`, one module per op family) at the Python level, before the dispatcher:
+  that have SPMD rules (:mod:`autopar.dtensor.ops`, one module per op family) at the Python
+  level, before the dispatcher:
   one dict lookup, the cached rule, the local op and one wrapper (a cached no-grad ``F.gelu`` or
   ``relu`` is served inside ``__torch_function__`` itself). Reaching ``__torch_dispatch__``
   instead (through the dispatcher and the autograd layer, as DTensor does for every op) costs
@@ -52,6 +53,9 @@ HANDLERS: dict[Any, Callable] = {}  # torch-level function -> handler(*args, **k
 UNARY_PLAIN: dict[Any, dict[int, tuple]] = {}
 ATEN: dict[int, Callable] = {}  # id(aten overload) -> handler(func, args, kwargs)
 ATEN_DEFAULT: list[Callable] = []  # handler for aten ops not in ATEN (set by aten.py)
+# The autograd-tracked forms of the conversions between a DistTensor and plain tensors
+# ("to_local", "full_tensor", "from_local"), set by autograd.py: this module cannot import it.
+TRACKED_CONVERSIONS: dict[str, Callable] = {}
 
 _DATA_DEPENDENT = {
     "nonzero",
@@ -161,7 +165,10 @@ class DistTensor(torch.Tensor):
                 f"global_shape {list(global_shape)} with placements {list(pl)} at mesh "
                 f"coordinate {mesh.my_coordinate} (expected {expect})"
             )
-        return make(local.detach(), mesh, pl, global_shape, local.dtype)
+        out = make(local.detach(), mesh, pl, global_shape, local.dtype)
+        if _grad_enabled() and torch.Tensor.requires_grad.__get__(local):
+            return TRACKED_CONVERSIONS["from_local"](out, local)
+        return out
 
     # -- views (Python properties: the C++ ones would go through __torch_function__) ----------------
     @property
@@ -204,17 +211,31 @@ class DistTensor(torch.Tensor):
     def is_initialized(self) -> bool:
         return self._init
 
-    def to_local(self) -> torch.Tensor:
-        """This rank's piece (a zero-element tensor on a rank outside the mesh). Not tracked."""
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """This rank's piece (a zero-element tensor on a rank outside the mesh).
+
+        Differentiable, as DTensor's: with grad mode on and ``self`` requiring grad it returns a
+        view of the piece whose gradient flows back as a DistTensor with ``grad_placements``
+        (default: ``self``'s placements with Partial made Replicate); otherwise the piece itself.
+        """
+        if _grad_enabled() and torch.Tensor.requires_grad.__get__(self):
+            return TRACKED_CONVERSIONS["to_local"](self, grad_placements)
         return self._local
 
-    def full_tensor(self) -> torch.Tensor:
-        """The global value, gathered and reduced on every rank of the mesh. Not tracked."""
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The global value, gathered and reduced on every rank of the mesh.
+
+        Differentiable, as DTensor's: the gradient (on every rank the gradient of the global value,
+        or ``grad_placements`` when each rank holds another part of it) goes back sharded like
+        ``self``, Replicate where ``self`` is Partial.
+        """
         if not self._init:
             raise ValueError(
                 f"full_tensor(): this rank ({self._mesh._my_rank}) is outside the tensor's "
                 f"mesh {self._mesh}; only ranks of the mesh hold data"
             )
+        if _grad_enabled() and torch.Tensor.requires_grad.__get__(self):
+            return TRACKED_CONVERSIONS["full_tensor"](self, grad_placements)
         return _rd.redistribute_local(
             self._local, self._shape, self._mesh, self._placements, tuple(Replicate() for _ in self._placements)
         )

@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-from ..autograd import graph_vjp, record, requires_grad, requires_grads, reshard_nograd, reshard_same_mesh, vjp_backward
+from ..autograd import (
+    from_local_tracked,
+    graph_vjp,
+    record,
+    requires_grad,
+    requires_grads,
+    reshard_same_mesh,
+    vjp_backward,
+)
 from ..mesh import ProcessMesh
 from ..placements import REPLICATE
 from ..rules import RuleResult
@@ -25,14 +33,6 @@ RULE_CACHE: dict[tuple, tuple] = {}
 # reshard, no overlapped kernel and no autograd: the per-op hot path of inference (and of
 # bench.dispatch_overhead). The mesh is compared by identity, so an entry serves one mesh only.
 PLAIN: dict[tuple, tuple] = {}
-
-
-def _plain_backward(ctx: None, saved: tuple, g: DistTensor) -> list[torch.Tensor | None]:
-    # The plain tensor was the same value on every rank (Replicate): its gradient is the whole
-    # reduced gradient on every rank, as DTensor.from_local's backward gives for Replicate.
-    if not g._init:
-        return [None]
-    return [reshard_nograd(g, (REPLICATE,) * g._mesh.ndim)._local]
 
 
 def as_dist(x: Any, mesh: ProcessMesh) -> DistTensor:
@@ -56,7 +56,7 @@ def as_dist(x: Any, mesh: ProcessMesh) -> DistTensor:
         else:
             out = make(x.detach(), mesh, pl, x.shape, x.dtype)
         if _grad_enabled() and requires_grad(x):
-            return record(out, [x], _plain_backward, None)
+            return from_local_tracked(out, x)
         return out
     raise TypeError(f"expected a DistTensor or torch.Tensor, got {type(x).__name__}")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 pytestmark = pytest.mark.triton  # runs Triton kernels (interpreted on CPU)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 TRAIN_TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -235,7 +235,7 @@ def _readme_example(rank, world, path):
     import io
     import re
 
-    from tests.harness import REPO_ROOT
+    from kernels.testing import REPO_ROOT
 
     text = open(os.path.join(REPO_ROOT, "README.md")).read()
     section = text[text.index("## Distributed tensors and pipelines") :]

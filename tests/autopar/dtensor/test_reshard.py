@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 SHAPES = [(5, 7), (2, 3, 5)]
