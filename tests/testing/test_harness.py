@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import RankFailure, run_ranks
+from kernels.testing import RankFailure, run_ranks
 
 
 def _sum_ranks(rank, world_size, offset):
@@ -66,3 +66,31 @@ def test_dead_rank_reported_or_allowed():
     with pytest.raises(RankFailure, match="rank 1: process died"):
         run_ranks(_die_on_last, 2)
     assert run_ranks(_die_on_last, 2, allow_dead=True) == [0, None]
+
+
+def _interpreter_and_device(rank, world_size):
+    import torch
+
+    return os.environ.get("TRITON_INTERPRET"), torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def test_gpu_pool_runs_compiled_kernels_and_shares_the_gpus():
+    # device="cuda" ranks start without the interpreter (set at their birth, before they import triton)
+    # and sit round robin on the GPUs; on a machine without one they still start.
+    got = run_ranks(_interpreter_and_device, 3, device="cuda")
+    assert [interp for interp, _ in got] == [None] * 3
+    if torch.cuda.is_available():
+        assert [dev for _, dev in got] == [r % torch.cuda.device_count() for r in range(3)]
+    assert run_ranks(_interpreter_and_device, 2)[0][0] == "1"  # the CPU pool interprets
+
+
+def test_bad_pool_kinds_are_named():
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        run_ranks(_sum_ranks, 2, 0, device="tpu")
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
+        run_ranks(_sum_ranks, 2, 0, backend="mpi")
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        run_ranks(_sum_ranks, 0, 0)
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank: world_size=64"):
+            run_ranks(_sum_ranks, 64, 0, backend="nccl")

@@ -13,21 +13,21 @@ import tempfile
 
 import torch
 
-from tests.harness import REPO_ROOT
+from kernels.testing import REPO_ROOT
 
 _SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from tests import harness
+from kernels import testing
 from tests.testing.test_harness_cleanup import _fail_on_rank_0, _tensor
-assert harness.run_ranks(_tensor, 2)[1].tolist() == [1.0, 1.0]
+assert testing.run_ranks(_tensor, 2)[1].tolist() == [1.0, 1.0]
 try:
-    harness.run_ranks(_fail_on_rank_0, 2)
+    testing.run_ranks(_fail_on_rank_0, 2)
     raise SystemExit("the failing call did not fail")
-except harness.RankFailure:
+except testing.RankFailure:
     pass  # the pool was killed with the sharer's socket open
-assert harness.run_ranks(_tensor, 2)[0].tolist() == [0.0, 0.0]
-harness.close_pools()
+assert testing.run_ranks(_tensor, 2)[0].tolist() == [0.0, 0.0]
+testing.close_pools()
 """
 
 

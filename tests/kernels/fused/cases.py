@@ -3,110 +3,26 @@
 from __future__ import annotations
 
 import os
-import queue
-import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench.gpu_check_cases import scramble
-from tests.harness import REPO_ROOT
+from kernels.testing import (
+    OPS,
+    assert_close,
+    heap_device,
+    make_inputs,
+    presize,
+    quantized_weights,
+    reference,
+    run_ranks,
+    scramble,
+)
 
-OPS = ("ag", "ag_v2", "rs", "ar_one", "ar_two")
 STRAGGLER_S = 0.25
-
-
-def make_inputs(
-    op: str,
-    world: int,
-    m_local: int,
-    k: int,
-    n: int,
-    bias: bool,
-    seed: int,
-    noncontig: bool = False,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
-    """Every rank's x and weight (identical on all ranks: same seed), and the bias.
-
-    ``ag``: x ``[m_local, k]`` per rank, one weight ``[n, k]``; ``rs``: x ``[m_local * W, k]``;
-    ``ar``: x ``[2 * m_local + 1, k]`` (not a multiple of W nor of a tile). With ``noncontig`` x and
-    weight are transposed views and bias a stride-2 view, so the kernels must honour strides.
-    """
-    g = torch.Generator().manual_seed(seed)
-    rows = {"ag": m_local, "ag_v2": m_local, "rs": m_local * world}.get(op, 2 * m_local + 1)
-
-    def rand(*shape: int) -> torch.Tensor:
-        if noncontig:
-            return torch.randn(*reversed(shape), generator=g).t().to(device=device, dtype=dtype)
-        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
-
-    xs = [rand(rows, k) for _ in range(world)]
-    if op.startswith("ag"):
-        ws = [rand(n, k)] * world
-    else:
-        ws = [rand(n, k) for _ in range(world)]
-    b = torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None
-    if b is not None and noncontig:
-        # Every other element of a [2n] tensor: the kernels must not assume a unit bias stride.
-        b = torch.stack([b, torch.full_like(b, float("nan"))], dim=1)[:, 0]
-    return xs, ws, b
-
-
-def reference(
-    op: str, xs: list[torch.Tensor], ws: list[torch.Tensor], b: torch.Tensor | None, rank: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Plain torch math in fp64 from all ranks' inputs: ``(y, error_bound, x_gathered or None)``.
-
-    The bound is elementwise, from the summation error analysis: each partial dot product of length
-    k accumulated in fp32 errs by at most ``k * eps32 * S`` with ``S = sum |x| |w|``; summing W
-    partials and the bias in fp32 adds ``(W + 2) * eps32 * S``; rounding the partials and the
-    result to the output dtype adds ``2 * eps_dtype * S``.
-    """
-    world = len(xs)
-    dtype = xs[0].dtype
-    eps32, eps = torch.finfo(torch.float32).eps, torch.finfo(dtype).eps
-    k = xs[0].shape[1]
-    ws64 = [w.double().cpu() for w in ws]
-    b64 = b.double().cpu() if b is not None else torch.zeros(ws[0].shape[0], dtype=torch.float64)
-    gathered = None
-    if op.startswith("ag"):
-        xg = torch.cat([x.double().cpu() for x in xs])
-        y = xg @ ws64[0].T + b64
-        s = xg.abs() @ ws64[0].abs().T + b64.abs()
-        if op == "ag_v2":
-            gathered = torch.cat([x.cpu() for x in xs])
-    else:
-        xs64 = [x.double().cpu() for x in xs]
-        y = sum(xs64[i] @ ws64[i].T for i in range(world)) + b64
-        s = sum(xs64[i].abs() @ ws64[i].abs().T for i in range(world)) + b64.abs()
-        if op == "rs":
-            rows = y.shape[0] // world
-            y, s = y[rank * rows : (rank + 1) * rows], s[rank * rows : (rank + 1) * rows]
-    return y, (k + world + 2) * eps32 * s + 2 * eps * s, gathered
-
-
-def assert_close(
-    what: str, got: Any, ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], dtype: torch.dtype
-) -> None:
-    want, bound, gathered = ref
-    if gathered is not None:
-        y, xg = got
-        assert torch.equal(xg.cpu(), gathered), f"{what}: gathered x differs"
-        got = y
-    assert tuple(got.shape) == tuple(want.shape) and got.dtype == dtype, (
-        f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {dtype}"
-    )
-    excess = (got.double().cpu() - want).abs() - bound
-    assert got.numel() == 0 or float(excess.max()) <= 0, (
-        f"{what}: error exceeds the bound by {float(excess.max()):.3g} at {int(excess.argmax())}"
-    )
 
 
 def run_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Any) -> Any:
@@ -122,14 +38,6 @@ def run_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gr
     if op == "ar":
         return fused.matmul_all_reduce(x, w, b, group, True)
     return matmul_all_reduce(x, w, b, group, True, algorithm={"ar_one": "one_shot", "ar_two": "two_shot"}[op])
-
-
-def presize(group: Any, device: torch.device, nbytes: int = 1 << 20) -> None:
-    """Create the group's heap big enough for every case, so no call grows (and zeroes) it."""
-    from kernels.fused import signals
-    from kernels.heap import get_heap
-
-    get_heap(group, device, nbytes, signals.sig_words(dist.get_world_size(group)))
 
 
 def check_case(
@@ -277,7 +185,8 @@ def singleton_body(rank: int, world: int) -> int:
 
 
 def public_api_body(rank: int, world: int) -> int:
-    """The public ops with ``USE_COC_FUSED_KERNEL=1`` (set by the test) on 3-D inputs vs ``backend="sequential"``."""
+    """The public ops with ``USE_COC_FUSED_KERNEL=1`` (set by the test) on 3-D inputs, on the fused heap,
+    against the fp64 reference."""
     import warnings
 
     import kernels
@@ -306,12 +215,16 @@ def public_api_body(rank: int, world: int) -> int:
             before = epoch()
             got = fn(x, w, b, **kwargs)
             assert epoch() not in (None, before), f"{op} did not run on the fused heap"
-            want = fn(x, w, b, backend="sequential", **kwargs)
+            # The 3-D inputs flattened to the 2-D calls the reference describes.
+            flat = [t.reshape(-1, k) for t in xs]
             if op == "all_gather_matmul":
-                assert torch.equal(got[1], want[1]), "gathered x differs"
-                got, want = got[0], want[0]
-            assert got.shape == want.shape, (op, got.shape, want.shape)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k)
+                ref = reference("ag_v2", flat, [w] * world, b, rank)
+                got = (got[0].reshape(-1, n), got[1].reshape(-1, k))
+            else:
+                every = [torch.cat(flat)] * world  # each rank passes all of x
+                ref = reference("rs" if op == "matmul_reduce_scatter" else "ar", every, [w] * world, b, rank)
+                got = got.reshape(-1, n)
+            assert_close(f"{op} (public API, fused) rank={rank}", got, ref, torch.float32)
             checked += 1
     return checked
 
@@ -331,83 +244,15 @@ def reasons_body(rank: int, world: int) -> list[str | None]:
     return [ok, meta, hosts]
 
 
-def _spawned_worker(
-    rank: int, world: int, store_path: str, results: Any, fn: Callable[..., Any], args: tuple, env: dict[str, str]
-) -> None:
-    os.environ.update(env)
-    # Compiled kernels: the interpreter cannot address peer GPU memory.
-    os.environ.pop("TRITON_INTERPRET", None)
-    sys.path.insert(0, REPO_ROOT)
-    import datetime
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store_path, world),
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        results.put((rank, True, fn(rank, world, *args)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
-
-
-def run_gpu_ranks(
-    fn: Callable[..., Any], world: int, *args: Any, env: dict[str, str] | None = None, timeout: float = 300.0
-) -> list[Any]:
-    """Run ``fn`` on ``world`` fresh processes, one GPU each (round robin, so several processes share
-    a GPU when there are fewer GPUs than ranks: CUDA IPC works between them), on a gloo group.
-
-    The rank pools of tests.harness cannot do this: a pool shares one GPU between ranks only with
-    NCCL, which refuses two ranks on one device, and its gloo pools run the interpreter.
-    """
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(
-                target=_spawned_worker,
-                daemon=True,
-                args=(r, world, os.path.join(tmp, "store"), results, fn, args, env or {}),
-            )
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        got: dict[int, tuple[bool, Any]] = {}
-        deadline = time.monotonic() + timeout
-        try:
-            while len(got) < world and time.monotonic() < deadline:
-                try:
-                    rank, ok, value = results.get(timeout=1.0)
-                except queue.Empty:
-                    if any(not p.is_alive() and r not in got for r, p in enumerate(procs)):
-                        break
-                    continue
-                got[rank] = (ok, value)
-        finally:
-            for p in procs:
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-    failures = [
-        f"rank {r}: " + (str(got[r][1]) if r in got else "no answer (died or hung)")
-        for r in range(world)
-        if r not in got or not got[r][0]
-    ]
-    assert not failures, "\n".join(failures)
-    return [got[r][1] for r in range(world)]
+def run_gpu_ranks(fn: Callable[..., Any], world: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """Ranks that run compiled kernels on the GPU(s), sharing one when there are fewer GPUs than ranks:
+    :func:`kernels.testing.run_ranks` with ``device="cuda"`` (a gloo group; NCCL refuses two ranks
+    on one device)."""
+    return run_ranks(fn, world, *args, device="cuda", **kwargs)
 
 
 def spawn_probe_body(rank: int, world: int, fail_rank: int) -> tuple[int, int, str | None]:
-    """For checking :func:`run_gpu_ranks` itself: a collective, then maybe a failure."""
+    """For checking the GPU pools of :func:`run_gpu_ranks`: a collective, then maybe a failure."""
     t = torch.tensor([rank])
     dist.all_reduce(t)
     if rank == fail_rank:
@@ -522,9 +367,8 @@ def failed_call_body(rank: int, world: int, op: str) -> float:
 
 
 def gpu_device() -> torch.device:
-    """The key the ops' heap is cached under: ``x.device`` of a CUDA tensor always carries its index,
-    so a bare ``"cuda"`` would find (and scramble) no heap, or a different one."""
-    return torch.device("cuda", torch.cuda.current_device())
+    """The key the ops' heap is cached under on this rank's GPU (``cuda:<index>``)."""
+    return heap_device("cuda")
 
 
 def gpu_wave_shape(world: int) -> tuple[int, int, int]:
@@ -551,11 +395,9 @@ def check_w8a16_case(
 ) -> None:
     """The fused w8A16 all-reduce against fp64 math on the weights it dequantizes (rounded to ``dtype``)."""
     from kernels.fused.gemm_ar_w8a16 import matmul_all_reduce_w8a16
-    from kernels.quant import dequantize, quantize_weight
 
     xs, ws, b = make_inputs("ar", world, m_local, k, n, bias, seed, False, dtype, str(device))
-    quantized = [quantize_weight(w.float(), mode="per_channel") for w in ws]
-    deq = [dequantize(q, s).to(dtype) for q, s in quantized]
+    quantized, deq = quantized_weights(ws, dtype)
     scramble(group, device)
     if rank == seed % world:
         time.sleep(STRAGGLER_S)
@@ -614,23 +456,16 @@ def gpu_back_to_back_body(rank: int, world: int, calls: int, dtype: torch.dtype)
 
 
 def w8a16_bf16_body(rank: int, world: int) -> int:
-    """The fused w8A16 all-reduce in bf16 (one-shot and two-shot sizes) against fp64 math on the
-    dequantized weights; bf16 rounding of the dequantized weight and of the result bound the error."""
+    """The public w8A16 all-reduce in bf16 (one-shot and two-shot sizes) against fp64 math on the
+    dequantized weights rounded to bf16 (the weights the kernel multiplies by)."""
     import kernels
-    from kernels.quant import dequantize
 
     done = 0
     for rows in (3, 40):
         g = torch.Generator().manual_seed(rows)
         xs = [torch.randn(rows, 24, generator=g).to(torch.bfloat16) for _ in range(world)]
-        qs = [kernels.quantize_weight(torch.randn(20, 24, generator=g), "per_channel") for _ in range(world)]
-        got = kernels.quantized_matmul_all_reduce(xs[rank], *qs[rank], backend="fused")
-        ws = [dequantize(q, s, None, None, torch.bfloat16).double() for q, s in qs]
-        want = sum(x.double() @ w.T for x, w in zip(xs, ws, strict=False))
-        scale = sum(x.double().abs() @ w.abs().T for x, w in zip(xs, ws, strict=False))
-        eps32, eps = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
-        bound = (24 + world + 2) * eps32 * scale + 2 * eps * scale
-        assert got.dtype == torch.bfloat16 and got.shape == want.shape
-        assert float(((got.double() - want).abs() - bound).max()) <= 0, f"w8A16 bf16 rows={rows}"
+        quantized, deq = quantized_weights([torch.randn(20, 24, generator=g) for _ in range(world)], torch.bfloat16)
+        got = kernels.quantized_matmul_all_reduce(xs[rank], *quantized[rank], backend="fused")
+        assert_close(f"w8A16 bf16 rows={rows}", got, reference("ar", xs, deq, None, rank), torch.bfloat16)
         done += 1
     return done

@@ -1,0 +1,41 @@
+"""The testing toolkit shared by tests/, bench/ (gpu-check included) and the demo.
+
+* :mod:`~kernels.testing.ranks`: the one rank spawner, pooled per ``(world, backend, device)``
+  (gloo ranks on CPU under the Triton interpreter, processes sharing a GPU, NCCL one GPU per rank),
+  bounded by timeouts, reporting ranks that raise, hang or die;
+* :mod:`~kernels.testing.reference`: input builders, the fp64 reference of the ops, the one
+  tolerance rule (derived from dtype, k and W) and :func:`assert_close`;
+* :mod:`~kernels.testing.heap`: heap presizing and scrambling before a checked call;
+* :mod:`~kernels.testing.program_order`: run an interpreted launch's programs in another order.
+
+docs/testing.md describes how tests use it.
+"""
+
+from kernels.testing.heap import heap_device, presize, scramble
+from kernels.testing.ranks import REPO_ROOT, RankFailure, close_pools, run_ranks
+from kernels.testing.reference import (
+    OPS,
+    assert_close,
+    make_inputs,
+    quantized_weights,
+    reference,
+    rows_of,
+    tolerance,
+)
+
+__all__ = [
+    "OPS",
+    "REPO_ROOT",
+    "RankFailure",
+    "assert_close",
+    "close_pools",
+    "heap_device",
+    "make_inputs",
+    "presize",
+    "quantized_weights",
+    "reference",
+    "rows_of",
+    "run_ranks",
+    "scramble",
+    "tolerance",
+]

@@ -1,0 +1,335 @@
+"""The one rank spawner: pools of spawned ranks reused across calls (tests, gpu-check, the demo).
+
+Starting a rank costs seconds (importing torch), so one pool of ``W`` processes is spawned per
+``(world_size, backend, device)`` and kept for the whole session, like PyTorch's
+``MultiProcContinuousTest``. A rank body is a module-level function ``fn(rank, world_size, *args)``;
+:func:`run_ranks` ships it (by reference, through pickle) to every rank of the pool, waits for all
+of them with a deadline and returns their results in rank order.
+
+Kinds of pool (``device`` and ``backend`` of :func:`run_ranks`):
+
+* ``device="cpu"`` (gloo): Triton kernels run in the interpreter (``TRITON_INTERPRET=1``), one
+  torch thread per rank;
+* ``device="cuda"`` with ``backend="gloo"``: compiled kernels, rank ``r`` on GPU
+  ``r % device_count``, so with fewer GPUs than ranks several processes share one GPU (CUDA IPC
+  works between them; NCCL refuses two ranks on one device). Without a GPU the ranks still start
+  (compiled-kernel code paths that need no device can be checked anywhere);
+* ``backend="nccl"``: one process per GPU (``device`` is then ``cuda``); fewer GPUs than ranks is a
+  named error.
+
+Failure handling, so that no test can hang the suite:
+
+* a rank that raises: its traceback (and every other rank's) is reported in one ``RankFailure``;
+  ranks still running after a short grace period are presumed stuck in a collective, and the pool
+  is killed and respawned on next use;
+* a call that exceeds ``timeout``: the pool is killed, the failure names the ranks that did not
+  answer;
+* a rank process that dies (killed, ``os._exit``): reported as dead; with ``allow_dead=True`` its
+  result is ``None`` instead of a failure (used by the absent-peer tests).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import multiprocessing.util as mp_util
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kernels.testing import program_order
+
+# The checkout holding kernels/ (and tests/, whose rank bodies the ranks import by reference).
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# CPU ranks run Triton kernels through the interpreter: there is no GPU on CI machines and the
+# fused kernels must still execute there. Threads are pinned to 1 because up to 4 ranks share 2
+# cores; oversubscription would make the timing-free tests slow, not wrong. GPU ranks run compiled
+# kernels: the interpreter cannot address GPU memory of another process.
+RANK_ENV: dict[str, dict[str, str | None]] = {
+    "cpu": {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"},
+    "cuda": {"TRITON_INTERPRET": None, "OMP_NUM_THREADS": "1"},
+}
+
+DEFAULT_TIMEOUT = 120.0
+_GRACE_AFTER_ERROR = 3.0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks failed, hung or died; the message holds every rank's story."""
+
+
+@dataclass
+class _Outcome:
+    rank: int
+    ok: bool
+    value: Any
+
+
+def _private_pymp_dir(parent: str) -> None:
+    """Make this process's multiprocessing temp dir (``pymp-*``) under ``parent``.
+
+    torch passes tensors between processes as file descriptors, served by multiprocessing's
+    resource sharer from a listening socket in that dir, which only a clean exit removes. The pool
+    kills ranks (after a failure, a timeout, or a slow close): under the pool's own temporary dir
+    the leftovers go when kill() removes it. Only this one dir moves: ``tempfile.tempdir`` is
+    restored, so other temp files (compiler caches) stay where they were.
+    """
+    saved = tempfile.tempdir
+    tempfile.tempdir = parent
+    try:
+        mp_util.get_temp_dir()  # created now and kept for the life of the process
+    finally:
+        tempfile.tempdir = saved
+
+
+def _apply_env(env: dict[str, str | None]) -> None:
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _worker(
+    rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any, env: dict[str, str | None]
+) -> None:
+    _apply_env(env)
+    sys.path.insert(0, REPO_ROOT)
+    _private_pymp_dir(os.path.dirname(store_path))
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if env.get("TRITON_INTERPRET") is None and torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT)
+    )
+    results.put(_Outcome(rank, True, "ready"))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs, task_env = task
+        saved = {k: os.environ.get(k) for k in task_env}
+        _apply_env(task_env)
+        try:
+            # Set by the call's env or inherited by the pool: read per call, like every other variable.
+            program_order.install_if_requested()
+            value = fn(rank, world_size, *args, **kwargs)
+            outcome = _Outcome(rank, True, value)
+        except BaseException:
+            outcome = _Outcome(rank, False, traceback.format_exc())
+        finally:
+            _apply_env(saved)
+        try:
+            results.put(outcome)
+        except Exception:
+            results.put(_Outcome(rank, False, "result could not be pickled:\n" + traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class RankPool:
+    """``world_size`` spawned processes forming one default process group."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", device: str = "cpu", start_timeout: float = 120.0):
+        self.world_size = world_size
+        self.backend = backend
+        self.device = device
+        self.dead = False
+        ctx = mp.get_context("spawn")
+        # Removed by kill(), after the ranks are gone, not by a TemporaryDirectory finalizer: that
+        # one runs at interpreter exit before close_pools() and would pull the dir from under
+        # ranks still removing their own pymp-* dir in it.
+        self._tmp = tempfile.mkdtemp(prefix="coc-pool-")
+        store_path = os.path.join(self._tmp, "store")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        env = dict(RANK_ENV[device])
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                daemon=True,
+                name=f"coc-rank{r}-of{world_size}-{device}",
+                args=(r, world_size, backend, store_path, self._tasks[r], self._results, env),
+            )
+            for r in range(world_size)
+        ]
+        # A spawned child imports this module, hence kernels and triton, before _worker runs: the
+        # environment that picks the interpreter must be in place at its birth.
+        saved = {k: os.environ.get(k) for k in env}
+        _apply_env(env)
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            _apply_env(saved)
+        ready = self._collect(start_timeout, allow_dead=False)
+        bad = [o for o in ready if o is None or not o.ok]
+        if bad:
+            self.kill()
+            raise RankFailure(f"rank pool of {world_size} ({backend}, {device}) failed to start: {ready}")
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead and all(p.is_alive() for p in self._procs)
+
+    def _collect(self, timeout: float, allow_dead: bool) -> list[_Outcome | None]:
+        deadline = time.monotonic() + timeout
+        got: dict[int, _Outcome] = {}
+        first_error_at: float | None = None
+        while len(got) < self.world_size:
+            now = time.monotonic()
+            if first_error_at is not None and now - first_error_at > _GRACE_AFTER_ERROR:
+                break
+            if now > deadline:
+                break
+            try:
+                o = self._results.get(timeout=0.05)
+                got[o.rank] = o
+                if not o.ok and first_error_at is None:
+                    first_error_at = time.monotonic()
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
+            if dead:
+                # Drain what the dead rank's peers managed to report before deciding.
+                if first_error_at is None:
+                    first_error_at = time.monotonic()
+                if allow_dead and all(r in got or not self._procs[r].is_alive() for r in range(self.world_size)):
+                    break
+        return [got.get(r) for r in range(self.world_size)]
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        timeout: float,
+        env: dict[str, str | None],
+        allow_dead: bool,
+    ) -> list[Any]:
+        for q in self._tasks:
+            q.put((fn, args, kwargs, env))
+        outcomes = self._collect(timeout, allow_dead)
+        failures = []
+        for r, o in enumerate(outcomes):
+            if o is None:
+                if not self._procs[r].is_alive():
+                    if not allow_dead:
+                        failures.append(f"--- rank {r}: process died (exit code {self._procs[r].exitcode})")
+                else:
+                    failures.append(
+                        f"--- rank {r}: no answer (hung or still running after the "
+                        f"{timeout:.0f} s limit or after a peer failed)"
+                    )
+            elif not o.ok:
+                failures.append(f"--- rank {r} raised:\n{o.value}")
+        if failures or any(o is None for o in outcomes):
+            # A rank that did not answer may be stuck in a collective: the pool is unusable.
+            self.kill()
+        if failures:
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise RankFailure(f"{name} on {self.world_size} rank(s):\n" + "\n".join(failures))
+        return [o.value if o is not None else None for o in outcomes]
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self.dead = True
+
+    def close(self) -> None:
+        if not self.alive:
+            self.kill()
+            return
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+        self.kill()
+
+
+_POOLS: dict[tuple[int, str, str], RankPool] = {}
+
+
+def _check_kind(world_size: int, backend: str, device: str) -> str:
+    """The pool's device; ValueError naming a bad ``world_size``, ``backend`` or ``device``."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if backend == "nccl":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < world_size:
+            raise ValueError(
+                f"backend='nccl' needs one GPU per rank: world_size={world_size}, {count} GPU(s) here "
+                "(backend='gloo', device='cuda' shares GPUs between ranks)"
+            )
+        return "cuda"
+    return device
+
+
+def get_pool(world_size: int, backend: str = "gloo", device: str = "cpu") -> RankPool:
+    device = _check_kind(world_size, backend, device)
+    key = (world_size, backend, device)
+    pool = _POOLS.get(key)
+    if pool is None or not pool.alive:
+        if pool is not None:
+            pool.kill()
+        pool = RankPool(world_size, backend, device)
+        _POOLS[key] = pool
+    return pool
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: dict[str, str | None] | None = None,
+    backend: str = "gloo",
+    device: str = "cpu",
+    allow_dead: bool = False,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank of a pooled group.
+
+    ``fn`` must be importable by reference (a module-level function). ``env`` entries are set in
+    every rank for the duration of the call (``None`` unsets). ``device`` and ``backend`` pick the
+    pool (module docstring). Returns the per-rank results; raises :class:`RankFailure` naming every
+    rank that raised, hung past ``timeout`` or died (a dead rank's result is ``None`` with
+    ``allow_dead``).
+    """
+    return get_pool(world_size, backend, device).run(fn, args, kwargs, timeout, env or {}, allow_dead)
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+atexit.register(close_pools)

@@ -1,0 +1,112 @@
+"""The toolkit's fp64 reference, its one tolerance rule and the heap scrambling."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kernels.testing import (
+    assert_close,
+    make_inputs,
+    presize,
+    quantized_weights,
+    reference,
+    rows_of,
+    run_ranks,
+    scramble,
+    tolerance,
+)
+
+
+def test_tolerance_follows_dtype_k_and_world():
+    eps32 = torch.finfo(torch.float32).eps
+    assert tolerance(torch.float32, 24, 2) == pytest.approx((24 + 2 + 2) * eps32 + 2 * eps32)
+    bf16 = torch.finfo(torch.bfloat16).eps
+    assert tolerance(torch.bfloat16, 24, 2) == pytest.approx(28 * eps32 + 2 * bf16)
+    assert tolerance(torch.float16, 4096) > tolerance(torch.float16, 64)  # grows with the reduced length
+    with pytest.raises(ValueError, match="k=-1"):
+        tolerance(torch.float32, -1)
+
+
+@pytest.mark.parametrize("op", ["ag", "ag_v2", "rs", "ar_one", "ar_two"])
+def test_reference_matches_the_ops_semantics(op):
+    world, m_local, k, n = 3, 4, 8, 5
+    xs, ws, b = make_inputs(op, world, m_local, k, n, True, 0)
+    assert xs[0].shape == (rows_of(op, world, m_local), k)
+    for rank in range(world):
+        want, bound, gathered = reference(op, xs, ws, b, rank)
+        if op.startswith("ag"):
+            y = torch.cat(xs).double() @ ws[0].double().T + b.double()
+        else:
+            y = sum(x.double() @ w.double().T for x, w in zip(xs, ws, strict=True)) + b.double()
+            if op == "rs":
+                y = y[rank * m_local : (rank + 1) * m_local]
+        assert torch.equal(want, y)
+        assert (bound > 0).all()
+        assert (gathered is not None) == (op == "ag_v2")
+
+
+def test_assert_close_accepts_fp32_math_and_rejects_a_wrong_result():
+    xs, ws, b = make_inputs("ar", 2, 6, 64, 9, True, 1)
+    ref = reference("ar", xs, ws, b, 0)
+    fp32 = xs[0] @ ws[0].T + xs[1] @ ws[1].T + b  # another summation order, within the bound
+    assert_close("fp32", fp32, ref, torch.float32)
+    wrong = fp32.clone()
+    wrong[2, 3] += 1e-3 * wrong.abs().max()
+    with pytest.raises(AssertionError, match="exceeds the bound .* at flat index 21"):
+        assert_close("wrong", wrong, ref, torch.float32)
+    nan = fp32.clone()
+    nan[0, 0] = float("nan")
+    with pytest.raises(AssertionError, match="exceeds the bound by inf at flat index 0"):
+        assert_close("nan", nan, ref, torch.float32)
+    with pytest.raises(AssertionError, match="got .* torch.float16"):
+        assert_close("dtype", fp32.half(), ref, torch.float32)
+
+
+def test_gathered_x_must_be_exact():
+    xs, ws, b = make_inputs("ag_v2", 2, 3, 4, 5, False, 2)
+    ref = reference("ag_v2", xs, ws, b, 0)
+    y = torch.cat(xs) @ ws[0].T
+    assert_close("ok", (y, torch.cat(xs)), ref, torch.float32)
+    off = torch.cat(xs).clone()
+    off[0, 0] = torch.nextafter(off[0, 0], torch.tensor(10.0))
+    with pytest.raises(AssertionError, match="gathered x differs"):
+        assert_close("off", (y, off), ref, torch.float32)
+
+
+def test_half_precision_result_within_the_bound_of_its_rounding():
+    xs, ws, b = make_inputs("rs", 2, 5, 32, 7, True, 3, dtype=torch.bfloat16)
+    ref = reference("rs", xs, ws, b, 1)
+    partials = [(x.float() @ w.float().T).to(torch.bfloat16) for x, w in zip(xs, ws, strict=True)]
+    y = (partials[0].float() + partials[1].float() + b.float()).to(torch.bfloat16)[5:]
+    assert_close("bf16 rounded partials", y, ref, torch.bfloat16)
+
+
+def test_noncontiguous_inputs_are_strided_views():
+    xs, ws, b = make_inputs("ar", 2, 3, 6, 4, True, 4, noncontig=True)
+    assert not xs[0].is_contiguous() and not ws[0].is_contiguous() and b.stride() == (2,)
+
+
+def test_quantized_weights_are_the_rounded_dequantized_values():
+    ws = [torch.randn(5, 8, generator=torch.Generator().manual_seed(5))]
+    quantized, deq = quantized_weights(ws, torch.float16)
+    (q, s), deq = quantized[0], deq[0]
+    assert q.dtype == torch.int8 and deq.dtype == torch.float16
+    assert torch.equal(deq, (q.float() * s[:, None]).to(torch.float16))
+
+
+def _scramble_body(rank, world):
+    group = dist.group.WORLD
+    assert scramble(group, "cpu") == 0  # no heap yet: nothing to scramble
+    presize(group, "cpu", 4096)
+    from kernels.heap import peek_heap
+
+    heap = peek_heap(group, torch.device("cpu"))
+    view = heap.data_view(heap.rank, torch.float32, (heap.data_bytes // 4,))
+    view.zero_()
+    scrambled = scramble(group, "cpu")
+    return scrambled, int((view != 0).sum()), view.numel()
+
+
+def test_scramble_fills_this_ranks_heap():
+    for scrambled, nonzero, numel in run_ranks(_scramble_body, 2):
+        assert scrambled >= 4096 and nonzero > 0.99 * numel
