@@ -63,21 +63,35 @@ def rank_of(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def _dim_kw(name: str, dim: int) -> dict[str, int]:
+    # Dim 0 is passed as the ops' default so that the common Megatron call stays the plain one.
+    return {} if dim == 0 else {name: dim}
+
+
 def all_gather_matmul(
-    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, return_gathered: bool
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Group,
+    return_gathered: bool,
+    gather_dim: int = 0,
 ) -> Any:
+    """``all_gather(x, dim=gather_dim) @ weight.T + bias`` (and the gathered ``x``); ``group=None``: local."""
     if group is None:
-        y = torch.nn.functional.linear(x2d, weight, bias)
-        return (y, x2d) if return_gathered else y
-    return kernels.all_gather_matmul(x2d, weight, bias, group=group, return_gathered=return_gathered)
+        y = torch.nn.functional.linear(x, weight, bias)
+        return (y, x) if return_gathered else y
+    return kernels.all_gather_matmul(
+        x, weight, bias, group=group, return_gathered=return_gathered, **_dim_kw("gather_dim", gather_dim)
+    )
 
 
 def matmul_reduce_scatter(
-    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, scatter_dim: int = 0
 ) -> torch.Tensor:
+    """``reduce_scatter(x @ weight.T, dim=scatter_dim) + bias``; ``group=None``: local."""
     if group is None:
-        return torch.nn.functional.linear(x2d, weight, bias)
-    return kernels.matmul_reduce_scatter(x2d, weight, bias, group=group)
+        return torch.nn.functional.linear(x, weight, bias)
+    return kernels.matmul_reduce_scatter(x, weight, bias, group=group, **_dim_kw("scatter_dim", scatter_dim))
 
 
 def matmul_all_reduce(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group) -> torch.Tensor:
@@ -86,19 +100,19 @@ def matmul_all_reduce(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return kernels.matmul_all_reduce(x2d, weight, bias, group=group)
 
 
-def start_gather_rows(x2d: torch.Tensor, group: Group) -> torch.Tensor:
-    """``all_gather_dim0(x2d)``, started: read it through :func:`wait` (eager mode runs other work
+def start_gather_rows(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """``all_gather(x, dim)``, started: read it through :func:`wait` (eager mode runs other work
     meanwhile; a compiled graph holds the collective and its wait)."""
     if world_size(group) == 1:
-        return x2d
-    return _all_gather_single(x2d.contiguous(), 0, group)
+        return x
+    return _all_gather_single(x.contiguous(), dim, group)
 
 
-def gather_rows(x2d: torch.Tensor, group: Group) -> torch.Tensor:
-    """``all_gather_dim0(x2d)``, finished."""
+def gather_rows(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """``all_gather(x, dim)``, finished."""
     if world_size(group) == 1:
-        return x2d
-    return wait(start_gather_rows(x2d, group))
+        return x
+    return wait(start_gather_rows(x, group, dim))
 
 
 def start_all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
@@ -106,9 +120,9 @@ def start_all_reduce(t: torch.Tensor, group: Group) -> torch.Tensor:
     return funcol.all_reduce(t, "sum", group)
 
 
-def start_reduce_scatter(t: torch.Tensor, group: Group) -> torch.Tensor:
-    """``reduce_scatter_dim0(t)`` (sum), started: read it through :func:`wait`."""
-    return _reduce_scatter_single(t, "sum", 0, group)
+def start_reduce_scatter(t: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
+    """``reduce_scatter(t, dim)`` (sum), started: read it through :func:`wait`."""
+    return _reduce_scatter_single(t.contiguous(), "sum", dim, group)
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:

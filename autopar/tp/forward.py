@@ -87,7 +87,7 @@ def column_parallel_forward(
     explicit_expert_comm = getattr(module, "explicit_expert_comm", False)
     if module.sequence_parallel and not explicit_expert_comm:
         output_parallel = ColumnParallelLinearSPFunction.apply(
-            input_, weight, bias, group, recompute_all_gather, coc_in_backward, wgrad_opts
+            input_, weight, bias, group, recompute_all_gather, coc_in_backward, wgrad_opts, 0
         )
     else:
         allreduce_dgrad = module.allreduce_dgrad and not explicit_expert_comm
@@ -138,7 +138,7 @@ def row_parallel_forward(module: torch.nn.Module, input_: torch.Tensor) -> tuple
     if explicit_expert_comm:
         output = RowParallelLinearFunction.apply(input_parallel, module.weight, None, None, wgrad_opts)
     elif module.sequence_parallel:
-        output = RowParallelLinearSPFunction.apply(input_parallel, module.weight, bias, group, wgrad_opts)
+        output = RowParallelLinearSPFunction.apply(input_parallel, module.weight, bias, group, wgrad_opts, 0)
     else:
         output = RowParallelLinearFunction.apply(input_parallel, module.weight, bias, group, wgrad_opts)
     return output, (module.bias if module.skip_bias_add else None)

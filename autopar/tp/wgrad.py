@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from kernels import checks
+
 try:  # Apex's fused wgrad GEMM; Megatron uses it for gradient_accumulation_fusion on CUDA.
     import fused_weight_gradient_mlp_cuda  # type: ignore[import-not-found]
 except ImportError:
@@ -116,6 +118,8 @@ def save_for_wgrad(
     ctx.weight_param = weight if wgrad_opts.gradient_accumulation_fusion else None
     ctx.main_grad = main_grad_for(weight, wgrad_opts)
     x, weight, bias = autocast_operands(x, weight, bias)
+    # Named errors on every path, W = 1 and group=None included (where no kernels op would check).
+    checks.check_matmul_operands(x, weight, bias)
     ctx.x_shape = x.shape
     ctx.has_bias = bias is not None
     ctx.wgrad_opts = wgrad_opts

@@ -156,7 +156,8 @@ def column_case(
         y, out_bias = layer(x)
         if sp and not gather_output:
             # recompute_all_gather decides what the backward keeps: the shard or the gathered input.
-            kept_rows = y.grad_fn.saved_tensors[0].shape[0]
+            kept = y.grad_fn.saved_tensors[0]
+            kept_rows = kept.numel() // kept.shape[-1]
             want_rows = (S // world if get_config().recompute_all_gather else S) * B
             if kept_rows != want_rows:
                 errors.append(f"{tag}: backward keeps {kept_rows} input rows, want {want_rows}")
