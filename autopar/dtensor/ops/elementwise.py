@@ -134,6 +134,39 @@ def _relu(x: DistTensor, inplace: bool = False) -> DistTensor:
     return apply1(("relu", x._lid), nonlinear_rule, torch.relu, x, _vjp_relu, _RELU_PLAIN)
 
 
+# Unary functions with a rule (nonlinear: a Partial input is reduced first, shards stay) and the
+# local graph's vjp, so a Partial gradient flowing back through them stays Partial (a vjp is
+# linear in the gradient). Other elementwise ATen ops run on one layout only (aten.py).
+_UNARY: dict[str, Callable] = {
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "exp": torch.exp,
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "reciprocal": torch.reciprocal,
+}
+
+
+def _unary(name: str, fn: Callable) -> Callable[..., DistTensor]:
+    def handler(x: DistTensor, inplace: bool = False) -> DistTensor:
+        if inplace:
+            raise NotImplementedError(f"{name}(inplace=True) on a DistTensor; use {name}()")
+        return apply1((name, x._lid), nonlinear_rule, fn, x)
+
+    return handler
+
+
+def pow_(x, exponent) -> DistTensor:
+    """``x ** c`` for a Python number ``c`` (nonlinear); a tensor exponent has no rule."""
+    if not isinstance(x, DistTensor) or isinstance(exponent, torch.Tensor):
+        raise NotImplementedError("pow on DistTensors: only DistTensor ** (Python number) has an SPMD rule")
+    return apply1(("pow", x._lid, exponent), nonlinear_rule, lambda t: torch.pow(t, exponent), x)
+
+
 def _operator(op: str) -> Callable[[Any, Any], DistTensor]:
     """``a <op> b`` as a method: the hot path when both are DistTensors of a cached layout."""
     fn = _BINARY[op][0]
@@ -187,8 +220,18 @@ def install() -> None:
             F.relu: _relu,
             torch.Tensor.relu: _relu,
             F.gelu: _gelu,
+            torch.pow: pow_,
+            torch.Tensor.pow: pow_,
+            torch.Tensor.__pow__: pow_,
         }
     )
+    for name, fn in _UNARY.items():
+        handler = _unary(name, fn)
+        HANDLERS[fn] = handler
+        for owner in (torch, torch.Tensor):
+            if hasattr(owner, name):
+                HANDLERS[getattr(owner, name)] = handler
+    DistTensor.__pow__ = pow_
     # Called with the piece alone, these compute what their handler's local function does (F.relu
     # is not among them: it always passes ``inplace``, so it never takes the short path).
     UNARY_PLAIN.update({F.gelu: _GELU_PLAIN, torch.relu: _RELU_PLAIN, torch.Tensor.relu: _RELU_PLAIN})
