@@ -3,7 +3,8 @@ Functions, ``patch_megatron``, the w8A16 row-parallel layer and ``ParallelConfig
 
 Layout: ``comm`` (process groups and collectives), ``wgrad`` (weight gradient), ``functions`` (the
 four autograd Functions), ``forward`` (the forwards shared with patched Megatron modules),
-``layers`` (the modules), ``megatron``, ``quantized``, ``parallel_config``.
+``layers`` (the modules), ``megatron``, ``quantized``, ``parallel_config``; ``styles`` (ParallelStyles
+for torch's ``parallelize_module`` on the same Functions) and ``hf`` (transformers' tp_plan strings mapped to them).
 """
 
 from .comm import resolve_tp_group
@@ -14,10 +15,12 @@ from .functions import (
     RowParallelLinearFunction,
     RowParallelLinearSPFunction,
 )
+from .hf import coc_style, full_state_dict, hf_tp_plan, parallelize_hf, tied_weights_to_keep
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .megatron import is_megatron_patched, patch_megatron, unpatch_megatron
 from .parallel_config import ParallelConfig
 from .quantized import QuantizedRowParallelLinear, quantize_row_parallel_linear
+from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel
 
 __all__ = [
     "ColumnParallelLinear",
@@ -35,4 +38,12 @@ __all__ = [
     "ParallelConfig",
     "QuantizedRowParallelLinear",
     "quantize_row_parallel_linear",
+    "CocColwiseParallel",
+    "CocRowwiseParallel",
+    "CocSequenceParallel",
+    "coc_style",
+    "full_state_dict",
+    "hf_tp_plan",
+    "parallelize_hf",
+    "tied_weights_to_keep",
 ]

@@ -1,0 +1,224 @@
+"""Hugging Face transformers models on the CoC styles: their own ``tp_plan`` strings, mapped.
+
+transformers 5 declares a tensor-parallel plan per model (``model.tp_plan``: module-name patterns
+to style strings such as ``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``,
+``"embedding_rowwise"``). :func:`hf_tp_plan` turns it into a plan of CoC styles for torch's
+``parallelize_module``; :func:`parallelize_hf` applies it, with sequence parallelism if asked, and
+keeps a tied input embedding / output head tied (both vocabulary-parallel on one DTensor).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel
+
+# Models whose transformers config declares no plan; the names are their module paths.
+_BUILTIN_PLANS: dict[str, dict[str, str]] = {
+    "gpt2": {
+        "transformer.wte": "embedding_rowwise",
+        "transformer.h.*.attn.c_attn": "packed_colwise:3",
+        "transformer.h.*.attn.c_proj": "rowwise",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+        "lm_head": "colwise_gather_output",
+    },
+}
+# Position embeddings added to sequence-sharded token embeddings must be sharded the same way.
+_SP_EXTRA: dict[str, dict[str, str]] = {"gpt2": {"transformer.wpe": "embedding_rowwise"}}
+
+SEQ_DIM = 1  # [batch, sequence, hidden], as transformers' models lay out activations
+
+
+def coc_style(name: str, *, sequence_parallel: bool = False) -> ParallelStyle:
+    """The CoC style for one of transformers' tp_plan strings.
+
+    With ``sequence_parallel`` the residual stream is sequence-sharded (``Shard(1)`` DTensors
+    between the blocks): row outputs reduce-scatter, column inputs all-gather, embeddings
+    reduce-scatter their lookups.
+    """
+    seq = Shard(SEQ_DIM)
+    out = seq if sequence_parallel else Replicate()
+    local = not sequence_parallel
+    if name == "colwise":
+        return CocColwiseParallel()
+    if name in ("colwise_gather_output", "colwise_rep"):
+        return CocColwiseParallel(output_layouts=Replicate())
+    if name.startswith("packed_colwise"):
+        _, _, blocks = name.partition(":")
+        return CocColwiseParallel(packed=int(blocks or 2))
+    if name == "rowwise":
+        return CocRowwiseParallel(output_layouts=out, use_local_output=local)
+    if name in ("rowwise_split_input", "rowwise_rep"):
+        return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "embedding_rowwise":
+        return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=local)
+    if name == "sequence_parallel":
+        return CocSequenceParallel(sequence_dim=SEQ_DIM, use_local_output=local)
+    raise ValueError(
+        f"tp_plan style {name!r} has no CoC equivalent; supported: colwise, colwise_gather_output, colwise_rep, "
+        "packed_colwise[:blocks], rowwise, rowwise_split_input, rowwise_rep, embedding_rowwise, sequence_parallel"
+    )
+
+
+def _model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def hf_plan_strings(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, str]:
+    """The model's transformers tp_plan (``model.tp_plan``, else a built-in one), plus, with
+    sequence parallelism, ``"sequence_parallel"`` for every norm outside the sharded modules."""
+    plan = dict(getattr(model, "tp_plan", None) or _BUILTIN_PLANS.get(_model_type(model) or "", {}))
+    if not plan:
+        raise ValueError(
+            f"{type(model).__name__} (model_type={_model_type(model)!r}) declares no tp_plan; pass plan= "
+            "(module-name patterns to tp_plan strings)"
+        )
+    if sequence_parallel:
+        plan.update(_SP_EXTRA.get(_model_type(model) or "", {}))
+        for name, module in model.named_modules():
+            if _is_norm(module) and not any(_matches(name, key) for key in plan):
+                plan[name] = "sequence_parallel"
+    return plan
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def _matches(name: str, key: str) -> bool:
+    """torch's parallelize_module rule: same number of atoms, each matched by fnmatch."""
+    atoms, pats = name.split("."), key.split(".")
+    return len(atoms) == len(pats) and all(fnmatch.fnmatch(a, p) for a, p in zip(atoms, pats, strict=True))
+
+
+def hf_tp_plan(
+    model: nn.Module, *, sequence_parallel: bool = False, plan: dict[str, str] | None = None
+) -> dict[str, ParallelStyle]:
+    """A ``parallelize_module`` plan of CoC styles for a transformers model (``plan``: tp_plan
+    strings to use instead of the model's own)."""
+    strings = dict(plan) if plan is not None else hf_plan_strings(model, sequence_parallel=sequence_parallel)
+    return {key: coc_style(s, sequence_parallel=sequence_parallel) for key, s in strings.items()}
+
+
+def _style_of(name: str, strings: dict[str, str]) -> str | None:
+    for key, s in strings.items():
+        if _matches(name, key):
+            return s
+    return None
+
+
+def tied_weights_to_keep(model: nn.Module, strings: dict[str, str]) -> list[tuple[str, str]]:
+    """Parameters shared by several modules (tied weights), checked against a tp_plan.
+
+    Parallelizing replaces a module's parameter with a DTensor on that module only, which unties
+    it: the other module keeps the old tensor and never sees the first one's gradient (a silently
+    wrong model). A tie is kept when every module holding it is sharded the same way on the
+    vocabulary (an ``embedding_rowwise`` embedding and a ``colwise`` head: both ``Shard(0)``);
+    returns those ``(module.param, owner.param)`` pairs to re-tie after ``parallelize_module``. Any
+    other tie touched by the plan raises ``ValueError`` naming the modules and their styles.
+    """
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((mname, module, pname))
+    retie = []
+    vocab_sharded = {"embedding_rowwise", "colwise", "colwise_gather_output", "colwise_rep"}
+    for holders in owners.values():
+        unique = {(m, p): mod for m, mod, p in holders}
+        if len(unique) < 2:
+            continue
+        styles = {(m, p): _style_of(m, strings) for (m, p) in unique}
+        if all(s is None for s in styles.values()):
+            continue
+        head_styles = vocab_sharded - {"embedding_rowwise"}
+        ok = all(
+            p == "weight"
+            and (
+                styles[(m, p)] == "embedding_rowwise"
+                if isinstance(unique[(m, p)], nn.Embedding)
+                else styles[(m, p)] in head_styles
+            )
+            for (m, p) in unique
+        )
+        desc = ", ".join(f"{m}.{p} ({styles[(m, p)] or 'not in the plan'})" for (m, p) in unique)
+        if not ok:
+            raise ValueError(
+                f"tied weight shared by {desc}: parallelizing would untie it and the modules would train "
+                "different copies (silently wrong). Shard every module that holds it on the vocabulary "
+                "(embedding: embedding_rowwise, head: colwise / colwise_gather_output), or untie it before "
+                "parallelizing (config.tie_word_embeddings=False and a cloned weight)"
+            )
+        first, *rest = sorted(unique)
+        retie += [(f"{m}.{p}", f"{first[0]}.{first[1]}") for m, p in rest]
+    return retie
+
+
+def _adjust_gpt2(model: nn.Module, world: int) -> None:
+    # GPT-2 splits c_attn's output into q / k / v by the full width; the local output has 1/W of it.
+    for module in model.modules():
+        if type(module).__name__ == "GPT2Attention" and hasattr(module, "split_size"):
+            if not getattr(module, "_coc_split", False):
+                module.split_size //= world
+                module._coc_split = True
+
+
+def parallelize_hf(
+    model: nn.Module,
+    device_mesh: DeviceMesh | None = None,
+    *,
+    sequence_parallel: bool = False,
+    plan: dict[str, str] | None = None,
+) -> nn.Module:
+    """Parallelize a transformers model in place with CoC styles; returns it.
+
+    ``device_mesh``: a 1-D tensor-parallel mesh (default: every rank of the default group, on the
+    model's device type). ``plan``: tp_plan strings instead of the model's own. Tied input /
+    output embeddings stay tied (see :func:`tied_weights_to_keep`).
+
+    With ``sequence_parallel=True`` activations between the blocks are ``Shard(1)`` DTensors and
+    the model's inputs keep their full shape: every rank passes the same ``input_ids`` and gets the
+    full logits. A forward whose sequence length does not divide by the mesh size runs replicated.
+    """
+    if device_mesh is None:
+        if not dist.is_initialized():
+            raise RuntimeError("parallelize_hf: torch.distributed is not initialized and no device_mesh was given")
+        device = next(model.parameters()).device.type
+        device_mesh = init_device_mesh(device, (dist.get_world_size(),))
+    strings = dict(plan) if plan is not None else hf_plan_strings(model, sequence_parallel=sequence_parallel)
+    retie = tied_weights_to_keep(model, strings)
+    if _model_type(model) == "gpt2":
+        _adjust_gpt2(model, device_mesh.size())
+    styles = {key: coc_style(s, sequence_parallel=sequence_parallel) for key, s in strings.items()}
+    parallelize_module(model, device_mesh, styles)
+    for target, source in retie:
+        owner, _, pname = source.rpartition(".")
+        tmod, _, tname = target.rpartition(".")
+        setattr(model.get_submodule(tmod), tname, getattr(model.get_submodule(owner), pname))
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Any]:
+    """Every rank gets the full (unsharded) state dict: DTensor entries gathered with
+    ``full_tensor()`` (collective: call it on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+
+
+__all__ = [
+    "coc_style",
+    "full_state_dict",
+    "hf_plan_strings",
+    "hf_tp_plan",
+    "parallelize_hf",
+    "tied_weights_to_keep",
+]

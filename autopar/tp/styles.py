@@ -1,0 +1,436 @@
+"""ParallelStyles for ``torch.distributed.tensor.parallel.parallelize_module`` that run the CoC ops.
+
+``CocColwiseParallel``, ``CocRowwiseParallel``, ``CocSequenceParallel`` take the constructor
+arguments of torch's ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` and shard the
+parameters exactly as they do (PyTorch DTensors: ``Shard(0)`` / ``Shard(1)`` / ``Replicate()``),
+so state dicts, distributed checkpoints, optimizers and ``clip_grad_norm_`` see what torch's styles
+give them. The forward and backward differ: they run on the local shards through the autograd
+Functions of :mod:`autopar.tp.functions`, whose communication is the overlapped ``kernels`` ops
+(backend from the ``COC_*`` environment):
+
+- column, input ``Shard(d)`` (sequence parallel): ``all_gather_matmul(gather_dim=d)``;
+  backward ``reduce_scatter(dim=d)`` of the dgrad overlapped with the wgrad GEMM.
+- column, input ``Replicate``: a local GEMM; backward all-reduce of the dgrad overlapped with the wgrad.
+- row, output ``Replicate``: ``matmul_all_reduce``; local backward.
+- row, output ``Shard(d)``: ``matmul_reduce_scatter(scatter_dim=d)``; backward ``all_gather_matmul(gather_dim=d)``.
+
+The layout of an incoming DTensor wins over ``input_layouts`` (as for torch's styles, which
+redistribute from it): a sequence length that does not divide by the mesh size makes the styles
+keep that forward replicated (generation's one-token steps), with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
+
+from . import comm
+from .comm import GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
+from .forward import _column_settings
+from .functions import (
+    ColumnParallelLinearFunction,
+    ColumnParallelLinearSPFunction,
+    RowParallelLinearFunction,
+    RowParallelLinearSPFunction,
+)
+from .wgrad import WgradOptions
+
+try:  # torch's layout for weights packed along a sharded dim (q/k/v in one GEMM); private, stable since 2.5
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover
+    _StridedShard = None
+
+_PLAIN = WgradOptions()
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"the CoC styles take a 1-D tensor-parallel mesh (mesh['tp'] of a larger one), got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.mesh.shape)}"
+        )
+    return mesh.get_group()
+
+
+def _one(layout: Placement | tuple | None, default: Placement, name: str) -> Placement:
+    if layout is None:
+        return default
+    if isinstance(layout, tuple):
+        if len(layout) != 1:
+            raise ValueError(f"{name} must be one Placement for a 1-D mesh, got {layout}")
+        layout = layout[0]
+    if not isinstance(layout, Placement):
+        raise TypeError(f"{name} must be a torch.distributed.tensor Placement, got {layout!r}")
+    return layout
+
+
+def _dim(placement: Placement, ndim: int) -> int | None:
+    """The (non-negative) dim of a Shard placement on a tensor of ``ndim`` dims; None if not a shard."""
+    if isinstance(placement, Shard):
+        return placement.dim % ndim
+    return None
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): a linear whose weight is stored ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # Differentiable: the gradient of the local piece becomes the DTensor's gradient (its placements).
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _linear_weight(module: nn.Module) -> torch.Tensor:
+    """The local weight in ``F.linear`` layout ``[n, k]``."""
+    w = _local(module.weight)
+    return w.t() if is_conv1d(module) else w
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group.
+
+    For a replicated parameter applied to sequence-sharded rows: each rank's gradient covers its
+    own rows only, the parameter's gradient is their sum::
+
+        forward:  w_out = w
+        backward: grad_w = all_reduce(grad_w_out)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if comm.world_size(ctx.group) == 1:
+            return grad, None
+        return comm.wait(comm.start_all_reduce(grad.contiguous(), ctx.group)), None
+
+
+class _ReduceToLayout(torch.autograd.Function):
+    """Partial sums (the vocabulary-parallel embedding's lookups) reduced to a layout.
+
+    - ``dim=None``: ``y = all_reduce(partial)``; backward: identity (the gradient is replicated).
+    - ``dim=d``: ``y_shard = reduce_scatter(partial, dim=d)``; backward: ``all_gather(grad, dim=d)``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, group: dist.ProcessGroup, dim: int | None) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        if comm.world_size(group) == 1:
+            return partial
+        if dim is None:
+            return comm.wait(comm.start_all_reduce(partial.contiguous(), group))
+        return comm.wait(comm.start_reduce_scatter(partial, group, dim))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.dim is None or comm.world_size(ctx.group) == 1:
+            return grad, None, None
+        return comm.gather_rows(grad, ctx.group, ctx.dim), None, None
+
+
+def _wrap(y: torch.Tensor, mesh: DeviceMesh, layout: Placement, use_local_output: bool) -> torch.Tensor:
+    if use_local_output:
+        return y
+    return DTensor.from_local(y, mesh, [layout], run_check=False)
+
+
+def _sequence_layout(seq_dim: int, y_shape: torch.Size, world: int, who: str) -> tuple[int | None, Placement]:
+    """``(dim, Shard(dim))`` when ``y_shape[dim]`` divides by W, else ``(None, Replicate())`` (warned once)."""
+    if y_shape[seq_dim] % world == 0:
+        return seq_dim, Shard(seq_dim)
+    _warn_once(
+        f"uneven:{who}",
+        f"{who}: the sequence dim (dim {seq_dim}, size {y_shape[seq_dim]}) does not divide by the mesh size "
+        f"W={world}; this forward keeps the sequence replicated (matmul_all_reduce instead of "
+        "matmul_reduce_scatter; same result). Shown once.",
+    )
+    return None, Replicate()
+
+
+def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None):
+    param = module._parameters.get(name)
+    if param is None:
+        return
+    module.register_parameter(
+        name,
+        nn.Parameter(
+            distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
+            requires_grad=param.requires_grad,
+        ),
+    )
+
+
+def _install(module: nn.Module, forward: Any) -> nn.Module:
+    module.forward = functools.partial(forward, module)
+    return module
+
+
+class CocColwiseParallel(ParallelStyle):
+    """torch's ``ColwiseParallel`` (same arguments and parameter layouts) on the CoC ops.
+
+    ``nn.Linear`` weight and bias ``Shard(0)`` (Hugging Face ``Conv1D``: weight ``Shard(1)``, its
+    ``[in, out]`` layout). ``input_layouts`` (default ``Replicate()``): ``Shard(d)`` means the input
+    is sequence-sharded on dim ``d`` and the forward is ``kernels.all_gather_matmul(gather_dim=d)``.
+    ``output_layouts`` (default ``Shard(-1)``): ``Replicate()`` gathers the output features.
+    ``packed=p``: the output features are ``p`` equal blocks each sharded on its own (GPT-2's
+    q/k/v in ``c_attn``, a fused gate/up): weight ``_StridedShard(split_factor=p)`` as transformers'
+    ``PackedColwiseParallel``, so each rank holds its slice of every block.
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+        packed: int = 1,
+    ) -> None:
+        super().__init__()
+        self.input_layouts = (_one(input_layouts, Replicate(), "input_layouts"),)
+        self.output_layouts = (_one(output_layouts, Shard(-1), "output_layouts"),)
+        self.use_local_output = use_local_output
+        if not isinstance(packed, int) or packed < 1:
+            raise ValueError(f"packed must be an int >= 1 (blocks in the output features), got {packed!r}")
+        self.packed = packed
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+            raise NotImplementedError(
+                f"CocColwiseParallel shards nn.Linear and transformers' Conv1D, got {type(module).__name__}"
+            )
+        world = device_mesh.size()
+        n = module.nf if is_conv1d(module) else module.out_features
+        if n % (world * self.packed) != 0:
+            raise ValueError(
+                f"CocColwiseParallel: out_features={n} must divide by mesh size W={world} times packed={self.packed}"
+            )
+        wdim = 1 if is_conv1d(module) else 0
+        if self.packed > 1:
+            if _StridedShard is None:
+                raise RuntimeError("packed > 1 needs torch's _StridedShard placement (torch >= 2.5)")
+            _distribute(
+                module, "weight", device_mesh, _StridedShard(wdim, split_factor=self.packed), self.src_data_rank
+            )
+            _distribute(module, "bias", device_mesh, _StridedShard(0, split_factor=self.packed), self.src_data_rank)
+        else:
+            _distribute(module, "weight", device_mesh, Shard(wdim), self.src_data_rank)
+            _distribute(module, "bias", device_mesh, Shard(0), self.src_data_rank)
+        return _install(module, functools.partial(self._forward, device_mesh))
+
+    def _forward(self, mesh: DeviceMesh, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        group = _group(mesh)
+        if isinstance(x, DTensor):
+            if isinstance(x.placements[0], Partial):
+                x = x.redistribute(placements=[Replicate()])
+            layout = x.placements[0]
+            x = x.to_local()
+        else:
+            layout = self.input_layouts[0]
+        weight = _linear_weight(module)
+        bias = _local(module.bias) if module.bias is not None else None
+        recompute, coc_in_backward = _column_settings()
+        d = _dim(layout, x.dim())
+        if d is None:
+            y = ColumnParallelLinearFunction.apply(x, weight, bias, group, True, coc_in_backward, _PLAIN)
+        elif d == x.dim() - 1:
+            raise ValueError(
+                f"CocColwiseParallel: input layout {layout} shards the features (last dim); a column-parallel "
+                "linear takes a replicated or sequence-sharded input"
+            )
+        else:
+            y = ColumnParallelLinearSPFunction.apply(x, weight, bias, group, recompute, coc_in_backward, _PLAIN, d)
+        out = self.output_layouts[0]
+        if isinstance(out, Replicate):
+            y = GatherFromTensorParallelRegion.apply(y, group)
+        elif _dim(out, y.dim()) != y.dim() - 1:
+            y = DTensor.from_local(y, mesh, [Shard(-1)], run_check=False).redistribute(placements=[out])
+            return y.to_local() if self.use_local_output else y
+        return _wrap(y, mesh, out, self.use_local_output)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
+            f"use_local_output={self.use_local_output}, packed={self.packed})"
+        )
+
+
+class CocRowwiseParallel(ParallelStyle):
+    """torch's ``RowwiseParallel`` (same arguments and parameter layouts) on the CoC ops.
+
+    ``nn.Linear``: weight ``Shard(1)``, bias ``Replicate()`` (``Conv1D``: weight ``Shard(0)``).
+    ``output_layouts`` ``Replicate()`` (default): ``kernels.matmul_all_reduce``; ``Shard(d)``
+    (sequence parallel): ``kernels.matmul_reduce_scatter(scatter_dim=d)``, and the bias gradient
+    (each rank's rows) is summed over the mesh in the backward. ``input_layouts`` default
+    ``Shard(-1)``; ``Replicate()`` slices this rank's input features (transformers'
+    ``rowwise_split_input``).
+
+    On ``nn.Embedding`` (vocabulary-parallel, as torch's): weight ``Shard(0)``, token ids
+    replicated; each rank looks up its rows and the partial sums are all-reduced (``Replicate``) or
+    reduce-scattered along the sequence (``Shard(d)``) with torch's collectives (no GEMM to fuse).
+    """
+
+    def __init__(
+        self,
+        *,
+        input_layouts: Placement | None = None,
+        output_layouts: Placement | None = None,
+        use_local_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.input_layouts = (_one(input_layouts, Shard(-1), "input_layouts"),)
+        self.output_layouts = (_one(output_layouts, Replicate(), "output_layouts"),)
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        world = device_mesh.size()
+        if isinstance(module, nn.Embedding):
+            if module.max_norm is not None or module.sparse:
+                raise NotImplementedError("CocRowwiseParallel: an nn.Embedding with max_norm or sparse=True")
+            _distribute(module, "weight", device_mesh, Shard(0), self.src_data_rank)
+            return _install(module, functools.partial(self._embedding_forward, device_mesh))
+        if not (isinstance(module, nn.Linear) or is_conv1d(module)):
+            raise NotImplementedError(
+                "CocRowwiseParallel shards nn.Linear, transformers' Conv1D and nn.Embedding, "
+                f"got {type(module).__name__}"
+            )
+        k = module.weight.shape[0] if is_conv1d(module) else module.in_features
+        if k % world != 0:
+            raise ValueError(f"CocRowwiseParallel: in_features={k} must divide by the mesh size W={world}")
+        _distribute(module, "weight", device_mesh, Shard(0 if is_conv1d(module) else 1), self.src_data_rank)
+        _distribute(module, "bias", device_mesh, Replicate(), self.src_data_rank)
+        return _install(module, functools.partial(self._forward, device_mesh))
+
+    def _forward(self, mesh: DeviceMesh, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        group = _group(mesh)
+        world = mesh.size()
+        if isinstance(x, DTensor):
+            if _dim(x.placements[0], x.dim()) != x.dim() - 1:
+                x = x.redistribute(placements=[Shard(x.dim() - 1)])
+            x = x.to_local()
+        elif isinstance(self.input_layouts[0], Replicate):
+            x = ScatterToTensorParallelRegion.apply(x, group)
+        elif _dim(self.input_layouts[0], x.dim()) != x.dim() - 1:
+            raise ValueError(
+                f"CocRowwiseParallel: input_layouts {self.input_layouts[0]} on a local tensor; a row-parallel linear "
+                "takes its input sharded on the last dim (Shard(-1)) or replicated"
+            )
+        weight = _linear_weight(module)
+        bias = _local(module.bias) if module.bias is not None else None
+        out = self.output_layouts[0]
+        d = _dim(out, x.dim())
+        if d is not None and d != x.dim() - 1:
+            d, out = _sequence_layout(d, x.shape, world, "CocRowwiseParallel")
+        elif d is not None:
+            raise ValueError(f"CocRowwiseParallel: output_layouts {out} shards the output features; use Replicate()")
+        if d is None:
+            y = RowParallelLinearFunction.apply(x, weight, bias, group, _PLAIN)
+        else:
+            if bias is not None:
+                bias = _AllReduceGrad.apply(bias, group)
+            y = RowParallelLinearSPFunction.apply(x, weight, bias, group, _PLAIN, d)
+        return _wrap(y, mesh, out, self.use_local_output)
+
+    def _embedding_forward(self, mesh: DeviceMesh, module: nn.Embedding, ids: torch.Tensor) -> Any:
+        group = _group(mesh)
+        world, rank = mesh.size(), mesh.get_local_rank()
+        ids = ids.full_tensor() if isinstance(ids, DTensor) else ids
+        weight = _local(module.weight)
+        sizes = [len(c) for c in torch.arange(module.num_embeddings).chunk(world)]
+        lo = sum(sizes[:rank])
+        outside = (ids < lo) | (ids >= lo + weight.shape[0])
+        local_ids = (ids - lo).masked_fill(outside, 0)
+        pad = module.padding_idx
+        pad = pad - lo if pad is not None and lo <= pad < lo + weight.shape[0] else None
+        partial = nn.functional.embedding(local_ids, weight, pad, None, 2.0, module.scale_grad_by_freq, False)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0)
+        out = self.output_layouts[0]
+        d = _dim(out, partial.dim())
+        if d is not None:
+            d, out = _sequence_layout(d, partial.shape, world, "CocRowwiseParallel(nn.Embedding)")
+        y = _ReduceToLayout.apply(partial, group, d)
+        return _wrap(y, mesh, out, self.use_local_output)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
+            f"use_local_output={self.use_local_output})"
+        )
+
+
+class CocSequenceParallel(ParallelStyle):
+    """torch's ``SequenceParallel`` (same arguments, ``Replicate()`` DTensor parameters) for norms,
+    dropout and other row-wise modules, run on the local rows.
+
+    The input's layout: a DTensor's own; a plain tensor is this rank's ``Shard(sequence_dim)``
+    rows (as torch's). The module runs on the local tensor with its parameters' local values; when
+    the input is sequence-sharded, their gradients (each rank's rows only) are summed over the mesh
+    in the backward, so the replicated norm weights train as in one process with nothing to add
+    to the training loop. A replicated input (uneven sequence length) runs with no sum.
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        super().__init__()
+        self.sequence_sharding = (Shard(sequence_dim),)
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            # Norm weights are initialized identically everywhere (ones), as torch's style assumes.
+            module.register_parameter(
+                name,
+                nn.Parameter(
+                    DTensor.from_local(param, device_mesh, [Replicate()], run_check=False),
+                    requires_grad=param.requires_grad,
+                ),
+            )
+        return _install(module, functools.partial(self._forward, device_mesh, module.forward))
+
+    def _forward(
+        self, mesh: DeviceMesh, inner: Any, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        group = _group(mesh)
+        if isinstance(x, DTensor):
+            if isinstance(x.placements[0], Partial):
+                x = x.redistribute(placements=[Replicate()])
+            layout = x.placements[0]
+            x = x.to_local()
+        else:
+            layout = self.sequence_sharding[0]
+        sharded = isinstance(layout, Shard)
+        saved = dict(module._parameters)
+        try:
+            for name, p in saved.items():
+                if isinstance(p, DTensor):
+                    local = p.to_local()
+                    # Bypasses Module.__setattr__: the forward reads a plain tensor for one call.
+                    module._parameters[name] = _AllReduceGrad.apply(local, group) if sharded else local
+            y = inner(x, *args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+        return _wrap(y, mesh, layout, self.use_local_output)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(sequence_dim={self.sequence_sharding[0].dim}, "
+            f"use_local_output={self.use_local_output})"
+        )
