@@ -14,6 +14,8 @@ under ``torch.compile(fullgraph=True)``: one opaque call per op in the graph.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -64,66 +66,133 @@ def all_gather_matmul(
     backend: str | None = None,
     parallel_num: int | None = None,
     return_gathered: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``y = all_gather_dim0(x) @ weight.T + bias``.
+    gather_dim: int = 0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | list[torch.Tensor] | tuple[list[torch.Tensor], torch.Tensor]:
+    """``y = all_gather(x, dim=gather_dim) @ weight.T + bias``.
 
     Reference::
 
-        x_gathered = cat([x_of_rank_0, ..., x_of_rank_W-1], dim=0)    # [m_local * W, k]
-        y = x_gathered @ weight.T + bias                                # [m_local * W, n]
+        x_gathered = cat([x_of_rank_0, ..., x_of_rank_W-1], dim=gather_dim)
+        y = x_gathered @ weight.T + bias
         return (y, x_gathered) if return_gathered else y
 
-    With leading dims ``x [s_local, b, k]`` the results are ``[s_local * W, b, n]`` and
-    ``[s_local * W, b, k]``.
+    ``gather_dim`` indexes ``x``'s dims (negative allowed; not the last, ``k``): ``x [s_local, b, k]``
+    with 0 gives ``[s_local * W, b, n]``, ``x [b, s_local, k]`` with 1 (or -2) gives ``[b, s_local * W, n]``.
+
+    Several weights, one gather: ``weight`` a list / tuple ``[w_0, w_1, ...]`` (each ``[n_i, k]``,
+    ``n_i`` may differ) and ``bias`` None or a list of the same length holding tensors or None::
+
+        ys = [x_gathered @ w_i.T + b_i for each i]
+        return (ys, x_gathered) if return_gathered else ys          # ys is a list
     """
+    if isinstance(weight, (list, tuple)):
+        return _all_gather_matmul_multi(x, weight, bias, group, backend, parallel_num, return_gathered, gather_dim)
     world = _validate(x, weight, bias, group, backend, parallel_num, "return_gathered", return_gathered)
-    lead = x.shape[:-1]
-    x2d = x.flatten(0, -2)
+    d = checks.normalize_dim("gather_dim", gather_dim, x)
     name, num, group_name = dispatch.decide(
-        "all_gather_matmul", backend, parallel_num, x2d, weight, bias, return_gathered, group, world
+        "all_gather_matmul",
+        backend,
+        parallel_num,
+        x.flatten(0, -2),
+        weight,
+        bias,
+        return_gathered,
+        group,
+        world,
+        comm_dim=d,
     )
-    gathered_lead = (lead[0] * world,) + tuple(lead[1:])
     if return_gathered:
-        y, x_gathered = library.all_gather_matmul_gathered(x2d, weight, bias, group_name, world, name, num)
-        return y.view(gathered_lead + (weight.shape[0],)), x_gathered.view(gathered_lead + (x.shape[-1],))
-    y = library.all_gather_matmul(x2d, weight, bias, group_name, world, name, num)
-    return y.view(gathered_lead + (weight.shape[0],))
+        return library.all_gather_matmul_gathered(x, weight, bias, group_name, world, name, num, d)
+    return library.all_gather_matmul(x, weight, bias, group_name, world, name, num, d)
+
+
+def _all_gather_matmul_multi(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: object,
+    group: dist.ProcessGroup | None,
+    backend: str | None,
+    parallel_num: int | None,
+    return_gathered: bool,
+    gather_dim: int,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], torch.Tensor]:
+    if len(weights) == 0:
+        raise ValueError("weight: an empty list; pass one weight [n, k] or a non-empty list of them")
+    if biases is None:
+        biases = [None] * len(weights)
+    elif not isinstance(biases, (list, tuple)):
+        raise TypeError(
+            f"bias must be None or a list / tuple of tensors or None (one per weight) when weight is a list, "
+            f"got {type(biases).__name__}"
+        )
+    elif len(biases) != len(weights):
+        raise ValueError(f"bias: {len(biases)} entries for {len(weights)} weights; pass one per weight (None allowed)")
+    for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
+        checks.check_matmul_operands(x, w, b, weight_name=f"weight[{i}]", bias_name=f"bias[{i}]")
+    world = _validate(x, weights[0], biases[0], group, backend, parallel_num, "return_gathered", return_gathered)
+    d = checks.normalize_dim("gather_dim", gather_dim, x)
+    name, num, group_name = dispatch.decide(
+        "all_gather_matmul",
+        backend,
+        parallel_num,
+        x.flatten(0, -2),
+        weights[0],
+        biases[0],
+        return_gathered,
+        group,
+        world,
+        comm_dim=d,
+        n=sum(w.shape[0] for w in weights),
+    )
+    ys, x_gathered = library.all_gather_matmul_multi(
+        x, list(weights), list(biases), group_name, world, name, num, d, return_gathered
+    )
+    return (ys, x_gathered) if return_gathered else ys
 
 
 def matmul_reduce_scatter(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
+    weight: torch.Tensor | Sequence[torch.Tensor],
+    bias: torch.Tensor | None | Sequence[torch.Tensor | None] = None,
     *,
     group: dist.ProcessGroup | None = None,
     backend: str | None = None,
     parallel_num: int | None = None,
     deterministic: bool = False,
+    scatter_dim: int = 0,
 ) -> torch.Tensor:
-    """``y = reduce_scatter_dim0(x @ weight.T) + bias``; bias is added once, after the reduction.
+    """``y = reduce_scatter(x @ weight.T, dim=scatter_dim) + bias``; bias is added once, after the reduction.
 
     Reference::
 
-        partial = x @ weight.T                                     # [m, n] on every rank
-        y = sum(partial_of_rank_r for r in range(W))[rank * m / W : (rank + 1) * m / W] + bias
+        partial = x @ weight.T                                   # [..., n] on every rank
+        y = chunk(sum(partial_of_rank_r for r in range(W)), W, dim=scatter_dim)[rank] + bias
 
-    The leading dim 0 of ``x`` (``m`` after flattening ``x [s, b, k]`` to ``[s * b, k]``) is
-    scattered: it must divide by W. ``deterministic=True`` sums the partials in rank order, so
-    repeated calls give identical bits.
+    ``scatter_dim`` indexes ``x``'s dims (negative allowed; not the last, ``k``) and
+    ``x.shape[scatter_dim]`` must divide by W: ``x [s, b, k]`` with 0 gives ``[s / W, b, n]``,
+    ``x [b, s, k]`` with 1 (or -2) gives ``[b, s / W, n]``. ``deterministic=True`` sums the
+    partials in rank order, so repeated calls give identical bits.
     """
     world = _validate(x, weight, bias, group, backend, parallel_num, "deterministic", deterministic)
-    if x.shape[0] % world != 0:
+    d = checks.normalize_dim("scatter_dim", scatter_dim, x)
+    if x.shape[d] % world != 0:
         raise ValueError(
-            f"matmul_reduce_scatter scatters dim 0 of x: m={x.shape[0]} (x shape "
-            f"{tuple(x.shape)}) is not divisible by the group size W={world}"
+            f"matmul_reduce_scatter: scatter_dim={scatter_dim} splits x.shape[{d}] (m={x.shape[d]}, x shape "
+            f"{tuple(x.shape)}), which is not divisible by the group size W={world}"
         )
-    lead = x.shape[:-1]
-    x2d = x.flatten(0, -2)
     name, num, group_name = dispatch.decide(
-        "matmul_reduce_scatter", backend, parallel_num, x2d, weight, bias, deterministic, group, world
+        "matmul_reduce_scatter",
+        backend,
+        parallel_num,
+        x.flatten(0, -2),
+        weight,
+        bias,
+        deterministic,
+        group,
+        world,
+        comm_dim=d,
     )
-    out = library.matmul_reduce_scatter(x2d, weight, bias, group_name, world, name, num, deterministic)
-    return out.view((lead[0] // world,) + tuple(lead[1:]) + (weight.shape[0],))
+    return library.matmul_reduce_scatter(x, weight, bias, group_name, world, name, num, deterministic, d)
 
 
 def matmul_all_reduce(

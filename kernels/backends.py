@@ -7,6 +7,7 @@ of them imports another to reach the backends and there is no import cycle.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,12 +39,47 @@ def run(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     world: int,
-    flag: bool,
+    *,
+    comm_dim: int = 0,
+    **options: Any,
 ) -> Any:
-    """Run ``op`` on 2-D ``x``; ``flag`` is ``return_gathered`` for the all-gather op and
-    ``deterministic`` for the reducing ops."""
+    """Run ``op`` on 2-D ``x`` with the backend's keyword ``options``: ``return_gathered`` and
+    ``outer`` for ``all_gather_matmul``, ``deterministic`` and ``outer`` for
+    ``matmul_reduce_scatter``, ``deterministic`` for ``matmul_all_reduce``.
+
+    ``outer`` is the number of row blocks of ``x`` gathered / scattered on their own (the product
+    of the dims before ``gather_dim`` / ``scatter_dim``; 1 for dim 0). ``comm_dim``, that dim, goes
+    into the fused call's descriptor (the other paths compare it under ``COC_CHECK=1`` before)."""
     if backend == "fused":
-        return getattr(fused_module(), op)(x, weight, bias, group, flag)
+        if op != "matmul_all_reduce":
+            options["comm_dim"] = comm_dim
+        return getattr(fused_module(), op)(x, weight, bias, group, **options)
     if backend == "chunked":
-        return getattr(chunked, op)(x, weight, bias, group, world, flag, parallel_num)
-    return getattr(sequential, op)(x, weight, bias, group, world, flag)
+        return getattr(chunked, op)(x, weight, bias, group, world, parallel_num, **options)
+    return getattr(sequential, op)(x, weight, bias, group, world, **options)
+
+
+def run_all_gather_multi(
+    backend: str,
+    parallel_num: int,
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    group: dist.ProcessGroup | None,
+    world: int,
+    *,
+    return_gathered: bool,
+    outer: int,
+    comm_dim: int = 0,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """``all_gather_matmul`` of 2-D ``x`` with several weights, one gather: ``(ys, x_gathered)``;
+    ``x_gathered`` may be None unless ``return_gathered``."""
+    if backend == "fused":
+        return fused_module().all_gather_matmul_multi(
+            x, weights, biases, group, return_gathered=return_gathered, outer=outer, comm_dim=comm_dim
+        )
+    if backend == "chunked":
+        return chunked.all_gather_matmul_multi(
+            x, weights, biases, group, world, parallel_num, return_gathered=return_gathered, outer=outer
+        )
+    return sequential.all_gather_matmul_multi(x, weights, biases, group, world, outer=outer)

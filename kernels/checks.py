@@ -47,44 +47,85 @@ def check_input_k(x: object, k: int, *, name: str, expected: str) -> None:
         raise ValueError(f"k mismatch: {name} has k={got} (shape {tuple(x.shape)}) but {expected}")
 
 
-def check_matmul_operands(x: object, weight: object, bias: object, *, weight_dtypes: tuple = ()) -> None:
+def k_mismatch_message(x: torch.Tensor, weight: torch.Tensor, weight_name: str = "weight") -> str:
+    """The error for ``weight [n, k]`` whose ``k`` is not ``x``'s last dim; a weight given as
+    ``[k, n]`` (the ``x @ weight`` layout) gets the hint to pass its transpose."""
+    k = x.shape[-1]
+    message = (
+        f"k mismatch: x has k={k} (shape {tuple(x.shape)}) but {weight_name} has k={weight.shape[1]} "
+        f"(shape {tuple(weight.shape)}); {weight_name} must be [n, k] (the torch.nn.functional.linear layout)"
+    )
+    if weight.dim() == 2 and weight.shape[0] == k:
+        message += f": {weight_name} looks like [k, n] (the x @ w layout), pass {weight_name}.T"
+    return message
+
+
+def normalize_dim(name: str, dim: object, x: torch.Tensor) -> int:
+    """``dim`` (``gather_dim`` / ``scatter_dim``) as a non-negative index of ``x``'s dims.
+
+    Negative values count from the end as in torch. The last dim is ``k``, the contracted one,
+    which a gather or scatter cannot split, so it is refused by name.
+    """
+    if type(dim) is not int:
+        raise TypeError(f"{name} must be an int, got {dim!r}")
+    ndim = x.dim()
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name}={dim} is out of range for x of shape {tuple(x.shape)} (valid: {-ndim} .. {ndim - 2})")
+    d = dim % ndim
+    if d == ndim - 1:
+        raise ValueError(
+            f"{name}={dim} is the last dim of x (shape {tuple(x.shape)}), the contracted k dim of the GEMM; "
+            f"use a dim in {-ndim} .. {ndim - 2}"
+        )
+    return d
+
+
+def check_matmul_operands(
+    x: object,
+    weight: object,
+    bias: object,
+    *,
+    weight_dtypes: tuple = (),
+    weight_name: str = "weight",
+    bias_name: str = "bias",
+) -> None:
     """``x [..., k]``, ``weight [n, k]``, ``bias [n]`` or None: same device, same dtype.
 
-    ``weight_dtypes`` lists extra weight dtypes allowed besides ``x.dtype`` (int8 for w8A16).
+    ``weight_dtypes`` lists extra weight dtypes allowed besides ``x.dtype`` (int8 for w8A16);
+    ``weight_name`` / ``bias_name`` name them in messages (``weight[1]`` for one of a list).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        raise TypeError(f"{weight_name} must be a torch.Tensor, got {type(weight).__name__}")
     if x.dim() < 2:
         raise ValueError(f"x must have at least 2 dims [..., k], got shape {tuple(x.shape)}")
     if weight.dim() != 2:
         raise ValueError(
-            f"weight must be 2-D [n, k] (torch.nn.functional.linear layout), got shape {tuple(weight.shape)}"
+            f"{weight_name} must be 2-D [n, k] (torch.nn.functional.linear layout), got shape {tuple(weight.shape)}"
         )
     if weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"k mismatch: x has k={x.shape[-1]} (shape {tuple(x.shape)}) but weight has "
-            f"k={weight.shape[1]} (shape {tuple(weight.shape)})"
-        )
+        raise ValueError(k_mismatch_message(x, weight, weight_name))
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     if weight.dtype != x.dtype and weight.dtype not in weight_dtypes:
-        raise TypeError(f"weight dtype {weight.dtype} does not match x dtype {x.dtype}")
+        raise TypeError(f"{weight_name} dtype {weight.dtype} does not match x dtype {x.dtype}")
     if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
+        raise ValueError(f"{weight_name} is on {weight.device} but x is on {x.device}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+            raise TypeError(f"{bias_name} must be a torch.Tensor or None, got {type(bias).__name__}")
         if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must have shape ({weight.shape[0]},) = [n], got {tuple(bias.shape)}")
+            raise ValueError(
+                f"{bias_name} must have shape ({weight.shape[0]},) = [n] of {weight_name}, got {tuple(bias.shape)}"
+            )
         if bias.dtype != x.dtype:
-            raise TypeError(f"bias dtype {bias.dtype} does not match x dtype {x.dtype}")
+            raise TypeError(f"{bias_name} dtype {bias.dtype} does not match x dtype {x.dtype}")
         if bias.device != x.device:
-            raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
+            raise ValueError(f"{bias_name} is on {bias.device} but x is on {x.device}")
     needs_grad = [
         name
-        for name, t in (("x", x), ("weight", weight), ("bias", bias))
+        for name, t in (("x", x), (weight_name, weight), (bias_name, bias))
         if isinstance(t, torch.Tensor) and t.requires_grad
     ]
     if torch.is_grad_enabled() and needs_grad:

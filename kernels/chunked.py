@@ -22,6 +22,8 @@ which gives real overlap with the matmul in the calling thread.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -44,40 +46,69 @@ def split_rows(rows: int, parallel_num: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def all_gather_matmul_multi(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    group: dist.ProcessGroup | None,
+    world: int,
+    parallel_num: int,
+    *,
+    return_gathered: bool = False,
+    outer: int = 1,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Same result as ``sequential.all_gather_matmul_multi``; gathers piece by piece, comm-first,
+    and multiplies each gathered piece by every weight (one gather for all of them).
+
+    Pieces split the rows of the gathered dim: ``x [outer * L, k]`` is ``outer`` blocks of ``L``
+    rows, and piece ``i`` is rows ``[start, stop)`` of every block of every rank. The gathered x is
+    returned only with ``return_gathered`` (else None).
+    """
+    m_local, k = x.shape
+    rows = m_local // outer if outer else 0
+    pieces = split_rows(rows, parallel_num)
+    blocks = x.reshape(outer, rows, k)
+    bufs, works = [], []
+    for start, stop in pieces:
+        buf = x.new_empty((world * outer * (stop - start), k))
+        # A copy only when the piece is strided (several pieces of several blocks).
+        src = blocks[:, start:stop].contiguous().view(outer * (stop - start), k)
+        works.append(comm.all_gather(buf, src, group, async_op=True))
+        bufs.append(buf)
+    if len(pieces) == 1 and outer == 1:
+        works[0].wait()
+        ys = [soc.linear(bufs[0], w, b) for w, b in zip(weights, biases, strict=True)]
+        return ys, bufs[0] if return_gathered else None
+    # Rank r's rows of piece i land at rows [start, stop) of block (o, r) of the gathered x.
+    ys = [x.new_empty((outer, world, rows, w.shape[0])) for w in weights]
+    x_gathered = x.new_empty((outer, world, rows, k)) if return_gathered else None
+    for (start, stop), buf, work in zip(pieces, bufs, works, strict=True):
+        work.wait()
+        shape = (world, outer, stop - start)
+        for y, w, b in zip(ys, weights, biases, strict=True):
+            y[:, :, start:stop] = soc.linear(buf, w, b).view(shape + (w.shape[0],)).transpose(0, 1)
+        if x_gathered is not None:
+            x_gathered[:, :, start:stop] = buf.view(shape + (k,)).transpose(0, 1)
+    ys = [y.view(world * m_local, y.shape[-1]) for y in ys]
+    return ys, x_gathered.view(world * m_local, k) if x_gathered is not None else None
+
+
 def all_gather_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     world: int,
-    return_gathered: bool,
     parallel_num: int,
+    *,
+    return_gathered: bool = False,
+    outer: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same result as ``sequential.all_gather_matmul``; gathers piece by piece, comm-first."""
-    m_local, k = x.shape
-    n = weight.shape[0]
-    pieces = split_rows(m_local, parallel_num)
-    x = x.contiguous()
-    bufs, works = [], []
-    for start, stop in pieces:
-        buf = x.new_empty((world * (stop - start), k))
-        src = x[start:stop]
-        works.append(comm.all_gather(buf, src, group, async_op=True))
-        bufs.append(buf)
-    if len(pieces) == 1:
-        works[0].wait()
-        y = soc.linear(bufs[0], weight, bias)
-        return (y, bufs[0]) if return_gathered else y
-    # Piece i holds rows [start, stop) of every rank: rank r's rows land at r * m_local + start.
-    y = x.new_empty((world, m_local, n))
-    x_gathered = x.new_empty((world, m_local, k)) if return_gathered else None
-    for (start, stop), buf, work in zip(pieces, bufs, works, strict=False):
-        work.wait()
-        y[:, start:stop] = soc.linear(buf, weight, bias).view(world, stop - start, n)
-        if x_gathered is not None:
-            x_gathered[:, start:stop] = buf.view(world, stop - start, k)
-    y = y.view(world * m_local, n)
-    return (y, x_gathered.view(world * m_local, k)) if x_gathered is not None else y
+    ys, x_gathered = all_gather_matmul_multi(
+        x, [weight], [bias], group, world, parallel_num, return_gathered=return_gathered, outer=outer
+    )
+    return (ys[0], x_gathered) if return_gathered else ys[0]
 
 
 def matmul_reduce_scatter(
@@ -86,34 +117,43 @@ def matmul_reduce_scatter(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     world: int,
-    deterministic: bool,
     parallel_num: int,
+    *,
+    deterministic: bool = False,
+    outer: int = 1,
 ) -> torch.Tensor:
     """Same result as ``sequential.matmul_reduce_scatter``; compute-first pieces.
 
-    Piece i covers rows [start, stop) of every rank's output block, so each piece is itself a
-    reduce-scatter whose result lands directly in ``out[start:stop]``.
+    ``x [outer * W * R, k]`` is ``outer`` blocks, each of W owner blocks of ``R`` rows. Piece i
+    covers rows [start, stop) of every owner block of every outer block, so each piece is itself a
+    reduce-scatter whose result lands in rows [start, stop) of every outer block of ``out``.
     """
     m, k = x.shape
     n = weight.shape[0]
-    rows = m // world
-    x_blocks = x.reshape(world, rows, k)
-    out = x.new_empty((rows, n))
+    rows = m // (world * outer) if outer else 0
+    x_blocks = x.reshape(outer, world, rows, k)
+    out = x.new_empty((outer, rows, n))
     pending = []
     for start, stop in split_rows(rows, parallel_num):
-        partial = soc.linear(x_blocks[:, start:stop], weight).view(world * (stop - start), n)
+        p = stop - start
+        # [W, outer, p, n]: owner-major, the order a dim-0 reduce-scatter hands out.
+        partial = soc.linear(x_blocks[:, :, start:stop].transpose(0, 1), weight).reshape(world * outer * p, n)
         if deterministic:
-            parts = partial.new_empty((world, stop - start, n))
+            parts = partial.new_empty((world, outer * p, n))
             work = comm.all_to_all(parts, partial, group, async_op=True)
             pending.append((work, start, stop, parts))
         else:
-            dst = out[start:stop]
+            # Rows of one piece are contiguous in out only with one outer block.
+            dst = out[0, start:stop] if outer == 1 else partial.new_empty((outer * p, n))
             work = comm.reduce_scatter(dst, partial, group, async_op=True)
-            pending.append((work, start, stop, None))
+            pending.append((work, start, stop, None if outer == 1 else dst))
     for work, start, stop, parts in pending:
         work.wait()
-        if parts is not None:
-            out[start:stop] = comm.sum_in_rank_order(parts)
+        if parts is None:
+            continue
+        reduced = comm.sum_in_rank_order(parts) if deterministic else parts
+        out[:, start:stop] = reduced.view(outer, stop - start, n)
+    out = out.view(outer * rows, n)
     return out if bias is None else out.add_(bias)
 
 
@@ -123,8 +163,9 @@ def matmul_all_reduce(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
     world: int,
-    deterministic: bool,
     parallel_num: int,
+    *,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Same result as ``sequential.matmul_all_reduce``; compute-first pieces of rows."""
     m = x.shape[0]

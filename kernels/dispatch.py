@@ -90,6 +90,7 @@ def _decide(
     quant: tuple[str, int] | None,
     group_name: str,
     world: int,
+    comm_dim: int,
 ) -> tuple[str, int]:
     config = get_config()
     group = library.resolve_group(group_name)
@@ -107,6 +108,7 @@ def _decide(
             config,
             group,
             world,
+            comm_dim,
         )
     if backend == "sequential":
         return backend, 1
@@ -149,14 +151,22 @@ def decide(
     group: dist.ProcessGroup | None,
     world: int,
     quant: tuple[str, int] | None = None,
+    *,
+    comm_dim: int = 0,
+    n: int | None = None,
 ) -> tuple[str, int, str]:
-    """``(backend, parallel_num, group name)`` for a call of ``op`` on 2-D ``x``."""
+    """``(backend, parallel_num, group name)`` for a call of ``op`` on 2-D ``x``.
+
+    ``comm_dim`` is the normalized ``gather_dim`` / ``scatter_dim`` (compared under ``COC_CHECK=1``);
+    ``n`` overrides ``weight.shape[0]`` (the total ``n`` of an all-gather feeding several weights).
+    """
     name = library.group_name(group)
     # _decide and shape_keys are assume_constant_result: while tracing, dynamo calls them with the
     # constant arguments and keeps the result, instead of tracing the environment reads, caches and
     # collectives inside. A shape is passed only as far as the choice depends on it, so a graph
     # compiled with dynamic shapes stays dynamic (auto and COC_CHECK=1 need the exact shape: static).
-    m, k, n = x.shape[0], x.shape[1], weight.shape[0]
+    m, k = x.shape[0], x.shape[1]
+    n = weight.shape[0] if n is None else n
     if torch.compiler.is_compiling():
         keys = shape_keys(backend, parallel_num)
         if keys is None:
@@ -164,7 +174,21 @@ def decide(
         elif keys != "exact":
             m, k, n = _matching_key(keys, m, k, n)
     chosen, num = _decide(
-        op, backend, parallel_num, m, k, n, x.dtype, weight.dtype, x.device, bias is not None, flag, quant, name, world
+        op,
+        backend,
+        parallel_num,
+        m,
+        k,
+        n,
+        x.dtype,
+        weight.dtype,
+        x.device,
+        bias is not None,
+        flag,
+        quant,
+        name,
+        world,
+        comm_dim,
     )
     return chosen, num, name
 

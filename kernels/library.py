@@ -4,19 +4,26 @@ Each public op of :mod:`kernels` validates its arguments, decides the backend an
 Python, then makes one call to an operator defined here::
 
     coc::all_gather_matmul(Tensor x, Tensor weight, Tensor? bias, str group_name, int world,
-                           str backend, int parallel_num) -> Tensor
+                           str backend, int parallel_num, int gather_dim=0) -> Tensor
     coc::all_gather_matmul_gathered(... same ...) -> (Tensor y, Tensor x_gathered)
+    coc::all_gather_matmul_multi(Tensor x, Tensor[] weights, Tensor?[] biases, str group_name,
+                                 int world, str backend, int parallel_num, int gather_dim=0,
+                                 bool return_gathered=False) -> (Tensor[] ys, Tensor? x_gathered)
     coc::matmul_reduce_scatter(Tensor x, Tensor weight, Tensor? bias, str group_name, int world,
-                               str backend, int parallel_num, bool deterministic) -> Tensor
+                               str backend, int parallel_num, bool deterministic,
+                               int scatter_dim=0) -> Tensor
     coc::matmul_all_reduce(... same as matmul_reduce_scatter ...) -> Tensor
     coc::quantized_matmul_all_reduce(Tensor x, Tensor qweight, Tensor scale, Tensor? bias,
                                      Tensor? offset, str quant_mode, int group_size, str group_name,
                                      int world, str backend, int parallel_num, bool deterministic)
                                      -> Tensor
 
-``x`` is 2-D (leading dims are the wrapper's business). The process group travels as its name
-(``ProcessGroup.group_name``, resolved inside the op as torch's functional collectives do; ``""``
-is "no group": a single process without torch.distributed), so a traced graph holds a string
+``x`` has any number of leading dims, and the outputs have them too; ``gather_dim`` /
+``scatter_dim`` index ``x``'s dims (the last one, ``k``, excluded: the wrappers refuse it by name).
+``matmul_all_reduce`` and the quantized op take 2-D ``x`` (leading dims are the wrapper's business).
+The process group travels as its name (``ProcessGroup.group_name``, resolved inside the op as
+torch's functional collectives do; ``""`` is "no group": a single process without
+torch.distributed), so a traced graph holds a string
 constant, not a Python object. ``world`` is passed because the fake implementations need it for
 the output shapes, and they must not touch the process group. The backend and split count are
 arguments too: decided before the call, they are constants of a compiled graph, which therefore
@@ -35,6 +42,7 @@ a ``torch.library.custom_op`` would add about 8 µs, which is why the schema is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,9 +53,18 @@ from . import backends, quant
 _LIB = torch.library.Library("coc", "FRAGMENT")
 
 _COMM = "str group_name, int world, str backend, int parallel_num"
-_LIB.define(f"all_gather_matmul(Tensor x, Tensor weight, Tensor? bias, {_COMM}) -> Tensor")
-_LIB.define(f"all_gather_matmul_gathered(Tensor x, Tensor weight, Tensor? bias, {_COMM}) -> (Tensor, Tensor)")
-_LIB.define(f"matmul_reduce_scatter(Tensor x, Tensor weight, Tensor? bias, {_COMM}, bool deterministic) -> Tensor")
+_LIB.define(f"all_gather_matmul(Tensor x, Tensor weight, Tensor? bias, {_COMM}, int gather_dim=0) -> Tensor")
+_LIB.define(
+    f"all_gather_matmul_gathered(Tensor x, Tensor weight, Tensor? bias, {_COMM}, int gather_dim=0) -> (Tensor, Tensor)"
+)
+_LIB.define(
+    f"all_gather_matmul_multi(Tensor x, Tensor[] weights, Tensor?[] biases, {_COMM}, int gather_dim=0, "
+    "bool return_gathered=False) -> (Tensor[], Tensor?)"
+)
+_LIB.define(
+    f"matmul_reduce_scatter(Tensor x, Tensor weight, Tensor? bias, {_COMM}, bool deterministic, "
+    "int scatter_dim=0) -> Tensor"
+)
 _LIB.define(f"matmul_all_reduce(Tensor x, Tensor weight, Tensor? bias, {_COMM}, bool deterministic) -> Tensor")
 _LIB.define(
     "quantized_matmul_all_reduce(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, Tensor? offset, "
@@ -71,18 +88,38 @@ def resolve_group(name: str) -> dist.ProcessGroup | None:
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-def _all_gather_matmul(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    group_name: str,
-    world: int,
-    backend: str,
-    parallel_num: int,
-) -> torch.Tensor:
-    return backends.run(
-        "all_gather_matmul", backend, parallel_num, x, weight, bias, resolve_group(group_name), world, False
-    )
+def blocks_before(x: torch.Tensor, dim: int) -> int:
+    """``outer``: how many row blocks of the flattened ``x`` are gathered / scattered on their own,
+    the product of the dims before ``dim`` (1 for dim 0, and for an empty ``x``)."""
+    outer = 1
+    for size in x.shape[:dim]:
+        outer *= size
+    return outer if outer > 0 else 1
+
+
+def _resized(shape: Sequence[int], dim: int, size: int, last: int) -> tuple[int, ...]:
+    out = list(shape)
+    out[dim] = size
+    out[-1] = last
+    return tuple(out)
+
+
+def _gathered_shape(x: torch.Tensor, gather_dim: int, world: int, last: int) -> tuple[int, ...]:
+    d = gather_dim % x.dim()
+    return _resized(x.shape, d, x.shape[d] * world, last)
+
+
+def _scattered_shape(x: torch.Tensor, scatter_dim: int, world: int, last: int) -> tuple[int, ...]:
+    d = scatter_dim % x.dim()
+    return _resized(x.shape, d, x.shape[d] // world, last)
+
+
+def _unaliased(x_gathered: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if x_gathered.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        # A group of one gathers nothing and the sequential path returns x itself; an operator's
+        # output must not alias its input (autograd and compile assume fresh outputs).
+        return x_gathered.clone(memory_format=torch.contiguous_format)
+    return x_gathered
 
 
 def _all_gather_matmul_gathered(
@@ -93,15 +130,83 @@ def _all_gather_matmul_gathered(
     world: int,
     backend: str,
     parallel_num: int,
+    gather_dim: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    d = gather_dim % x.dim()
     y, x_gathered = backends.run(
-        "all_gather_matmul", backend, parallel_num, x, weight, bias, resolve_group(group_name), world, True
+        "all_gather_matmul",
+        backend,
+        parallel_num,
+        x.flatten(0, -2),
+        weight,
+        bias,
+        resolve_group(group_name),
+        world,
+        return_gathered=True,
+        outer=blocks_before(x, d),
+        comm_dim=d,
     )
-    if x_gathered.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        # A group of one gathers nothing and the sequential path returns x itself; an operator's
-        # output must not alias its input (autograd and compile assume fresh outputs).
-        x_gathered = x_gathered.clone(memory_format=torch.contiguous_format)
-    return y, x_gathered
+    return (
+        y.view(_gathered_shape(x, d, world, weight.shape[0])),
+        _unaliased(x_gathered, x).view(_gathered_shape(x, d, world, x.shape[-1])),
+    )
+
+
+def _all_gather_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+    gather_dim: int = 0,
+) -> torch.Tensor:
+    d = gather_dim % x.dim()
+    y = backends.run(
+        "all_gather_matmul",
+        backend,
+        parallel_num,
+        x.flatten(0, -2),
+        weight,
+        bias,
+        resolve_group(group_name),
+        world,
+        return_gathered=False,
+        outer=blocks_before(x, d),
+        comm_dim=d,
+    )
+    return y.view(_gathered_shape(x, d, world, weight.shape[0]))
+
+
+def _all_gather_matmul_multi(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+    gather_dim: int = 0,
+    return_gathered: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    d = gather_dim % x.dim()
+    ys, x_gathered = backends.run_all_gather_multi(
+        backend,
+        parallel_num,
+        x.flatten(0, -2),
+        weights,
+        biases,
+        resolve_group(group_name),
+        world,
+        return_gathered=return_gathered,
+        outer=blocks_before(x, d),
+        comm_dim=d,
+    )
+    ys = [y.view(_gathered_shape(x, d, world, w.shape[0])) for y, w in zip(ys, weights, strict=True)]
+    if not return_gathered:
+        return ys, None
+    return ys, _unaliased(x_gathered, x).view(_gathered_shape(x, d, world, x.shape[-1]))
 
 
 def _matmul_reduce_scatter(
@@ -113,10 +218,25 @@ def _matmul_reduce_scatter(
     backend: str,
     parallel_num: int,
     deterministic: bool,
+    scatter_dim: int = 0,
 ) -> torch.Tensor:
-    return backends.run(
-        "matmul_reduce_scatter", backend, parallel_num, x, weight, bias, resolve_group(group_name), world, deterministic
+    d = scatter_dim % x.dim()
+    if x.shape[d] % world:
+        raise ValueError(f"matmul_reduce_scatter: x.shape[scatter_dim={d}]={x.shape[d]} is not divisible by W={world}")
+    out = backends.run(
+        "matmul_reduce_scatter",
+        backend,
+        parallel_num,
+        x.flatten(0, -2),
+        weight,
+        bias,
+        resolve_group(group_name),
+        world,
+        deterministic=deterministic,
+        outer=blocks_before(x, d),
+        comm_dim=d,
     )
+    return out.view(_scattered_shape(x, d, world, weight.shape[0]))
 
 
 def _matmul_all_reduce(
@@ -130,7 +250,15 @@ def _matmul_all_reduce(
     deterministic: bool,
 ) -> torch.Tensor:
     return backends.run(
-        "matmul_all_reduce", backend, parallel_num, x, weight, bias, resolve_group(group_name), world, deterministic
+        "matmul_all_reduce",
+        backend,
+        parallel_num,
+        x,
+        weight,
+        bias,
+        resolve_group(group_name),
+        world,
+        deterministic=deterministic,
     )
 
 
@@ -158,6 +286,7 @@ def _quantized_matmul_all_reduce(
 _IMPLS = {
     "all_gather_matmul": _all_gather_matmul,
     "all_gather_matmul_gathered": _all_gather_matmul_gathered,
+    "all_gather_matmul_multi": _all_gather_matmul_multi,
     "matmul_reduce_scatter": _matmul_reduce_scatter,
     "matmul_all_reduce": _matmul_all_reduce,
     "quantized_matmul_all_reduce": _quantized_matmul_all_reduce,
@@ -175,8 +304,9 @@ def _all_gather_matmul_fake(
     world: int,
     backend: str,
     parallel_num: int,
+    gather_dim: int = 0,
 ) -> torch.Tensor:
-    return x.new_empty((world * x.shape[0], weight.shape[0]))
+    return x.new_empty(_gathered_shape(x, gather_dim, world, weight.shape[0]))
 
 
 @torch.library.register_fake("coc::all_gather_matmul_gathered", lib=_LIB)
@@ -188,8 +318,28 @@ def _all_gather_matmul_gathered_fake(
     world: int,
     backend: str,
     parallel_num: int,
+    gather_dim: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return (x.new_empty((world * x.shape[0], weight.shape[0])), x.new_empty((world * x.shape[0], x.shape[1])))
+    return (
+        x.new_empty(_gathered_shape(x, gather_dim, world, weight.shape[0])),
+        x.new_empty(_gathered_shape(x, gather_dim, world, x.shape[-1])),
+    )
+
+
+@torch.library.register_fake("coc::all_gather_matmul_multi", lib=_LIB)
+def _all_gather_matmul_multi_fake(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    group_name: str,
+    world: int,
+    backend: str,
+    parallel_num: int,
+    gather_dim: int = 0,
+    return_gathered: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    ys = [x.new_empty(_gathered_shape(x, gather_dim, world, w.shape[0])) for w in weights]
+    return ys, x.new_empty(_gathered_shape(x, gather_dim, world, x.shape[-1])) if return_gathered else None
 
 
 @torch.library.register_fake("coc::matmul_reduce_scatter", lib=_LIB)
@@ -202,8 +352,9 @@ def _matmul_reduce_scatter_fake(
     backend: str,
     parallel_num: int,
     deterministic: bool,
+    scatter_dim: int = 0,
 ) -> torch.Tensor:
-    return x.new_empty((x.shape[0] // world, weight.shape[0]))
+    return x.new_empty(_scattered_shape(x, scatter_dim, world, weight.shape[0]))
 
 
 @torch.library.register_fake("coc::matmul_all_reduce", lib=_LIB)
@@ -240,6 +391,7 @@ def _quantized_matmul_all_reduce_fake(
 
 all_gather_matmul = torch.ops.coc.all_gather_matmul.default
 all_gather_matmul_gathered = torch.ops.coc.all_gather_matmul_gathered.default
+all_gather_matmul_multi = torch.ops.coc.all_gather_matmul_multi.default
 matmul_reduce_scatter = torch.ops.coc.matmul_reduce_scatter.default
 matmul_all_reduce = torch.ops.coc.matmul_all_reduce.default
 quantized_matmul_all_reduce = torch.ops.coc.quantized_matmul_all_reduce.default
@@ -254,14 +406,16 @@ def call(
     bias: torch.Tensor | None,
     group_name: str,
     world: int,
-    flag: bool,
+    *,
+    return_gathered: bool = False,
+    deterministic: bool = False,
 ) -> Any:
-    """Call ``op``'s operator on 2-D ``x``; ``flag`` is ``return_gathered`` for the all-gather op
-    and ``deterministic`` for the reducing ops."""
+    """Call ``op``'s operator on ``x`` (``return_gathered`` applies to the all-gather op,
+    ``deterministic`` to the reducing ops)."""
     if op == "all_gather_matmul":
-        fn = all_gather_matmul_gathered if flag else all_gather_matmul
+        fn = all_gather_matmul_gathered if return_gathered else all_gather_matmul
         return fn(x, weight, bias, group_name, world, backend, parallel_num)
-    return _OPS[op](x, weight, bias, group_name, world, backend, parallel_num, flag)
+    return _OPS[op](x, weight, bias, group_name, world, backend, parallel_num, deterministic)
 
 
 _OPS = {"matmul_reduce_scatter": matmul_reduce_scatter, "matmul_all_reduce": matmul_all_reduce}

@@ -24,6 +24,7 @@ of its own launch.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -326,7 +327,10 @@ def all_gather_matmul(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
-    return_gathered: bool,
+    return_gathered: bool = False,
+    *,
+    outer: int = 1,
+    comm_dim: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused all-gather + GEMM over the group's symmetric heap.
 
@@ -347,12 +351,54 @@ def all_gather_matmul(
     if w == 1:
         y = matmul(x, weight, bias)
         return (y, x.clone(memory_format=torch.contiguous_format)) if return_gathered else y
+    if outer > 1:
+        y, x_gathered = _all_gather_matmul(x, weight, bias, group, True, comm_dim)
+        y, x_gathered = _block_major(y, w, outer), _block_major(x_gathered, w, outer)
+        return (y, x_gathered) if return_gathered else y
+    return _all_gather_matmul(x, weight, bias, group, return_gathered, comm_dim)
+
+
+def _block_major(t: torch.Tensor, w: int, outer: int) -> torch.Tensor:
+    rows, cols = t.shape
+    return t.view(w, outer, rows // (w * outer), cols).transpose(0, 1).reshape(rows, cols)
+
+
+def all_gather_matmul_multi(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor | None],
+    group: dist.ProcessGroup | None,
+    *,
+    return_gathered: bool = False,
+    outer: int = 1,
+    comm_dim: int = 0,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """One fused all-gather + GEMM for ``weights[0]``; the other weights multiply the gathered x
+    it returns with the local GEMM. ``(ys, x_gathered or None)``."""
+    need_gathered = return_gathered or len(weights) > 1
+    first = all_gather_matmul(x, weights[0], biases[0], group, need_gathered, outer=outer, comm_dim=comm_dim)
+    y0, x_gathered = first if need_gathered else (first, None)
+    ys = [y0] + [matmul(x_gathered, w, b) for w, b in zip(weights[1:], biases[1:], strict=True)]
+    return ys, x_gathered if return_gathered else None
+
+
+def _all_gather_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup,
+    return_gathered: bool,
+    comm_dim: int,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    w = runtime.world_size(group)
     m_local, k = x.shape
     n = weight.shape[0]
     # The kernel indexes bias with unit stride.
     bias = bias.contiguous() if bias is not None else None
     data_bytes = w * m_local * k * x.element_size()
-    descriptor = runtime.describe("all_gather_matmul", m_local, k, n, x.dtype, bias is not None, return_gathered)
+    descriptor = runtime.describe(
+        "all_gather_matmul", m_local, k, n, x.dtype, bias is not None, return_gathered, comm_dim=comm_dim
+    )
     # The call check waits for every peer's descriptor of this epoch, which each peer publishes
     # only after its previous call's kernels finished: its gather buffer is free to overwrite.
     with runtime.fused_call("all_gather_matmul", group, x.device, data_bytes, descriptor) as call:

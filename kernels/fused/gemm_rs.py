@@ -384,7 +384,10 @@ def matmul_reduce_scatter(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     group: dist.ProcessGroup | None,
-    deterministic: bool,
+    deterministic: bool = False,
+    *,
+    outer: int = 1,
+    comm_dim: int = 0,
 ) -> torch.Tensor:
     """Fused GEMM + reduce-scatter over the group's symmetric heap.
 
@@ -404,13 +407,18 @@ def matmul_reduce_scatter(
     group, w = group_and_size(group)
     if w == 1:
         return matmul(x, weight, bias)
+    if outer > 1:
+        m, k = x.shape
+        x = x.view(outer, w, m // (outer * w), k).transpose(0, 1).reshape(m, k)
     m = x.shape[0]
     n = weight.shape[0]
     rows_own = m // w
     cfg = block_config(x.device, rows_own, x.shape[1], x.dtype)
     data_bytes = w * rows_own * slot_stride(n) * x.element_size()
     # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
-    descriptor = runtime.describe("matmul_reduce_scatter", m, x.shape[1], n, x.dtype, bias is not None, deterministic)
+    descriptor = runtime.describe(
+        "matmul_reduce_scatter", m, x.shape[1], n, x.dtype, bias is not None, deterministic, comm_dim=comm_dim
+    )
     with runtime.fused_call("matmul_reduce_scatter", group, x.device, data_bytes, descriptor) as call:
         target = scatter_partials(call, x, weight, rows_own, False, cfg)
         out = torch.empty((rows_own, n), dtype=x.dtype, device=x.device)
