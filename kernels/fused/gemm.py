@@ -8,12 +8,14 @@ Rows and columns outside the matrices are masked, so any ``m``, ``n``, ``k`` wor
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from .gemm_configs import GemmConfig
 from .runtime import triton_interpreted
 
 # The Triton interpreter (3.6 to 3.9 at least) multiplies bf16 dot operands wrongly (results off by
@@ -57,7 +59,13 @@ NARROW_BLOCK_K = 16
 
 
 def block_config(
-    device: torch.device, rows: int | None = None, k: int | None = None, dtype: torch.dtype | None = None
+    device: torch.device,
+    rows: int | None = None,
+    k: int | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    op: str | None = None,
+    n: int | None = None,
 ) -> BlockConfig:
     """Tile configuration of a GEMM launch on ``device`` with operands of ``dtype``.
 
@@ -66,13 +74,40 @@ def block_config(
     every rank agrees on (the call descriptor checks them): ``block_m``/``block_n`` set the tile
     counts that become signal targets. ``k`` (which may differ between ranks) and ``dtype`` select
     only ``block_k``, which no count depends on (nor does the TF32 switch, a per-process setting).
+
+    ``op`` (a fused op's name) and ``n``: the tuned file of this GPU (:mod:`tuned`) is consulted for
+    ``(op, dtype, rows, n)``, never ``k``, so every rank that agrees on the call gets the same tiles.
     """
-    if device.type != "cuda":
-        return CPU_BLOCKS
-    cfg = GPU_SMALL_M_BLOCKS if rows is not None and rows <= SMALL_M else GPU_BLOCKS
+    cfg = _tuned_blocks(device, rows, dtype, op, n)
+    if cfg is None:
+        if device.type != "cuda":
+            return CPU_BLOCKS
+        cfg = GPU_SMALL_M_BLOCKS if rows is not None and rows <= SMALL_M else GPU_BLOCKS
     if dtype is not None and ((k is not None and k * dtype.itemsize % 16) or dot_precision(dtype, device) == "ieee"):
-        cfg = replace(cfg, block_k=NARROW_BLOCK_K)
+        cfg = replace(cfg, block_k=min(cfg.block_k, NARROW_BLOCK_K))
     return cfg
+
+
+def _tuned_blocks(
+    device: torch.device, rows: int | None, dtype: torch.dtype | None, op: str | None, n: int | None
+) -> BlockConfig | None:
+    if op is None or rows is None or n is None or dtype is None or rows < 1 or n < 1:
+        return None
+    from . import tuned
+
+    tc = tuned.lookup(op, device, dtype, rows, n)
+    if tc is None:
+        return None
+    base = CPU_BLOCKS if device.type != "cuda" else GPU_BLOCKS
+    return BlockConfig(
+        block_m=tc.block_m,
+        block_n=tc.block_n,
+        block_k=tc.block_k,
+        num_warps=tc.num_warps,
+        num_stages=tc.num_stages,
+        ag_splits=base.ag_splits,
+        group_m=tc.group_m,
+    )
 
 
 def acc_dtype(dtype: torch.dtype) -> tl.dtype:
@@ -261,19 +296,93 @@ def local_launch(x: torch.Tensor, n: int) -> tuple[torch.Tensor, BlockConfig, tu
     return out, cfg, (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` with the fused ops' GEMM core (fp32 accumulate, fp64 for fp64); the W == 1 path.
+def default_config(x: torch.Tensor) -> GemmConfig:
+    """Today's GEMM of ``x [m, k]`` without a tuned file: the plain kernel with :func:`block_config`'s tiles."""
+    b = block_config(x.device, x.shape[0], x.shape[1], x.dtype)
+    return GemmConfig(b.block_m, b.block_n, b.block_k, b.num_warps, b.num_stages, b.group_m, "plain")
+
+
+def matmul_config(x: torch.Tensor, n: int) -> GemmConfig:
+    """The config the bare :func:`matmul` runs for ``x [m, k]`` and ``n`` columns: this GPU's tuned
+    file entry (:mod:`tuned`), else :func:`default_config`."""
+    m, k = x.shape
+    tc = None
+    if m > 0 and n > 0 and k > 0:
+        from . import tuned
+
+        tc = tuned.lookup("matmul", x.device, x.dtype, m, n, k)
+    return default_config(x) if tc is None else tc
+
+
+# Configs whose launch failed in this process (compile error, out of resources): not tried again.
+_failed: set[tuple[GemmConfig, torch.dtype]] = set()
+
+
+def matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: GemmConfig | None = None,
+    fallback: bool = True,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with the GEMM core (fp32 accumulate, fp64 for fp64); the W == 1 path.
 
     x ``[m, k]`` (any strides), weight ``[n, k]`` (any strides), bias ``[n]`` or None -> ``[m, n]``.
     Reference: ``torch.nn.functional.linear(x, weight, bias)``.
+
+    ``config`` (the tuner, tests): run this config instead of :func:`matmul_config`'s. A "tma"
+    config on operands TMA cannot address (unaligned rows, a transposed operand) runs the
+    "persistent" variant with the same tiles; pointer-loaded variants take the narrow ``block_k``
+    where :func:`block_config` does; a config that fails to compile or launch falls back to
+    :func:`default_config` with a warning (once per config and dtype); ``fallback=False`` (the
+    tuner) raises instead.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} are not [m, k] and [n, k]")
     m, k = x.shape
     n = weight.shape[0]
-    out, cfg, grid = local_launch(x, n)
-    if grid[0] == 0:
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
         return out
+    cfg = config if config is not None else matmul_config(x, n)
+    if cfg.variant != "plain" and (k == 0 or (cfg, x.dtype) in _failed):
+        cfg = default_config(x)
+    if cfg.variant != "plain":
+        from . import gemm_persistent
+
+        if cfg.variant == "tma" and not gemm_persistent.tma_usable(x, weight, out):
+            cfg = replace(cfg, variant="persistent")
+        cfg = _narrowed(x, cfg)
+        try:
+            gemm_persistent.launch(x, weight, bias, out, cfg, acc_dtype(x.dtype), dot_precision(x.dtype, x.device))
+            return out
+        except Exception as err:  # every compile or launch failure of a variant has one remedy
+            if not fallback:
+                raise
+            _failed.add((cfg, x.dtype))
+            warnings.warn(
+                f"matmul: GEMM config {cfg.label()} failed for {x.dtype} ({type(err).__name__}: {err}); "
+                "running the default plain kernel instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        cfg = default_config(x)
+    _launch_plain(x, weight, bias, out, _narrowed(x, cfg))
+    return out
+
+
+def _narrowed(x: torch.Tensor, cfg: GemmConfig) -> GemmConfig:
+    """``cfg`` with :func:`block_config`'s narrow ``block_k`` where pointer loads of ``x`` would spill."""
+    if cfg.variant == "tma" or block_config(x.device, x.shape[0], x.shape[1], x.dtype).block_k != NARROW_BLOCK_K:
+        return cfg
+    return replace(cfg, block_k=min(cfg.block_k, NARROW_BLOCK_K))
+
+
+def _launch_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg) -> None:
+    m, k = x.shape
+    n = weight.shape[0]
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     bias_arg = bias.contiguous() if bias is not None else out
     _matmul_kernel[grid](
         x,
@@ -299,4 +408,3 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return out

@@ -1,0 +1,260 @@
+"""Persistent GEMM kernels for Hopper: one program per SM walks output tiles in grouped order.
+
+``c = a @ b.T + bias`` for ``a [M, K]`` and ``b [N, K]`` (``F.linear`` layout). The grid is
+``min(SM count, tiles)``; program ``p`` computes tiles ``p, p + grid, p + 2 * grid, ...`` of the
+grouped order (:func:`tile_coords`, the same bijection as :func:`gemm.grouped_tile`), so a wave of
+resident programs reads a few A row panels and B column panels out of L2, and no launch pays for
+more programs than the GPU holds (the prologue of tile ``i + 1`` overlaps the epilogue of tile ``i``
+within one program's instruction stream).
+
+Two variants:
+
+* :func:`_tma_kernel`: A, B and C move through host-built TMA tensor descriptors
+  (``triton.tools.tensor_descriptor.TensorDescriptor``, supported by Triton 3.6 and later): one
+  ``cp.async.bulk.tensor`` (UTMALDG) per operand tile and k step; out-of-range rows and columns
+  read as zeros and are not written. Needs row-major operands whose rows start 16-byte aligned;
+* :func:`_pointer_kernel`: the same walk with masked pointer loads (cp.async), for any strides.
+
+``RECORD_WALK`` (tests only) adds 1 to ``walk[tile]`` for every tile a program computes, so a test
+can check that the walk covers every tile exactly once whatever order the programs run in.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm import dot_acc
+from .gemm_configs import GemmConfig
+from .runtime import triton_interpreted
+
+# Programs of an interpreted persistent launch: a few, so tests see several tiles per program.
+INTERPRETER_SMS = 3
+
+
+@triton.jit
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of tile ``tile_id`` in grouped order (a bijection onto the tile grid)."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile_id // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    local = tile_id % per_group
+    return first_m + local % group_rows, local // group_rows
+
+
+@triton.jit
+def _record(walk_ptr, tile_id, RECORD_WALK: tl.constexpr):
+    if RECORD_WALK:
+        tl.atomic_add(walk_ptr + tile_id, 1)
+
+
+@triton.jit
+def _tma_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    bias_ptr,
+    walk_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    RECORD_WALK: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile_id in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([off_m, k0])
+            b = b_desc.load([off_n, k0])
+            acc = dot_acc(a, b.T, acc, DOT_PRECISION, ACC_DTYPE)
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC_DTYPE)[None, :]
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+        _record(walk_ptr, tile_id, RECORD_WALK)
+
+
+@triton.jit
+def _pointer_kernel(
+    a_ptr,
+    b_ptr,
+    bias_ptr,
+    c_ptr,
+    walk_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    HAS_BIAS: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    RECORD_WALK: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile_id in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        # int64: offs * stride of a large (or transposed) operand may pass 2^31.
+        offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            mask_k = offs_k < K
+            a = tl.load(
+                a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
+                mask=mask_n[None, :] & mask_k[:, None],
+                other=0.0,
+            )
+            acc = dot_acc(a, b, acc, DOT_PRECISION, ACC_DTYPE)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
+        tl.store(
+            c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+            acc.to(c_ptr.dtype.element_ty),
+            mask=mask_m[:, None] & mask_n[None, :],
+        )
+        _record(walk_ptr, tile_id, RECORD_WALK)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs(device: torch.device, tiles: int) -> int:
+    """Grid of a persistent launch: one program per SM (a few under the interpreter), at most one per tile."""
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    else:
+        sms = INTERPRETER_SMS
+    return max(1, min(sms, tiles))
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+@functools.lru_cache(maxsize=1)
+def interpreter_supports_tma() -> bool:
+    """Whether this Triton's interpreter runs descriptor loads at runtime offsets (3.9 does; 3.6
+    fails with "only 0-dimensional arrays can be converted to Python scalars")."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a = torch.arange(32, dtype=torch.float32).reshape(2, 16)
+    out = torch.zeros(2, 4)
+    try:
+        _probe_kernel[(1,)](TensorDescriptor(a, [2, 16], [16, 1], [2, 4]), out, 8)
+    except Exception:
+        return False
+    return torch.equal(out, a[:, 8:12])
+
+
+@triton.jit
+def _probe_kernel(a_desc, out_ptr, k0):
+    offs = tl.arange(0, 2)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    tl.store(out_ptr + offs, a_desc.load([0, k0]))
+
+
+def tma_usable(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the TMA variant can run on these operands (else :func:`launch` needs "persistent")."""
+    if triton_interpreted() and not interpreter_supports_tma():
+        return False
+    return all(_rows_aligned(t) for t in (x, weight, out))
+
+
+def launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: GemmConfig,
+    acc_dtype: tl.dtype,
+    dot_precision: str,
+    walk: torch.Tensor | None = None,
+) -> None:
+    """``out = x @ weight.T + bias`` with the persistent kernel of ``cfg.variant`` ("tma" or "persistent").
+
+    ``walk`` (tests): int32 ``[tiles]`` that every computed tile increments. The caller checks
+    :func:`tma_usable` before asking for "tma".
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    programs = num_programs(x.device, tiles)
+    bias_arg = bias.contiguous() if bias is not None else out
+    walk_arg = walk if walk is not None else out
+    common = dict(
+        HAS_BIAS=bias is not None,
+        ACC_DTYPE=acc_dtype,
+        DOT_PRECISION=dot_precision,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        RECORD_WALK=walk is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.variant == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
+        b_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.block_n, cfg.block_k])
+        c_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [cfg.block_m, cfg.block_n])
+        _tma_kernel[(programs,)](a_desc, b_desc, c_desc, bias_arg, walk_arg, m, n, k, **common)
+    elif cfg.variant == "persistent":
+        _pointer_kernel[(programs,)](
+            x,
+            weight,
+            bias_arg,
+            out,
+            walk_arg,
+            m,
+            n,
+            k,
+            x.stride(0),
+            x.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            out.stride(0),
+            out.stride(1),
+            **common,
+        )
+    else:
+        raise ValueError(f"cfg.variant: {cfg.variant!r} is not a persistent variant ('tma' or 'persistent')")

@@ -1,0 +1,191 @@
+"""Tuned GEMM configurations: ``configs/tuned/<gpu-name>.yaml``, read at run time.
+
+``python -m bench --mode tune`` (:mod:`bench.tune`) writes one file per GPU model; the kernels read
+the file named after the GPU they run on (``gpu_name``: the CUDA device name in lower case, runs of
+other characters than letters and digits turned into ``-``, e.g. ``nvidia-h100-80gb-hbm3``). All
+ranks of a job read the same file, so they choose the same tiles. No file (or no entry for an op
+and dtype): the built-in defaults. ``COC_TUNED_DIR`` names another directory; a CPU file
+(``cpu.yaml``, from ``--mode tune --allow-cpu``) is read only from ``COC_TUNED_DIR``, so a CI run
+of the tuner never changes the tiles of the CPU test suite.
+
+File layout (``version: 1``)::
+
+    gpu: NVIDIA H100 80GB HBM3          # informational
+    entries:
+      - op: matmul                      # or all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce
+        dtype: bfloat16
+        m: 4096                         # the shape the entry was timed on
+        n: 8192
+        k: 8192
+        config: {block_m: 128, block_n: 256, block_k: 64, num_warps: 8, num_stages: 3, group_m: 8, variant: tma}
+        ms: 1.234                       # the config's time
+        cublas_ms: 1.201                # torch.matmul on the same shape
+
+Lookup (:func:`lookup`): the entry of the same op, dtype and shape family (:func:`gemm_configs.family`)
+nearest to the call's shape in ``|log2 m| + |log2 n| + |log2 k|`` (ties: the first in the file).
+For the fused ops ``k`` is left out of the distance: ranks may hold uneven ``k`` shards, and the tile
+counts that become signal targets must not depend on it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .gemm_configs import GemmConfig, family
+
+ENV_TUNED_DIR = "COC_TUNED_DIR"
+FILE_VERSION = 1
+OPS = ("matmul", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+FUSED_OPS = OPS[1:]
+DEFAULT_DIR = Path(__file__).resolve().parents[2] / "configs" / "tuned"
+
+
+@dataclass(frozen=True)
+class Entry:
+    op: str
+    dtype: str
+    m: int
+    n: int
+    k: int
+    config: GemmConfig
+    ms: float | None = None
+    cublas_ms: float | None = None
+
+    def to_dict(self) -> dict:
+        return dict(
+            op=self.op,
+            dtype=self.dtype,
+            m=self.m,
+            n=self.n,
+            k=self.k,
+            config=self.config.to_dict(),
+            ms=self.ms,
+            cublas_ms=self.cublas_ms,
+        )
+
+
+def gpu_name(device: torch.device) -> str:
+    """File stem of ``device``'s tuned file: ``cpu`` or the CUDA device name as a slug."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def tuned_path(device: torch.device) -> Path | None:
+    """The tuned file the kernels on ``device`` read (it may not exist), or None (CPU without ``COC_TUNED_DIR``)."""
+    directory = os.environ.get(ENV_TUNED_DIR)
+    if not directory:
+        if device.type != "cuda":
+            return None
+        return DEFAULT_DIR / f"{gpu_name(device)}.yaml"
+    return Path(directory) / f"{gpu_name(device)}.yaml"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse(doc: object, source: str) -> list[Entry]:
+    """Entries of a loaded tuned file; ValueError naming ``source`` and the bad key or value."""
+    if not isinstance(doc, dict) or doc.get("version") != FILE_VERSION:
+        got = doc.get("version") if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"{source}: version {got!r} is not {FILE_VERSION}")
+    raw = doc.get("entries")
+    if not isinstance(raw, list):
+        raise ValueError(f"{source}: entries must be a list, got {type(raw).__name__}")
+    entries = []
+    for i, e in enumerate(raw):
+        where = f"{source}: entries[{i}]"
+        if not isinstance(e, dict):
+            raise ValueError(f"{where} is not a mapping")
+        if e.get("op") not in OPS:
+            raise ValueError(f"{where}.op: {e.get('op')!r} is not one of {OPS}")
+        for key in ("m", "n", "k"):
+            if not isinstance(e.get(key), int) or e[key] < 1:
+                raise ValueError(f"{where}.{key}: {e.get(key)!r} is not a positive integer")
+        if not isinstance(getattr(torch, str(e.get("dtype")), None), torch.dtype):
+            raise ValueError(f"{where}.dtype: {e.get('dtype')!r} is not a torch dtype name")
+        try:
+            config = GemmConfig.from_dict(e.get("config") or {})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}.config: {err}") from err
+        if e["op"] in FUSED_OPS and config.variant != "plain":
+            raise ValueError(f"{where}.config.variant: {config.variant!r}; the fused ops' tile core is 'plain'")
+        entries.append(Entry(e["op"], e["dtype"], e["m"], e["n"], e["k"], config, e.get("ms"), e.get("cublas_ms")))
+    return entries
+
+
+_files: dict[Path, tuple[int, list[Entry]]] = {}
+
+
+def load(path: Path) -> list[Entry]:
+    """Entries of ``path`` (empty if it does not exist); re-read when its mtime changes."""
+    try:
+        mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return []
+    cached = _files.get(path)
+    if cached is not None and cached[0] == mtime:
+        return cached[1]
+    import yaml
+
+    with open(path) as f:
+        entries = parse(yaml.safe_load(f), str(path))
+    _files[path] = (mtime, entries)
+    return entries
+
+
+def _distance(e: Entry, m: int, n: int, k: int | None) -> float:
+    d = abs(math.log2(e.m / m)) + abs(math.log2(e.n / max(n, 1)))
+    return d if k is None else d + abs(math.log2(e.k / max(k, 1)))
+
+
+def nearest(entries: list[Entry], op: str, dtype: torch.dtype, m: int, n: int, k: int | None) -> Entry | None:
+    """The entry :func:`lookup` picks among ``entries`` (see the module docstring), or None."""
+    fam = family(m)
+    best, best_d = None, math.inf
+    for e in entries:
+        if e.op != op or e.dtype != dtype_name(dtype) or family(e.m) != fam:
+            continue
+        d = _distance(e, max(m, 1), n, k)
+        if d < best_d:
+            best, best_d = e, d
+    return best
+
+
+def lookup(
+    op: str, device: torch.device, dtype: torch.dtype, m: int, n: int, k: int | None = None
+) -> GemmConfig | None:
+    """The tuned config of ``op`` for an ``m x n x k`` GEMM on ``device``, or None (use the defaults).
+
+    ``k`` is ignored for the fused ops (see the module docstring).
+    """
+    if op not in OPS:
+        raise ValueError(f"op: {op!r} is not one of {OPS}")
+    path = tuned_path(device)
+    if path is None:
+        return None
+    entries = load(path)
+    if not entries:
+        return None
+    e = nearest(entries, op, dtype, m, n, None if op in FUSED_OPS else k)
+    return None if e is None else e.config
+
+
+def write(path: Path, entries: list[Entry], meta: dict) -> None:
+    """Write a tuned file (``meta``'s keys first, then the entries), creating its directory."""
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = dict(version=FILE_VERSION, **meta, entries=[e.to_dict() for e in entries])
+    tmp = path.with_suffix(".yaml.tmp")
+    with open(tmp, "w") as f:
+        yaml.safe_dump(doc, f, sort_keys=False, default_flow_style=None, width=120)
+    os.replace(tmp, path)

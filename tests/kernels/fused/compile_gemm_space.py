@@ -1,0 +1,142 @@
+"""Compile every config of the GEMM space (:mod:`kernels.fused.gemm_configs`) for sm_90a; run by
+``test_compile_sm90.py`` in a subprocess per installed Triton (no ``TRITON_INTERPRET``).
+
+Each config is compiled in its variant's kernel, as :func:`kernels.fused.gemm.matmul` launches it on
+an H100 (bf16 operands; fp16 for one config per variant: the same instructions with another type
+suffix), on a shape of its family with 16-byte aligned rows. The SASS must show
+
+* 0 bytes of local memory (spills),
+* wgmma (``HGMMA``): the tile reaches Hopper's tensor cores, not mma.sync,
+* ``UTMALDG`` for the TMA variant (operand tiles by TMA), and for the pointer variants 128-bit global
+  loads (``LDGSTS...128``: cp.async of 16 bytes, or ``LDG...128``).
+
+``python -m tests.kernels.fused.compile_gemm_space`` prints one line per config.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+_WGMMA = re.compile(r"\bHGMMA\.")
+_TMA_LOAD = re.compile(r"\bUTMALDG\b")
+_LOAD_128 = re.compile(r"\b(?:LDGSTS|LDG)\.E(?:\.[A-Z0-9_]+)*\.128\b")
+# (m, n, k) compiled per family: LLaMA-70B TP8 widths; m only matters through its divisibility.
+FAMILY_SHAPE = {"decode": (16, 8192, 8192), "medium": (512, 8192, 1024), "large": (4096, 7168, 8192)}
+
+
+def sass(kernel) -> str:
+    from tests.kernels.fused.test_compile_sm90 import _tool
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _args(cfg, shape, dtype) -> tuple[object, dict]:
+    """``(kernel, example arguments)`` of a launch of ``cfg`` on ``shape`` in ``dtype``."""
+    import torch
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from kernels.fused import gemm, gemm_persistent
+
+    m, n, k = shape
+
+    def t(dt=dtype):
+        return torch.empty(64, dtype=dt)
+
+    blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
+    common = dict(HAS_BIAS=True, ACC_DTYPE=tl.float32, DOT_PRECISION="tf32", **blocks)
+    persistent = dict(NUM_PROGRAMS=132, RECORD_WALK=False)
+    if cfg.variant == "tma":
+        base = t()
+        descs = dict(
+            a_desc=TensorDescriptor(base, [m, k], [k, 1], [cfg.block_m, cfg.block_k]),
+            b_desc=TensorDescriptor(base, [n, k], [k, 1], [cfg.block_n, cfg.block_k]),
+            c_desc=TensorDescriptor(base, [m, n], [n, 1], [cfg.block_m, cfg.block_n]),
+        )
+        return gemm_persistent._tma_kernel, dict(
+            **descs, bias_ptr=t(), walk_ptr=t(torch.int32), M=m, N=n, K=k, **common, **persistent
+        )
+    ptrs = dict(M=m, N=n, K=k, stride_am=k, stride_ak=1, stride_bn=k, stride_bk=1, stride_cm=n, stride_cn=1, **common)
+    if cfg.variant == "persistent":
+        return gemm_persistent._pointer_kernel, dict(
+            a_ptr=t(), b_ptr=t(), bias_ptr=t(), c_ptr=t(), walk_ptr=t(torch.int32), **ptrs, **persistent
+        )
+    return gemm._matmul_kernel, dict(a_ptr=t(), b_ptr=t(), bias_ptr=t(), c_ptr=t(), **ptrs)
+
+
+def cases():
+    """``(label, config, shape, dtype)`` for every config of the space."""
+    import torch
+
+    from kernels.fused import gemm_configs
+
+    out = []
+    fp16_done = set()
+    for fam in gemm_configs.FAMILIES:
+        for cfg in gemm_configs.space(fam):
+            out.append((f"{fam} {cfg.label()} bfloat16", cfg, FAMILY_SHAPE[fam], torch.bfloat16))
+            # fp16 is the same code with another type suffix: one config per variant keeps CI time bounded.
+            if cfg.variant not in fp16_done:
+                fp16_done.add(cfg.variant)
+                out.append((f"{fam} {cfg.label()} float16", cfg, FAMILY_SHAPE[fam], torch.float16))
+    return out
+
+
+def check(kernel, variant: str) -> list[str]:
+    """What ``kernel`` (compiled for sm_90a) lacks of the module docstring's properties."""
+    from tests.kernels.fused.test_compile_sm90 import resources
+
+    problems = []
+    _, spilled = resources(kernel)
+    code = sass(kernel)
+    if spilled:
+        problems.append(f"{spilled} bytes spilled")
+    if not _WGMMA.search(code):
+        problems.append("no wgmma (HGMMA) in the SASS")
+    if variant == "tma" and not _TMA_LOAD.search(code):
+        problems.append("no TMA load (UTMALDG) in the SASS")
+    if variant != "tma" and not _LOAD_128.search(code):
+        problems.append("no 128-bit global load in the SASS")
+    return problems
+
+
+def main() -> None:
+    import triton
+
+    from tests.kernels.fused.test_compile_sm90 import compile_like_launch, resources
+
+    start = time.time()
+    failures = []
+    seen = set()
+    print(f"Triton {triton.__version__}: {'config':58} {'regs':>5} {'spill B':>8}  sass")
+    for label, cfg, shape, dtype in cases():
+        key = (cfg, dtype)
+        if key in seen:  # a tile shared by two families compiles to the same kernel
+            continue
+        seen.add(key)
+        fn, args = _args(cfg, shape, dtype)
+        try:
+            kernel = compile_like_launch(fn, args, cfg.num_warps, cfg.num_stages)
+        except Exception as err:
+            failures.append(f"{label}: does not compile ({type(err).__name__}: {str(err)[:300]})")
+            continue
+        regs, spilled = resources(kernel)
+        problems = check(kernel, cfg.variant)
+        print(f"{label:66} {regs:5d} {spilled:8d}  {'ok' if not problems else '; '.join(problems)}", flush=True)
+        failures += [f"{label}: {p}" for p in problems]
+    print(f"{len(seen)} kernels in {time.time() - start:.1f} s")
+    if failures:
+        print("FAILED\n" + "\n".join(failures))
+        sys.exit(1)
+    print("gemm space compiled: no spills, wgmma everywhere, TMA / 128-bit loads as the variant says")
+
+
+if __name__ == "__main__":
+    main()
