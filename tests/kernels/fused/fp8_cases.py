@@ -1,0 +1,202 @@
+"""Inputs, fp64 reference, bound and rank bodies of the fused FP8 tests (module level so rank pools can unpickle them).
+
+Semantics checked (``W`` ranks, rank ``r`` holds FP8 ``x_r`` with ``xs_r`` and ``w_r`` with ``ws_r``)::
+
+    dq(p, s) = p.double() * s broadcast      (tensor: scalar; row: per row; block: x per row per 128
+                                              columns, w per 128 x 128 block; partial blocks at the edges)
+    ag:  y = cat(dq(x_0, xs_0) .. dq(x_{W-1}, xs_{W-1})) @ dq(w, ws).T + b
+    rs:  y = (sum_r dq(x_r, xs_r) @ dq(w_r, ws_r).T + b)[rows of rank r]
+    ar:  y = sum_r dq(x_r, xs_r) @ dq(w_r, ws_r).T + b
+
+Bound (elementwise, ``S = |dq(x)| @ |dq(w)|.T + |b|`` summed like y, ``u = eps32 / 2``): FP8
+products are exact in fp32; a 128-deep block sums at most 128 of them (``<= 127 u`` relative to its
+share of ``S``); scaling a block sum by ``xs * ws`` costs 2 roundings; adding ``ceil(k / 128)``
+blocks costs ``ceil(k / 128) u``; tensor / row scales applied at the end cost 2 roundings; the W
+partials and the bias add ``(W + 1) u``; the output rounding adds ``eps(out) / 2`` of ``|y|``. All
+together at most ``(k + ceil(k / 128) + W + 5) u + eps(out) / 2``; the test takes
+``(k + ceil(k / 128) + W + 5) * eps32 + eps(out)`` (a margin of 2, nothing tuned).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from kernels.testing import presize, scramble
+
+BLOCK = 128
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def quantize(t: torch.Tensor, mode: str, weight: bool, dtype: torch.dtype = torch.float8_e4m3fn):
+    """``(payload, scale)`` of ``t`` with amax / fp8-max scales (block: 1x128 rows, 128x128 for a weight)."""
+    top = FP8_MAX[dtype]
+    if mode == "tensor":
+        scale = (t.abs().amax() / top).clamp(min=1e-12).float()
+        return (t / scale).to(dtype), scale
+    if mode == "row":
+        scale = (t.abs().amax(dim=1, keepdim=True) / top).clamp(min=1e-12).float()
+        return (t / scale).to(dtype), scale
+    rows, cols = t.shape
+    row_block = BLOCK if weight else 1
+    grid = torch.nn.functional.pad(t.abs(), (0, -cols % BLOCK, 0, -rows % row_block))
+    grid = grid.reshape(-1, row_block, grid.shape[1] // BLOCK, BLOCK)
+    scale = (grid.amax(dim=(1, 3)) / top).clamp(min=1e-12).float()
+    return (t / expand(scale, mode, weight, rows, cols)).to(dtype), scale.contiguous()
+
+
+def expand(scale: torch.Tensor, mode: str, weight: bool, rows: int, cols: int) -> torch.Tensor:
+    """``scale`` broadcast to ``[rows, cols]`` (the dequantization's layout)."""
+    if mode != "block":
+        return scale.expand(rows, cols) if scale.dim() else scale.reshape(1, 1).expand(rows, cols)
+    full = scale.repeat_interleave(BLOCK, dim=1)[:, :cols]
+    return full.repeat_interleave(BLOCK, dim=0)[:rows] if weight else full
+
+
+def dequant(payload: torch.Tensor, scale: torch.Tensor, mode: str, weight: bool) -> torch.Tensor:
+    rows, cols = payload.shape
+    return payload.double() * expand(scale.double(), mode, weight, rows, cols)
+
+
+def bound_coefficient(out_dtype: torch.dtype, k: int, world: int) -> float:
+    """``c`` of ``|y - y_ref| <= c * S`` (module docstring)."""
+    eps32 = torch.finfo(torch.float32).eps
+    return (k + math.ceil(k / BLOCK) + world + 5) * eps32 + torch.finfo(out_dtype).eps
+
+
+def make_inputs(op: str, world: int, m: int, k: int, n: int, mode: str, bias: bool, out_dtype, seed: int):
+    """Every rank's ``(x, xs)`` and ``(w, ws)`` (same on every rank: same seed) and the bias.
+
+    ``ag``: ``m`` rows per rank, one weight; ``rs``: ``m * W`` rows; ``ar``: ``m`` rows. Rows are
+    scaled by powers of 2 so tensor, row and block scales see different magnitudes.
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows = m * world if op == "rs" else m
+
+    def rand(r: int, c: int) -> torch.Tensor:
+        return torch.randn(r, c, generator=g) * torch.exp2(torch.randint(-3, 4, (r, 1), generator=g).float())
+
+    raw = [rand(rows, k) for _ in range(world)]
+    if mode == "tensor" and op.startswith("ag"):
+        # The all-gather's tensorwise x_scale is one global scale: every rank passes the same.
+        top = max(float(t.abs().amax()) for t in raw)
+        scale = torch.tensor(top / FP8_MAX[torch.float8_e4m3fn])
+        xs = [((t / scale).to(torch.float8_e4m3fn), scale) for t in raw]
+    else:
+        xs = [quantize(t, mode, False) for t in raw]
+    w_one = quantize(rand(n, k), mode, True)
+    ws = [w_one] * world if op.startswith("ag") else [quantize(rand(n, k), mode, True) for _ in range(world)]
+    b = torch.randn(n, generator=g).to(out_dtype) if bias else None
+    return xs, ws, b
+
+
+def reference(op: str, mode: str, xs, ws, b, rank: int, out_dtype: torch.dtype):
+    """``(y, bound)`` in fp64 from every rank's inputs."""
+    world = len(xs)
+    k = xs[0][0].shape[1]
+    dx = [dequant(p, s, mode, False) for p, s in xs]
+    dw = [dequant(p, s, mode, True) for p, s in ws]
+    b64 = b.double() if b is not None else torch.zeros(dw[0].shape[0], dtype=torch.float64)
+    if op.startswith("ag"):
+        xg = torch.cat(dx)
+        y, s = xg @ dw[0].T + b64, xg.abs() @ dw[0].abs().T + b64.abs()
+    else:
+        y = sum(dx[i] @ dw[i].T for i in range(world)) + b64
+        s = sum(dx[i].abs() @ dw[i].abs().T for i in range(world)) + b64.abs()
+        if op == "rs":
+            rows = y.shape[0] // world
+            y, s = y[rank * rows : (rank + 1) * rows], s[rank * rows : (rank + 1) * rows]
+    return y, bound_coefficient(out_dtype, k, world) * s
+
+
+def run_op(op: str, mode: str, x, xs, w, ws, b, out_dtype, group):
+    from kernels.fused.ag_gemm_fp8 import all_gather_scaled_matmul
+    from kernels.fused.gemm_ar_fp8 import scaled_matmul_all_reduce
+    from kernels.fused.gemm_rs_fp8 import scaled_matmul_reduce_scatter
+
+    if op in ("ag", "ag_v2"):
+        return all_gather_scaled_matmul(x, xs, w, ws, b, mode, out_dtype, group, op == "ag_v2")
+    if op == "rs":
+        return scaled_matmul_reduce_scatter(x, xs, w, ws, b, mode, out_dtype, group, True)
+    algorithm = {"ar_one": "one_shot", "ar_two": "two_shot"}.get(op, "auto")
+    return scaled_matmul_all_reduce(x, xs, w, ws, b, mode, out_dtype, group, True, algorithm)
+
+
+def check(what: str, got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, out_dtype: torch.dtype) -> None:
+    assert tuple(got.shape) == tuple(want.shape) and got.dtype == out_dtype, (
+        f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {out_dtype}"
+    )
+    excess = (got.double() - want).abs() - bound
+    assert got.numel() == 0 or float(excess.max()) <= 0, (
+        f"{what}: error exceeds the bound by {float(excess.max()):.3g} at {int(excess.argmax())}"
+    )
+
+
+def gathered_scales(mode: str, xs, rank: int) -> torch.Tensor:
+    """What the gathered scale output must hold: every rank's scale rows (tensor: this rank's scalar)."""
+    return xs[rank][1] if mode == "tensor" else torch.cat([s for _, s in xs])
+
+
+def check_case(rank, world, group, op, mode, m, k, n, bias, out_dtype, seed) -> None:
+    xs, ws, b = make_inputs(op, world, m, k, n, mode, bias, out_dtype, seed)
+    what = f"{op} {mode} W={world} m={m} k={k} n={n} bias={bias} out={out_dtype} rank={rank}"
+    scramble(group, torch.device("cpu"))
+    got = run_op(op, mode, *xs[rank], *ws[rank], b, out_dtype, group)
+    if op == "ag_v2":
+        got, x_gathered, s_gathered = got
+        payload = torch.cat([p for p, _ in xs])
+        assert x_gathered.dtype == payload.dtype, f"{what}: gathered dtype {x_gathered.dtype}"
+        assert torch.equal(x_gathered.view(torch.uint8), payload.view(torch.uint8)), f"{what}: gathered bytes differ"
+        want_s = gathered_scales(mode, xs, rank)
+        assert s_gathered.dtype == torch.float32 and torch.equal(s_gathered, want_s), f"{what}: gathered scales differ"
+    check(what, got, *reference(op, mode, xs, ws, b, rank, out_dtype), out_dtype)
+
+
+def ops_body(rank: int, world: int, modes: tuple[str, ...], ops: tuple[str, ...], shapes) -> int:
+    """Every op x mode on this group for every ``(m, k, n, bias, out_dtype)`` in ``shapes``."""
+    group = dist.group.WORLD
+    presize(group, torch.device("cpu"))
+    done = 0
+    for i, (m, k, n, bias, out_dtype) in enumerate(shapes):
+        for mode in modes:
+            for op in ops:
+                check_case(rank, world, group, op, mode, m, k, n, bias, out_dtype, seed=100 * i + len(op) + len(mode))
+                done += 1
+    return done
+
+
+def determinism_body(rank: int, world: int, mode: str) -> dict[str, list[torch.Tensor]]:
+    """Three calls of each reducing op on the same inputs, the heap scrambled before each."""
+    group = dist.group.WORLD
+    presize(group, torch.device("cpu"))
+    outs: dict[str, list[torch.Tensor]] = {}
+    for op in ("rs", "ar_one", "ar_two"):
+        xs, ws, b = make_inputs(op, world, 7, 200, 24, mode, True, torch.bfloat16, 5)
+        outs[op] = []
+        for _ in range(3):
+            scramble(group, torch.device("cpu"))
+            outs[op].append(run_op(op, mode, *xs[rank], *ws[rank], b, torch.bfloat16, group))
+    return outs
+
+
+def mismatch_body(rank: int, world: int, field: str) -> str:
+    """Rank 1 differs from rank 0 in one field; every rank must raise naming it."""
+    group = dist.new_group(list(range(world)))
+    mode, out_dtype, w_dtype = "block", torch.bfloat16, torch.float8_e4m3fn
+    if rank == 1:
+        if field == "quant_mode":
+            mode = "row"
+        elif field == "out_dtype":
+            out_dtype = torch.float32
+        else:
+            w_dtype = torch.float8_e5m2
+    g = torch.Generator().manual_seed(3)
+    x, xs = quantize(torch.randn(6, 40, generator=g), mode, False)
+    w, ws = quantize(torch.randn(8, 40, generator=g), mode, True, w_dtype)
+    try:
+        run_op("ar", mode, x, xs, w, ws, None, out_dtype, group)
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError("a call whose ranks disagree returned")

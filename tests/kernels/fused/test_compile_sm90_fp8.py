@@ -1,0 +1,338 @@
+"""The fused FP8 kernels compile for sm_90a without a GPU, with FP8 wgmma and without spills.
+
+The method of :mod:`tests.kernels.fused.test_compile_sm90` (each kernel compiled in a subprocess
+under the argument specialization of a real launch, Triton's bundled ptxas), for every kernel the
+FP8 ops launch: the scaled GEMMs (W == 1, all-gather, scatter), the push of payload and scale
+rows, and the fp32 reduce / gather specializations of the shared reduction kernels. Each must
+
+* spill nothing (local memory in the cubin);
+* on aligned shapes (``k % 16 == 0``), multiply with FP8 wgmma: the SASS holds ``QGMMA`` with FP8
+  operand types (``.E4M3.E4M3``; ``.E5M2.E4M3`` for an e5m2 x), which is how sm_90 SASS spells
+  the FP8 form of HGMMA, and the operand tiles reach shared memory by 16-byte cp.async;
+* on unaligned shapes (``k % 16 != 0``) take the 16-deep fp16 path (``gemm_fp8.fp8_dot``): HGMMA
+  with fp16 operands; FP8 k steps of 32 or more spilled there.
+
+The registers, spills and GMMA forms of every kernel are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from kernels.testing import REPO_ROOT
+from tests.kernels.fused.test_compile_sm90 import _CP_ASYNC_16, _tool, compile_like_launch, resources
+
+_GMMA = re.compile(r"\b([HQ]GMMA)\.(\d+x\d+x\d+)\.F32((?:\.[A-Z0-9]+)*)")
+
+
+def gmma_forms(kernel) -> set[str]:
+    """The (H|Q)GMMA forms in the kernel's SASS, e.g. ``QGMMA.E4M3.E4M3``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
+    return {name + types for name, _, types in _GMMA.findall(sass)}
+
+
+def _cases():
+    """``(label, kernel, args, num_warps, num_stages, expected GMMA form or None)``."""
+    import torch
+    import triton.language as tl
+
+    from kernels.fused import ag_gemm_fp8, gemm_ar, gemm_fp8, gemm_rs, gemm_rs_fp8, signals
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+    def t(dtype=e4m3):
+        return torch.empty(64, dtype=dtype)
+
+    cuda = torch.device("cuda")
+    tab = t(torch.int64)
+    timeout = 60 * 10**9
+    cases = []
+    # (W, k, n, rows per owner): LLaMA-70B TP8-like aligned shapes, decode-size m, k % 16 == 8.
+    for w, k, n, rows in ((8, 8192, 7168, 512), (8, 8192, 7168, 16), (4, 4104, 4100, 1024)):
+        aligned = k % 16 == 0
+        fp8_form = "QGMMA.E4M3.E4M3" if aligned else "HGMMA"
+        tag = f"{'' if aligned else 'unaligned '}W={w} k={k} n={n} rows={rows}"
+        cfg = gemm_fp8.fp8_block_config(cuda, rows, k)
+        blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+        off = {c: signals.channel_offset(c, w) for c in range(signals.NUM_CHANNELS)}
+        sig = dict(sig_tab_ptr=tab, rank=w - 2, timeout=timeout, USE_GLOBALTIMER=True)
+        ld = gemm_rs.slot_stride(n)
+        for mode in ("row", "block") if aligned else ("block",):
+            sk = gemm_fp8.scale_cols(mode, k)
+            per_block = mode == "block"
+            # x scales [m, sk]; w scales [ceil(n / 128), sk] (block) or [n, 1] (row).
+            xs_strides = dict(stride_xsm=sk, stride_xsk=1 if per_block else 0)
+            ws_strides = dict(stride_wsn=sk if per_block else 1, stride_wsk=1 if per_block else 0)
+            cases.append(
+                (
+                    f"ag_scaled_gemm {mode} {tag}",
+                    ag_gemm_fp8._ag_scaled_gemm_kernel,
+                    dict(
+                        x_ptr=t(),
+                        xs_ptr=t(torch.float32),
+                        data_tab_ptr=tab,
+                        w_ptr=t(),
+                        ws_ptr=t(torch.float32),
+                        bias_ptr=t(torch.bfloat16),
+                        y_ptr=t(torch.bfloat16),
+                        g_ptr=t(),
+                        gs_ptr=t(torch.float32),
+                        M_LOCAL=rows,
+                        N=n,
+                        K=k,
+                        SK=sk,
+                        s_base=ag_gemm_fp8.scale_base(w, rows, k),
+                        n_tiles=-(-n // cfg.block_n),
+                        chunk_rows=256,
+                        stride_xm=k,
+                        stride_xk=1,
+                        **xs_strides,
+                        stride_wn=k,
+                        stride_wk=1,
+                        **ws_strides,
+                        stride_ym=n,
+                        stride_yn=1,
+                        flag_offset=off[signals.CH_AG],
+                        WORLD=w,
+                        CHANNEL=signals.CH_AG,
+                        FLAG_STRIDE=signals.AG_MAX_SPLITS,
+                        HAS_BIAS=True,
+                        STORE_A=True,
+                        STORE_S=True,
+                        PER_BLOCK=per_block,
+                        BLOCK_S=min(64, 1 << (sk - 1).bit_length()),
+                        **sig,
+                        **blocks,
+                    ),
+                    cfg.num_warps,
+                    cfg.num_stages,
+                    fp8_form,
+                )
+            )
+            cases.append(
+                (
+                    f"push_scaled_shard {mode} {tag}",
+                    ag_gemm_fp8._push_scaled_shard_kernel,
+                    dict(
+                        x_ptr=t(),
+                        xs_ptr=t(torch.float32),
+                        data_tab_ptr=tab,
+                        sig_tab_ptr=tab,
+                        M_LOCAL=rows,
+                        K=k,
+                        SK=sk,
+                        s_base=ag_gemm_fp8.scale_base(w, rows, k),
+                        stride_xm=k,
+                        stride_xk=1,
+                        stride_xsm=sk,
+                        stride_xsk=1,
+                        chunk_rows=256,
+                        n_chunks=4,
+                        rank=w - 2,
+                        WORLD=w,
+                        FLAG_OFFSET=off[signals.CH_AG],
+                        FLAG_STRIDE=signals.AG_MAX_SPLITS,
+                        BLOCK_R=32,
+                        BLOCK_K=256,
+                        BLOCK_S=min(64, 1 << (sk - 1).bit_length()),
+                    ),
+                    4,
+                    3,
+                    None,
+                )
+            )
+            for broadcast in (False, True) if per_block else (False,):
+                cases.append(
+                    (
+                        f"scaled_gemm_scatter {mode} broadcast={broadcast} {tag}",
+                        gemm_rs_fp8._scaled_gemm_scatter_kernel,
+                        dict(
+                            x_ptr=t(),
+                            xs_ptr=t(torch.float32),
+                            w_ptr=t(),
+                            ws_ptr=t(torch.float32),
+                            data_tab_ptr=tab,
+                            M=w * rows,
+                            N=n,
+                            K=k,
+                            LD=ld,
+                            ROWS_OWN=rows,
+                            stride_xm=k,
+                            stride_xk=1,
+                            **xs_strides,
+                            stride_wn=k,
+                            stride_wk=1,
+                            **ws_strides,
+                            done_offset=off[signals.CH_DONE],
+                            cnt_offset=off[signals.CH_RS],
+                            WORLD=w,
+                            BROADCAST=broadcast,
+                            PER_BLOCK=per_block,
+                            GROUP_M=cfg.group_m,
+                            **sig,
+                            **blocks,
+                        ),
+                        cfg.num_warps,
+                        cfg.num_stages,
+                        fp8_form,
+                    )
+                )
+        if aligned and rows > 64:
+            # The shared reduction kernels in the FP8 ops' specialization: fp32 slots and output.
+            for push in (False, True):
+                cases.append(
+                    (
+                        f"reduce_slots fp32 push={push} {tag}",
+                        gemm_rs._reduce_slots_kernel,
+                        dict(
+                            data_tab_ptr=tab,
+                            bias_ptr=t(torch.bfloat16),
+                            out_ptr=t(torch.float32),
+                            ROWS_OWN=rows,
+                            ROWS_VALID=rows,
+                            N=n,
+                            LD=ld,
+                            stride_om=n,
+                            stride_on=1,
+                            target=7 * w,
+                            cnt_offset=off[signals.CH_RS],
+                            done_offset=off[signals.CH_DONE],
+                            push_offset=off[signals.CH_AR],
+                            push_base=w * rows * ld,
+                            WORLD=w,
+                            CHANNEL=signals.CH_RS,
+                            HAS_BIAS=True,
+                            PUSH=push,
+                            ACC_DTYPE=tl.float32,
+                            BLOCK_M=cfg.block_m,
+                            BLOCK_N=cfg.block_n,
+                            **sig,
+                        ),
+                        cfg.num_warps,
+                        1,
+                        None,
+                    )
+                )
+            cases.append(
+                (
+                    f"gather_rows fp32 {tag}",
+                    gemm_ar._gather_rows_kernel,
+                    dict(
+                        data_tab_ptr=tab,
+                        out_ptr=t(torch.float32),
+                        M=w * rows,
+                        N=n,
+                        LD=ld,
+                        ROWS_OWN=rows,
+                        stride_om=n,
+                        stride_on=1,
+                        target=7 * w,
+                        o_base=w * rows * ld,
+                        ar_offset=off[signals.CH_AR],
+                        WORLD=w,
+                        CHANNEL=signals.CH_AR,
+                        BLOCK_M=cfg.block_m,
+                        BLOCK_N=cfg.block_n,
+                        **sig,
+                    ),
+                    cfg.num_warps,
+                    1,
+                    None,
+                )
+            )
+    # The W == 1 GEMM: every mode, an e5m2 x (gradients), decode-size m.
+    for mode, x_dtype, m in (("tensor", e4m3, 4096), ("row", e4m3, 4096), ("block", e4m3, 4096), ("block", e5m2, 16)):
+        k, n = 8192, 7168
+        cfg = gemm_fp8.fp8_block_config(cuda, m, k)
+        sk = gemm_fp8.scale_cols(mode, k)
+        strides = {"tensor": (0, 0, 0, 0), "row": (1, 0, 1, 0), "block": (sk, 1, sk, 1)}[mode]
+        cases.append(
+            (
+                f"scaled_matmul {mode} x={x_dtype} m={m}",
+                gemm_fp8._scaled_matmul_kernel,
+                dict(
+                    a_ptr=t(x_dtype),
+                    as_ptr=t(torch.float32),
+                    b_ptr=t(),
+                    bs_ptr=t(torch.float32),
+                    bias_ptr=t(torch.bfloat16),
+                    c_ptr=t(torch.bfloat16),
+                    M=m,
+                    N=n,
+                    K=k,
+                    stride_am=k,
+                    stride_ak=1,
+                    stride_asm=strides[0],
+                    stride_ask=strides[1],
+                    stride_bn=k,
+                    stride_bk=1,
+                    stride_bsn=strides[2],
+                    stride_bsk=strides[3],
+                    stride_cm=n,
+                    stride_cn=1,
+                    PER_BLOCK=mode == "block",
+                    HAS_BIAS=True,
+                    GROUP_M=cfg.group_m,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_K=cfg.block_k,
+                ),
+                cfg.num_warps,
+                cfg.num_stages,
+                "QGMMA.E5M2.E4M3" if x_dtype == e5m2 else "QGMMA.E4M3.E4M3",
+            )
+        )
+    return cases
+
+
+def main() -> None:
+    import triton
+
+    failures = []
+    print(f"Triton {triton.__version__}")
+    print(f"{'kernel':62} {'regs':>5} {'spill B':>8}  GMMA")
+    for label, fn, args, num_warps, num_stages, form in _cases():
+        kernel = compile_like_launch(fn, args, num_warps, num_stages)
+        regs, spills = resources(kernel)
+        forms = gmma_forms(kernel)
+        print(f"{label:62} {regs:5d} {spills:8d}  {' '.join(sorted(forms)) or '-'}", flush=True)
+        if spills:
+            failures.append(f"{label}: {spills} bytes of register spills")
+        if form is not None and forms != {form}:
+            failures.append(f"{label}: GMMA forms {sorted(forms)}, want only {form}")
+        if form is not None and form.startswith("QGMMA") and not _CP_ASYNC_16.search(kernel.asm["ptx"]):
+            failures.append(f"{label}: no 16-byte cp.async (FP8 operand loads not pipelined)")
+    if failures:
+        print("FAILED\n" + "\n".join(failures))
+        sys.exit(1)
+    print("compiled: no spills, FP8 wgmma in every aligned FP8 GEMM")
+
+
+def test_fp8_kernels_compile_for_sm90():
+    if not all(os.path.exists(_tool(name)) for name in ("ptxas", "cuobjdump")):
+        pytest.skip("Triton's bundled ptxas or cuobjdump is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", "import tests.kernels.fused.test_compile_sm90_fp8 as t; t.main()"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "compiled: no spills, FP8 wgmma" in proc.stdout
