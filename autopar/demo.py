@@ -22,9 +22,7 @@ import datetime
 import gc
 import os
 import sys
-import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,7 +265,8 @@ def gpus_for_every_rank(world: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= local_world
 
 
-def _rank_main(rank: int, world: int, init_method: str, args: argparse.Namespace, local_rank: int) -> bool:
+def _rank_main(rank: int, world: int, args: argparse.Namespace, local_rank: int) -> bool:
+    """One torchrun rank: join the group torchrun describes, run, rank 0 prints the table."""
     use_cuda = gpus_for_every_rank(world)
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
@@ -275,19 +274,13 @@ def _rank_main(rank: int, world: int, init_method: str, args: argparse.Namespace
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        # Without GPUs the fused Triton kernels can only run in the interpreter; it must be chosen
-        # before triton is first imported (kernels are imported lazily, below).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
         torch.set_num_threads(1)
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout)
-    )
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
     try:
         rows = run_rank(args, device)
-        ok = all(r.ok for r in rows)
         if rank == 0:
             print(format_table(rows, world, backend, device), flush=True)
-        return ok
+        return all(r.ok for r in rows)
     finally:
         # The TP modules hold the group; one still alive at destroy_process_group() can end the
         # process in "terminate called without an active exception" (upstream torch). They were
@@ -296,14 +289,32 @@ def _rank_main(rank: int, world: int, init_method: str, args: argparse.Namespace
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, init_method: str, args: argparse.Namespace, status: Any) -> None:
+def spawned_rank(rank: int, world: int, args: argparse.Namespace) -> list[Row]:
+    """One rank started by :func:`kernels.testing.run_ranks` (its group is up): this rank's rows."""
+    device = torch.device("cuda", torch.cuda.current_device()) if gpus_for_every_rank(world) else torch.device("cpu")
     try:
-        ok = _rank_main(rank, world, init_method, args, local_rank=rank)
-    except BaseException:
-        traceback.print_exc()
-        status.put((rank, False))
-        raise
-    status.put((rank, ok))
+        return run_rank(args, device)
+    finally:
+        gc.collect()  # as in _rank_main: no TP module may outlive this call holding the group
+
+
+def _reexec_with_interpreter(argv: list[str] | None) -> None:
+    """Restart this process with ``TRITON_INTERPRET=1`` if triton was imported without it.
+
+    ``python -m autopar.demo`` imports the autopar package, hence kernels and triton, before this
+    module runs, and triton fixes interpreted-or-compiled when a kernel is defined: setting the
+    variable now is too late (the fused path then dies with "Cannot call @triton.jit'd outside of
+    the scope of a kernel"). The same pid keeps torchrun's bookkeeping intact.
+    """
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "triton" not in sys.modules:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    rest = sys.argv[1:] if argv is None else argv
+    os.execv(sys.executable, [sys.executable, "-m", "autopar.demo", *rest])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -327,7 +338,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=[p.label for p in PATHS],
         help="paths to run (default: all available)",
     )
-    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="seconds the whole run may take before its ranks are declared hung (and a collective's timeout "
+        "under torchrun)",
+    )
     args = p.parse_args(argv)
     if args.steps < 1 or args.interpreter_steps < 1:
         p.error(f"--steps and --interpreter-steps must be >= 1, got {args.steps} and {args.interpreter_steps}")
@@ -342,36 +359,33 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(
                 f"--seq ({args.seq}) and 4 * --hidden ({4 * args.hidden}) must be divisible by the world size {world}"
             )
-        ok = _rank_main(int(os.environ["RANK"]), world, "env://", args, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        if not gpus_for_every_rank(world):
+            # CPU ranks: the fused kernels can only run in the Triton interpreter.
+            _reexec_with_interpreter(argv)
+        ok = _rank_main(int(os.environ["RANK"]), world, args, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
         return 0 if ok else 1
 
-    import torch.multiprocessing as mp
+    from kernels.testing import RankFailure, close_pools, run_ranks
 
     world = args.world_size
     if world < 1 or args.seq % world or args.hidden * 4 % world:
         raise SystemExit(
             f"--world-size ({world}) must be >= 1 and divide --seq ({args.seq}) and 4 * --hidden ({4 * args.hidden})"
         )
-    if not (torch.cuda.is_available() and torch.cuda.device_count() >= world):
-        # CPU ranks share few cores: one thread each; the fused kernels run in the Triton
-        # interpreter, chosen before any child imports triton (children inherit the environment).
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    ctx = mp.get_context("spawn")
-    status = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory(prefix="autopar-demo-") as tmp:
-        init_method = f"file://{os.path.join(tmp, 'store')}"
-        try:
-            mp.start_processes(
-                _spawned, args=(world, init_method, args, status), nprocs=world, join=True, start_method="spawn"
-            )
-        except Exception as e:
-            print(f"demo failed: {e}", file=sys.stderr)
-            return 1
-    results = []
-    while not status.empty():
-        results.append(status.get())
-    return 0 if len(results) == world and all(ok for _, ok in results) else 1
+    cuda = gpus_for_every_rank(world)
+    # gloo ranks on CPU run the fused kernels in the Triton interpreter (the pool sets it at their
+    # birth); with a GPU per rank, NCCL.
+    backend, device = ("nccl", "cuda") if cuda else ("gloo", "cpu")
+    try:
+        per_rank = run_ranks(spawned_rank, world, args, backend=backend, device=device, timeout=args.timeout)
+    except RankFailure as e:
+        print(f"demo failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        close_pools()
+    rows = per_rank[0]
+    print(format_table(rows, world, backend, torch.device(device)), flush=True)
+    return 0 if all(r.ok for r in rows) else 1
 
 
 if __name__ == "__main__":

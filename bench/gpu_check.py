@@ -1,16 +1,23 @@
 """``python -m bench --mode gpu-check``: one command that turns a GPU machine into a correctness and speed report.
 
 Made for a bare GPU image (``PYTHONPATH=. python3 -m bench --mode gpu-check --out-dir bench/results``):
-installs nothing, needs no network, and ends within :data:`TOTAL_BUDGET_S` (520 s on a GPU). Each
-section runs in a process of its own (:mod:`bench.gpu_check_sections`) under a time budget; past it the section's
-whole process group is killed, reported as TIMEOUT with the items it finished, and the command goes
-on. Sections:
+installs nothing, needs no network, and the whole run, cold ``import torch`` included, ends within
+9 minutes (:data:`TOTAL_BUDGET_S`, counted from the start of the process). Sections, in run order:
 
-a. environment; b. the ``gpu``-marked pytest tests; c. the fused ops on 2 and 4 processes sharing
-the GPU; d. the chunked path with CUDA streams; e. single-GPU speed. Written:
-``<device>-gpu-check-<UTC date>.md`` and ``.json`` under ``--out-dir``; the summary table is
-printed last. With ``--allow-cpu`` (no GPU) the same flow runs on CPU under the Triton
-interpreter with tiny shapes, and the report says what needed CUDA.
+* ``env``: versions, GPU, driver, MPS, git revision (in this process);
+* ``tune``: :func:`bench.tune.run` times the GEMM configuration space and writes
+  ``configs/tuned/<gpu>.yaml``, so the sections after it run the tuned tiles;
+* ``tests``: ``pytest -m gpu``, the tests that matter most first (:data:`PRIORITY`: CUDA-graph
+  replay and the fused ops on the CUDA-IPC heap), each under a time limit; this module is loaded
+  into that pytest as a plugin (``-p bench.gpu_check``), which orders the tests and writes each
+  result as it comes;
+* ``speed``: one process on one GPU (:mod:`bench.gpu_check_speed`).
+
+``tune``, ``tests`` and ``speed`` each run in a process of their own, killed with everything it
+started at its budget and reported as TIMEOUT with the items it finished; the command goes on.
+Written: ``<device>-gpu-check-<UTC date>.md`` and ``.json`` under ``--out-dir``; the summary table
+is printed last. With ``--allow-cpu`` (no GPU) the same flow runs on CPU under the Triton
+interpreter with tiny shapes; the gpu-marked tests are then all skipped, and the report says so.
 """
 
 from __future__ import annotations
@@ -24,66 +31,146 @@ import tempfile
 import time
 from typing import Any
 
+from bench.gpu_check_env import environment
 from bench.suites import REPO_ROOT
 
+SECTIONS = ("env", "tune", "tests", "speed")
 TITLES = {
-    "a": "environment",
-    "b": "gpu-marked pytest tests",
-    "c": "fused ops, W = 2 and 4 processes on one device",
-    "d": "chunked path (CUDA streams), W = 1 and 2",
-    "e": "single-GPU speed",
+    "env": "environment",
+    "tune": "GEMM tuner (configs/tuned)",
+    "tests": "gpu-marked pytest tests",
+    "speed": "single-GPU speed",
 }
-# Run order: the fused section first compiles the kernels into Triton's cache, which the pytest
-# section then reuses; the report lists sections a..e.
-ORDER = ("a", "c", "d", "e", "b")
-# Seconds per section; the section run last gets whatever the others leave of TOTAL_BUDGET_S, which
-# on a GPU stays under the 9 minutes the command may take on one H100 (540 s) with room for start-up.
-# The CPU flow (--allow-cpu) has no such limit, and CI machines are slow and shared.
-BUDGETS = {
-    "cuda": {"a": 30, "c": 170, "d": 50, "e": 100, "b": 150},
-    "cpu": {"a": 30, "c": 300, "d": 90, "e": 60, "b": 60},
-}
-TOTAL_BUDGET_S = {"cuda": 520.0, "cpu": 560.0}
+# 9 minutes is the GPU's whole allowance; 15 s of it stay free for writing the report and exiting.
+TOTAL_BUDGET_S = {"cuda": 525.0, "cpu": 900.0}
+# Upper bounds per section; the speed section is kept its reserve, the tests get the rest.
+TUNE_BUDGET_S = {"cuda": 150.0, "cpu": 120.0}
+SPEED_RESERVE_S = {"cuda": 80.0, "cpu": 120.0}
+PER_TEST_S = {"cuda": 240, "cpu": 120}
+# Node-id prefixes run first, in this order: the claims a GPU run exists to prove.
+PRIORITY = (
+    "tests/kernels/fused/test_graphs.py::test_captured_call_replays_on_gpu",
+    "tests/kernels/test_compile.py::test_linears_cuda_graph_replays_on_one_gpu",
+    "tests/kernels/fused/test_ops.py::test_fused_ops_gpu",
+    "tests/kernels/fused/test_gpu_heap.py",
+    "tests/kernels/fused/test_stress.py",
+    "tests/kernels/test_compile.py::test_linears_cuda_graph_replays_match_eager",
+)
+RESULTS_ENV = "COC_GPU_CHECK_RESULTS"
 STATUS_ORDER = ("fail", "warn", "pass", "skip")
-
 NOTE_SHARED = (
-    "Fused ops on several processes sharing one GPU (section c) are a correctness check only: the "
-    "processes share the SMs and time-slice, so their timings are not speedups. Speed is measured "
-    "on one process (section e)."
+    "The gpu-marked tests run several processes on one GPU: a correctness check only (the processes "
+    "share the SMs and time-slice, so their timings are not speedups). Speed is the speed section."
 )
 
 
-def _verdict(items: list[dict], timed_out: bool, rc: int | None) -> str:
-    statuses = {it["status"] for it in items}
-    if "fail" in statuses:
-        return "FAIL"
-    if timed_out:
-        return "TIMEOUT"
-    if rc not in (0, None):
-        return "FAIL"
-    if "warn" in statuses:
-        return "WARN"
-    if statuses and statuses <= {"skip"}:
-        return "SKIP"
-    if not statuses:
-        return "FAIL"  # a section that checked nothing has not passed
-    return "PASS"
+def process_start() -> float:
+    """When this process started (``time.time()`` seconds), so the budget counts the cold ``import torch``."""
+    now = time.time()
+    try:
+        with open("/proc/self/stat", encoding="utf-8") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="utf-8") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return now
+    # A clock that disagrees (containers, VMs) must not eat or extend the budget by minutes.
+    return started if now - 120 <= started <= now else now
+
+
+# ------------------------------------------------------------------------------ the pytest plugin
+
+
+def _priority(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(PRIORITY) if nodeid.startswith(prefix)), len(PRIORITY))
+
+
+def pytest_collection_modifyitems(config: Any, items: list) -> None:
+    items.sort(key=lambda item: _priority(item.nodeid))  # stable: file order within a priority
+
+
+def pytest_runtest_logreport(report: Any) -> None:
+    """One JSON line per test outcome (the call, or a setup that skipped or failed, or a failed
+    teardown), appended to ``$COC_GPU_CHECK_RESULTS`` as it happens."""
+    path = os.environ.get(RESULTS_ENV)
+    if not path or not (report.when == "call" or report.failed or (report.when == "setup" and report.skipped)):
+        return
+    status = "pass" if report.passed else "skip" if report.skipped else "fail"
+    if report.skipped and isinstance(report.longrepr, tuple):
+        detail = str(report.longrepr[2]).removeprefix("Skipped: ")
+    elif report.failed:
+        detail = str(report.longrepr)[-1500:]
+    else:
+        detail = f"{report.duration:.1f} s"
+    name = f"{report.nodeid} ({report.when})" if report.failed and report.when != "call" else report.nodeid
+    _append(path, {"item": {"name": name, "status": status, "detail": detail, "seconds": round(report.duration, 1)}})
+
+
+def _append(path: str, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+
+
+# ------------------------------------------------------------------------------ sections
+
+
+def _section_cmd(name: str, device_type: str, deadline: float, out: str) -> list[str]:
+    if name == "tests":
+        return [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests",
+            "-m",
+            "gpu",
+            "-p",
+            "bench.gpu_check",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            f"--timeout={PER_TEST_S[device_type]}",
+        ]
+    return [sys.executable, "-m", "bench.gpu_check", name, device_type, str(deadline), out]
+
+
+def section_main(name: str, device_type: str, deadline: float, out: str) -> int:
+    """Body of the ``tune`` and ``speed`` processes: items as JSON lines into ``out``."""
+
+    def emit(item: dict) -> None:
+        _append(out, {"item": item})
+
+    if name == "speed":
+        from bench import gpu_check_speed
+
+        gpu_check_speed.run(device_type, deadline, emit)
+        return 0
+    try:
+        from bench import tune
+    except ImportError as e:
+        emit({"name": "tuner", "status": "skip", "detail": f"bench.tune is not available ({e})"})
+        return 0
+    result = tune.run(None, device_type == "cpu", budget_s=max(5.0, deadline - time.time() - 10))
+    emit({"name": "tuned file", "status": "pass", "detail": f"{result['path']} in {result['seconds']:.0f} s"})
+    for row in result["rows"]:
+        emit({"name": f"tuned {row.get('op')} {row.get('dtype')} {row.get('shape')}", "status": "pass", **row})
+    for shape in result["skipped"]:
+        emit({"name": f"not tuned {shape}", "status": "skip", "detail": "the tuner's budget was spent"})
+    return 0
 
 
 def run_section(name: str, device_type: str, budget_s: float, work: str) -> dict[str, Any]:
-    """Run section ``name`` in its own process group, killed after ``budget_s``; its results."""
-    out = os.path.join(work, f"section-{name}.jsonl")
-    params = {"device_type": device_type, "deadline": time.time() + budget_s - 2}
-    env = dict(os.environ)
+    """Run a section in its own process session, killed with its children after ``budget_s``."""
+    out = os.path.join(work, f"{name}.jsonl")
+    started = time.time()
+    env = dict(os.environ, **{RESULTS_ENV: out})
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if device_type == "cpu":
         env["TRITON_INTERPRET"] = "1"
     else:
         env.pop("TRITON_INTERPRET", None)  # compiled kernels: the interpreter cannot address GPU memory
-    started = time.time()
-    # A session of its own: on timeout the section, its rank processes and pytest all go together.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.gpu_check_sections", name, out, json.dumps(params)],
+        _section_cmd(name, device_type, started + budget_s - 3, out),
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -98,163 +185,100 @@ def run_section(name: str, device_type: str, budget_s: float, work: str) -> dict
         timed_out = True
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-    else:
-        try:  # rank processes a section left behind (it normally reaps them)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    items: list[dict] = []
-    info: dict[str, Any] = {}
-    notes: list[str] = []
+    try:  # whatever the section left running (rank pools normally exit with it)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    items = []
     if os.path.exists(out):
         with open(out, encoding="utf-8") as f:
-            for line in f:
-                rec = json.loads(line)
-                if "item" in rec:
-                    items.append(rec["item"])
-                elif "info" in rec:
-                    info.update(rec["info"])
-                else:
-                    notes.append(rec["note"])
+            items = [json.loads(line)["item"] for line in f if line.strip()]
+    notes = []
     rc = None if timed_out else proc.returncode
     if timed_out:
-        notes.append(f"TIMED OUT after {budget_s:.0f} s: killed; the items above finished before that")
-    elif rc != 0 and not items:
-        notes.append(f"the section's process exited with status {rc}: {(log or '')[-1500:]}")
+        notes.append(f"TIMED OUT after {budget_s:.0f} s: killed; the items listed finished before that")
+    # pytest: 0 all passed, 1 some failed (items say which), 5 none selected.
+    elif rc not in (0, 1, 5) or (rc == 1 and not any(it["status"] == "fail" for it in items)):
+        items.append({"name": f"{name} process", "status": "fail", "detail": f"exit status {rc}: {log[-1500:]}"})
+    return _section(name, items, started, budget_s, notes, timed_out, log if (timed_out or rc) else "")
+
+
+def _section(
+    name: str, items: list[dict], started: float, budget_s: float, notes: list[str], timed_out: bool, log: str = ""
+) -> dict[str, Any]:
+    statuses = {it["status"] for it in items}
+    verdict = "FAIL" if "fail" in statuses else "TIMEOUT" if timed_out else "WARN" if "warn" in statuses else None
+    if verdict is None:
+        # A section that checked nothing has not passed; one whose items all skipped says SKIP.
+        verdict = "FAIL" if not statuses else "SKIP" if statuses == {"skip"} else "PASS"
     return {
         "section": name,
         "title": TITLES[name],
-        "verdict": _verdict(items, timed_out, rc),
+        "verdict": verdict,
         "seconds": round(time.time() - started, 1),
         "budget_s": round(budget_s),
         "items": items,
-        "info": info,
         "notes": notes,
         "counts": {s: sum(it["status"] == s for it in items) for s in STATUS_ORDER},
-        "log_tail": (log or "")[-3000:] if (timed_out or rc) else "",
+        "log_tail": log[-3000:],
     }
 
 
+def budget_for(name: str, device_type: str, left: float, chosen: list[str]) -> float:
+    """Seconds for section ``name`` with ``left`` of the total remaining: the tuner at most its cap,
+    the tests all but the speed reserve, the last section all that is left."""
+    later = chosen[chosen.index(name) + 1 :]
+    kept = SPEED_RESERVE_S[device_type] if "speed" in later else 0.0
+    if name == "tune":
+        # The tests after the tuner keep at least 2 minutes: they hold the correctness claims.
+        return min(TUNE_BUDGET_S[device_type], left - kept - (120 if "tests" in later else 0))
+    return left - kept
+
+
+# ------------------------------------------------------------------------------ the report
+
+
 def summary_line(sec: dict[str, Any]) -> str:
+    from bench.gpu_check_speed import summary
+
     c = sec["counts"]
     parts = [f"{c[s]} {s}" for s in STATUS_ORDER if c.get(s)]
     line = f"{sec['verdict']}: " + (", ".join(parts) if parts else "nothing checked")
-    extra = _speed_summary(sec) if sec["section"] == "e" and sec["info"].get("timings_meaningful") else ""
-    if extra:
-        line += "; " + extra
+    extra = summary(sec["items"]) if sec["section"] == "speed" else ""
     fails = [it["name"] for it in sec["items"] if it["status"] == "fail"]
-    if fails:
-        line += f"; first failure: {fails[0]}"
-    return line
-
-
-def _median(values: list[float]) -> float | None:
-    v = sorted(values)
-    return None if not v else (v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2)
-
-
-def _speed_summary(sec: dict[str, Any]) -> str:
-    """The performance targets, as numbers (benchmarks, not pass/fail tests)."""
-    items = sec["items"]
-    out = []
-    core = [
-        it["core_vs_torch"]
-        for it in items
-        if it.get("kind") == "core" and it.get("core_vs_torch") and it.get("dtype") == "bf16"
-    ]
-    if core:
-        out.append(f"core/cuBLAS bf16 min {min(core):.2f}x median {_median(core):.2f}x (target >= 0.90)")
-    fused = [it["ratio"] for it in items if it.get("kind") == "fused_w1" and it.get("ratio")]
-    if fused:
-        out.append(f"fused W=1 / GEMM max {max(fused):.3f} (target <= 1.03)")
-    chunk = [it["ratio"] for it in items if it.get("kind") == "chunked4_w1" and it.get("ratio") and it["m"] >= 4096]
-    if chunk:
-        out.append(f"chunked x4 / unchunked at M >= 4096 max {max(chunk):.3f} (target <= 1.05)")
-    return "; ".join(out)
-
-
-def device_slug(device_type: str) -> str:
-    if device_type != "cuda":
-        return "cpu"
-    import torch
-
-    name = torch.cuda.get_device_name(0)
-    return "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
-
-
-def speed_table(items: list[dict]) -> list[str]:
-    """Section e's measurements, one row per GEMM shape and dtype (markdown lines; none if nothing was timed)."""
-    from bench.suites import OP_SHORT
-
-    rows: dict[str, dict[str, str]] = {}
-    for it in items:
-        if "shape" not in it:
-            continue
-        row = rows.setdefault(it["shape"], {})
-        if it.get("kind") == "core" and it.get("core_vs_torch"):
-            row.update(
-                cublas=f"{it['torch_tflops']:.0f}", core=f"{it['core_tflops']:.0f}", ratio=f"{it['core_vs_torch']:.3f}"
-            )
-        elif it.get("ratio") is not None:
-            key = "fused" if it["kind"] == "fused_w1" else "chunked"
-            cell = f"{OP_SHORT.get(it['op'], it['op'])} {it['ratio']:.3f}"
-            row[key] = f"{row[key]}, {cell}" if key in row else cell
-    if not rows:
-        return []
-    out = [
-        "| dtype, shape, local GEMM [m, k, n] | cuBLAS TFLOP/s | core TFLOP/s | core / cuBLAS speed | "
-        "fused W=1 / GEMM time | chunked x4 / unchunked time |",
-        "|---|---|---|---|---|---|",
-    ]
-    for shape, row in rows.items():
-        out.append(
-            f"| {shape} | "
-            + " | ".join(row.get(k, "-") for k in ("cublas", "core", "ratio", "fused", "chunked"))
-            + " |"
-        )
-    return out + [""]
+    return line + (f"; {extra}" if extra else "") + (f"; first failure: {fails[0]}" if fails else "")
 
 
 def render_markdown(doc: dict[str, Any]) -> str:
+    from bench.gpu_check_speed import table as speed_table
+
     meta = doc["meta"]
     lines = [
         f"# gpu-check report: {meta['device']}",
         "",
-        f"Date (UTC): {meta['date_utc']}. Command: `{meta['command']}`. Total {meta['seconds']} s. "
-        f"Overall: **{doc['overall']}**.",
+        f"Date (UTC): {meta['date_utc']}. Command: `{meta['command']}`. Total {meta['seconds']} s "
+        f"(from process start, of {meta['total_budget_s']:.0f}). Overall: **{doc['overall']}**.",
         "",
     ]
     if meta["device_type"] != "cuda":
-        lines += [
-            "**No GPU: this run used `--allow-cpu`** (Triton interpreter, tiny shapes). What needs CUDA is "
-            "skipped and says so; times mean nothing.",
-            "",
-        ]
-    lines += [
-        NOTE_SHARED,
-        "",
-        "| section | verdict | pass | fail | skip | warn | seconds / budget |",
-        "|---|---|---|---|---|---|---|",
-    ]
+        lines += ["**No GPU: this run used `--allow-cpu`** (Triton interpreter, tiny shapes; times mean nothing).", ""]
+    lines += [NOTE_SHARED, "", "| section | verdict | pass | fail | skip | warn | seconds / budget |"]
+    lines.append("|---|---|---|---|---|---|---|")
     for sec in doc["sections"]:
         c = sec["counts"]
         lines.append(
-            f"| {sec['section']}. {sec['title']} | {sec['verdict']} | {c['pass']} | {c['fail']} | "
-            f"{c['skip']} | {c['warn']} | {sec['seconds']} / {sec['budget_s']} |"
+            f"| {sec['title']} | {sec['verdict']} | {c['pass']} | {c['fail']} | {c['skip']} | {c['warn']} | "
+            f"{sec['seconds']} / {sec['budget_s']} |"
         )
     for sec in doc["sections"]:
-        lines += ["", f"## {sec['section']}. {sec['title']}", "", f"Verdict: **{summary_line(sec)}**", ""]
-        for note in sec["notes"]:
-            lines.append(f"- note: {note}")
-        if sec["section"] == "a":
-            for key, value in sec["info"].items():
-                lines.append(f"- {key}: `{json.dumps(value, default=str)}`")
-        if sec["notes"] or sec["section"] == "a":
-            lines.append("")
-        if sec["section"] == "e":
+        lines += ["", f"## {sec['title']}", "", f"Verdict: **{summary_line(sec)}**", ""]
+        lines += [f"- note: {note}" for note in sec["notes"]]
+        if sec["section"] == "env":
+            lines += [f"- {key}: `{json.dumps(value, default=str)}`" for key, value in doc["environment"].items()]
+        if sec["section"] == "speed":
             lines += speed_table(sec["items"])
         if sec["items"]:
-            lines += ["| status | check | detail |", "|---|---|---|"]
+            lines += ["", "| status | check | detail |", "|---|---|---|"]
             for it in sec["items"]:
                 detail = str(it.get("detail", "")).replace("|", "\\|").replace("\n", " ")[:400]
                 lines.append(f"| {it['status'].upper()} | {it['name']} | {detail} |")
@@ -269,18 +293,11 @@ def table(doc: dict[str, Any]) -> str:
         c = sec["counts"]
         summary = summary_line(sec).split(": ", 1)[-1]
         rows.append(
-            (
-                f"{sec['section']}. {sec['title'][:34]}",
-                sec["verdict"],
-                str(c["pass"]),
-                str(c["fail"]),
-                str(c["skip"]),
-                f"{sec['seconds']:.0f}",
-                summary[:110],
-            )
+            (sec["title"][:30], sec["verdict"], *(str(c[s]) for s in ("pass", "fail", "skip")), f"{sec['seconds']:.0f}")
+            + (summary[:110],)
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=False)) + "  " + r[-1] for r in rows]
+    text = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) + "  " + r[-1] for r in rows]
     text.insert(1, "-" * len(text[0]))
     text.append(f"overall: {doc['overall']} ({doc['meta']['device']}, {doc['meta']['seconds']} s)")
     return "\n".join(text)
@@ -289,6 +306,7 @@ def table(doc: dict[str, Any]) -> str:
 def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> int:
     import datetime
 
+    start = process_start()
     import torch
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -299,45 +317,29 @@ def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> in
             file=sys.stderr,
         )
         return 2
-    chosen = sections or list(ORDER)
-    for s in chosen:
-        if s not in TITLES:
-            raise SystemExit(f"error: --sections: {s!r} is not one of {', '.join(TITLES)}")
-    start = time.time()
+    chosen = [s for s in SECTIONS if s in (sections or SECTIONS)]
+    for s in sections or []:
+        if s not in SECTIONS:
+            raise SystemExit(f"error: --sections: {s!r} is not one of {', '.join(SECTIONS)}")
     now = datetime.datetime.now(datetime.timezone.utc)
-    results: dict[str, dict[str, Any]] = {}
+    total = TOTAL_BUDGET_S[device_type]
+    env, env_items = environment(device_type)
+    results = [_section("env", env_items, start, 0, [], False)] if "env" in chosen else []
     with tempfile.TemporaryDirectory(prefix="coc-gpu-check-") as work:
-        for name in ORDER:
-            if name not in chosen:
+        for name in (s for s in chosen if s != "env"):
+            left = total - (time.time() - start)
+            budget = budget_for(name, device_type, left, chosen)
+            if budget < 5:
+                results.append(_section(name, [], time.time(), 0, ["not started: the time budget was spent"], True))
                 continue
-            left = TOTAL_BUDGET_S[device_type] - (time.time() - start)
-            last = name == [s for s in ORDER if s in chosen][-1]
-            # The last section also gets what the earlier ones left unused.
-            budget = left - 5 if last else min(BUDGETS[device_type][name], left - 5)
-            if left - 5 < 1:
-                results[name] = {
-                    "section": name,
-                    "title": TITLES[name],
-                    "verdict": "TIMEOUT",
-                    "seconds": 0,
-                    "budget_s": 0,
-                    "items": [],
-                    "info": {},
-                    "counts": {s: 0 for s in STATUS_ORDER},
-                    "notes": ["not started: the command's total time budget was spent"],
-                    "log_tail": "",
-                }
-                continue
-            print(f"gpu-check: section {name} ({TITLES[name]}), budget {budget:.0f} s ...", file=sys.stderr, flush=True)
-            results[name] = run_section(name, device_type, budget, work)
-            print(f"gpu-check: section {name}: {summary_line(results[name])}", file=sys.stderr, flush=True)
-    ordered = [results[s] for s in sorted(results)]
-    verdicts = {sec["verdict"] for sec in ordered}
+            print(f"gpu-check: {name} ({TITLES[name]}), budget {budget:.0f} s ...", file=sys.stderr, flush=True)
+            results.append(run_section(name, device_type, budget, work))
+            print(f"gpu-check: {name}: {summary_line(results[-1])}", file=sys.stderr, flush=True)
+    verdicts = {sec["verdict"] for sec in results}
     overall = next((v for v in ("FAIL", "TIMEOUT", "WARN") if v in verdicts), "PASS")
-    env = results.get("a", {}).get("info", {})
-    device = env.get("gpu") or ("cpu (--allow-cpu)" if device_type == "cpu" else device_slug(device_type))
+    device = env.get("gpu") or "cpu (--allow-cpu)"
     doc = {
-        "schema": "coc-gpu-check/1",
+        "schema": "coc-gpu-check/2",
         "overall": overall,
         "note": NOTE_SHARED,
         "meta": {
@@ -346,12 +348,14 @@ def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> in
             "date_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
             "command": "python -m bench " + " ".join(sys.argv[1:]),
             "seconds": round(time.time() - start, 1),
-            "total_budget_s": TOTAL_BUDGET_S[device_type],
+            "total_budget_s": total,
         },
-        "sections": ordered,
+        "environment": env,
+        "sections": results,
     }
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{device_slug(device_type)}-gpu-check-{now.strftime('%Y%m%d-%H%M%S')}")
+    slug = "".join(ch if ch.isalnum() else "-" for ch in device.lower()).strip("-") if device_type == "cuda" else "cpu"
+    stem = os.path.join(out_dir, f"{slug}-gpu-check-{now.strftime('%Y%m%d-%H%M%S')}")
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1, default=str)
     with open(stem + ".md", "w", encoding="utf-8") as f:
@@ -359,3 +363,10 @@ def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> in
     print(f"wrote {stem}.md and {stem}.json", file=sys.stderr)
     print(table(doc))
     return 0 if overall in ("PASS", "WARN") else 1
+
+
+if __name__ == "__main__":
+    _name, _device_type, _deadline, _out = sys.argv[1:]
+    if _device_type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    sys.exit(section_main(_name, _device_type, float(_deadline), _out))

@@ -1,30 +1,21 @@
-"""Rank launching for ``python -m bench``: its own processes, or the ones torchrun started.
+"""Rank launching for ``python -m bench``: pooled ranks of :mod:`kernels.testing`, or the ones torchrun started.
 
-Without torchrun, :func:`spawn` starts W processes (``spawn`` start method), each initializing a
-process group over a file store (gloo on CPU, NCCL on GPUs, one GPU per rank), runs a module-level
-``fn(rank, world, *args)`` and sends rank 0's return value back. A rank that raises or dies ends
-the run with its traceback; a run past its deadline is killed, so nothing hangs. World size 1 runs
-in the calling process.
+Without torchrun, :func:`spawn` runs a module-level ``fn(rank, world, device, *args)`` on ``W`` ranks
+of :func:`kernels.testing.run_ranks` (gloo on CPU, NCCL with one GPU per rank) and returns rank 0's
+value. A rank that raises, dies or runs past the deadline ends the run with every rank's story
+(:class:`LaunchError`), so nothing hangs. World size 1 runs in the calling process.
 """
 
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
-import multiprocessing.util as mp_util
 import os
-import queue
-import sys
 import tempfile
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from bench.suites import REPO_ROOT
 
 
 class LaunchError(RuntimeError):
@@ -73,44 +64,10 @@ def init_torchrun(device_type: str, timeout_s: float, cpu_threads: int = 1) -> t
     return rank, world, device
 
 
-def _entry(
-    rank: int,
-    world: int,
-    device_type: str,
-    store_path: str,
-    timeout_s: float,
-    cpu_threads: int,
-    fn: Callable[..., Any],
-    args: tuple,
-    results: Any,
-) -> None:
-    os.environ.update(rank_env(device_type, cpu_threads))
-    sys.path.insert(0, REPO_ROOT)
-    # A rank that sends tensors serves them from a socket in its multiprocessing temp dir
-    # (pymp-*), removed only on a clean exit; made under the launch's own temp dir, it goes with
-    # that dir when a failed rank is killed. tempfile.tempdir is restored for everything else.
-    saved_tempdir, tempfile.tempdir = tempfile.tempdir, os.path.dirname(store_path)
-    try:
-        mp_util.get_temp_dir()
-    finally:
-        tempfile.tempdir = saved_tempdir
-    try:
-        device = _set_device(device_type, rank, world, cpu_threads)
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group(
-            dist_backend(device_type),
-            store=store,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        value = fn(rank, world, device, *args)
-        results.put((rank, True, value if rank == 0 else None))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _pooled_rank(rank: int, world: int, device_type: str, cpu_threads: int, fn: Callable[..., Any], args: tuple) -> Any:
+    device = _set_device(device_type, rank, world, cpu_threads)
+    value = fn(rank, world, device, *args)
+    return value if rank == 0 else None
 
 
 def run_in_process(fn: Callable[..., Any], device_type: str, timeout_s: float, *args: Any, cpu_threads: int = 1) -> Any:
@@ -136,56 +93,20 @@ def spawn(
     ``cpu_threads``: torch intra-op threads per rank on CPU."""
     if world == 1:
         return run_in_process(fn, device_type, timeout_s, *args, cpu_threads=cpu_threads)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="coc-bench-") as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(
-                target=_entry,
-                name=f"coc-bench-rank{r}",
-                daemon=True,
-                args=(r, world, device_type, store_path, timeout_s, cpu_threads, fn, args, results),
-            )
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        got: dict[int, tuple[bool, Any]] = {}
-        error: str | None = None
+    from kernels.testing import RankFailure, run_ranks
 
-        def receive(wait_s: float) -> str | None:
-            """Record one rank's result (raises queue.Empty if none came); its error, if it raised."""
-            rank, ok, value = results.get(timeout=wait_s)
-            got[rank] = (ok, value)
-            return None if ok else f"rank {rank} raised:\n{value}"
-
-        try:
-            while len(got) < world and error is None:
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(world) if r not in got]
-                    error = f"ranks {missing} did not finish within {timeout_s:.0f} s (see --timeout)"
-                    break
-                try:
-                    error = receive(0.2)
-                    continue
-                except queue.Empty:
-                    pass
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
-                if dead:
-                    # Give its result a moment to arrive through the queue before calling it dead.
-                    try:
-                        error = receive(2.0)
-                    except queue.Empty:
-                        error = f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})"
-        finally:
-            for p in procs:
-                p.join(timeout=10 if error is None else 0.5)
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-    if error is not None:
-        raise LaunchError(f"benchmark on {world} ranks failed: {error}")
-    return got[0][1]
+    try:
+        results = run_ranks(
+            _pooled_rank,
+            world,
+            device_type,
+            cpu_threads,
+            fn,
+            args,
+            backend=dist_backend(device_type),
+            device=device_type,
+            timeout=timeout_s,
+        )
+    except RankFailure as e:
+        raise LaunchError(f"benchmark on {world} ranks failed (see --timeout for the deadline): {e}") from e
+    return results[0]

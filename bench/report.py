@@ -82,6 +82,14 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _overlap_cell(b: dict[str, Any], rec: dict[str, Any]) -> str:
+    """Sequential has nothing to overlap (blank); ``n/a`` where the figure has no meaning (CPU ranks,
+    world size 1, an untimed backend)."""
+    if b["backend"] == "sequential":
+        return ""
+    return "n/a" if b.get("overlap_eff") is None else format(b["overlap_eff"], ".0%")
+
+
 def table(records: list[dict[str, Any]], model_label: str | None) -> str:
     """One line per (case, backend): measured figures, then the model's prediction."""
     stat = records[0].get("stat", "median") if records else "median"
@@ -114,7 +122,7 @@ def table(records: list[dict[str, Any]], model_label: str | None) -> str:
                 _fmt(ms.get("spread"), ".1%") if ms else "-",
                 _fmt(b.get("tflops"), ".3g"),
                 _fmt(b.get("speedup"), ".2f") + ("x" if b.get("speedup") else ""),
-                _fmt(b.get("overlap_eff"), ".0%") if b["backend"] != "sequential" else "",
+                _overlap_cell(b, rec),
                 _fmt(rec["gemm_ms"][stat], ".3f") if i == 0 else "",
                 _fmt(rec["comm_ms"][stat] if rec["comm_ms"] else None, ".3f") if i == 0 else "",
                 _fmt(rec["comm_busbw_GBps"], ".3g") if i == 0 else "",
@@ -144,7 +152,8 @@ def table(records: list[dict[str, Any]], model_label: str | None) -> str:
         notes.append(f"{MODEL_NOTE} ({model_label}); model err = (model - measured) / measured")
     notes.append(
         "overlap = (t_gemm + t_comm - t_op) / min(t_gemm, t_comm), from the bare GEMM and bare "
-        "collective timed alone; speedup = t_sequential / t_op; times are the " + stat + " over repeats "
+        "collective timed alone (n/a on CPU, where both share the cores, at world 1 and when not timed); "
+        "speedup = t_sequential / t_op; times are the " + stat + " over repeats "
         "(each repeat the max over ranks); spread = (p80 - p20) / median"
     )
     return "\n".join(out + [""] + notes)

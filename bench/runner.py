@@ -308,10 +308,16 @@ def interference(t_gemm: float, t_comm: float, t_concurrent: float) -> float:
     return min(1.0, max(0.0, (t_concurrent - max(t_gemm, t_comm)) / shorter))
 
 
-def derive(result: dict[str, Any], link: perf_model.LinkModel | None, stat: str = "median") -> dict[str, Any]:
+def derive(
+    result: dict[str, Any], link: perf_model.LinkModel | None, stat: str = "median", overlap_meaningful: bool = True
+) -> dict[str, Any]:
     """Figures of one case from its timings (rank 0); model predictions when a link model is given.
 
-    ``stat`` ("median" or "min") is the statistic of the repeats that every derived figure uses."""
+    ``stat`` ("median" or "min") is the statistic of the repeats that every derived figure uses.
+    ``overlap_meaningful`` False (CPU ranks): overlap efficiency is left out (``None``). It compares the
+    op with a GEMM and a collective that could run at once on separate engines; on CPU gloo's
+    collective and the GEMM share the same cores, so the figure measures scheduling (values like
+    -9932 % were printed), not overlap."""
     case: Case = result["case"]
     t_gemm: Stats = result["gemm"][case.gemm_shape]
     t_comm: Stats | None = result["comm"]
@@ -344,7 +350,7 @@ def derive(result: dict[str, Any], link: perf_model.LinkModel | None, stat: str 
             row["ms"] = r["time"].to_ms()
             row["tflops"] = case.flops / t / 1e12
             row["speedup"] = seq / t if seq else None
-            row["overlap_eff"] = (g + c - t) / min(g, c) if c else None
+            row["overlap_eff"] = (g + c - t) / min(g, c) if c and overlap_meaningful else None
         if link is not None:
             pred = perf_model.predict(
                 case.op, r["backend"], case.world, case.gemm_shape, case.comm_elems, case.dtype, gemm_fn, link
@@ -379,7 +385,7 @@ def run_world(rank: int, world: int, device: torch.device, cases: list[Case], op
         progress.step(case.label)
     if rank != 0:
         return {}
-    records = [derive(r, link, opts.stat) for r in results]
+    records = [derive(r, link, opts.stat, overlap_meaningful=device.type == "cuda") for r in results]
     return {
         "world": world,
         "records": records,

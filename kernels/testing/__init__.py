@@ -12,7 +12,7 @@ docs/testing.md describes how tests use it.
 """
 
 from kernels.testing.heap import heap_device, presize, scramble
-from kernels.testing.ranks import REPO_ROOT, RankFailure, close_pools, run_ranks
+from kernels.testing.ranks import REPO_ROOT, RankFailure, assert_no_errors, close_pools, run_ranks
 from kernels.testing.reference import (
     OPS,
     assert_close,
@@ -20,6 +20,7 @@ from kernels.testing.reference import (
     quantized_weights,
     reference,
     rows_of,
+    seeded_randn,
     tolerance,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "REPO_ROOT",
     "RankFailure",
     "assert_close",
+    "assert_no_errors",
     "close_pools",
     "heap_device",
     "make_inputs",
@@ -37,5 +39,6 @@ __all__ = [
     "rows_of",
     "run_ranks",
     "scramble",
+    "seeded_randn",
     "tolerance",
 ]

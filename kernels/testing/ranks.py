@@ -59,6 +59,10 @@ RANK_ENV: dict[str, dict[str, str | None]] = {
 }
 
 DEFAULT_TIMEOUT = 120.0
+# The process group's own collective timeout. Hangs are bounded by each call's deadline (the pool is
+# killed past it), so this only has to outlast the slowest legitimate wait: a rank idling in a
+# collective while a peer runs interpreted kernels or a benchmark's long case.
+GROUP_TIMEOUT_S = 1800.0
 _GRACE_AFTER_ERROR = 3.0
 
 
@@ -114,7 +118,7 @@ def _worker(
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT)
+        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S)
     )
     results.put(_Outcome(rank, True, "ready"))
     while True:
@@ -324,6 +328,13 @@ def run_ranks(
     ``allow_dead``).
     """
     return get_pool(world_size, backend, device).run(fn, args, kwargs, timeout, env or {}, allow_dead)
+
+
+def assert_no_errors(results: list[list[str]]) -> None:
+    """For rank bodies that return their failures as text: every rank returned none (AssertionError
+    listing each rank's otherwise)."""
+    msgs = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
+    assert not msgs, "\n".join(msgs)
 
 
 def close_pools() -> None:

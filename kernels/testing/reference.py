@@ -49,6 +49,11 @@ def rows_of(op: str, world: int, m_local: int) -> int:
     return {"ag": m_local, "ag_v2": m_local, "rs": m_local * world}.get(op, 2 * m_local + 1)
 
 
+def seeded_randn(*shape: int, seed: int) -> torch.Tensor:
+    """Standard normal ``shape`` from a generator seeded with ``seed``: the same tensor on every rank."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
 def make_inputs(
     op: str,
     world: int,

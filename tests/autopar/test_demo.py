@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from tests.harness import REPO_ROOT
+from kernels.testing import REPO_ROOT
 
 
 def test_demo_runs_every_path_and_matches_the_reference() -> None:
@@ -31,6 +31,24 @@ def test_demo_runs_every_path_and_matches_the_reference() -> None:
     fused = re.findall(r"^fused\s.*$", out, re.M)
     accepted = (" ok",) if not torch.cuda.is_available() else (" ok", "skipped:")
     assert len(fused) == 2 and all(any(a in line for a in accepted) for line in fused), out
+
+
+def test_demo_under_torchrun_runs_every_path() -> None:
+    """``torchrun --nproc-per-node N -m autopar.demo`` on CPU: the fused path included. The variable
+    that selects the Triton interpreter is removed first (pytest's conftest sets it), as in a shell:
+    the demo must choose the interpreter itself before any kernel is defined."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "autopar.demo", "--hidden", "8", "--seq", "4", "--steps", "2", "--timeout", "300"]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, f"torchrun demo exited {proc.returncode}\n{out}\n{proc.stderr[-4000:]}"
+    assert "2 ranks, gloo on cpu" in out and "PASSED: 10/10" in out, out
+    for label in ("sequential", "chunked/2", "chunked/4", "chunked/8", "fused"):
+        rows = re.findall(rf"^{re.escape(label)}\s.*\sok\b", out, re.M)
+        assert len(rows) == 2, f"{label}: want a passing row per sequence_parallel setting:\n{out}"
 
 
 def test_table_flags_a_run_that_differs_from_the_reference() -> None:

@@ -14,10 +14,14 @@ import torch
 from bench.runner import check_backend, make_inputs, op_call
 from bench.suites import Case
 from bench.timing import Timer
-from tests.harness import REPO_ROOT
+from kernels.testing import REPO_ROOT
+
+# Bounds on hangs only, generous for a loaded 2-core machine (the tiny suite took 2 min 14 s on one):
+# no test here passes or fails on speed.
+HANG_S = 900
 
 
-def _bench(args, tmp_path, timeout=120, launcher=None):
+def _bench(args, tmp_path, timeout=HANG_S, launcher=None):
     env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = (launcher or [sys.executable, "-m", "bench"]) + args + ["--out-dir", str(tmp_path), "--name", "out"]
     return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -25,7 +29,7 @@ def _bench(args, tmp_path, timeout=120, launcher=None):
 
 def test_help_documents_the_tool():
     r = subprocess.run(
-        [sys.executable, "-m", "bench", "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "bench", "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, r.stderr
     for word in ("--suite", "--backends", "--world-sizes", "overlap", "torchrun", "--mode", "PREDICTION", "tiny"):
@@ -58,7 +62,8 @@ def _check_report(tmp_path, worlds):
             assert rec["comm_ms"]["median"] > 0 and rec["comm_busbw_GBps"] > 0
             chunked = by.get("chunked2")
             if chunked and chunked["status"] == "ok":
-                assert chunked["overlap_eff"] is not None and chunked["model_ms"] > 0
+                # CPU: gloo's collective and the GEMM share the cores, so no overlap figure.
+                assert chunked["overlap_eff"] is None and chunked["model_ms"] > 0
     rows = list(
         csv.DictReader(line for line in (tmp_path / "out.csv").read_text().splitlines() if not line.startswith("#"))
     )
@@ -66,15 +71,20 @@ def _check_report(tmp_path, worlds):
     return doc
 
 
+@pytest.mark.timeout(HANG_S + 60)
 def test_tiny_suite_runs_checks_times_and_writes_reports(tmp_path):
     r = _bench(["--suite", "tiny", "--no-progress", "--repeats", "3"], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "speedup" in r.stdout and "PREDICTION" in r.stdout
+    # The overlap column says n/a on CPU instead of numbers like -9932 %.
+    rows = [line for line in r.stdout.splitlines() if " chunked2 " in line]
+    assert rows and all(" n/a " in line for line in rows), r.stdout
     doc = _check_report(tmp_path, [1, 2])
     assert doc["model"]["link_models"]["2"]["fits"], "the CPU run calibrates the gloo link model"
     assert doc["model"]["summary"]
 
 
+@pytest.mark.timeout(HANG_S + 60)
 @pytest.mark.skipif(
     shutil.which("torchrun") is None and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
     reason="torchrun not installed",
@@ -261,5 +271,32 @@ def test_spawned_ranks_report_results_errors_and_deaths():
     assert spawn(_launch_probe, 2, "cpu", 60, "ok") == (0, 2, "cpu")
     with pytest.raises(LaunchError, match="(?s)rank 1 raised:.*fails on purpose"):
         spawn(_launch_probe, 2, "cpu", 60, "raise")
-    with pytest.raises(LaunchError, match=r"rank\(s\) \[1\] died \(exit codes \[7\]\)"):
+    with pytest.raises(LaunchError, match=r"rank 1: process died \(exit code 7\)"):
         spawn(_launch_probe, 2, "cpu", 60, "die")
+
+
+def test_sigterm_leaves_no_temporary_folder(tmp_path):
+    """A bench stopped by SIGTERM (a job scheduler, ``timeout``) removes its ``coc-bench-*`` and rank
+    pools' ``coc-pool-*`` folders and stops its ranks, as a finished one does."""
+    import signal
+    import time
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "TMPDIR": str(tmp)}
+    cmd = [sys.executable, "-m", "bench", "--suite", "tiny", "--no-progress", "--out-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while not any(p.name.startswith(("coc-bench-", "coc-pool-")) for p in tmp.iterdir()):
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no temporary folder appeared"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=HANG_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out.decode()[-3000:]
+    left = [p.name for p in tmp.iterdir() if p.name.startswith("coc-")]
+    assert left == [], left

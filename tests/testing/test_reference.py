@@ -110,3 +110,18 @@ def _scramble_body(rank, world):
 def test_scramble_fills_this_ranks_heap():
     for scrambled, nonzero, numel in run_ranks(_scramble_body, 2):
         assert scrambled >= 4096 and nonzero > 0.99 * numel
+
+
+def test_seeded_randn_is_the_same_for_a_seed():
+    from kernels.testing import seeded_randn
+
+    assert torch.equal(seeded_randn(3, 4, seed=7), seeded_randn(3, 4, seed=7))
+    assert not torch.equal(seeded_randn(3, 4, seed=7), seeded_randn(3, 4, seed=8))
+
+
+def test_assert_no_errors_names_each_rank():
+    from kernels.testing import assert_no_errors
+
+    assert_no_errors([[], []])
+    with pytest.raises(AssertionError, match="rank 1: grad differs"):
+        assert_no_errors([[], ["grad differs"]])

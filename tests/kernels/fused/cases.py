@@ -469,3 +469,66 @@ def w8a16_bf16_body(rank: int, world: int) -> int:
         assert_close(f"w8A16 bf16 rows={rows}", got, reference("ar", xs, deq, None, rank), torch.bfloat16)
         done += 1
     return done
+
+
+def gpu_teardown_body(rank: int, world: int) -> str:
+    """After ``destroy_heap`` no heap of the group is cached, the heap is closed with its IPC mappings,
+    and (rank 0) the device memory of all W allocations came back: on one GPU every rank's allocation
+    lives in the same device memory, and a freed allocation a peer still maps stays resident until
+    the last mapping is closed. Returns what rank 0 measured."""
+    from kernels import heap as heap_mod
+
+    dev = gpu_device()
+    group = dist.new_group(list(range(world)))
+    presize(group, dev, 64 << 20)
+    xs, ws, b = make_inputs("ar", world, 13, 64, 40, True, 0, False, torch.float16, str(dev))
+    assert_close(
+        "ar before teardown",
+        run_op("ar_one", xs[rank], ws[rank], b, group),
+        reference("ar", xs, ws, b, rank),
+        torch.float16,
+    )
+    heap = heap_mod.peek_heap(group, dev)
+    assert heap is not None, f"no heap cached under {dev} although an op ran"
+    total = heap.total_bytes
+    torch.cuda.synchronize(dev)
+    dist.barrier(group)
+    free_before = torch.cuda.mem_get_info(dev)[0]
+    dist.barrier(group)
+    heap_mod.destroy_heap(group)
+    torch.cuda.synchronize(dev)
+    dist.barrier(group)
+    assert heap_mod.peek_heap(group, dev) is None and not heap_mod.heaps_of(group), "a heap of the group is cached"
+    assert heap.closed, "the heap is not closed"
+    assert not getattr(heap, "_opened", []), f"{len(heap._opened)} IPC mappings still open"
+    if rank != 0:
+        return ""
+    freed = torch.cuda.mem_get_info(dev)[0] - free_before
+    assert freed >= world * total, f"only {freed} bytes of device memory came back, want >= {world} x {total}"
+    return f"freed {freed} bytes, want >= {world} x {total}"
+
+
+def departed_peer_body(rank: int, world: int, op: str, timeout_s: float) -> tuple[float, str] | None:
+    """Two warm calls on a group of every rank; then rank 1's process ends (``os._exit``) and rank 0
+    calls again with ``COC_TIMEOUT=timeout_s``: the call must raise, naming rank 1, in about that time.
+    The other ranks make no further call. Run with ``allow_dead``: rank 1's result is ``None``."""
+    dev = gpu_device()
+    dtype = torch.float16
+    group = dist.new_group(list(range(world)))
+    xs, ws, b = make_inputs(op, world, 13, 64, 40, True, 3, False, dtype, str(dev))
+    for _ in range(2):  # every kernel variant compiles here, not inside the timed wait
+        run_op(op, xs[rank], ws[rank], b, group)
+    torch.cuda.synchronize(dev)
+    dist.barrier(group)
+    if rank == 1:
+        os._exit(0)
+    if rank != 0:
+        return None
+    os.environ["COC_TIMEOUT"] = str(timeout_s)  # read at call time
+    start = time.monotonic()
+    try:
+        run_op(op, xs[rank], ws[rank], b, group)
+        torch.cuda.synchronize(dev)
+    except RuntimeError as e:
+        return time.monotonic() - start, str(e)
+    raise AssertionError(f"{op}: the call returned although rank 1's process had ended")

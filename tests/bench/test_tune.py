@@ -1,0 +1,153 @@
+"""``python -m bench --mode tune``: selection logic with a fake timer, the CPU flow end to end, and the
+kernels reading what the tuner wrote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench import tune
+from kernels.fused import gemm, gemm_persistent, tuned
+from kernels.fused.gemm_configs import GemmConfig
+from tests.harness import REPO_ROOT
+
+pytestmark = pytest.mark.triton
+
+FAST = GemmConfig(16, 32, 16, 1, 1, 1, "persistent")
+FAST_PLAIN = GemmConfig(16, 32, 16, 1, 1, 1, "plain")
+WRONG = GemmConfig(16, 16, 16, 1, 1, 1, "tma")
+
+
+def test_fake_timer_configs_are_in_the_cpu_space():
+    from kernels.fused import gemm_configs
+
+    assert {FAST, FAST_PLAIN, WRONG} <= set(gemm_configs.space(gemm_configs.family(tune.cpu_shapes()[0].m), "cpu"))
+
+
+def _fake_timer(times: dict[str, float], calls: list):
+    """Seconds per config label (cuBLAS 1 s, unlisted configs 0.5 s); runs nothing, records the keys."""
+
+    def timer(fn, key):
+        calls.append(key)
+        return 1.0 if key[2] == tune._CUBLAS else times.get(key[2], 0.5)
+
+    return timer
+
+
+def test_select_fastest_first_on_ties_and_none_for_all_failed():
+    a, b, c = (GemmConfig(16, 16, 16, 1, 1, 1, v) for v in ("tma", "persistent", "plain"))
+    label = GemmConfig.label
+    assert tune.select({label(a): 2.0, label(b): 1.0, label(c): 1.0}, [a, b, c], label) == b
+    assert tune.select({label(a): None, label(b): 3.0}, [a, b, c], label) == b
+    assert tune.select({label(a): None}, [a, b, c], label) is None
+
+
+def test_tune_picks_per_op_skips_wrong_configs_and_kernels_read_the_file(monkeypatch, tmp_path):
+    """Fake timer: ``FAST`` (persistent) wins for matmul, ``FAST_PLAIN`` for the fused ops (their tile
+    core is plain); a config whose result is wrong is never timed nor chosen even when it would be
+    fastest. Then the written file changes the config in use: matmul launches ``FAST``, the fused
+    ops' block_config returns ``FAST_PLAIN``'s tiles."""
+    real_matmul = gemm.matmul
+
+    def matmul(x, w, bias=None, *, config=None, fallback=True):
+        y = real_matmul(x, w, bias, config=config, fallback=fallback)
+        return y + 1 if config == WRONG else y
+
+    monkeypatch.setattr(gemm, "matmul", matmul)
+    calls = []
+    timer = _fake_timer({FAST.label(): 0.1, FAST_PLAIN.label(): 0.2, WRONG.label(): 0.01}, calls)
+    shape = tune.cpu_shapes()[0]
+    logged = []
+    entries, rows, skipped = tune.tune([shape], [torch.bfloat16], torch.device("cpu"), timer, log=logged.append)
+    monkeypatch.setattr(gemm, "matmul", real_matmul)
+    assert skipped == []
+    assert (shape.label, "bfloat16", WRONG.label()) not in calls
+    assert (shape.label, "bfloat16", tune._CUBLAS) in calls
+    by_op = {e.op: e for e in entries}
+    assert set(by_op) == set(shape.ops)
+    assert by_op["matmul"].config == FAST
+    assert all(by_op[op].config == FAST_PLAIN for op in tuned.FUSED_OPS)
+    assert all(e.cublas_ms == 1000.0 and (e.m, e.n, e.k) == (shape.m, shape.n, shape.k) for e in entries)
+    matmul_row = next(r for r in rows if r["op"] == "matmul")
+    assert matmul_row["vs_cublas"] == pytest.approx(10.0)
+    assert "wrong result" in matmul_row["failed"][WRONG.label()]
+
+    x = torch.randn(shape.m, shape.k)
+    before = gemm.matmul_config(x, shape.n)
+    before_blocks = gemm.block_config(x.device, shape.m, shape.k, x.dtype, op="all_gather_matmul", n=shape.n)
+    tuned.write(tmp_path / "cpu.yaml", entries, {"gpu": "cpu"})
+    monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(tmp_path))
+    xb, wb = x.to(torch.bfloat16), torch.randn(shape.n, shape.k).to(torch.bfloat16)
+    assert before == gemm.default_config(xb) != FAST
+    assert gemm.matmul_config(xb, shape.n) == FAST
+    seen = []
+    monkeypatch.setattr(gemm_persistent, "launch", lambda *a, **kw: (seen.append(a[4]), real_launch(*a, **kw)))
+    y = gemm.matmul(xb, wb)
+    assert seen == [FAST]
+    assert torch.equal(y, real_matmul(xb, wb, config=gemm.default_config(xb)))  # same sums: fp32, k = 32 = 2 steps
+    after = gemm.block_config(xb.device, shape.m, shape.k, xb.dtype, op="all_gather_matmul", n=shape.n)
+    assert before_blocks == gemm.CPU_BLOCKS
+    assert (after.block_m, after.block_n, after.group_m) == (FAST_PLAIN.block_m, FAST_PLAIN.block_n, FAST_PLAIN.group_m)
+    assert after != before_blocks
+
+
+real_launch = gemm_persistent.launch
+
+
+def test_budget_skips_remaining_shapes():
+    ticks = iter([0, 10, 100, 200, 300])  # start, first shape within budget, second past it
+    shapes = tune.cpu_shapes()[:1] * 2
+    entries, _, skipped = tune.tune(
+        shapes,
+        [torch.bfloat16],
+        torch.device("cpu"),
+        _fake_timer({}, []),
+        budget_s=50,
+        clock=lambda: float(next(ticks)),
+        log=lambda s: None,
+    )
+    assert skipped == [f"{shapes[1].label} bfloat16"]
+    assert {e.op for e in entries} == set(shapes[0].ops)
+
+
+def test_gpu_shapes_are_llama70b_tp8_and_8192_cubed():
+    shapes = {(s.m, s.n, s.k) for s in tune.gpu_shapes()}
+    assert (8192, 8192, 8192) in shapes
+    assert {(4096, 1280, 8192), (4096, 7168, 8192), (4096, 8192, 1024), (4096, 8192, 3584)} <= shapes
+    assert {op for s in tune.gpu_shapes() for op in s.ops} == set(tuned.OPS)
+
+
+def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monkeypatch):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", tuned.ENV_TUNED_DIR)}
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--mode", "tune", "--allow-cpu", "--out-dir", str(tmp_path)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    path = tmp_path / "cpu.yaml"
+    assert f"wrote {path}" in proc.stdout
+    entries = tuned.load(path)
+    assert {e.op for e in entries} == set(tuned.OPS)
+    assert {(e.m, e.n, e.k) for e in entries} == {(s.m, s.n, s.k) for s in tune.cpu_shapes()}
+    monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(tmp_path))
+    for e in entries:
+        x = torch.empty(e.m, e.k, dtype=getattr(torch, e.dtype))
+        if e.op == "matmul":
+            assert gemm.matmul_config(x, e.n) == e.config
+        else:
+            b = gemm.block_config(x.device, e.m, e.k, x.dtype, op=e.op, n=e.n)
+            assert (b.block_m, b.block_n, b.num_warps, b.group_m) == (
+                e.config.block_m,
+                e.config.block_n,
+                e.config.num_warps,
+                e.config.group_m,
+            )
