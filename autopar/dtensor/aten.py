@@ -203,9 +203,11 @@ def _default(func: Any, args: tuple, kwargs: dict) -> Any:
             "use t.full_tensor().item() (collective over the mesh)"
         )
     raise NotImplementedError(
-        f"{func} has no DistTensor SPMD rule (supported: matmul, +, -, *, /, "
-        f"linear, gelu, relu, softmax, layer_norm, sum, mean, and elementwise "
-        f"ops on operands of one layout)"
+        f"{func} has no DistTensor SPMD rule (supported: matmul, linear, +, -, *, /, pow, gelu, relu, "
+        f"silu, sigmoid, tanh, exp, log, sqrt, rsqrt, sin, cos, softmax, layer_norm, sum, mean, view, "
+        f"reshape, flatten, (un)squeeze, permute, transpose, expand, basic indexing, cat, embedding, "
+        f"scaled_dot_product_attention, cross_entropy, and elementwise ops on operands of one layout; "
+        f"see docs/dtensor.md)"
     )
 
 

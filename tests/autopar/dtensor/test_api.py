@@ -154,7 +154,7 @@ def test_sync_gradients_on_a_module_and_second_backward():
     assert model.w.grad.placements == (Partial(),)
     assert sync_gradients(model) == [("dp",), ("dp",)]
     assert model.w.grad.placements == (Replicate(),)
-    w, v = model.w.full_tensor().requires_grad_(), model.inner.v.full_tensor().requires_grad_()
+    w, v = model.w.full_tensor().detach().requires_grad_(), model.inner.v.full_tensor().detach().requires_grad_()
     (2 * ((x.full_tensor() @ w) * v).sum()).backward()  # two backward passes accumulate
     torch.testing.assert_close(model.w.grad.full_tensor(), w.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.inner.v.grad.full_tensor(), v.grad, rtol=1e-5, atol=1e-5)
@@ -168,7 +168,8 @@ def test_optimizer_steps_on_local_pieces():
     mesh = ProcessMesh([0], dim_names=["dp"])
     W = torch.randn(4, 3)
     w = shard_tensor(W, mesh, [Replicate()]).requires_grad_()
-    opt = torch.optim.SGD([w.to_local()], lr=0.1)
+    with torch.no_grad():  # the piece itself (with grad mode on, to_local() is a tracked view)
+        opt = torch.optim.SGD([w.to_local()], lr=0.1)
     x = shard_tensor(torch.randn(5, 4), mesh, [Shard(0)])
     (x @ w).sum().backward()
     sync_gradients([w])
@@ -187,7 +188,8 @@ def test_sgd_steps_parameters_and_rejects_unsynced_gradients():
     W = torch.randn(4, 3)
     w = torch.nn.Parameter(shard_tensor(W, mesh, [Replicate()]))
     assert isinstance(w, DistTensor) and isinstance(w, torch.nn.Parameter) and w.requires_grad
-    local = w.to_local()
+    with torch.no_grad():
+        local = w.to_local()
     opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
     x = shard_tensor(torch.randn(5, 4), mesh, [Shard(0)])
     (x @ w).sum().backward()
@@ -201,7 +203,8 @@ def test_sgd_steps_parameters_and_rejects_unsynced_gradients():
     opt.step()
     expected = W - 0.1 * x.full_tensor().sum(0, keepdim=True).T.expand(4, 3)
     torch.testing.assert_close(w.full_tensor(), expected)
-    assert w.to_local() is local  # updated in place, the same piece
+    with torch.no_grad():
+        assert w.to_local() is local  # updated in place, the same piece
     assert opt.state[w]["momentum_buffer"].placements == (Replicate(),)
 
 

@@ -74,9 +74,9 @@ def _fused_case(rank, world):
         out = F.linear(hr, w2) + _rand(8, seed=5)
         torch.testing.assert_close(out.full_tensor(), F.linear(h_ref, ref[2]).detach() + _rand(8, seed=5), **TOL)
         assert out.placements == (Replicate(),)
-        # Any other use of a pending product computes it plainly.
-        other = F.linear(hr, w2)
-        torch.testing.assert_close(other.full_tensor(), F.linear(h_ref, ref[2]).detach(), **TOL)
+        # Any other use of a pending product computes it plainly (a scaling keeps it Partial).
+        other = F.linear(hr, w2) * 2.0
+        torch.testing.assert_close(other.full_tensor(), 2.0 * F.linear(h_ref, ref[2]).detach(), **TOL)
         return calls
     finally:
         for name, fn in originals.items():

@@ -149,3 +149,34 @@ def _errors_case(rank, world):
 
 def test_unsupported_forms_raise_named_errors():
     assert run_ranks(_errors_case, 2) == [7, 7]
+
+
+def test_clipped_rank_infers_shapes_of_shape_and_nn_ops():
+    """In one process without a group this is rank 0, outside the mesh ``[1, 2]``: the new ops
+    run only their rules and return uninitialized DistTensors of the right global shape and
+    placements, and backward runs without communicating."""
+    from autopar import Partial, ProcessMesh, Replicate, Shard, shard_tensor
+
+    mesh = ProcessMesh([1, 2], dim_names=["tp"])
+    h = shard_tensor(_rand(2, 5, 64, seed=1), mesh, [Shard(2)]).requires_grad_()
+    emb = shard_tensor(_rand(11, 64, seed=2), mesh, [Shard(0)]).requires_grad_()
+    ids = torch.tensor([[0, 10, 3, 1, 2], [7, 5, 5, 4, 9]])
+    x = F.embedding(ids, emb) + h
+    q = x.view(2, 5, 4, 16).transpose(1, 2)
+    a = F.scaled_dot_product_attention(q, q, torch.cat([q[..., :8], q[..., 8:]], -1), is_causal=True)
+    out = a.transpose(1, 2).reshape(2, 5, -1)
+    expect = {
+        "embedding": (F.embedding(ids, emb), (2, 5, 64), (Partial(),)),
+        "x": (x, (2, 5, 64), (Shard(2),)),
+        "q": (q, (2, 4, 5, 16), (Shard(1),)),
+        "attention": (a, (2, 4, 5, 16), (Shard(1),)),
+        "out": (out, (2, 5, 64), (Shard(2),)),
+        "loss": (F.cross_entropy(out.flatten(0, 1), ids.flatten() * 0), (), (Replicate(),)),
+    }
+    for name, (t, shape, pl) in expect.items():
+        assert not t.is_initialized(), name
+        assert t.shape == torch.Size(shape) and t.placements == pl, (name, t.shape, t.placements)
+        assert t.to_local().numel() == 0, name
+    out.sum().backward()
+    assert emb.grad is not None and not emb.grad.is_initialized() and emb.grad.shape == (11, 64)
+    assert h.grad is not None and h.grad.placements == (Shard(2),)
