@@ -89,6 +89,40 @@ def cases():
     return out
 
 
+# The fused kernels whose GEMM runs a tuned tile-core config (block_config(op=...)): each plain tile of
+# the space is compiled into them too, at the TP8 shape with the most peer traffic per tile.
+FUSED_LABELS = ("ag_gemm W=8 k=8192 n=4096 rows=512", "gemm_scatter broadcast=True W=8 k=8192 n=4096 rows=512")
+
+
+def fused_cases():
+    """``(label, kernel, args, num_warps, num_stages)``: the fused GEMM kernels of
+    ``test_compile_sm90._cases`` built with each plain tile of the space instead of the default."""
+    import torch
+
+    from kernels.fused import gemm, gemm_configs
+    from tests.kernels.fused import test_compile_sm90
+
+    tiles = {c for fam in gemm_configs.FAMILIES for c in gemm_configs.tile_core_space(fam)}
+    out = []
+    real = gemm.block_config
+    try:
+        for cfg in sorted(tiles, key=lambda c: c.label()):
+            blocks = gemm.BlockConfig(
+                cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, 4, cfg.group_m
+            )
+            # _cases() asks block_config for its tiles; answer with this config's (no GPU here to tune on).
+            gemm.block_config = lambda device, rows=None, k=None, dtype=None, b=blocks, **kw: (
+                b if device.type == "cuda" else real(device, rows, k, dtype, **kw)
+            )
+            for label, fn, args, warps, stages, _ in test_compile_sm90._cases():
+                if label.startswith(FUSED_LABELS):
+                    out.append((f"{label.split(' W=')[0]} {cfg.label()}", fn, args, warps, stages))
+    finally:
+        gemm.block_config = real
+    assert len(out) == len(FUSED_LABELS) * len(tiles), (len(out), torch.__version__)
+    return out
+
+
 def check(kernel, variant: str) -> list[str]:
     """What ``kernel`` (compiled for sm_90a) lacks of the module docstring's properties."""
     from tests.kernels.fused.test_compile_sm90 import resources
@@ -131,6 +165,13 @@ def main() -> None:
         problems = check(kernel, cfg.variant)
         print(f"{label:66} {regs:5d} {spilled:8d}  {'ok' if not problems else '; '.join(problems)}", flush=True)
         failures += [f"{label}: {p}" for p in problems]
+    for label, fn, args, warps, stages in fused_cases():
+        kernel = compile_like_launch(fn, args, warps, stages)
+        regs, spilled = resources(kernel)
+        problems = check(kernel, "plain")
+        print(f"{label:66} {regs:5d} {spilled:8d}  {'ok' if not problems else '; '.join(problems)}", flush=True)
+        failures += [f"{label}: {p}" for p in problems]
+        seen.add(label)
     print(f"{len(seen)} kernels in {time.time() - start:.1f} s")
     if failures:
         print("FAILED\n" + "\n".join(failures))

@@ -74,12 +74,14 @@ def test_empty_and_k0():
 
 
 @interpreted
-@pytest.mark.parametrize("order", ["grid", "reverse", "shuffle:3", "shuffle:11"])
+@pytest.mark.parametrize("order", ["grid", "reverse", "shuffle:3"])
 @pytest.mark.parametrize("variant", ["tma", "persistent"])
-@pytest.mark.parametrize(("m", "n", "group_m"), [(80, 48, 2), (16, 112, 1), (112, 16, 4), (48, 48, 8)])
+@pytest.mark.parametrize(("m", "n", "group_m"), [(80, 48, 2), (16, 112, 1), (112, 16, 4)])
 def test_persistent_walk_covers_every_tile_once(monkeypatch, order, variant, m, n, group_m):
     """Every output tile is computed by exactly one program, whatever order the programs run in
     (grid of 3 programs under the interpreter: several tiles per program, partial last groups)."""
+    if variant == "tma" and not gemm_persistent.interpreter_supports_tma():
+        pytest.skip("this Triton's interpreter cannot run descriptor loads at runtime offsets (3.6)")
     monkeypatch.setenv(program_order.ENV, order)
     program_order.install()
     cfg = GemmConfig(16, 16, 16, 1, 1, group_m, variant)
