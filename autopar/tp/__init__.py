@@ -8,6 +8,7 @@ for torch's ``parallelize_module`` on the same Functions) and ``hf`` (transforme
 """
 
 from .comm import resolve_tp_group
+from .convert import mark_sequence_parallel, sequence_parallel_grad_hooks, sum_sequence_parallel_grads
 from .forward import column_parallel_forward, row_parallel_forward
 from .functions import (
     ColumnParallelLinearFunction,
@@ -46,4 +47,7 @@ __all__ = [
     "hf_tp_plan",
     "parallelize_hf",
     "tied_weights_to_keep",
+    "mark_sequence_parallel",
+    "sequence_parallel_grad_hooks",
+    "sum_sequence_parallel_grads",
 ]

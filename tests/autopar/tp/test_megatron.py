@@ -158,10 +158,14 @@ def against_megatron(rank: int, world: int) -> list[str]:
                         f"{tag}: {name} attributes {_param_attrs(getattr(mine, name))} != "
                         f"Megatron's {_param_attrs(getattr(theirs, name))}"
                     )
-            if set(theirs.state_dict()) != set(mine.state_dict()):
+            # Megatron's modules also save "_extra_state": None; ours leave it out (no None in a state
+            # dict: safetensors refuses one) and accept it on load.
+            if set(theirs.state_dict()) - {"_extra_state"} != set(mine.state_dict()):
                 errors.append(
                     f"{tag}: state_dict keys {sorted(mine.state_dict())} != Megatron's {sorted(theirs.state_dict())}"
                 )
+            if any(v is None for v in mine.state_dict().values()):
+                errors.append(f"{tag}: state_dict holds None values")
             mine.load_state_dict(theirs.state_dict())  # strict: Megatron checkpoints load as they are
             _same_sharded_state_dict(theirs, mine, tag, errors)
             x, g = _inputs(kind, rank, world)

@@ -5,7 +5,8 @@ linears adds up every rank's loss gradient, so the rank losses must sum to the m
 divide by the GLOBAL element count (``y.square().sum() / (S * B * H)``), not by the local one
 (``y.square().mean()`` gives gradients W times too large). The row bias sees only this rank's
 rows, so its gradient (like every parameter marked ``sequence_parallel``) is summed over the TP
-group before the step. Both mistakes are run too, to show this test catches them.
+group before the step (``autopar.sum_sequence_parallel_grads``, or ``sequence_parallel_grad_hooks``
+once, in the backward). Both mistakes are run too, to show this test catches them.
 """
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 S, B, H, FFN = 8, 2, 16, 32
 STEPS, LR = 5, 0.5
@@ -62,6 +63,8 @@ def _train_sp(rank, world, recipe):
     ref_losses, ref_params = _reference(X, fc1.master_weight, fc2.master_weight)
 
     params = [fc1.weight, fc1.bias, fc2.weight, fc2.bias]
+    if recipe == "hooks":
+        autopar.sequence_parallel_grad_hooks(params)  # the sum in the backward instead
     x = X.chunk(world)[rank]  # [S/W, B, H]: this rank's rows of the sequence
     losses = []
     for _ in range(STEPS):
@@ -72,10 +75,8 @@ def _train_sp(rank, world, recipe):
         else:
             loss = y.square().sum() / (S * B * H)  # the recipe: the GLOBAL element count
         loss.backward()
-        if recipe != "no_bias_sum":
-            for p in params:  # Megatron's finalize step for SP parameters
-                if getattr(p, "sequence_parallel", False):
-                    dist.all_reduce(p.grad)
+        if recipe in ("documented", "local_mean"):
+            autopar.sum_sequence_parallel_grads(params)  # Megatron's finalize step for SP parameters
         with torch.no_grad():
             for p in params:
                 p -= LR * p.grad
@@ -100,8 +101,9 @@ def _train_sp(rank, world, recipe):
     return loss_diff, param_diff
 
 
-def test_documented_sp_recipe_trains_as_one_process():
-    for loss_diff, param_diff in run_ranks(_train_sp, 2, "documented"):
+@pytest.mark.parametrize("recipe", ["documented", "hooks"])
+def test_documented_sp_recipe_trains_as_one_process(recipe):
+    for loss_diff, param_diff in run_ranks(_train_sp, 2, recipe):
         assert loss_diff < 1e-5 and param_diff < 1e-5, (loss_diff, param_diff)
 
 

@@ -1,0 +1,210 @@
+"""Rank bodies shared by the Hugging Face tests: tiny random transformers models, one process vs
+the CoC styles at world 2.
+
+Every comparison is fp32. The tolerance: the sharded model sums the same products in another
+order (over k/W pieces, then across ranks), so each value may differ by a few fp32 ulps of the
+largest term; with values O(1) and k <= 128 that is ~1e-6, and 1e-5 leaves room for three
+optimizer steps (SGD: a difference grows by at most lr * |grad difference| per step).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import os
+import tempfile
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+TOL = 1e-5
+B, S = 2, 8
+STEPS, LR = 3, 0.1
+NEW_TOKENS = 3
+_OPS = ("all_gather_matmul", "all_gather_matmul_gathered", "all_gather_matmul_multi", "matmul_reduce_scatter")
+_OPS += ("matmul_all_reduce",)
+
+
+def build(model_name: str, seed: int = 0) -> torch.nn.Module:
+    import transformers as T
+
+    torch.manual_seed(seed)
+    if model_name == "gpt2":
+        cfg = T.GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            vocab_size=128,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
+        return T.GPT2LMHeadModel(cfg)
+    cls_cfg, cls_model = {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM),
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+    }[model_name]
+    cfg = cls_cfg(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return cls_model(cfg)
+
+
+@contextlib.contextmanager
+def coc_op_counter() -> Iterator[collections.Counter]:
+    """Counts calls of the registered ``torch.ops.coc`` operators by ``(op, backend)``: what the
+    kernels entry points dispatched to, after the backend choice (a fallback shows up as another
+    backend)."""
+    from kernels import library
+
+    calls: collections.Counter = collections.Counter()
+    saved = {name: getattr(library, name) for name in _OPS}
+
+    def spy(name: str, op: Any) -> Any:
+        def wrapped(*args: Any) -> Any:
+            calls[(name.removesuffix("_gathered"), args[5])] += 1
+            return op(*args)
+
+        return wrapped
+
+    for name, op in saved.items():
+        setattr(library, name, spy(name, op))
+    try:
+        yield calls
+    finally:
+        for name, op in saved.items():
+            setattr(library, name, op)
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def _train(model: torch.nn.Module, ids: torch.Tensor, clip: bool) -> dict[str, Any]:
+    """Forward, backward and STEPS SGD steps; what the comparison needs from the first step and
+    the parameters after the last."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, foreach=False)
+    first: dict[str, Any] = {}
+    for step in range(STEPS):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        if step == 0:
+            first["logits"] = out.logits.detach()
+            first["loss"] = out.loss.detach()
+            first["grads"] = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+        if clip:
+            first.setdefault("norms", []).append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    first["params"] = {n: _full(p) for n, p in model.named_parameters()}
+    model.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-token decode steps run replicated (warned once)
+        first["generated"] = model.generate(ids[:, :S], max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    model.train()
+    return first
+
+
+def compare_models(rank: int, world: int, model_name: str, combos: list[tuple[bool, str]]) -> list[dict[str, Any]]:
+    """For each ``(sequence_parallel, backend env)`` combo: the max errors of the CoC-parallel model
+    against one process, and the coc op calls of its training steps."""
+    import autopar
+
+    ref_model = build(model_name)
+    ids = torch.randint(1, 128, (B, S), generator=torch.Generator().manual_seed(1))
+    # clip_grad_norm_ needs every gradient a DTensor, as with torch's own styles: under SP the
+    # plan makes every parameter one; without SP the norms and embeddings stay plain tensors.
+    refs = {clip: _train(copy.deepcopy(ref_model), ids, clip=clip) for clip in (False, True)}
+    rows = []
+    for sp, env in combos:
+        saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            tp = autopar.parallelize_hf(copy.deepcopy(ref_model), sequence_parallel=sp)
+            with coc_op_counter() as calls:
+                got = _train(tp, ids, clip=sp)
+            ref = refs[sp]
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        row = {
+            "sp": sp,
+            "env": env,
+            "logits": _max_diff(got["logits"], ref["logits"]),
+            "loss": _max_diff(got["loss"], ref["loss"]),
+            "grads": max(_max_diff(got["grads"][n], g) for n, g in ref["grads"].items()),
+            "missing_grads": sorted(n for n, g in got["grads"].items() if g is None),
+            "params": max(_max_diff(got["params"][n], p) for n, p in ref["params"].items()),
+            "generate_equal": torch.equal(got["generated"], ref["generated"]),
+            "calls": dict(calls),
+            "dtensor_params": all(type(p).__name__ == "DTensor" for p in tp.parameters()),
+        }
+        if sp:
+            row["grad_norm"] = max(_max_diff(a, b) for a, b in zip(got["norms"], ref["norms"], strict=True))
+        rows.append(row)
+        del tp
+    return rows
+
+
+def state_dict_roundtrip(rank: int, world: int, model_name: str, sp: bool) -> dict[str, Any]:
+    """A full one-process state dict loads into the sharded model (torch's DCP helpers), gathers
+    back, and save_pretrained writes a checkpoint that transformers loads in one process."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    import autopar
+
+    ref = build(model_name, seed=0)
+    tp = autopar.parallelize_hf(build(model_name, seed=1), sequence_parallel=sp)  # other weights
+    full = ref.state_dict()
+    # torch replaces the entries of the dict it loads with their DTensor shards: give it a copy
+    set_model_state_dict(tp, dict(full), options=StateDictOptions(full_state_dict=True))
+    ids = torch.randint(1, 128, (B, S), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        loaded = _max_diff(tp(input_ids=ids).logits, ref(input_ids=ids).logits)
+    gathered = get_model_state_dict(tp, options=StateDictOptions(full_state_dict=True))
+    gather_err = max(_max_diff(gathered[k], v) for k, v in full.items() if k in gathered)
+    missing = sorted(set(full) - set(gathered))
+    shared = [None]
+    if rank == 0:
+        shared[0] = tempfile.mkdtemp(prefix="coc-hf-")
+    dist.broadcast_object_list(shared, src=0)
+    path = shared[0]
+    full_sd = autopar.tp.full_state_dict(tp)  # collective: every rank
+    if rank == 0:
+        tp.save_pretrained(path, state_dict=full_sd)
+    dist.barrier()
+    saved_err = None
+    if rank == 0:
+        reloaded = type(ref).from_pretrained(path)
+        with torch.no_grad():
+            saved_err = _max_diff(reloaded(input_ids=ids).logits, ref(input_ids=ids).logits)
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+    return {"loaded": loaded, "gathered": gather_err, "missing": missing, "saved": saved_err}

@@ -1,0 +1,109 @@
+"""Hugging Face Llama, Qwen2 and GPT-2 (tiny random configs, fp32) parallelized with
+``autopar.parallelize_hf`` at world 2 against one process.
+
+Logits, loss, every gradient, the parameters after three SGD steps (with ``clip_grad_norm_``
+under sequence parallelism, where every parameter is a DTensor) and greedy ``generate()`` match,
+with sequence parallelism off and on, on the sequential and chunked backends (fused: test_hf_fused
+below). A spy on the registered ``torch.ops.coc`` operators shows which ran, on which backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels.testing import run_ranks
+from tests.autopar.tp.hf_cases import TOL, build, compare_models, state_dict_roundtrip
+
+pytest.importorskip("transformers")
+
+COMBOS = [
+    (False, {"COC_PARALLEL_NUM": "1"}),
+    (True, {"COC_PARALLEL_NUM": "1"}),
+    (False, {"COC_PARALLEL_NUM": "2"}),
+    (True, {"COC_PARALLEL_NUM": "2"}),
+]
+
+
+def _check(rows: list[dict], fused: bool = False) -> None:
+    for row in rows:
+        tag = f"sp={row['sp']} env={row['env']}"
+        for key in ("logits", "loss", "grads", "params"):
+            assert row[key] < TOL, (tag, key, row[key])
+        assert not row["missing_grads"], (tag, row["missing_grads"])
+        assert row["generate_equal"], tag
+        backend = "fused" if fused else ("chunked" if row["env"].get("COC_PARALLEL_NUM") == "2" else "sequential")
+        calls = row["calls"]
+        assert calls and all(b == backend for _, b in calls), (tag, calls)
+        ops = {op for op, _ in calls}
+        if row["sp"]:
+            # sequence parallel: column inputs gathered, row outputs scattered by the CoC ops
+            assert {"all_gather_matmul", "matmul_reduce_scatter"} <= ops, (tag, calls)
+            assert row["dtensor_params"] and row["grad_norm"] < TOL, (tag, row)
+        else:
+            assert "matmul_all_reduce" in ops, (tag, calls)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2", "gpt2"])
+def test_hf_model_matches_one_process(model: str) -> None:
+    (rows, _) = run_ranks(compare_models, 2, model, COMBOS, timeout=600)
+    _check(rows)
+
+
+@pytest.mark.triton
+def test_hf_fused_smallest() -> None:
+    """The fused kernels (interpreted) under the CoC styles with sequence parallelism on."""
+    (rows, _) = run_ranks(compare_models, 2, "llama", [(True, {"USE_COC_FUSED_KERNEL": "1"})], timeout=1200)
+    _check(rows, fused=True)
+
+
+@pytest.mark.parametrize(("model", "sp"), [("llama", True), ("gpt2", False)])
+def test_full_state_dict_loads_gathers_and_saves(model: str, sp: bool) -> None:
+    for rank, res in enumerate(run_ranks(state_dict_roundtrip, 2, model, sp, timeout=600)):
+        assert res["loaded"] < TOL and res["gathered"] == 0.0 and not res["missing"], res
+        if rank == 0:
+            assert res["saved"] == 0.0, res
+
+
+def _tied_refused(rank: int, world: int) -> str:
+    import autopar
+
+    model = build("gpt2")  # lm_head.weight is transformer.wte.weight
+    plan = {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise", "lm_head": "colwise"}
+    try:
+        autopar.parallelize_hf(model, plan=plan)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tied_head_without_its_embedding_is_refused() -> None:
+    for msg in run_ranks(_tied_refused, 2):
+        assert "tied weight" in msg and "transformer.wte.weight" in msg and "lm_head.weight" in msg, msg
+
+
+def _tied_kept(rank: int, world: int) -> bool:
+    import autopar
+
+    model = autopar.parallelize_hf(build("gpt2"))
+    return model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_tied_head_and_embedding_stay_tied() -> None:
+    assert all(run_ranks(_tied_kept, 2))
+
+
+def test_plan_strings() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    import autopar
+    from autopar.tp.hf import coc_style, hf_plan_strings
+
+    model = build("llama")
+    sp = hf_plan_strings(model, sequence_parallel=True)
+    assert sp["model.layers.0.input_layernorm"] == "sequence_parallel" and sp["model.norm"] == "sequence_parallel"
+    assert "model.layers.0.input_layernorm" not in hf_plan_strings(model)
+    row = coc_style("rowwise", sequence_parallel=True)
+    assert isinstance(row, autopar.CocRowwiseParallel) and row.output_layouts == (Shard(1),)
+    assert coc_style("colwise_gather_output").output_layouts == (Replicate(),)
+    with pytest.raises(ValueError, match="moe_tp_experts"):
+        coc_style("moe_tp_experts")
