@@ -1,0 +1,121 @@
+"""The CoC ParallelStyles against torch's own styles on a plain two-linear block + norm, with
+torch's ``parallelize_module``: the same DTensor parameters (placements, local shards), the same
+outputs and gradients, with sequence parallelism on dim 0 ([s, b, h], Megatron) and dim 1
+([b, s, h], Hugging Face), and the CoC ops doing the communication."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.testing import run_ranks
+from tests.autopar.tp.hf_cases import coc_op_counter
+
+H, FFN = 16, 32
+TOL = 1e-12  # float64
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(H, dtype=torch.float64)
+        self.w1 = nn.Linear(H, FFN, dtype=torch.float64)
+        self.w2 = nn.Linear(FFN, H, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(F.gelu(self.w1(self.norm(x))))
+
+
+def _plans(coc: bool, sp: bool, seq_dim: int) -> dict:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    import autopar
+
+    col, row, seq = (
+        (autopar.CocColwiseParallel, autopar.CocRowwiseParallel, autopar.CocSequenceParallel)
+        if coc
+        else (ColwiseParallel, RowwiseParallel, SequenceParallel)
+    )
+    if not sp:
+        return {"w1": col(), "w2": row()}
+    return {
+        "norm": seq(sequence_dim=seq_dim, use_local_output=True),
+        "w1": col(input_layouts=Shard(seq_dim)),
+        "w2": row(output_layouts=Shard(seq_dim)),
+    }
+
+
+def styles_match_torch(rank: int, world: int, sp: bool, seq_dim: int) -> list[str]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    errors: list[str] = []
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    base = Block()
+    with torch.no_grad():
+        base.norm.weight.normal_()  # not ones: the norm-gradient sum must be right, not trivially so
+    shape = [2, 2]
+    shape.insert(seq_dim, 4 * world)
+    x_full = torch.randn(*shape, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = x_full.chunk(world, dim=seq_dim)[rank].contiguous() if sp else x_full
+    results = {}
+    for coc in (False, True):
+        model = parallelize_module(copy.deepcopy(base), mesh, _plans(coc, sp, seq_dim))
+        with coc_op_counter() as calls:
+            y = model(x.clone())
+            y = y.to_local() if isinstance(y, DTensor) else y
+            (y * y).sum().backward()
+        if not coc and sp:
+            # torch's SequenceParallel leaves the norm gradients Partial: make them the parameter's
+            # placement (the sum the CoC style does in the backward)
+            for p in model.norm.parameters():
+                p.grad = p.grad.redistribute(placements=p.placements)
+        results[coc] = (model, y.detach(), dict(calls))
+    (theirs, y_t, calls_t), (mine, y_m, calls_m) = results[False], results[True]
+    if calls_t:
+        errors.append(f"torch's styles ran coc ops: {calls_t}")
+    want_ops = {"all_gather_matmul", "matmul_reduce_scatter"} if sp else {"matmul_all_reduce"}
+    if not want_ops <= {op for op, _ in calls_m}:
+        errors.append(f"CoC styles ran {calls_m}, want {want_ops}")
+    if (y_t - y_m).abs().max() > TOL:
+        errors.append(f"output differs by {(y_t - y_m).abs().max().item()}")
+    for (name, p_t), (_, p_m) in zip(theirs.named_parameters(), mine.named_parameters(), strict=True):
+        if not isinstance(p_t, DTensor):  # not in the plan (the norm without SP): plain in both
+            if isinstance(p_m, DTensor) or (p_t.grad - p_m.grad).abs().max() > TOL:
+                errors.append(f"{name}: unplanned parameter differs ({type(p_m).__name__})")
+            continue
+        if not isinstance(p_m, DTensor) or p_m.placements != p_t.placements:
+            errors.append(f"{name}: {type(p_m).__name__} {getattr(p_m, 'placements', None)} vs {p_t.placements}")
+            continue
+        if not torch.equal(p_m.to_local(), p_t.to_local()):
+            errors.append(f"{name}: local shard differs from torch's")
+        g_t, g_m = p_t.grad.full_tensor(), p_m.grad.full_tensor()
+        if (g_t - g_m).abs().max() > TOL:
+            errors.append(f"{name}.grad differs by {(g_t - g_m).abs().max().item()}")
+        if p_m.grad.placements != p_m.placements:
+            errors.append(f"{name}.grad placements {p_m.grad.placements}, want {p_m.placements}")
+    dist.barrier()
+    return errors
+
+
+@pytest.mark.parametrize(("sp", "seq_dim"), [(False, 0), (True, 0), (True, 1)])
+def test_coc_styles_match_torch_styles(sp: bool, seq_dim: int) -> None:
+    for errors in run_ranks(styles_match_torch, 2, sp, seq_dim):
+        assert not errors, errors
+
+
+def test_style_arguments_are_checked() -> None:
+    import autopar
+
+    with pytest.raises(TypeError, match="input_layouts"):
+        autopar.CocColwiseParallel(input_layouts="shard")
+    with pytest.raises(ValueError, match="packed"):
+        autopar.CocColwiseParallel(packed=0)
