@@ -58,7 +58,38 @@ def _store_y(
     )
 
 
-@triton.jit(do_not_specialize=["rank", "timeout"])
+@triton.jit
+def _copy_rows(src_ptr, stride_sm, stride_sk, src_rows, dst_ptr, dst_rows, mask_m, K, BLOCK_K: tl.constexpr):
+    """``dst[dst_rows, :] = src[src_rows, :]`` for the rows in ``mask_m`` (``dst`` rows contiguous, ``K`` wide)."""
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+        mask = mask_m[:, None] & (offs_k < K)[None, :]
+        tile = tl.load(src_ptr + src_rows[:, None] * stride_sm + offs_k[None, :] * stride_sk, mask=mask)
+        tl.store(dst_ptr + dst_rows[:, None] * K + offs_k[None, :], tile, mask=mask)
+
+
+@triton.jit
+def _output_rows(local_rows, offs_m, src, rows_per_block, WORLD: tl.constexpr, SPLIT_BLOCKS: tl.constexpr):
+    """Rows of y (and x_gathered) that shard ``src``'s local rows go to.
+
+    ``SPLIT_BLOCKS`` (gather_dim > 0): x's rows are outer blocks of ``rows_per_block`` (L) rows,
+    gathered block by block, so local row i of shard src is row ``(i // L) * W * L + src * L + i % L``:
+    strided output rows instead of a transposing copy. Else the gather-buffer row ``offs_m``.
+    Called where the rows are used, after the GEMM loop, so they are never live next to it.
+    """
+    if SPLIT_BLOCKS:
+        # int32 division: an int64 one is a long subroutine whose registers, next to the live
+        # accumulator, spilled. Local rows are below M_LOCAL, an int32 launch argument.
+        rows32 = local_rows.to(tl.int32)
+        block = (rows32 // rows_per_block).to(tl.int64)
+        inner = (rows32 % rows_per_block).to(tl.int64)
+        rows = block * (WORLD * rows_per_block) + src * rows_per_block + inner
+    else:
+        rows = offs_m
+    return rows
+
+
+@triton.jit(do_not_specialize=["rank", "timeout", "rows_per_block"])
 def _ag_gemm_kernel(
     x_ptr,
     data_tab_ptr,
@@ -78,6 +109,7 @@ def _ag_gemm_kernel(
     stride_wk,
     stride_ym,
     stride_yn,
+    rows_per_block,
     rank,
     timeout: tl.int64,
     flag_offset,
@@ -86,6 +118,8 @@ def _ag_gemm_kernel(
     FLAG_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     STORE_A: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr,
+    STORE_IN_GEMM: tl.constexpr,
     USE_GLOBALTIMER: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -104,6 +138,7 @@ def _ag_gemm_kernel(
     flag = flag_offset + src * FLAG_STRIDE + first_row // chunk_rows
     local_rows = first_row + tl.arange(0, BLOCK_M).to(tl.int64)
     mask_m = local_rows < M_LOCAL
+    # Rows of the gather buffer G (source-major: shard src at rows [src * M_LOCAL, ...)).
     offs_m = src * M_LOCAL + local_rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < N
@@ -115,6 +150,12 @@ def _ag_gemm_kernel(
         # Own rows straight from x: no flag, so this launch never waits on the push launch of its
         # own process (which then need not be co-resident with it). Skipped after a failed check.
         if signals.failed(pad) == 0:
+            if STORE_A and SPLIT_BLOCKS:
+                # Before the GEMM (nothing of it live yet): the GEMM core stores A rows only at the
+                # rows it loads them from.
+                if pid_n == 0:
+                    g_rows = _output_rows(local_rows, offs_m, src, rows_per_block, WORLD, SPLIT_BLOCKS)
+                    _copy_rows(x_ptr, stride_xm, stride_xk, local_rows, g_ptr, g_rows, mask_m, K, BLOCK_K)
             acc = tile_matmul(
                 x_ptr,
                 stride_xm,
@@ -133,15 +174,21 @@ def _ag_gemm_kernel(
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_K,
-                STORE_A,
+                STORE_IN_GEMM,
                 ACC_DTYPE,
                 DOT_PRECISION,
             )
-            _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, ACC_DTYPE)
+            offs_y = _output_rows(local_rows, offs_m, src, rows_per_block, WORLD, SPLIT_BLOCKS)
+            _store_y(acc, bias_ptr, y_ptr, offs_y, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, ACC_DTYPE)
+
     else:
         epoch = signals.call_epoch(pad)
         if signals.wait_signal(pad + flag, epoch, pad, timeout, 1 + src + WORLD * CHANNEL, USE_GLOBALTIMER):
             g_local = signals.peer_ptr(data_tab_ptr, rank, y_ptr.dtype.element_ty)
+            if STORE_A and SPLIT_BLOCKS:
+                if pid_n == 0:
+                    g_rows = _output_rows(local_rows, offs_m, src, rows_per_block, WORLD, SPLIT_BLOCKS)
+                    _copy_rows(g_local, K, 1, offs_m, g_ptr, g_rows, mask_m, K, BLOCK_K)
             acc = tile_matmul(
                 g_local,
                 K,
@@ -160,11 +207,12 @@ def _ag_gemm_kernel(
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_K,
-                STORE_A,
+                STORE_IN_GEMM,
                 ACC_DTYPE,
                 DOT_PRECISION,
             )
-            _store_y(acc, bias_ptr, y_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, ACC_DTYPE)
+            offs_y = _output_rows(local_rows, offs_m, src, rows_per_block, WORLD, SPLIT_BLOCKS)
+            _store_y(acc, bias_ptr, y_ptr, offs_y, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, ACC_DTYPE)
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -271,8 +319,11 @@ def _gemm(
     return_gathered: bool,
     cfg: BlockConfig,
     chunk_rows: int,
+    outer: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate the outputs and launch the GEMM over the gathered rows; ``(y, x_gathered or y)``."""
+    """Allocate the outputs and launch the GEMM over the gathered rows; ``(y, x_gathered or y)``.
+
+    ``outer > 1``: the rows of ``x`` are ``outer`` blocks gathered block by block (``gather_dim > 0``)."""
     heap, w = call.heap, call.world_size
     m_local, k = x.shape
     n = weight.shape[0]
@@ -302,6 +353,7 @@ def _gemm(
             weight.stride(1),
             y.stride(0),
             y.stride(1),
+            m_local // outer,
             call.rank,
             call.timeout_ticks,
             signals.channel_offset(signals.CH_AG, w),
@@ -310,6 +362,10 @@ def _gemm(
             FLAG_STRIDE=signals.AG_MAX_SPLITS,
             HAS_BIAS=bias is not None,
             STORE_A=return_gathered,
+            SPLIT_BLOCKS=outer > 1,
+            # The GEMM core stores the A rows at the rows it loads them from; strided rows are
+            # copied by the kernel after the GEMM.
+            STORE_IN_GEMM=return_gathered and outer == 1,
             USE_GLOBALTIMER=call.use_globaltimer,
             ACC_DTYPE=acc_dtype(x.dtype),
             DOT_PRECISION=dot_precision(x.dtype, x.device),
@@ -339,9 +395,15 @@ def all_gather_matmul(
 
     Reference semantics::
 
-        x_gathered = cat([x from rank 0, ..., x from rank W-1], dim=0)
+        blocks_r = x_from_rank_r.view(outer, m_local / outer, k)
+        x_gathered = cat([blocks_0, ..., blocks_W-1], dim=1).view(W * m_local, k)
         y = x_gathered @ weight.T + bias
         return (y, x_gathered) if return_gathered else y
+
+    ``outer`` (the product of the dims before ``gather_dim``; 1 for dim 0, the plain
+    ``cat(dim=0)``) changes only where the kernel stores rows: the gather buffer stays source-major
+    and each output row is addressed as (outer block, source rank, row in block), no transposing
+    copy. ``comm_dim`` (the normalized gather_dim) goes into the call descriptor.
 
     Nothing is reduced across ranks, so every row of y is one dot product per column (fp32 accumulate).
     Raises RuntimeError naming the missing peer if a wait exceeds ``COC_TIMEOUT``.
@@ -351,16 +413,8 @@ def all_gather_matmul(
     if w == 1:
         y = matmul(x, weight, bias)
         return (y, x.clone(memory_format=torch.contiguous_format)) if return_gathered else y
-    if outer > 1:
-        y, x_gathered = _all_gather_matmul(x, weight, bias, group, True, comm_dim)
-        y, x_gathered = _block_major(y, w, outer), _block_major(x_gathered, w, outer)
-        return (y, x_gathered) if return_gathered else y
-    return _all_gather_matmul(x, weight, bias, group, return_gathered, comm_dim)
-
-
-def _block_major(t: torch.Tensor, w: int, outer: int) -> torch.Tensor:
-    rows, cols = t.shape
-    return t.view(w, outer, rows // (w * outer), cols).transpose(0, 1).reshape(rows, cols)
+    y, x_gathered = _all_gather_matmul(x, weight, bias, group, return_gathered, return_gathered, outer, comm_dim)
+    return (y, x_gathered) if return_gathered else y
 
 
 def all_gather_matmul_multi(
@@ -373,11 +427,22 @@ def all_gather_matmul_multi(
     outer: int = 1,
     comm_dim: int = 0,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """One fused all-gather + GEMM for ``weights[0]``; the other weights multiply the gathered x
-    it returns with the local GEMM. ``(ys, x_gathered or None)``."""
-    need_gathered = return_gathered or len(weights) > 1
-    first = all_gather_matmul(x, weights[0], biases[0], group, need_gathered, outer=outer, comm_dim=comm_dim)
-    y0, x_gathered = first if need_gathered else (first, None)
+    """All-gather + GEMM with several weights, one gather: ``(ys, x_gathered or None)``.
+
+    Reference semantics::
+
+        x_gathered = (as all_gather_matmul)
+        ys = [x_gathered @ w.T + b for w, b in zip(weights, biases)]
+
+    The fused kernel runs for ``weights[0]`` and writes the gathered rows as it loads them; the other
+    weights multiply that gathered x with the local GEMM core (no second exchange).
+    """
+    group = runtime.resolve_group(group)
+    if runtime.world_size(group) == 1:
+        ys = [matmul(x, w, b) for w, b in zip(weights, biases, strict=True)]
+        return ys, x.clone(memory_format=torch.contiguous_format) if return_gathered else None
+    store = return_gathered or len(weights) > 1
+    y0, x_gathered = _all_gather_matmul(x, weights[0], biases[0], group, return_gathered, store, outer, comm_dim)
     ys = [y0] + [matmul(x_gathered, w, b) for w, b in zip(weights[1:], biases[1:], strict=True)]
     return ys, x_gathered if return_gathered else None
 
@@ -388,8 +453,13 @@ def _all_gather_matmul(
     bias: torch.Tensor | None,
     group: dist.ProcessGroup,
     return_gathered: bool,
+    store_gathered: bool,
+    outer: int,
     comm_dim: int,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, x_gathered)`` (``x_gathered`` is ``y`` unless ``store_gathered``). ``return_gathered``
+    is what the caller asked for and goes into the call descriptor; ``store_gathered`` also writes
+    the gathered x for later GEMMs of the same call (a rank-local choice)."""
     w = runtime.world_size(group)
     m_local, k = x.shape
     n = weight.shape[0]
@@ -404,12 +474,12 @@ def _all_gather_matmul(
     with runtime.fused_call("all_gather_matmul", group, x.device, data_bytes, descriptor) as call:
         # m_local, k and dtype are in the checked descriptor, so every rank picks the same tiles and
         # chunk_rows (a peer's push flags chunks the GEMM here waits on).
-        cfg = block_config(x.device, m_local, k, x.dtype)
+        cfg = block_config(x.device, m_local, k, x.dtype, op="all_gather_matmul", n=n)
         chunk_rows = max(1, triton.cdiv(triton.cdiv(m_local, cfg.ag_splits), cfg.block_m)) * cfg.block_m
         side = _side_stream(x.device) if x.device.type == "cuda" else None
         forked = _push_shard(call, x, chunk_rows, side)
         try:
-            y, x_gathered = _gemm(call, x, weight, bias, return_gathered, cfg, chunk_rows)
+            y, x_gathered = _gemm(call, x, weight, bias, store_gathered, cfg, chunk_rows, outer)
         finally:
             if forked:
                 # Joined on every path, an exception included: work the caller queues next (which
@@ -418,4 +488,4 @@ def _all_gather_matmul(
                 # every rank's GEMM waits for every rank's push. Inside capture a join without a
                 # fork would wait on an uncaptured stream.
                 torch.cuda.current_stream(x.device).wait_stream(side)
-    return (y, x_gathered) if return_gathered else y
+    return y, x_gathered

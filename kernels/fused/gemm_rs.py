@@ -115,7 +115,7 @@ def push_tile(
             signals.add_signal(signals.peer_ptr(sig_tab_ptr, owner, tl.int64) + cnt, 1)
 
 
-@triton.jit(do_not_specialize=["rank", "timeout"])
+@triton.jit(do_not_specialize=["rank", "timeout", "rows_per_block"])
 def _gemm_scatter_kernel(
     x_ptr,
     w_ptr,
@@ -130,12 +130,14 @@ def _gemm_scatter_kernel(
     stride_xk,
     stride_wn,
     stride_wk,
+    rows_per_block,
     rank,
     timeout: tl.int64,
     done_offset,
     cnt_offset,
     WORLD: tl.constexpr,
     BROADCAST: tl.constexpr,
+    SPLIT_BLOCKS: tl.constexpr,
     USE_GLOBALTIMER: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -147,6 +149,14 @@ def _gemm_scatter_kernel(
     owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(
         tl.program_id(0), rank, M, N, ROWS_OWN, WORLD, BROADCAST, BLOCK_M, BLOCK_N, GROUP_M
     )
+    if SPLIT_BLOCKS:
+        # scatter_dim > 0: x's rows are outer blocks of W owner blocks of rows_per_block (R) rows
+        # each, so owner-local row i is row (i // R) * W * R + owner * R + i % R of x: strided rows
+        # instead of a transposing copy. mask_m stays valid (it masks local rows >= ROWS_OWN).
+        # int32 division (local rows are below ROWS_OWN): an int64 one is a long subroutine.
+        rows32 = local_rows.to(tl.int32)
+        block = (rows32 // rows_per_block).to(tl.int64)
+        offs_m = block * (WORLD * rows_per_block) + owner * rows_per_block + (rows32 % rows_per_block).to(tl.int64)
     acc = tile_matmul(
         x_ptr,
         stride_xm,
@@ -279,9 +289,19 @@ def tiles(rows: int, n: int, cfg: BlockConfig) -> int:
 
 
 def scatter_partials(
-    call: runtime.FusedCall, x: torch.Tensor, weight: torch.Tensor, rows_own: int, broadcast: bool, cfg: BlockConfig
+    call: runtime.FusedCall,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rows_own: int,
+    broadcast: bool,
+    cfg: BlockConfig,
+    *,
+    outer: int = 1,
 ) -> int:
-    """Launch the scatter GEMM; return the ``RS`` target (tiles per owner) every peer's counter must reach here."""
+    """Launch the scatter GEMM; return the ``RS`` target (tiles per owner) every peer's counter must reach here.
+
+    ``outer > 1`` (reduce-scatter only): the rows of ``x`` are ``outer`` blocks, each scattered on its
+    own (``scatter_dim > 0``); owner ``d``'s ``rows_own`` rows are its block of every outer block."""
     heap, w = call.heap, call.world_size
     m, k = x.shape
     n = weight.shape[0]
@@ -302,12 +322,14 @@ def scatter_partials(
             x.stride(1),
             weight.stride(0),
             weight.stride(1),
+            rows_own // outer,
             call.rank,
             call.timeout_ticks,
             signals.channel_offset(signals.CH_DONE, w),
             signals.channel_offset(signals.CH_RS, w),
             WORLD=w,
             BROADCAST=broadcast,
+            SPLIT_BLOCKS=outer > 1,
             USE_GLOBALTIMER=call.use_globaltimer,
             ACC_DTYPE=acc_dtype(x.dtype),
             DOT_PRECISION=dot_precision(x.dtype, x.device),
@@ -400,6 +422,11 @@ def matmul_reduce_scatter(
         y_r = sum(partial_src[rows of r] for src in 0..W-1)  # fp32, in rank order
         y_r = y_r + bias                                       # once, after the reduction
 
+    ``rows of r``: ``[r * m / W, (r + 1) * m / W)`` for ``outer == 1``; with ``outer > 1`` (the
+    product of the dims before ``scatter_dim``) block ``r`` of each of the ``outer`` row blocks,
+    read in place by the scatter GEMM (no transposing copy). ``comm_dim`` (the normalized
+    scatter_dim) goes into the call descriptor.
+
     The sum always runs in rank order, so results are bitwise reproducible whatever
     ``deterministic`` says (it costs nothing here). Raises RuntimeError naming the missing peer if a
     wait exceeds ``COC_TIMEOUT``.
@@ -407,20 +434,17 @@ def matmul_reduce_scatter(
     group, w = group_and_size(group)
     if w == 1:
         return matmul(x, weight, bias)
-    if outer > 1:
-        m, k = x.shape
-        x = x.view(outer, w, m // (outer * w), k).transpose(0, 1).reshape(m, k)
     m = x.shape[0]
     n = weight.shape[0]
     rows_own = m // w
-    cfg = block_config(x.device, rows_own, x.shape[1], x.dtype)
+    cfg = block_config(x.device, rows_own, x.shape[1], x.dtype, op="matmul_reduce_scatter", n=n)
     data_bytes = w * rows_own * slot_stride(n) * x.element_size()
     # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
     descriptor = runtime.describe(
         "matmul_reduce_scatter", m, x.shape[1], n, x.dtype, bias is not None, deterministic, comm_dim=comm_dim
     )
     with runtime.fused_call("matmul_reduce_scatter", group, x.device, data_bytes, descriptor) as call:
-        target = scatter_partials(call, x, weight, rows_own, False, cfg)
+        target = scatter_partials(call, x, weight, rows_own, False, cfg, outer=outer)
         out = torch.empty((rows_own, n), dtype=x.dtype, device=x.device)
         call.outputs = (out,)
         reduce_slots(call, out, bias, rows_own, rows_own, n, target, None, cfg)

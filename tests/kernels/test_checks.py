@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kernels
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 OPS = [kernels.all_gather_matmul, kernels.matmul_reduce_scatter, kernels.matmul_all_reduce]
 X = torch.randn(4, 6)
@@ -149,3 +149,68 @@ def test_layer_k_mismatch_names_the_shape_passed(world):
         for message in messages:
             assert message.startswith("k mismatch: input_ has k=5 (shape (4, 3, 5)) but "), message
         assert "input_is_parallel=False needs the full input_size=6" in messages[2]
+
+
+def test_transposed_weight_gets_the_layout_hint():
+    for op in OPS:
+        with pytest.raises(ValueError) as e:
+            op(X, W.T.contiguous())  # [k, n]: the x @ w layout
+        message = str(e.value)
+        assert "k mismatch: x has k=6" in message and "must be [n, k]" in message, message
+        assert "pass weight.T" in message, message
+    with pytest.raises(ValueError) as e:
+        kernels.matmul_all_reduce(X, torch.randn(5, 7))  # neither layout: no transpose hint
+    assert "must be [n, k]" in str(e.value) and "weight.T" not in str(e.value)
+
+
+X3 = torch.randn(2, 3, 6)
+
+
+@pytest.mark.parametrize(
+    "op,name", [(kernels.all_gather_matmul, "gather_dim"), (kernels.matmul_reduce_scatter, "scatter_dim")]
+)
+@pytest.mark.parametrize(
+    "dim,exc,needle",
+    [
+        (2, ValueError, "=2 is the last dim of x (shape (2, 3, 6)), the contracted k dim"),
+        (-1, ValueError, "=-1 is the last dim of x"),
+        (3, ValueError, "=3 is out of range for x of shape (2, 3, 6) (valid: -3 .. 1)"),
+        (-4, ValueError, "=-4 is out of range"),
+        (1.0, TypeError, " must be an int, got 1.0"),
+        (None, TypeError, " must be an int, got None"),
+    ],
+)
+def test_bad_dims(op, name, dim, exc, needle):
+    with pytest.raises(exc) as e:
+        op(X3, W, **{name: dim})
+    assert str(e.value).startswith(name) and needle in str(e.value), str(e.value)
+
+
+def _scatter_dim_not_divisible(rank, world):
+    with pytest.raises(ValueError) as e:
+        kernels.matmul_reduce_scatter(torch.randn(3, 4, 6), W, scatter_dim=-2)
+    return str(e.value)
+
+
+def test_scatter_dim_size_not_divisible_names_dim_size_and_world():
+    for message in run_ranks(_scatter_dim_not_divisible, 3):
+        assert "scatter_dim=-2" in message and "x.shape[1]" in message, message
+        assert "m=4" in message and "W=3" in message, message
+
+
+@pytest.mark.parametrize(
+    "weights,biases,exc,needle",
+    [
+        ([], None, ValueError, "weight: an empty list"),
+        ([W, W], B, TypeError, "bias must be None or a list / tuple"),
+        ([W, W], [B], ValueError, "bias: 1 entries for 2 weights"),
+        ([W, torch.randn(5, 7)], None, ValueError, "k mismatch: x has k=6 (shape (4, 6)) but weight[1] has k=7"),
+        ([W, W.double()], None, TypeError, "weight[1] dtype torch.float64"),
+        ([W, W], [None, torch.randn(4)], ValueError, "bias[1] must have shape (5,) = [n] of weight[1]"),
+        ([W, "w"], None, TypeError, "weight[1] must be a torch.Tensor, got str"),
+    ],
+)
+def test_bad_weight_lists(weights, biases, exc, needle):
+    with pytest.raises(exc) as e:
+        kernels.all_gather_matmul(X, weights, biases)
+    assert needle in str(e.value), str(e.value)

@@ -19,7 +19,7 @@ import torch
 
 import kernels
 from kernels import library
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 BACKENDS = [("sequential", None), ("chunked", 2), ("chunked", 4), ("fused", None)]
 # Odd sizes: m_local = 3 rows per rank (5 for the all-reduce), k = 5, n = 7; the reduce-scatter
@@ -437,3 +437,129 @@ def test_compiled_choice_follows_customized_coc_per_shape(tmp_path: Any, monkeyp
             torch.testing.assert_close(fn(x), torch.nn.functional.linear(x, w))
     chosen = [tuple(args[5:7]) for g in graphs for args in g["args"]]
     assert chosen == [("chunked", 4), ("sequential", 1)], chosen
+
+
+def _dims_cases(rank: int, world: int) -> dict[str, tuple[Callable[..., Any], tuple, str]]:
+    """gather_dim / scatter_dim on ``[b, s, k]`` inputs and the list-of-weights all-gather:
+    ``name -> (fn(*args, **backend kwargs), args, the one coc operator its graph must hold)``."""
+    gen = torch.Generator().manual_seed(200 + rank)
+    x = torch.randn(2, 3, K, generator=gen)
+    xs = torch.randn(2, 3 * world, K, generator=gen)
+    w, w2 = torch.randn(N, K, generator=gen), torch.randn(4, K, generator=gen)
+    b = torch.randn(N, generator=gen)
+    return {
+        "gather_dim": (
+            lambda x, w, b, **kw: kernels.all_gather_matmul(x, w, b, gather_dim=1, **kw),
+            (x, w, b),
+            "coc::all_gather_matmul",
+        ),
+        "gather_dim gathered": (
+            lambda x, w, b, **kw: kernels.all_gather_matmul(x, w, b, gather_dim=-2, return_gathered=True, **kw),
+            (x, w, b),
+            "coc::all_gather_matmul_gathered",
+        ),
+        "weights": (
+            lambda x, w, w2, b, **kw: kernels.all_gather_matmul(x, [w, w2], [b, None], gather_dim=1, **kw),
+            (x, w, w2, b),
+            "coc::all_gather_matmul_multi",
+        ),
+        "weights gathered": (
+            lambda x, w, w2, b, **kw: kernels.all_gather_matmul(x, (w, w2), None, return_gathered=True, **kw),
+            (x, w, w2, b),
+            "coc::all_gather_matmul_multi",
+        ),
+        "scatter_dim": (
+            lambda x, w, b, **kw: kernels.matmul_reduce_scatter(x, w, b, scatter_dim=1, **kw),
+            (xs, w, b),
+            "coc::matmul_reduce_scatter",
+        ),
+    }
+
+
+def _dims_compile_rank(rank: int, world: int, backend: str, parallel_num: int | None) -> list[str]:
+    from torch._dynamo.utils import counters
+
+    failures = []
+    kwargs = {"backend": backend, "parallel_num": parallel_num}
+    for name, (fn, args, expected) in _dims_cases(rank, world).items():
+        with torch.no_grad():
+            eager = fn(*args, **kwargs)
+            torch._dynamo.reset()
+            counters.clear()
+            counter, graphs = _graph_counter()
+            compiled = torch.compile(partial(fn, **kwargs), backend=counter, fullgraph=True)(*args)
+        breaks = sum(counters["graph_break"].values())
+        calls = [c for g in graphs for c in g["coc"]]
+        if breaks:
+            failures.append(f"{name} {backend}: {breaks} graph breaks {dict(counters['graph_break'])}")
+        if calls != [expected]:
+            failures.append(f"{name} {backend}: graph calls {calls}, expected one {expected}")
+        flat_e = list(eager[0]) + [eager[1]] if isinstance(eager, tuple) and isinstance(eager[0], list) else eager
+        flat_c = (
+            list(compiled[0]) + [compiled[1]]
+            if isinstance(compiled, tuple) and isinstance(compiled[0], list)
+            else compiled
+        )
+        if isinstance(flat_e, list):
+            flat_e, flat_c = tuple(flat_e), tuple(flat_c)
+        if not _same(flat_c, flat_e):
+            failures.append(f"{name} {backend}: compiled result differs from eager")
+    return failures
+
+
+@pytest.mark.parametrize("backend,parallel_num", [("sequential", None), ("chunked", 2), ("fused", None)])
+def test_dims_and_weight_lists_compile_whole_world2(backend: str, parallel_num: int | None) -> None:
+    results = run_ranks(_dims_compile_rank, 2, backend, parallel_num, timeout=600)
+    assert results == [[], []], results
+
+
+def _dims_fake_and_opcheck_rank(rank: int, world: int) -> list[str]:
+    """The new schemas' fake outputs equal the real ones (shape, dtype, stride), and opcheck passes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    failures = []
+    name = library.group_name(None)
+    gen = torch.Generator().manual_seed(300 + rank)
+    x = torch.randn(3, 2, 1, K, generator=gen)
+    xs = torch.randn(3, 2 * world, 1, K, generator=gen)
+    w, w2, b = torch.randn(N, K, generator=gen), torch.randn(2, K, generator=gen), torch.randn(N, generator=gen)
+    for backend, num in (("sequential", 1), ("chunked", 2)):
+        calls = {
+            "all_gather_matmul": (x, w, b, name, world, backend, num, 1),
+            "all_gather_matmul_gathered": (x, w, None, name, world, backend, num, -3),
+            "all_gather_matmul_multi": (x, [w, w2], [b, None], name, world, backend, num, 2, True),
+            "matmul_reduce_scatter": (xs, w, b, name, world, backend, num, False, 1),
+        }
+        for op, args in calls.items():
+            operator = getattr(torch.ops.coc, op).default
+            real = operator(*args)
+            with FakeTensorMode() as mode:
+                fake = operator(*[_fake(mode, a) for a in args])
+            for r, f in zip(_flat(real), _flat(fake), strict=True):
+                got = (tuple(f.shape), f.dtype, f.stride())
+                want = (tuple(r.shape), r.dtype, r.stride())
+                if got != want:
+                    failures.append(f"{op} {backend}: fake {got} != real {want}")
+            result = torch.library.opcheck(operator, args)
+            if set(result.values()) != {"SUCCESS"}:
+                failures.append(f"{op} {backend}: opcheck {result}")
+    return failures
+
+
+def _fake(mode: Any, a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return mode.from_tensor(a)
+    if isinstance(a, list):
+        return [_fake(mode, t) for t in a]
+    return a
+
+
+def _flat(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flat(o)]
+    return [] if out is None else [out]
+
+
+def test_dims_and_weight_lists_fake_outputs_and_opcheck_world2() -> None:
+    results = run_ranks(_dims_fake_and_opcheck_rank, 2, timeout=600)
+    assert results == [[], []], results
