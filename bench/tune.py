@@ -147,8 +147,13 @@ def tune(
     budget_s: float = DEFAULT_BUDGET_S,
     clock: Callable[[], float] = time.monotonic,
     log: Callable[[str], None] = print,
+    checkpoint: Callable[[list, list[str]], None] | None = None,
 ) -> tuple[list, list[dict], list[str]]:
-    """Time the space on ``shapes``; ``(file entries, table rows, skipped shapes)``."""
+    """Time the space on ``shapes``; ``(file entries, table rows, skipped shapes)``.
+
+    ``checkpoint(entries, skipped)`` runs after every shape, so a run killed from outside (gpu-check's
+    section deadline) leaves the winners found so far in the file.
+    """
     from kernels.fused import gemm, gemm_configs, tuned
 
     start = clock()
@@ -208,6 +213,8 @@ def tune(
                 )
                 rows.append(row)
                 log(_row_text(row))
+            if checkpoint is not None:
+                checkpoint(entries, skipped)
     return entries, rows, skipped
 
 
@@ -246,27 +253,32 @@ def run(
         raise SystemExit("error: --mode tune needs a CUDA GPU (none found); --allow-cpu runs it on CPU")
     if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("error: --allow-cpu needs TRITON_INTERPRET=1 set before triton is imported")
+    import triton
+
     device = torch.device("cuda" if cuda else "cpu")
     t0 = time.monotonic()
+    directory = Path(out_dir) if out_dir else tuned.DEFAULT_DIR
+    path = directory / f"{tuned.gpu_name(device)}.yaml"
+
+    def write(entries: list, skipped: list[str]) -> None:
+        meta = dict(
+            gpu=torch.cuda.get_device_name(device) if cuda else "cpu (Triton interpreter; times are meaningless)",
+            triton=str(triton.__version__),
+            torch=str(torch.__version__),
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            skipped_by_budget=list(skipped),
+        )
+        tuned.write(path, entries, meta)
+
     entries, rows, skipped = tune(
         gpu_shapes() if cuda else cpu_shapes(),
         dtypes or ([torch.bfloat16, torch.float16] if cuda else [torch.bfloat16]),
         device,
         timer or (cuda_timer() if cuda else cpu_timer()),
         budget_s,
+        checkpoint=write,
     )
-    directory = Path(out_dir) if out_dir else tuned.DEFAULT_DIR
-    path = directory / f"{tuned.gpu_name(device)}.yaml"
-    import triton
-
-    meta = dict(
-        gpu=torch.cuda.get_device_name(device) if cuda else "cpu (Triton interpreter; times are meaningless)",
-        triton=str(triton.__version__),
-        torch=str(torch.__version__),
-        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        skipped_by_budget=skipped,
-    )
-    tuned.write(path, entries, meta)
+    write(entries, skipped)
     seconds = time.monotonic() - t0
     print(table(rows))
     if skipped:
