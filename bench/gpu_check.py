@@ -238,13 +238,14 @@ def budget_for(name: str, device_type: str, left: float, chosen: list[str]) -> f
 # ------------------------------------------------------------------------------ the report
 
 
-def summary_line(sec: dict[str, Any]) -> str:
+def summary_line(sec: dict[str, Any], cuda: bool) -> str:
+    """The section's verdict and counts; for speed on a GPU the targets as numbers (CPU times mean nothing)."""
     from bench.gpu_check_speed import summary
 
     c = sec["counts"]
     parts = [f"{c[s]} {s}" for s in STATUS_ORDER if c.get(s)]
     line = f"{sec['verdict']}: " + (", ".join(parts) if parts else "nothing checked")
-    extra = summary(sec["items"]) if sec["section"] == "speed" else ""
+    extra = summary(sec["items"]) if sec["section"] == "speed" and cuda else ""
     fails = [it["name"] for it in sec["items"] if it["status"] == "fail"]
     return line + (f"; {extra}" if extra else "") + (f"; first failure: {fails[0]}" if fails else "")
 
@@ -253,6 +254,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     from bench.gpu_check_speed import table as speed_table
 
     meta = doc["meta"]
+    cuda = meta["device_type"] == "cuda"
     lines = [
         f"# gpu-check report: {meta['device']}",
         "",
@@ -271,7 +273,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"{sec['seconds']} / {sec['budget_s']} |"
         )
     for sec in doc["sections"]:
-        lines += ["", f"## {sec['title']}", "", f"Verdict: **{summary_line(sec)}**", ""]
+        lines += ["", f"## {sec['title']}", "", f"Verdict: **{summary_line(sec, cuda)}**", ""]
         lines += [f"- note: {note}" for note in sec["notes"]]
         if sec["section"] == "env":
             lines += [f"- {key}: `{json.dumps(value, default=str)}`" for key, value in doc["environment"].items()]
@@ -291,13 +293,13 @@ def table(doc: dict[str, Any]) -> str:
     rows = [("section", "verdict", "pass", "fail", "skip", "time s", "summary")]
     for sec in doc["sections"]:
         c = sec["counts"]
-        summary = summary_line(sec).split(": ", 1)[-1]
+        summary = summary_line(sec, doc["meta"]["device_type"] == "cuda").split(": ", 1)[-1]
         rows.append(
             (sec["title"][:30], sec["verdict"], *(str(c[s]) for s in ("pass", "fail", "skip")), f"{sec['seconds']:.0f}")
             + (summary[:110],)
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) + "  " + r[-1] for r in rows]
+    text = ["  ".join(cell.ljust(w) for cell, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
     text.insert(1, "-" * len(text[0]))
     text.append(f"overall: {doc['overall']} ({doc['meta']['device']}, {doc['meta']['seconds']} s)")
     return "\n".join(text)
@@ -334,7 +336,7 @@ def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> in
                 continue
             print(f"gpu-check: {name} ({TITLES[name]}), budget {budget:.0f} s ...", file=sys.stderr, flush=True)
             results.append(run_section(name, device_type, budget, work))
-            print(f"gpu-check: {name}: {summary_line(results[-1])}", file=sys.stderr, flush=True)
+            print(f"gpu-check: {name}: {summary_line(results[-1], device_type == 'cuda')}", file=sys.stderr, flush=True)
     verdicts = {sec["verdict"] for sec in results}
     overall = next((v for v in ("FAIL", "TIMEOUT", "WARN") if v in verdicts), "PASS")
     device = env.get("gpu") or "cpu (--allow-cpu)"

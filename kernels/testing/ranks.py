@@ -212,11 +212,14 @@ class RankPool:
                 pass
             dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got]
             if dead:
-                # Drain what the dead rank's peers managed to report before deciding.
-                if first_error_at is None:
+                if allow_dead:
+                    # An expected death: the live ranks get the whole deadline (one may be waiting
+                    # out a timeout the dead rank caused on purpose).
+                    if all(r in got or not self._procs[r].is_alive() for r in range(self.world_size)):
+                        break
+                elif first_error_at is None:
+                    # Drain what the dead rank's peers managed to report before deciding.
                     first_error_at = time.monotonic()
-                if allow_dead and all(r in got or not self._procs[r].is_alive() for r in range(self.world_size)):
-                    break
         return [got.get(r) for r in range(self.world_size)]
 
     def run(

@@ -78,7 +78,7 @@ def test_tiny_suite_runs_checks_times_and_writes_reports(tmp_path):
     assert "speedup" in r.stdout and "PREDICTION" in r.stdout
     # The overlap column says n/a on CPU instead of numbers like -9932 %.
     rows = [line for line in r.stdout.splitlines() if " chunked2 " in line]
-    assert rows and all(" n/a " in line for line in rows), r.stdout
+    assert rows and all(" n/a" in line for line in rows), r.stdout
     doc = _check_report(tmp_path, [1, 2])
     assert doc["model"]["link_models"]["2"]["fits"], "the CPU run calibrates the gloo link model"
     assert doc["model"]["summary"]

@@ -94,3 +94,14 @@ def test_bad_pool_kinds_are_named():
     if torch.cuda.device_count() < 64:
         with pytest.raises(ValueError, match="backend='nccl' needs one GPU per rank: world_size=64"):
             run_ranks(_sum_ranks, 64, 0, backend="nccl")
+
+
+def _die_while_rank_0_works(rank, world_size):
+    if rank == 1:
+        os._exit(0)
+    time.sleep(5)  # longer than the grace after a failure: an expected death must not cut it short
+    return "done"
+
+
+def test_allowed_death_leaves_the_live_ranks_their_deadline():
+    assert run_ranks(_die_while_rank_0_works, 2, allow_dead=True, timeout=60) == ["done", None]
