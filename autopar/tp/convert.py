@@ -139,20 +139,26 @@ def from_weight(
     return layer
 
 
-def _params(module_or_params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(module_or_params, nn.Module):
-        return list(module_or_params.parameters())
-    return list(module_or_params)
+def _params(module_or_params: nn.Module | Iterable[torch.Tensor | nn.Module]) -> list[torch.Tensor]:
+    """The parameters of a module, or of a list of modules and tensors (each once)."""
+    items = [module_or_params] if isinstance(module_or_params, nn.Module) else list(module_or_params)
+    seen: dict[int, torch.Tensor] = {}
+    for item in items:
+        for p in item.parameters() if isinstance(item, nn.Module) else [item]:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
-def mark_sequence_parallel(module_or_params: nn.Module | Iterable[torch.Tensor]) -> None:
+def mark_sequence_parallel(module_or_params: nn.Module | Iterable[torch.Tensor | nn.Module]) -> None:
     """Mark replicated parameters applied to sequence-sharded rows (norm weights and biases) with
     ``sequence_parallel = True``, as Megatron does, so the gradient sum includes them."""
     for p in _params(module_or_params):
         p.sequence_parallel = True
 
 
-def sum_sequence_parallel_grads(module_or_params: nn.Module | Iterable[torch.Tensor], tp_group: Group = None) -> int:
+def sum_sequence_parallel_grads(
+    module_or_params: nn.Module | Iterable[torch.Tensor | nn.Module], tp_group: Group = None
+) -> int:
     """Sum over the tensor-parallel group the ``.grad`` of every parameter marked
     ``sequence_parallel`` (one all-reduce of a flat buffer); call after ``backward()``, before the
     optimizer step (Megatron's ``finalize_model_grads``). Returns how many gradients it summed."""
@@ -168,7 +174,7 @@ def sum_sequence_parallel_grads(module_or_params: nn.Module | Iterable[torch.Ten
 
 
 def sequence_parallel_grad_hooks(
-    module_or_params: nn.Module | Iterable[torch.Tensor], tp_group: Group = None
+    module_or_params: nn.Module | Iterable[torch.Tensor | nn.Module], tp_group: Group = None
 ) -> list[Any]:
     """Hooks that sum each marked parameter's gradient over the group in the backward, before it
     is accumulated into ``.grad`` (so gradient accumulation over micro-batches stays right); the

@@ -28,14 +28,14 @@ _OPS = ("all_gather_matmul", "all_gather_matmul_gathered", "all_gather_matmul_mu
 _OPS += ("matmul_all_reduce",)
 
 
-def build(model_name: str, seed: int = 0) -> torch.nn.Module:
+def build(model_name: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
     import transformers as T
 
     torch.manual_seed(seed)
     if model_name == "gpt2":
         cfg = T.GPT2Config(
             n_embd=64,
-            n_layer=2,
+            n_layer=layers,
             n_head=4,
             vocab_size=128,
             n_positions=64,
@@ -54,7 +54,7 @@ def build(model_name: str, seed: int = 0) -> torch.nn.Module:
     cfg = cls_cfg(
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=128,
@@ -126,12 +126,14 @@ def _train(model: torch.nn.Module, ids: torch.Tensor, clip: bool) -> dict[str, A
     return first
 
 
-def compare_models(rank: int, world: int, model_name: str, combos: list[tuple[bool, str]]) -> list[dict[str, Any]]:
+def compare_models(
+    rank: int, world: int, model_name: str, combos: list[tuple[bool, dict[str, str]]], layers: int = 2
+) -> list[dict[str, Any]]:
     """For each ``(sequence_parallel, backend env)`` combo: the max errors of the CoC-parallel model
     against one process, and the coc op calls of its training steps."""
     import autopar
 
-    ref_model = build(model_name)
+    ref_model = build(model_name, layers=layers)
     ids = torch.randint(1, 128, (B, S), generator=torch.Generator().manual_seed(1))
     # clip_grad_norm_ needs every gradient a DTensor, as with torch's own styles: under SP the
     # plan makes every parameter one; without SP the norms and embeddings stay plain tensors.
