@@ -14,8 +14,9 @@ GEMM that reads its own rows from ``x`` and waits for the peers' chunks, finish)
 * the GEMM is :func:`gemm_fp8.scaled_tile` (FP8 tensor cores, scales applied to the fp32
   accumulator per 128-deep k block), rounding once to ``out_dtype`` after adding bias in fp32.
 
-With ``return_gathered`` the n-tile-0 programs also copy the FP8 rows and scale rows of their
-tile, so the caller gets the gathered payload bit for bit and its scales as ``[W * m_local, sk]``
+With ``return_gathered`` a copy kernel launched after the GEMM (whose programs acquired every
+chunk's flag, so it waits for nothing) copies the gathered FP8 rows and scale rows out, so the
+caller gets the gathered payload bit for bit and its scales as ``[W * m_local, sk]``
 (tensor mode: the global scalar, a copy of ``x_scale``, as the sequential reference returns).
 """
 
@@ -31,8 +32,8 @@ import triton.language as tl
 from .. import agree
 from . import runtime, signals
 from .ag_gemm import _side_stream
-from .gemm import BlockConfig, store_tile
-from .gemm_fp8 import fp8_block_config, scale_cols, scale_strides, scaled_matmul, scaled_tile
+from .gemm import BlockConfig
+from .gemm_fp8 import fp8_block_config, scale_cols, scale_strides, scaled_matmul, scaled_tile, store_scaled_tile
 
 OP = "all_gather_scaled_matmul"
 
@@ -111,8 +112,6 @@ def _ag_scaled_gemm_kernel(
     ws_ptr,
     bias_ptr,
     y_ptr,
-    g_ptr,
-    gs_ptr,
     M_LOCAL,
     N,
     K,
@@ -137,14 +136,11 @@ def _ag_scaled_gemm_kernel(
     CHANNEL: tl.constexpr,
     FLAG_STRIDE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    STORE_A: tl.constexpr,
-    STORE_S: tl.constexpr,
     PER_BLOCK: tl.constexpr,
     USE_GLOBALTIMER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr,
 ):
     # The tile order and waits of ag_gemm._ag_gemm_kernel: own shard first, then ring order.
     pid = tl.program_id(0)
@@ -161,10 +157,6 @@ def _ag_scaled_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < N
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    # Only the n-tile-0 programs write the gathered payload and scales, after their GEMM (copying
-    # inside the k loop spilled on sm_90 for unaligned k). Vector form: the interpreter cannot
-    # broadcast a scalar predicate into a mask.
-    store_mask = mask_m & ((offs_m * 0 + pid_n) == 0)
     if src == rank:
         # Own rows and scales straight from x / x_scale: no flag to wait for.
         if signals.failed(pad) == 0:
@@ -191,11 +183,7 @@ def _ag_scaled_gemm_kernel(
                 BLOCK_N,
                 BLOCK_K,
             )
-            store_tile(y_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, False)
-            if STORE_A:
-                copy_rows(x_ptr, stride_xm, stride_xk, local_rows, g_ptr, offs_m, store_mask, K, BLOCK_K)
-            if STORE_S:
-                copy_rows(xs_ptr, stride_xsm, stride_xsk, local_rows, gs_ptr, offs_m, store_mask, SK, BLOCK_S)
+            store_scaled_tile(y_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS)
     else:
         epoch = signals.call_epoch(pad)
         if signals.wait_signal(pad + flag, epoch, pad, timeout, 1 + src + WORLD * CHANNEL, USE_GLOBALTIMER):
@@ -224,11 +212,56 @@ def _ag_scaled_gemm_kernel(
                 BLOCK_N,
                 BLOCK_K,
             )
-            store_tile(y_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS, False)
-            if STORE_A:
-                copy_rows(g_local, K, 1, offs_m, g_ptr, offs_m, store_mask, K, BLOCK_K)
-            if STORE_S:
-                copy_rows(s_local, SK, 1, offs_m, gs_ptr, offs_m, store_mask, SK, BLOCK_S)
+            store_scaled_tile(y_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_ym, stride_yn, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["rank"])
+def _copy_gathered_kernel(
+    x_ptr,
+    xs_ptr,
+    data_tab_ptr,
+    g_ptr,
+    gs_ptr,
+    M_LOCAL,
+    K,
+    SK,
+    s_base,
+    stride_xm,
+    stride_xk,
+    stride_xsm,
+    stride_xsk,
+    rank,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    # Launched after the GEMM, whose programs acquired every chunk's flag: the gathered rows are
+    # all here (stream order), so nothing waits. Own rows come from x, as in the GEMM.
+    pid = tl.program_id(0)
+    tiles_per_shard = tl.cdiv(M_LOCAL, BLOCK_R)
+    src = pid // tiles_per_shard
+    local_rows = (pid % tiles_per_shard) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    mask_r = local_rows < M_LOCAL
+    rows = src * M_LOCAL + local_rows
+    if src == rank:
+        copy_rows(x_ptr, stride_xm, stride_xk, local_rows, g_ptr, rows, mask_r, K, BLOCK_K)
+        copy_rows(xs_ptr, stride_xsm, stride_xsk, local_rows, gs_ptr, rows, mask_r, SK, BLOCK_S)
+    else:
+        g_local = signals.peer_ptr(data_tab_ptr, rank, x_ptr.dtype.element_ty)
+        copy_rows(g_local, K, 1, rows, g_ptr, rows, mask_r, K, BLOCK_K)
+        copy_rows(gathered_scales(data_tab_ptr, rank, s_base), SK, 1, rows, gs_ptr, rows, mask_r, SK, BLOCK_S)
+
+
+def copy_cols(device: torch.device, k: int) -> int:
+    """Payload columns per step of the row copies: 256 bytes on GPU, 64 for unaligned rows (byte
+    loads: 256 spilled on sm_90), 64 in the interpreter."""
+    return 256 if device.type == "cuda" and k % 16 == 0 else 64
+
+
+def push_cols(device: torch.device, k: int) -> int:
+    """Payload columns per step of the push: at most 128 (with 256, Triton 3.6's build of the
+    block-mode push kept an 8-byte stack frame on sm_90)."""
+    return min(copy_cols(device, k), 128)
 
 
 def _block_s(sk: int) -> int:
@@ -281,7 +314,7 @@ def _push(
             FLAG_OFFSET=signals.channel_offset(signals.CH_AG, w),
             FLAG_STRIDE=signals.AG_MAX_SPLITS,
             BLOCK_R=32 if gpu else 16,
-            BLOCK_K=256 if gpu else 64,
+            BLOCK_K=push_cols(x.device, k),
             BLOCK_S=_block_s(sk),
             num_warps=4 if gpu else 1,
         )
@@ -317,7 +350,8 @@ def _gemm(
     # A failed call fills these with NaN (at most two outputs): the gathered payload is left as it
     # is, but its scales are NaN, so the gathered pair never dequantizes to a result.
     call.outputs = (y, s_gathered) if return_gathered else (y,)
-    # With n == 0 the gathered outputs still need one column of programs.
+    # With n == 0 the gathered outputs still need one column of programs: they acquire the chunk
+    # flags that the copy of the gathered rows (launched after the GEMM) relies on.
     n_tiles = max(triton.cdiv(n, cfg.block_n), 1 if return_gathered else 0)
     grid = (w * triton.cdiv(m_local, cfg.block_m) * n_tiles,)
     stride_xsm, stride_xsk = scale_strides(mode, x_scale)
@@ -332,8 +366,6 @@ def _gemm(
             w_scale,
             bias if bias is not None else y,
             y,
-            x_gathered,
-            s_gathered,
             m_local,
             n,
             k,
@@ -358,16 +390,36 @@ def _gemm(
             CHANNEL=signals.CH_AG,
             FLAG_STRIDE=signals.AG_MAX_SPLITS,
             HAS_BIAS=bias is not None,
-            STORE_A=return_gathered,
-            STORE_S=store_s,
             PER_BLOCK=mode == "block",
             USE_GLOBALTIMER=call.use_globaltimer,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
-            BLOCK_S=_block_s(sk),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+        )
+    if return_gathered and m_local > 0:
+        gpu = x.device.type == "cuda"
+        rows = 32 if gpu else 16
+        _copy_gathered_kernel[(w * triton.cdiv(m_local, rows),)](
+            x,
+            x_scale,
+            call.heap.data_ptrs,
+            x_gathered,
+            s_gathered,
+            m_local,
+            k,
+            sk if store_s else 0,
+            scale_base(w, m_local, k),
+            x.stride(0),
+            x.stride(1),
+            stride_xsm,
+            stride_xsk,
+            call.rank,
+            BLOCK_R=rows,
+            BLOCK_K=copy_cols(x.device, k),
+            BLOCK_S=_block_s(sk),
+            num_warps=4 if gpu else 1,
         )
     return y, x_gathered, s_gathered
 

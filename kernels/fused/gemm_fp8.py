@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import BlockConfig, grouped_tile, store_tile
+from .gemm import BlockConfig, grouped_tile
 from .runtime import triton_interpreted
 
 # Columns of k per scale, and rows of n per weight scale in block mode (DeepSeek-V3's 1x128 / 128x128).
@@ -41,6 +41,11 @@ _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 # NaN/Inf from the bits and multiply in fp32 (FP8 products are exact in fp32, so this is the
 # tensor-core result). Compiled kernels feed the FP8 operands to tl.dot: this is a constant False there.
 _WIDEN_FP8_DOT = tl.constexpr(triton_interpreted())
+
+# The interpreter (3.6 and 3.9) converts fp32 to bf16 by truncation, whatever the rounding mode
+# asked for (fp16 is right); the kernels' single rounding to out_dtype must be to nearest even, as
+# compiled kernels and torch round, so interpreted kernels round the bits themselves first.
+_ROUND_BF16_BITS = tl.constexpr(triton_interpreted())
 
 # Tiles. BLOCK_N must divide 128 (a tile's columns share one weight scale row in block mode) and
 # BLOCK_K must divide 128 (a k step never straddles a scale block). On sm_90 a 128-deep FP8 k step
@@ -118,6 +123,31 @@ def fp8_dot(a, b, acc, BLOCK_K: tl.constexpr):
     else:
         result = tl.dot(a, b, acc, out_dtype=tl.float32)
     return result
+
+
+@triton.jit
+def round_to(v, DTYPE: tl.constexpr):
+    """fp32 ``v`` rounded to nearest even in ``DTYPE`` (see ``_ROUND_BF16_BITS``)."""
+    if _ROUND_BF16_BITS and DTYPE == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        # Round the low 16 bits away, ties to even; Inf and NaN keep their class.
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(DTYPE)
+
+
+@triton.jit
+def store_scaled_tile(
+    c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS: tl.constexpr
+):
+    """``c[offs_m, offs_n] = acc + bias``: bias added in fp32, then the single rounding to ``c``'s dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+        round_to(acc, c_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 @triton.jit
@@ -296,7 +326,7 @@ def _scaled_matmul_kernel(
         BLOCK_N,
         BLOCK_K,
     )
-    store_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS, False)
+    store_scaled_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS)
 
 
 def scaled_matmul(

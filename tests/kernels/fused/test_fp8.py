@@ -1,7 +1,7 @@
 """Fused FP8 ops (all-gather + scaled GEMM, scaled GEMM + reduce-scatter / all-reduce) under the interpreter.
 
 Every op x scaling mode on spawned gloo ranks against the fp64 product of the dequantized inputs,
-within the bound derived in :mod:`tests.kernels.fused.fp8_cases`; k = 136 and 200 (not multiples
+within the bound of kernels.fp8.numerics (promoted model, see fp8_cases); k = 136 and 200 (not multiples
 of 128: partial scale blocks), odd row counts, bf16 / fp32 outputs; the gathered payload and scales
 bit-exact; repeated reducing calls bitwise identical; ranks that disagree refused by name.
 """
@@ -79,7 +79,7 @@ def test_scaled_tile_core_every_k_step(mode):
             fp8_cases.dequant(x, xs, mode, False).abs() @ fp8_cases.dequant(w, ws, mode, True).abs().T
             + b.double().abs()
         )
-        bound = fp8_cases.bound_coefficient(out_dtype, k, 1) * s
+        bound = fp8_cases.bound(want, s, k, 1, out_dtype)
         for block_k in (16, 32, 64, 128):
             got = scaled_matmul(x, xs, w, ws, b, mode, out_dtype, replace(CPU_FP8_BLOCKS, block_k=block_k))
             fp8_cases.check(f"{mode} m={m} k={k} block_k={block_k}", got, want, bound, out_dtype)
