@@ -197,3 +197,61 @@ def mismatch_body(rank: int, world: int, field: str) -> str:
     except RuntimeError as e:
         return str(e)
     raise AssertionError("a call whose ranks disagree returned")
+
+
+def public_ops_body(rank: int, world: int, mode: str) -> int:
+    """``kernels.fp8``'s public ops with ``backend="fused"`` reach these kernels and agree with
+    ``backend="sequential"`` within the fused bound (payload and scales of the all-gather exactly)."""
+    from kernels import fp8
+    from kernels.fused import ag_gemm_fp8, gemm_ar_fp8, gemm_rs_fp8
+
+    calls: list[str] = []
+
+    def counted(module, name):
+        inner = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return inner(*args, **kwargs)
+
+        return wrapper
+
+    group = dist.group.WORLD
+    presize(group, torch.device("cpu"))
+    done = 0
+    patched = [
+        (ag_gemm_fp8, "all_gather_scaled_matmul"),
+        (gemm_rs_fp8, "scaled_matmul_reduce_scatter"),
+        (gemm_ar_fp8, "scaled_matmul_all_reduce"),
+    ]
+    originals = [getattr(m, n) for m, n in patched]
+    for m, n in patched:
+        setattr(m, n, counted(m, n))
+    try:
+        for op in ("ag_v2", "rs", "ar"):
+            xs, ws, b = make_inputs(op, world, 5, 136, 24, mode, True, torch.bfloat16, 11)
+            (x, x_scale), (w, w_scale) = xs[rank], ws[rank]
+            want, bound = reference(op, mode, xs, ws, b, rank, torch.bfloat16)
+            results = {}
+            for backend in ("sequential", "fused"):
+                kwargs = dict(out_dtype=torch.bfloat16, group=group, backend=backend)
+                if op == "ag_v2":
+                    results[backend] = fp8.all_gather_scaled_matmul(
+                        x, x_scale, w, w_scale, b, return_gathered=True, **kwargs
+                    )
+                elif op == "rs":
+                    results[backend] = fp8.scaled_matmul_reduce_scatter(x, x_scale, w, w_scale, b, **kwargs)
+                else:
+                    results[backend] = fp8.scaled_matmul_all_reduce(x, x_scale, w, w_scale, b, **kwargs)
+            fused, seq = results["fused"], results["sequential"]
+            if op == "ag_v2":
+                assert torch.equal(fused[1].view(torch.uint8), seq[1].view(torch.uint8)), f"{op} {mode}: gathered bytes"
+                assert torch.equal(fused[2], seq[2]), f"{op} {mode}: gathered scales"
+                fused, seq = fused[0], seq[0]
+            check(f"public {op} {mode} fused rank={rank}", fused, want, bound, torch.bfloat16)
+            done += 1
+    finally:
+        for (m, n), original in zip(patched, originals, strict=True):
+            setattr(m, n, original)
+    assert calls == [n for _, n in patched], f"the fused kernels ran for {calls}"
+    return done

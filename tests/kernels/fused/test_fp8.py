@@ -110,3 +110,8 @@ def test_scaled_tile_core_propagates_nan_and_inf_payloads():
                 block_k,
                 y,
             )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_public_ops_dispatch_to_fused(mode):
+    assert run_ranks(fp8_cases.public_ops_body, 2, mode, timeout=600) == [3, 3]
