@@ -255,3 +255,51 @@ def public_ops_body(rank: int, world: int, mode: str) -> int:
             setattr(m, n, original)
     assert calls == [n for _, n in patched], f"the fused kernels ran for {calls}"
     return done
+
+
+def graph_replay_body(rank: int, world: int, op: str, mode: str) -> int:
+    """A captured FP8 call replayed 3 times on new inputs copied into the captured ones, each replay
+    followed by an eager call, the heap scrambled before each (the bf16 ops' CUDA-graph test,
+    ``tests/kernels/fused/test_graphs.py``). fp32 output and no returned gathered tensors: the
+    CPU stand-in replays launches only, and these calls issue no torch op after their launches."""
+    from tests.kernels.fused.graph_replay import InterpretedGraph
+
+    group = dist.new_group(list(range(world)))
+    out_dtype = torch.float32
+    dev = torch.device("cpu")
+
+    def inputs(seed):
+        return make_inputs(op, world, 5, 136, 20, mode, True, out_dtype, seed)
+
+    xs, ws, b = inputs(0)
+    static_x, static_xs = (t.clone() for t in xs[rank])
+    (w, w_scale) = ws[rank]
+    run_op(op, mode, static_x, static_xs, w, w_scale, b, out_dtype, group)  # warm-up: creates the heap
+    graph = InterpretedGraph()
+    with graph.capture():
+        static_out = run_op(op, mode, static_x, static_xs, w, w_scale, b, out_dtype, group)
+    assert graph.launches, "the capture recorded no launch"
+    checks = 0
+    for i in range(1, 4):
+        new_xs, _, _ = inputs(i)
+        # The weights stay those captured; only x and its scale change in place.
+        static_x.copy_(new_xs[rank][0])
+        static_xs.copy_(new_xs[rank][1])
+        scramble(group, dev)
+        graph.replay()
+        check(
+            f"{op} {mode} replay {i} rank={rank}",
+            static_out.clone(),
+            *reference(op, mode, new_xs, ws, b, rank, out_dtype),
+            out_dtype,
+        )
+        scramble(group, dev)
+        eager = run_op(op, mode, *new_xs[rank], w, w_scale, b, out_dtype, group)
+        check(
+            f"{op} {mode} eager after replay {i} rank={rank}",
+            eager,
+            *reference(op, mode, new_xs, ws, b, rank, out_dtype),
+            out_dtype,
+        )
+        checks += 2
+    return checks
