@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from torch.nn.parameter import Parameter
 
+from . import convert
 from .comm import Group, megatron_module, rank_of, resolve_tp_group, world_size
 from .forward import column_parallel_forward, row_parallel_forward
+from .fp8 import Fp8Recipe, Fp8WeightCache, fp8_column_forward, fp8_row_forward, resolve_recipe
 
 
 def _set_tp_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
@@ -91,7 +93,9 @@ def _param_device(config: Any) -> torch.device:
 
 
 class _ExtraStateMixin:
-    """Megatron/TE state-dict compatibility: an empty ``_extra_state`` entry, sharded checkpoints."""
+    """Megatron/TE state-dict compatibility: Megatron's ``_extra_state`` entries load (and are
+    ignored), ``state_dict()`` holds no ``None`` (safetensors and ``save_pretrained`` refuse one),
+    ``sharded_state_dict()`` has the entry Megatron's own modules put there."""
 
     def _register_extra_state_hook(self) -> None:
         self._register_load_state_dict_pre_hook(
@@ -99,11 +103,7 @@ class _ExtraStateMixin:
         )
 
     def set_extra_state(self, state: Any) -> None:
-        """Extra state is ignored."""
-
-    def get_extra_state(self) -> None:
-        """Keep compatibility with TE state dicts."""
-        return None
+        """Extra state is ignored (Megatron's modules save None there)."""
 
     def _sharded_state_dict(
         self, prefix: str, sharded_offsets: tuple, metadata: dict | None, tp_axis_map: dict[str, int]
@@ -122,8 +122,10 @@ class _ExtraStateMixin:
                 f"needs megatron-core (pip install megatron-core): {e}"
             ) from e
         metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state = self.state_dict(prefix="", keep_vars=True)
+        state["_extra_state"] = None  # as Megatron's modules: checkpoints interchange both ways
         return make_sharded_tensors_for_checkpoint(
-            self.state_dict(prefix="", keep_vars=True),
+            state,
             prefix,
             tp_axis_map,
             sharded_offsets,
@@ -161,6 +163,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         tp_comm_buffer_name: str | None = None,
         disable_grad_reduce: bool = False,
         tp_group: Group = None,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -229,16 +232,49 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         self.allreduce_dgrad = world > 1 and not self.sequence_parallel and not disable_grad_reduce
         self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self._register_extra_state_hook()
+        # Opt-in FP8 GEMMs (autopar.tp.fp8): fp8=Fp8Recipe(...) or COC_FP8=1 at construction.
+        self.fp8 = resolve_recipe(fp8)
+        self.fp8_cache = Fp8WeightCache()
 
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_ [s, b, input_size]`` (``[s/W, b, input_size]`` with sequence parallelism) ->
         ``(output [s, b, output_size / W] or [s, b, output_size] when gathering, output_bias)``."""
+        if self.fp8 is not None:
+            return fp8_column_forward(self, input_, weight, runtime_gather_output)
         return column_parallel_forward(self, input_, weight, runtime_gather_output)
 
     def backward_dw(self) -> None:
         """Delayed weight-gradient computation is not supported (as in Megatron's module)."""
+
+    @classmethod
+    def from_linear(
+        cls, linear: torch.nn.Module, *, config: Any, stride: int = 1, tp_group: Group = None, **kwargs: Any
+    ) -> ColumnParallelLinear:
+        """This rank's slice of an ``nn.Linear`` / transformers ``Conv1D``: weight rows and bias
+        (``stride``: Megatron's strided slices, 3 for a packed q/k/v). ``kwargs``: the other
+        constructor arguments (``gather_output``, ``skip_bias_add``, ...). A weight tied to another
+        module (an input embedding) raises ``ValueError`` (see ``autopar.parallelize_hf``)."""
+        convert.check_untied(linear.weight, "linear.weight")
+        weight, bias = convert.linear_weight(linear)
+        return cls.from_weight(weight, bias, config=config, stride=stride, tp_group=tp_group, **kwargs)
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        config: Any,
+        stride: int = 1,
+        tp_group: Group = None,
+        **kwargs: Any,
+    ) -> ColumnParallelLinear:
+        """This rank's slice of a full ``weight [output_size, input_size]`` and ``bias [output_size]``."""
+        return convert.from_weight(
+            cls, weight, bias, column=True, config=config, stride=stride, tp_group=tp_group, **kwargs
+        )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Megatron distributed checkpointing: weight and bias sharded along axis 0 over TP."""
@@ -276,6 +312,7 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         is_expert: bool = False,
         tp_comm_buffer_name: str | None = None,
         tp_group: Group = None,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -333,12 +370,71 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         self._register_extra_state_hook()
+        # Opt-in FP8 GEMMs (autopar.tp.fp8): fp8=Fp8Recipe(...) or COC_FP8=1 at construction.
+        self.fp8 = resolve_recipe(fp8)
+        self.fp8_cache = Fp8WeightCache()
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_ [s, b, input_size / W]`` (or ``[s, b, input_size]`` when not
         ``input_is_parallel``) -> ``(output [s, b, output_size] or [s/W, b, output_size] with
         sequence parallelism, output_bias)``."""
+        if self.fp8 is not None:
+            return fp8_row_forward(self, input_)
         return row_parallel_forward(self, input_)
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: torch.nn.Module,
+        *,
+        config: Any,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        stride: int = 1,
+        tp_group: Group = None,
+        **kwargs: Any,
+    ) -> RowParallelLinear:
+        """This rank's slice of an ``nn.Linear`` / transformers ``Conv1D``: weight columns, the
+        whole bias. A weight tied to another module raises ``ValueError``."""
+        convert.check_untied(linear.weight, "linear.weight")
+        weight, bias = convert.linear_weight(linear)
+        return cls.from_weight(
+            weight,
+            bias,
+            config=config,
+            input_is_parallel=input_is_parallel,
+            skip_bias_add=skip_bias_add,
+            stride=stride,
+            tp_group=tp_group,
+            **kwargs,
+        )
+
+    @classmethod
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        config: Any,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        stride: int = 1,
+        tp_group: Group = None,
+        **kwargs: Any,
+    ) -> RowParallelLinear:
+        """This rank's slice of a full ``weight [output_size, input_size]`` (columns) and the whole ``bias``."""
+        return convert.from_weight(
+            cls,
+            weight,
+            bias,
+            column=False,
+            config=config,
+            input_is_parallel=input_is_parallel,
+            skip_bias_add=skip_bias_add,
+            stride=stride,
+            tp_group=tp_group,
+            **kwargs,
+        )
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Megatron distributed checkpointing: weight sharded along axis 1 over TP, bias whole."""
