@@ -29,6 +29,7 @@ counts that become signal targets must not depend on it.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -74,18 +75,29 @@ def gpu_name(device: torch.device) -> str:
     """File stem of ``device``'s tuned file: ``cpu`` or the CUDA device name as a slug."""
     if device.type != "cuda":
         return "cpu"
-    name = torch.cuda.get_device_name(device)
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    # Cached: the kernels ask on every call, and a device's name does not change.
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(index).lower()).strip("-")
 
 
 def tuned_path(device: torch.device) -> Path | None:
     """The tuned file the kernels on ``device`` read (it may not exist), or None (CPU without ``COC_TUNED_DIR``)."""
-    directory = os.environ.get(ENV_TUNED_DIR)
-    if not directory:
-        if device.type != "cuda":
+    path = _path(os.environ.get(ENV_TUNED_DIR) or None, device.type, device.index)
+    return None if path is None else Path(path)
+
+
+@functools.cache
+def _path(directory: str | None, device_type: str, index: int | None) -> str | None:
+    # Cached per (directory, device): the kernels ask on every call.
+    if directory is None:
+        if device_type != "cuda":
             return None
-        return DEFAULT_DIR / f"{gpu_name(device)}.yaml"
-    return Path(directory) / f"{gpu_name(device)}.yaml"
+        directory = str(DEFAULT_DIR)
+    return os.path.join(directory, f"{gpu_name(torch.device(device_type, index))}.yaml")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -122,13 +134,14 @@ def parse(doc: object, source: str) -> list[Entry]:
     return entries
 
 
-_files: dict[Path, tuple[int, list[Entry]]] = {}
+_files: dict[str, tuple[int, list[Entry]]] = {}
 
 
-def load(path: Path) -> list[Entry]:
+def load(path: Path | str) -> list[Entry]:
     """Entries of ``path`` (empty if it does not exist); re-read when its mtime changes."""
+    path = str(path)
     try:
-        mtime = path.stat().st_mtime_ns
+        mtime = os.stat(path).st_mtime_ns
     except FileNotFoundError:
         return []
     cached = _files.get(path)
@@ -137,9 +150,15 @@ def load(path: Path) -> list[Entry]:
     import yaml
 
     with open(path) as f:
-        entries = parse(yaml.safe_load(f), str(path))
+        entries = parse(yaml.safe_load(f), path)
     _files[path] = (mtime, entries)
+    for key in [key for key in _memo if key[0] == path]:
+        del _memo[key]
     return entries
+
+
+# (path, op, dtype, m, n, k) -> the lookup's answer for the file version in ``_files``.
+_memo: dict[tuple, GemmConfig | None] = {}
 
 
 def _distance(e: Entry, m: int, n: int, k: int | None) -> float:
@@ -169,14 +188,18 @@ def lookup(
     """
     if op not in OPS:
         raise ValueError(f"op: {op!r} is not one of {OPS}")
-    path = tuned_path(device)
+    path = _path(os.environ.get(ENV_TUNED_DIR) or None, device.type, device.index)
     if path is None:
         return None
     entries = load(path)
     if not entries:
         return None
-    e = nearest(entries, op, dtype, m, n, None if op in FUSED_OPS else k)
-    return None if e is None else e.config
+    k = None if op in FUSED_OPS else k
+    key = (path, op, dtype, m, n, k)
+    if key not in _memo:
+        e = nearest(entries, op, dtype, m, n, k)
+        _memo[key] = None if e is None else e.config
+    return _memo[key]
 
 
 def write(path: Path, entries: list[Entry], meta: dict) -> None:
