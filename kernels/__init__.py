@@ -1,8 +1,9 @@
 """Fused and overlapped communication-computation operators (docs/api.md section 1).
 
-Each op takes ``x`` with any number of leading dims (flattened to ``m`` rows; communication is
-along dim 0) and ``weight`` in ``torch.nn.functional.linear`` layout ``[n, k]``, and returns a
-tensor with the leading dims restored. ``backend=None`` resolves from the COC_* environment
+Each op takes ``x`` with any number of leading dims (communication is along dim 0, or the
+``gather_dim`` / ``scatter_dim`` given) and ``weight`` in ``torch.nn.functional.linear`` layout
+``[n, k]`` (``all_gather_matmul`` also takes a list of weights: one gather, one output each), and
+returns a tensor with the leading dims restored. ``backend=None`` resolves from the COC_* environment
 (``kernels.config``); every backend gives the result of ``"sequential"`` within floating-point
 tolerance. The ops are forward-only building blocks: the autopar linears wrap them in autograd
 Functions.
@@ -59,8 +60,8 @@ def _validate(
 
 def all_gather_matmul(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
+    weight: torch.Tensor | Sequence[torch.Tensor],
+    bias: torch.Tensor | None | Sequence[torch.Tensor | None] = None,
     *,
     group: dist.ProcessGroup | None = None,
     backend: str | None = None,
@@ -152,8 +153,8 @@ def _all_gather_matmul_multi(
 
 def matmul_reduce_scatter(
     x: torch.Tensor,
-    weight: torch.Tensor | Sequence[torch.Tensor],
-    bias: torch.Tensor | None | Sequence[torch.Tensor | None] = None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
     *,
     group: dist.ProcessGroup | None = None,
     backend: str | None = None,

@@ -113,3 +113,26 @@ def test_gather_dim_and_weight_lists_match_torch(world: int) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_scatter_dim_matches_torch(world: int) -> None:
     assert run_ranks(_scatter_rank, world) == [len(SCATTER_CASES) * len(BACKENDS) * 4] * world
+
+
+def _dim_disagreement(rank: int, world: int, backend: str) -> str:
+    """The last rank passes another gather_dim / scatter_dim, same shapes (COC_CHECK=1)."""
+    x = torch.randn(2, 2 * world, K)
+    w = torch.randn(N, K)
+    messages = []
+    for op, name in ((kernels.all_gather_matmul, "gather_dim"), (kernels.matmul_reduce_scatter, "scatter_dim")):
+        with pytest.raises(RuntimeError) as e:
+            op(x, w, backend=backend, parallel_num=2 if backend == "chunked" else None, **{name: rank // (world - 1)})
+        messages.append(str(e.value))
+    # -2 and 1 are the same dim of a 3-D x: the same call, not a disagreement.
+    y = kernels.all_gather_matmul(x, w, backend=backend, gather_dim=-2 if rank else 1)
+    assert y.shape == (2, 2 * world * world, N)
+    return "\n".join(messages)
+
+
+@pytest.mark.parametrize("backend", ["sequential", "chunked"])
+def test_ranks_disagreeing_on_the_dim_are_refused_by_name_under_coc_check(backend: str) -> None:
+    for text in run_ranks(_dim_disagreement, 2, backend, env={"COC_CHECK": "1"}):
+        gather, scatter = text.split("\n")
+        assert "all_gather_matmul: ranks disagree: rank 0 has gather_dim=0, rank 1 has gather_dim=1" in gather
+        assert "matmul_reduce_scatter: ranks disagree: rank 0 has scatter_dim=0, rank 1 has scatter_dim=1" in scatter

@@ -402,7 +402,7 @@ def check_w8a16_case(
     if rank == seed % world:
         time.sleep(STRAGGLER_S)
     q, s = quantized[rank]
-    got = matmul_all_reduce_w8a16(xs[rank], q, s, None, k, b, group, True)
+    got = matmul_all_reduce_w8a16(xs[rank], q, s, None, k, b, group, deterministic=True)
     assert_close(
         f"w8a16 W={world} m={xs[0].shape[0]} k={k} n={n} bias={bias} rank={rank}",
         got,
