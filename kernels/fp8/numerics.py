@@ -8,17 +8,18 @@ Op error (against the fp64 product of the *dequantized* inputs). Per output elem
 
     fp32 accumulation (sequential, chunked; any mode):
         E = gamma(k + W + 2, u)            k - 1 sums + 2 dequant roundings + W - 1 partial sums + bias
-    promoted accumulation (fused, block mode; 128-deep FP8 products summed at u_acc, promoted):
+    promoted accumulation (fused, every mode; 128-deep FP8 products summed at u_acc, then added to an
+    fp32 accumulator; block mode scales each 128-block partial, row / tensor scale once at the end):
         E = gamma(min(k, 128), u_acc) + gamma(ceil(k / 128) + W + 3, u)
-    unpromoted accumulation (fused, row / tensor mode; scales applied once at the end):
+    unpromoted accumulation (a kernel chaining the tensor-core sum over all of k; for comparison):
         E = gamma(k, u_acc) + gamma(W + 4, u)
 
 with ``gamma(n, u) = n * u / (1 - n * u)`` (Higham's bound for n roundings, any summation order).
 FP8 products are exact in fp32 (two 4-bit significands make an 8-bit product), so only sums and
 scale multiplications round. ``u_acc`` is the accumulator precision of the tensor-core FP8 sums:
 2**-24 in the Triton interpreter and wherever the sums are fp32; about 2**-13 on Hopper, whose
-FP8 wgmma keeps about 14 bits (DeepSeek-V3, section 3.3.2): the reason the block mode's promotion
-every 128 k matters there (its first term is bounded by 128 terms, not k).
+FP8 wgmma keeps about 14 bits (DeepSeek-V3, section 3.3.2): the reason the fused kernels' promotion
+every 128 k matters there (the first term is bounded by 128 terms, not k).
 
 Quantization error (against the unquantized input; ``kernels.quantize_fp8``). With ``p`` mantissa
 bits (3 for e4m3fn, 2 for e5m2), unit roundoff ``u8 = 2**-(p+1)`` and smallest normal ``2**emin``::
@@ -58,10 +59,10 @@ def gamma(n: int, u: float) -> float:
 
 
 def accumulation_of(backend: str, mode: str) -> str:
-    """The accumulation model of a backend and mode (module docstring)."""
+    """The accumulation model of a backend in ``mode`` (module docstring; the fused kernels promote in every mode)."""
     if backend in ("sequential", "chunked"):
         return "fp32"
-    return "promoted" if mode == "block" else "unpromoted"
+    return "promoted"
 
 
 def relative_bound(k: int, world: int, accumulation: str, u_acc: float = U32) -> float:
