@@ -51,7 +51,7 @@ def _record(walk_ptr, tile_id, RECORD_WALK: tl.constexpr):
         tl.atomic_add(walk_ptr + tile_id, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_programs"])
 def _tma_kernel(
     a_desc,
     b_desc,
@@ -61,6 +61,7 @@ def _tma_kernel(
     M,
     N,
     K,
+    num_programs,
     HAS_BIAS: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -68,13 +69,12 @@ def _tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
     RECORD_WALK: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    for tile_id in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+    for tile_id in range(tl.program_id(0), num_tiles, num_programs):
         pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -90,7 +90,7 @@ def _tma_kernel(
         _record(walk_ptr, tile_id, RECORD_WALK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_programs"])
 def _pointer_kernel(
     a_ptr,
     b_ptr,
@@ -106,6 +106,7 @@ def _pointer_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
+    num_programs,
     HAS_BIAS: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -113,13 +114,12 @@ def _pointer_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
     RECORD_WALK: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    for tile_id in range(tl.program_id(0), num_tiles, NUM_PROGRAMS):
+    for tile_id in range(tl.program_id(0), num_tiles, num_programs):
         pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         # int64: offs * stride of a large (or transposed) operand may pass 2^31.
         offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -226,7 +226,6 @@ def launch(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
         RECORD_WALK=walk is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -237,7 +236,7 @@ def launch(
         a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
         b_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.block_n, cfg.block_k])
         c_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [cfg.block_m, cfg.block_n])
-        _tma_kernel[(programs,)](a_desc, b_desc, c_desc, bias_arg, walk_arg, m, n, k, **common)
+        _tma_kernel[(programs,)](a_desc, b_desc, c_desc, bias_arg, walk_arg, m, n, k, programs, **common)
     elif cfg.variant == "persistent":
         _pointer_kernel[(programs,)](
             x,
@@ -254,6 +253,7 @@ def launch(
             weight.stride(1),
             out.stride(0),
             out.stride(1),
+            programs,
             **common,
         )
     else:

@@ -52,7 +52,7 @@ def _args(cfg, shape, dtype) -> tuple[object, dict]:
 
     blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
     common = dict(HAS_BIAS=True, ACC_DTYPE=tl.float32, DOT_PRECISION="tf32", **blocks)
-    persistent = dict(NUM_PROGRAMS=132, RECORD_WALK=False)
+    persistent = dict(num_programs=132, RECORD_WALK=False)
     if cfg.variant == "tma":
         base = t()
         descs = dict(
