@@ -164,9 +164,9 @@ def tune(
             if clock() - start > budget_s:
                 skipped.append(f"{shape.label} {dname}")
                 continue
-            gen = torch.Generator(device="cpu").manual_seed(0)
-            x = torch.randn(shape.m, shape.k, generator=gen).to(device=device, dtype=dtype)
-            w = torch.randn(shape.n, shape.k, generator=gen).to(device=device, dtype=dtype)
+            gen = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(shape.m, shape.k, generator=gen, device=device).to(dtype)
+            w = torch.randn(shape.n, shape.k, generator=gen, device=device).to(dtype)
             ref = torch.matmul(x, w.T)
             bound = rounding_bound(ref, x, w)
             cublas = timer(lambda x=x, w=w: torch.matmul(x, w.T), (shape.label, dname, _CUBLAS))
