@@ -26,8 +26,16 @@ import torch.distributed as dist
 from . import capture, comm
 from .config import CocConfig
 
-DESCRIPTOR_VERSION = 1
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "quantized_matmul_all_reduce")
+DESCRIPTOR_VERSION = 2
+OPS = (
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "matmul_all_reduce",
+    "quantized_matmul_all_reduce",
+    "all_gather_scaled_matmul",
+    "scaled_matmul_reduce_scatter",
+    "scaled_matmul_all_reduce",
+)
 FIELDS = (
     "version",
     "op",
@@ -42,11 +50,16 @@ FIELDS = (
     "parallel_num",
     "quant_mode",
     "group_size",
+    # gather_dim of all_gather_matmul / scatter_dim of matmul_reduce_scatter (normalized to >= 0).
+    "comm_dim",
+    # FP8 ops: the weight's and the output's dtype in one word (the check kernel takes 15 words;
+    # the x payload's dtype is "dtype", the scaling mode "quant_mode").
+    "fp8_dtypes",
 )
 DESCRIPTOR_LEN = len(FIELDS)
 
 _BACKENDS = (None, "sequential", "chunked", "fused")
-_QUANT_MODES = (None, "per_tensor", "per_channel", "per_group")
+_QUANT_MODES = (None, "per_tensor", "per_channel", "per_group", "tensor", "row", "block")
 # Every dtype torch defines, in a fixed order: identical on ranks running the same torch build.
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _NOT_APPLICABLE = -1
@@ -55,11 +68,15 @@ _AUTO = -1
 _COMMON = ("version", "op", "dtype", "bias", "backend", "parallel_num")
 _REDUCING = _COMMON + ("m", "n", "deterministic")
 _MUST_AGREE = {
-    "all_gather_matmul": _COMMON + ("m", "k", "return_gathered"),
-    "matmul_reduce_scatter": _REDUCING,
+    "all_gather_matmul": _COMMON + ("m", "k", "return_gathered", "comm_dim"),
+    "matmul_reduce_scatter": _REDUCING + ("comm_dim",),
     "matmul_all_reduce": _REDUCING,
     "quantized_matmul_all_reduce": _REDUCING + ("quant_mode", "group_size"),
+    "all_gather_scaled_matmul": _COMMON + ("m", "k", "return_gathered", "comm_dim", "quant_mode", "fp8_dtypes"),
+    "scaled_matmul_reduce_scatter": _REDUCING + ("comm_dim", "quant_mode", "fp8_dtypes"),
+    "scaled_matmul_all_reduce": _REDUCING + ("quant_mode", "fp8_dtypes"),
 }
+_GATHERING = ("all_gather_matmul", "all_gather_scaled_matmul")
 
 Descriptor = tuple[int, ...]
 
@@ -77,23 +94,32 @@ def describe_call(
     parallel_num: int | str | None = None,
     quant_mode: str | None = None,
     group_size: int = 0,
+    comm_dim: int = 0,
+    weight_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> Descriptor:
     """The descriptor of one call: ``DESCRIPTOR_LEN`` ints in the order of :data:`FIELDS`.
 
     ``m`` is the row count the op sees (``m_local`` for ``all_gather_matmul``); ``flag`` is
     ``return_gathered`` for ``all_gather_matmul`` and ``deterministic`` otherwise; ``backend``
     and ``parallel_num`` are what the call asks for before resolution (None: no request,
-    ``"auto"``: tuned); ``group_size`` is the per_group quantization group (0 otherwise).
+    ``"auto"``: tuned); ``group_size`` is the per_group quantization group (0 otherwise);
+    ``comm_dim`` is the normalized ``gather_dim`` / ``scatter_dim`` (ignored by the other ops);
+    ``weight_dtype`` / ``out_dtype``: the FP8 ops' weight payload and output dtypes (``dtype`` is x's).
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} is not accepted; use one of {OPS}")
-    gathers = op == "all_gather_matmul"
+    gathers = op in _GATHERING
+    has_dim = op in _GATHERING + ("matmul_reduce_scatter", "scaled_matmul_reduce_scatter")
     if parallel_num == "auto":
         num = _AUTO
     elif parallel_num is None:
         num = 0
     else:
         num = int(parallel_num)
+    fp8_dtypes = _NOT_APPLICABLE
+    if weight_dtype is not None:
+        fp8_dtypes = _DTYPES.index(weight_dtype) * len(_DTYPES) + _DTYPES.index(out_dtype)
     return (
         DESCRIPTOR_VERSION,
         OPS.index(op),
@@ -108,6 +134,8 @@ def describe_call(
         num,
         _QUANT_MODES.index(quant_mode),
         int(group_size),
+        int(comm_dim) if has_dim else _NOT_APPLICABLE,
+        fp8_dtypes,
     )
 
 
@@ -126,13 +154,22 @@ def _shown(name: str, code: int) -> str:
         return "n/a" if code == _NOT_APPLICABLE else str(bool(code))
     if name == "parallel_num":
         return {_AUTO: "auto", 0: "None"}.get(code, str(code))
+    if name == "fp8_dtypes":
+        if code == _NOT_APPLICABLE:
+            return "n/a"
+        return "/".join(_shown("dtype", c) for c in divmod(code, len(_DTYPES)))
     return str(code)
 
 
 def _field_name(name: str, op_code: int) -> str:
+    op = OPS[op_code] if 0 <= op_code < len(OPS) else None
     # all_gather_matmul's m is the local row count (the gathered one is W times larger).
-    if name == "m" and 0 <= op_code < len(OPS) and OPS[op_code] == "all_gather_matmul":
+    if name == "m" and op in _GATHERING:
         return "m_local"
+    if name == "comm_dim":
+        return "gather_dim" if op in _GATHERING else "scatter_dim"
+    if name == "fp8_dtypes":
+        return "weight_dtype/out_dtype"
     return name
 
 
@@ -197,6 +234,7 @@ def check_call(
     config: CocConfig,
     group: dist.ProcessGroup | None,
     world: int,
+    comm_dim: int = 0,
 ) -> None:
     """Compare this call's descriptor with every rank of ``group``; raise ``RuntimeError`` on all
     of them when any disagrees (``COC_CHECK=1``).
@@ -233,6 +271,7 @@ def check_call(
         parallel_num=num,
         quant_mode=mode,
         group_size=group_size if mode == "per_group" else 0,
+        comm_dim=comm_dim,
     )
     # One fixed-size message on the device the op itself communicates from, so it goes through
     # the same group (gloo on CPU, NCCL on CUDA) whatever the shapes are.

@@ -223,8 +223,10 @@ def matmul_all_reduce(
     if backend == "fused":
         from .fused.gemm_ar_w8a16 import matmul_all_reduce_w8a16
 
-        return matmul_all_reduce_w8a16(x, qweight, scale, offset, spec.group_size, bias, group, deterministic)
+        return matmul_all_reduce_w8a16(
+            x, qweight, scale, offset, spec.group_size, bias, group, deterministic=deterministic
+        )
     weight = dequantize(qweight, scale, spec.group_size if spec.mode == "per_group" else None, offset, x.dtype)
     if backend == "chunked":
-        return chunked.matmul_all_reduce(x, weight, bias, group, world, deterministic, parallel_num)
-    return sequential.matmul_all_reduce(x, weight, bias, group, world, deterministic)
+        return chunked.matmul_all_reduce(x, weight, bias, group, world, parallel_num, deterministic=deterministic)
+    return sequential.matmul_all_reduce(x, weight, bias, group, world, deterministic=deterministic)

@@ -179,7 +179,7 @@ def _runner(
             x, qweight, scale, None, None, "per_channel", qweight.shape[1], name, world, backend, num, False
         )
     weight = torch.randn(tuple(weight.shape), dtype=x.dtype, device=x.device, generator=gen)
-    return lambda backend, num: library.call(op, backend, num, x, weight, None, name, world, False)
+    return lambda backend, num: library.call(op, backend, num, x, weight, None, name, world)
 
 
 def _time(fn: Callable[[], Any], device: torch.device, group: dist.ProcessGroup | None, world: int) -> float:

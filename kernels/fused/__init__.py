@@ -19,12 +19,19 @@ from . import (
     interpreter_compat,  # noqa: F401  (repairs Triton 3.6's interpreter under NumPy >= 2.4)
     runtime,
 )
-from .ag_gemm import all_gather_matmul
+from .ag_gemm import all_gather_matmul, all_gather_matmul_multi
 from .gemm_ar import matmul_all_reduce
 from .gemm_rs import matmul_reduce_scatter
 from .runtime import check_errors, resolve_group, triton_interpreted, world_size
 
-__all__ = ["unavailable_reason", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "check_errors"]
+__all__ = [
+    "unavailable_reason",
+    "all_gather_matmul",
+    "all_gather_matmul_multi",
+    "matmul_reduce_scatter",
+    "matmul_all_reduce",
+    "check_errors",
+]
 
 # Values keep the group alive so its id cannot be reused by a later group while cached.
 _REASONS: dict[tuple[int, str], tuple[dist.ProcessGroup, str | None]] = {}

@@ -63,6 +63,7 @@ def describe(
     flag: bool,
     quant_mode: str | None = None,
     group_size: int = 0,
+    comm_dim: int = 0,
 ) -> tuple[int, ...]:
     """This rank's descriptor of a fused call (:func:`kernels.agree.describe_call`, backend ``"fused"``)."""
     return agree.describe_call(
@@ -77,6 +78,7 @@ def describe(
         parallel_num=None,
         quant_mode=quant_mode,
         group_size=group_size,
+        comm_dim=comm_dim,
     )
 
 

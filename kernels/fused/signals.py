@@ -313,6 +313,8 @@ def _check_call_kernel(
     d10: tl.int64,
     d11: tl.int64,
     d12: tl.int64,
+    d13: tl.int64,
+    d14: tl.int64,
     WORLD: tl.constexpr,
     DESC_LEN: tl.constexpr,
     DESC_OFFSET: tl.constexpr,
@@ -347,6 +349,8 @@ def _check_call_kernel(
     mine = tl.where(idx == 11, d10, mine)
     mine = tl.where(idx == 12, d11, mine)
     mine = tl.where(idx == 13, d12, mine)
+    mine = tl.where(idx == 14, d13, mine)
+    mine = tl.where(idx == 15, d14, mine)
     tl.store(pad + _MINE + idx, mine, mask=words)
     compared = words & (((must_agree >> tl.maximum(idx - 1, 0).to(tl.int64)) & 1) != 0)
     parity = epoch % 2
@@ -412,8 +416,8 @@ def check_call(heap, descriptor: tuple[int, ...], must_agree: int, timeout: int,
     """Advance the heap's epoch, zero this rank's counters, publish this rank's descriptor to every
     peer and compare theirs (one program)."""
     w = heap.world_size
-    if len(descriptor) != 13:
-        raise ValueError(f"descriptor: {len(descriptor)} words, the check kernel takes 13")
+    if len(descriptor) > DESC_SLOT - 1:
+        raise ValueError(f"descriptor: {len(descriptor)} words, the check kernel takes at most {DESC_SLOT - 1}")
     # RS and AR are adjacent channels of two banks each: one masked store zeroes a bank of both.
     assert channel_offset(CH_AR, w) == channel_offset(CH_RS, w) + 2 * w
     _check_call_kernel[(1,)](
@@ -421,7 +425,9 @@ def check_call(heap, descriptor: tuple[int, ...], must_agree: int, timeout: int,
         heap.rank,
         timeout,
         must_agree,
+        # Unused words are padding (DESC_LEN masks them out of the slot).
         *descriptor,
+        *([0] * (DESC_SLOT - 1 - len(descriptor))),
         WORLD=w,
         DESC_LEN=len(descriptor),
         DESC_OFFSET=channel_offset(CH_DESC, w),

@@ -323,8 +323,8 @@ def _graph_replay_rank(rank: int, world: int) -> list[str]:
             (y * static_g).sum().backward()
             return y
 
-        # Warm-up on a side stream (as torch's capture recipe): first calls build the comm
-        # stream, the split choice and any heap before capture, where none of that may happen.
+        # Warm-up on a side stream (as torch's capture recipe): first calls make the split choice
+        # and any heap before capture, where neither may happen.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -358,8 +358,8 @@ def _graph_replay_rank(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("parallel_num", [None, "2", "4", "fused"])
 def test_linears_cuda_graph_replays_match_eager(world: int, parallel_num: str | None) -> None:
     """Sequential (no COC_PARALLEL_NUM), chunked 2 / 4 and fused (USE_COC_FUSED_KERNEL=1, world 2:
-    one process per GPU; the fused ops on one shared GPU are tests/test_fused_graphs.py). World 1
-    still runs the chunked path's comm stream and its stand-in copies."""
+    one process per GPU; the fused ops on one shared GPU are tests/kernels/fused/test_graphs.py). World 1
+    still runs the chunked path's per-piece GEMMs and copies."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"NCCL needs one GPU per rank; fewer than {world} GPUs")
     env: dict[str, str | None] = {"COC_PARALLEL_NUM": parallel_num}
@@ -370,6 +370,16 @@ def test_linears_cuda_graph_replays_match_eager(world: int, parallel_num: str | 
         env = {"COC_PARALLEL_NUM": None, "USE_COC_FUSED_KERNEL": "1"}
     results = run_ranks(_graph_replay_rank, world, backend="nccl", env=env, timeout=600)
     assert results == [[]] * world, results
+
+
+@pytest.mark.gpu
+def test_linears_cuda_graph_replays_on_one_gpu() -> None:
+    """The fused linears captured in one CUDA graph by two processes sharing one GPU (a gloo group; the
+    fused path's heap is CUDA IPC): the variant of the test above that a one-GPU machine runs."""
+    pytest.importorskip("cupy", reason="the CUDA heap needs CuPy")
+    env = {"COC_PARALLEL_NUM": None, "USE_COC_FUSED_KERNEL": "1"}
+    results = run_ranks(_graph_replay_rank, 2, device="cuda", env=env, timeout=600)
+    assert results == [[]] * 2, results
 
 
 @pytest.mark.gpu

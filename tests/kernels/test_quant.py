@@ -209,9 +209,9 @@ def _check_quantized_fused(rank, world, algorithm):
     real, threshold = gemm_ar_w8a16.matmul_all_reduce_w8a16, gemm_ar_w8a16.ONE_SHOT_MAX_BYTES
     launched = []
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         launched.append(1)
-        return real(*args)
+        return real(*args, **kwargs)
 
     gemm_ar_w8a16.matmul_all_reduce_w8a16 = spy
     gemm_ar_w8a16.ONE_SHOT_MAX_BYTES = threshold if algorithm == "one_shot" else 0

@@ -33,9 +33,10 @@ class _Spy:
                 real = getattr(mod, op)
                 self._saved.append((mod, op, real))
 
-                def spy(*args, _real=real, _name=name, _op=op):
+                def spy(*args, _real=real, _name=name, _op=op, **kwargs):
+                    # chunked takes parallel_num as its last positional argument (flags are keywords).
                     self.calls.append((_op, _name, args[-1] if _name == "chunked" else 1))
-                    return _real(*args)
+                    return _real(*args, **kwargs)
 
                 setattr(mod, op, spy)
         return self

@@ -133,45 +133,50 @@ def _cases():
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         off = {c: signals.channel_offset(c, w) for c in range(signals.NUM_CHANNELS)}
         sig = dict(sig_tab_ptr=tab, rank=w - 2, timeout=timeout)
-        cases.append(
-            (
-                f"ag_gemm {tag}",
-                ag_gemm._ag_gemm_kernel,
-                dict(
-                    x_ptr=t(),
-                    data_tab_ptr=tab,
-                    w_ptr=t(),
-                    bias_ptr=t(),
-                    y_ptr=t(),
-                    g_ptr=t(),
-                    M_LOCAL=rows_own,
-                    N=n,
-                    K=k,
-                    n_tiles=-(-n // cfg.block_n),
-                    chunk_rows=256,
-                    stride_xm=k,
-                    stride_xk=1,
-                    stride_wn=k,
-                    stride_wk=1,
-                    stride_ym=n,
-                    stride_yn=1,
-                    flag_offset=off[signals.CH_AG],
-                    WORLD=w,
-                    CHANNEL=signals.CH_AG,
-                    FLAG_STRIDE=signals.AG_MAX_SPLITS,
-                    HAS_BIAS=True,
-                    STORE_A=True,
-                    **sig,
-                    **timer,
-                    **acc,
-                    DOT_PRECISION="tf32",
-                    **_blocks(cfg),
-                ),
-                cfg.num_warps,
-                cfg.num_stages,
-                aligned,
+        # split: a gather_dim > 0 (outer blocks of rows addressed with strides, gathered rows copied out).
+        for split in (False, True):
+            cases.append(
+                (
+                    f"ag_gemm {tag}{' split' if split else ''}",
+                    ag_gemm._ag_gemm_kernel,
+                    dict(
+                        x_ptr=t(),
+                        data_tab_ptr=tab,
+                        w_ptr=t(),
+                        bias_ptr=t(),
+                        y_ptr=t(),
+                        g_ptr=t(),
+                        M_LOCAL=rows_own,
+                        N=n,
+                        K=k,
+                        n_tiles=-(-n // cfg.block_n),
+                        chunk_rows=256,
+                        stride_xm=k,
+                        stride_xk=1,
+                        stride_wn=k,
+                        stride_wk=1,
+                        stride_ym=n,
+                        stride_yn=1,
+                        rows_per_block=rows_own // 2 + 1 if split else rows_own,
+                        flag_offset=off[signals.CH_AG],
+                        WORLD=w,
+                        CHANNEL=signals.CH_AG,
+                        FLAG_STRIDE=signals.AG_MAX_SPLITS,
+                        HAS_BIAS=True,
+                        STORE_A=True,
+                        SPLIT_BLOCKS=split,
+                        STORE_IN_GEMM=not split,
+                        **sig,
+                        **timer,
+                        **acc,
+                        DOT_PRECISION="tf32",
+                        **_blocks(cfg),
+                    ),
+                    cfg.num_warps,
+                    cfg.num_stages,
+                    aligned,
+                )
             )
-        )
         cases.append(
             (
                 f"push_shard {tag}",
@@ -199,10 +204,10 @@ def _cases():
             )
         )
         m = w * rows_own
-        for broadcast in (False, True):
+        for broadcast, split in ((False, False), (True, False), (False, True)):
             cases.append(
                 (
-                    f"gemm_scatter broadcast={broadcast} {tag}",
+                    f"gemm_scatter broadcast={broadcast} {tag}{' split' if split else ''}",
                     gemm_rs._gemm_scatter_kernel,
                     dict(
                         x_ptr=t(),
@@ -217,10 +222,12 @@ def _cases():
                         stride_xk=1,
                         stride_wn=k,
                         stride_wk=1,
+                        rows_per_block=rows_own // 2 + 1 if split else rows_own,
                         done_offset=off[signals.CH_DONE],
                         cnt_offset=off[signals.CH_RS],
                         WORLD=w,
                         BROADCAST=broadcast,
+                        SPLIT_BLOCKS=split,
                         **sig,
                         **timer,
                         **acc,
@@ -381,10 +388,10 @@ def _cases():
                 sig_tab_ptr=tab,
                 rank=2,
                 timeout=timeout,
-                must_agree=8191,
-                **{f"d{i}": 1000 + i for i in range(13)},
+                must_agree=(1 << (signals.DESC_SLOT - 1)) - 1,
+                **{f"d{i}": 1000 + i for i in range(signals.DESC_SLOT - 1)},
                 WORLD=4,
-                DESC_LEN=13,
+                DESC_LEN=signals.DESC_SLOT - 1,
                 DESC_OFFSET=signals.channel_offset(signals.CH_DESC, 4),
                 COUNTERS_OFFSET=signals.channel_offset(signals.CH_RS, 4),
                 COUNTERS=8,
@@ -463,6 +470,29 @@ def test_fused_kernels_compile_for_sm90():
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "compiled: no spills" in proc.stdout
+
+
+def test_gemm_space_compiles_for_sm90():
+    """Every config of the GEMM space (kernels/fused/gemm_configs.py), and every tile-core config in the
+    fused GEMM kernels, compiles for sm_90a under this Triton: no spills, wgmma, TMA loads for the TMA
+    variant, 128-bit loads otherwise (tests/kernels/fused/compile_gemm_space.py; ``make test-triton36``
+    runs it under Triton 3.6)."""
+    if not all(os.path.exists(_tool(name)) for name in ("ptxas", "cuobjdump")):
+        pytest.skip("Triton's bundled ptxas or cuobjdump is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.fused.compile_gemm_space"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "gemm space compiled: no spills" in proc.stdout
 
 
 def test_gpu_block_config_keeps_tile_counts_agreed():

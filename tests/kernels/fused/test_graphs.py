@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.gpu_check_cases import scramble
+from kernels.testing import scramble
 from tests.harness import run_ranks
 from tests.kernels.fused import cases as fused_cases
 from tests.kernels.fused.graph_replay import InterpretedGraph, new_graph
@@ -52,7 +52,7 @@ def _call(op: str, x: torch.Tensor, weight: Any, b: torch.Tensor | None, group: 
     from kernels.fused.gemm_ar_w8a16 import matmul_all_reduce_w8a16
 
     q, s = weight
-    return matmul_all_reduce_w8a16(x, q, s, None, x.shape[1], b, group, True)
+    return matmul_all_reduce_w8a16(x, q, s, None, x.shape[1], b, group, deterministic=True)
 
 
 def _reference(
