@@ -13,7 +13,7 @@ import torch
 from bench import tune
 from kernels.fused import gemm, gemm_persistent, tuned
 from kernels.fused.gemm_configs import GemmConfig
-from tests.harness import REPO_ROOT
+from kernels.testing import REPO_ROOT
 
 pytestmark = pytest.mark.triton
 
