@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m bench --suite tiny                          # CPU smoke run (< 1 min), writes JSON + CSV
+    python -m bench --suite tiny                          # CPU smoke run, writes JSON + CSV (docs/bench.md: time)
     python -m bench --suite llama2-70b --world-sizes 8 --ops ag,rs --backends sequential,chunked4,fused
     torchrun --nproc-per-node 8 -m bench --suite llama3-70b   # under torchrun: W = its world size
     python -m bench --mode single --suite llama2-70b --world-sizes 8   # single GPU: GEMM core, fixed costs
@@ -65,20 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=("run", "single", "model", "gpu-check"),
+        choices=("run", "single", "model", "gpu-check", "tune"),
         default="run",
         help="run: distributed benchmark (default); single: one-GPU fixed costs (Triton GEMM core "
         "vs torch, fused op at world 1 vs bare GEMM, 4-way chunking at world 1); model: print "
         "the model's predictions for --gpu without measuring anything; gpu-check: one "
         "command that writes a correctness and speed report of this GPU (bench/gpu_check.py; "
-        "--allow-cpu runs it on CPU under the interpreter)",
+        "--allow-cpu runs it on CPU under the interpreter); tune: time the GEMM config space "
+        "against cuBLAS and write configs/tuned/<gpu-name>.yaml, or into --out-dir when given "
+        "(bench/tune.py; --allow-cpu: tiny shapes under the interpreter)",
     )
     p.add_argument(
         "--sections",
         type=_csv(str),
         default=None,
         metavar="LIST",
-        help="gpu-check only: comma list of sections to run, from a,b,c,d,e (default: all)",
+        help="gpu-check only: comma list of sections to run, from env,tune,tests,speed (default: all)",
     )
     p.add_argument(
         "--suite",
@@ -170,10 +172,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allow-cpu",
         action="store_true",
-        help="run --mode single on CPU anyway (tests the code path; the Triton kernels then run in "
-        "the interpreter and the times are meaningless)",
+        help="run the GPU modes (--mode single, gpu-check, tune) on CPU anyway: tests their code path; "
+        "the Triton kernels then run in the interpreter and the times are meaningless",
     )
     return p
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _device_type(choice: str) -> str:
@@ -498,7 +506,20 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
     return 0
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends the run through SystemExit, so temporary folders (``coc-bench-*``, the rank
+    pools' ``coc-pool-*``) are removed and the ranks stopped by the usual ``finally`` and ``atexit``
+    code; the default action would kill the process and leave them behind."""
+    import signal
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _exit_on_sigterm()
     args = build_parser().parse_args(argv)
     if args.cpu_threads < 1:
         raise SystemExit(f"error: --cpu-threads must be >= 1, got {args.cpu_threads}")
@@ -511,6 +532,15 @@ def main(argv: list[str] | None = None) -> int:
         from bench import gpu_check
 
         return gpu_check.main(args.out_dir, args.allow_cpu, args.sections)
+    if args.mode == "tune":
+        if args.allow_cpu and not _cuda_available():
+            # Must precede any import of triton in this process.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        from bench import tune
+
+        # --out-dir's default is the benchmark reports' folder: the tuned file goes to configs/tuned unless named.
+        out_dir = None if args.out_dir == build_parser().get_default("out_dir") else args.out_dir
+        return tune.main(out_dir, args.allow_cpu)
     device_type = _device_type(args.device)
     if device_type == "cpu":
         # Must precede any import of triton in this process (world size 1 runs here).

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import program_order
-
-# Without a GPU, Triton kernels can only run through the interpreter; set it before any test
-# module imports triton.
+# Without a GPU, Triton kernels can only run through the interpreter; set it before anything
+# imports kernels (hence triton), the testing toolkit included.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels.testing import program_order  # noqa: E402
 
 # COC_TEST_PROGRAM_ORDER=reverse|shuffle:SEED permutes the programs of every interpreted launch in
 # this process too (kernels launched outside rank pools); the pools' ranks apply it per call.
@@ -52,6 +52,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _close_rank_pools():
     yield
-    from tests.harness import close_pools
+    from kernels.testing import close_pools
 
     close_pools()

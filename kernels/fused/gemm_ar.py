@@ -119,7 +119,7 @@ def matmul_all_reduce(
     size = x.element_size()
     if algorithm == "auto":
         algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
-    cfg = block_config(x.device, tile_rows(algorithm, m, w), x.shape[1], x.dtype)
+    cfg = block_config(x.device, tile_rows(algorithm, m, w), x.shape[1], x.dtype, op="matmul_all_reduce", n=n)
     # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
     descriptor = runtime.describe("matmul_all_reduce", m, x.shape[1], n, x.dtype, bias is not None, deterministic)
     return all_reduce_partials(

@@ -402,7 +402,7 @@ def test_host_cost_bench_reports_every_backend(tmp_path: Any) -> None:
     import subprocess
     import sys
 
-    from tests.harness import REPO_ROOT
+    from kernels.testing import REPO_ROOT
 
     out = tmp_path / "host_cost.json"
     subprocess.run(

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from kernels import name_clash
-from tests.harness import REPO_ROOT
+from kernels.testing import REPO_ROOT
 
 
 def _fake_distribution(site: str, name: str = "kernels") -> str:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 WORLDS = [1, 2, 3, 4]
 BACKENDS = ["sequential", "chunked"]

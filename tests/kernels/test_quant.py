@@ -15,7 +15,7 @@ import torch
 
 import kernels
 from kernels.quant import dequantize
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 pytestmark = pytest.mark.triton  # runs Triton kernels (interpreted on CPU)
 

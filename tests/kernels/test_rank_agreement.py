@@ -13,7 +13,7 @@ import torch
 
 import kernels
 from kernels import agree
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 M, K, N = 6, 4, 5  # m divisible by 2 and 3: matmul_reduce_scatter scatters it
 

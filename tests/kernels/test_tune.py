@@ -15,7 +15,7 @@ import torch.distributed as dist
 import kernels
 from kernels import chunked, dispatch, sequential, tune
 from kernels.config import build_config
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

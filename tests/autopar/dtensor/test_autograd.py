@@ -9,13 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.testing import run_ranks
+from kernels.testing import run_ranks, seeded_randn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _ops_case(rank, world, mesh_shape):
@@ -24,11 +20,11 @@ def _ops_case(rank, world, mesh_shape):
     nested = list(range(world)) if len(mesh_shape) == 1 else [[0, 1], [2, 3]]
     mesh = ProcessMesh(nested)
     two = len(mesh_shape) == 2
-    A, B = _rand(5, 3, 4, seed=1), _rand(4, 6, seed=2)
-    C = _rand(5, 3, 4, seed=3)
-    bias = _rand(4, seed=4)
-    lw, lb = _rand(4, seed=5), _rand(4, seed=6)
-    W = _rand(6, 4, seed=7)
+    A, B = seeded_randn(5, 3, 4, seed=1), seeded_randn(4, 6, seed=2)
+    C = seeded_randn(5, 3, 4, seed=3)
+    bias = seeded_randn(4, seed=4)
+    lw, lb = seeded_randn(4, seed=5), seeded_randn(4, seed=6)
+    W = seeded_randn(6, 4, seed=7)
 
     def pl(*ps):
         return list(ps) + ([Replicate()] if two and len(ps) == 1 else [])
@@ -39,7 +35,7 @@ def _ops_case(rank, world, mesh_shape):
         "matmul_col": (lambda a, b: a @ b, [A, B], [pl(Shard(1)), [Replicate(), Shard(1)] if two else pl(Shard(1))]),
         "linear": (
             lambda a, w, b: F.linear(a, w, b),
-            [A, W, _rand(6, seed=8)],
+            [A, W, seeded_randn(6, seed=8)],
             [pl(Shard(1)), pl(Shard(0)), pl(Replicate())],
         ),
         "add_sub": (
@@ -111,8 +107,13 @@ def _mlp_case(rank, world, mesh_nested, dim_names, x_pl, param_pls):
     from autopar.dtensor.autograd import reshard_nograd as _reshard_nograd
 
     mesh = ProcessMesh(mesh_nested, dim_names)
-    X = _rand(4, 6, 8, seed=11)  # [batch, sequence, hidden]
-    params = [_rand(8, 10, seed=12), _rand(10, seed=13), _rand(10, 8, seed=14), _rand(8, seed=15)]
+    X = seeded_randn(4, 6, 8, seed=11)  # [batch, sequence, hidden]
+    params = [
+        seeded_randn(8, 10, seed=12),
+        seeded_randn(10, seed=13),
+        seeded_randn(10, 8, seed=14),
+        seeded_randn(8, seed=15),
+    ]
     ref_loss, ref_grads = _mlp_reference(X, params)
     x = shard_tensor(X, mesh, x_pl)
     ps = [shard_tensor(t, mesh, p).requires_grad_() for t, p in zip(params, param_pls, strict=False)]

@@ -8,14 +8,10 @@ where a Partial is reduced: two fp32 terms, hence ``1e-6``.
 import pytest
 import torch
 
-from kernels.testing import run_ranks
+from kernels.testing import run_ranks, seeded_randn
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 SHAPE = (5, 3)
-
-
-def _rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _placements():
@@ -34,7 +30,7 @@ def _to_local_full_tensor_case(rank, world):
     from autopar import DistTensor, Partial, ProcessMesh, Shard, shard_tensor
 
     mesh = ProcessMesh(list(range(world)))
-    G, C = _rand(*SHAPE, seed=1), _rand(*SHAPE, seed=2)
+    G, C = seeded_randn(*SHAPE, seed=1), seeded_randn(*SHAPE, seed=2)
     ref = G.clone().requires_grad_()
     (ref.sin() * C).sum().backward()
     checked = 0
@@ -77,7 +73,7 @@ def _plain_operand_case(rank, world):
     from autopar import ProcessMesh, Shard, shard_tensor
 
     mesh = ProcessMesh(list(range(world)))
-    X, W, V = _rand(5, 4, seed=3), _rand(3, 4, seed=4), _rand(3, seed=5)
+    X, W, V = seeded_randn(5, 4, seed=3), seeded_randn(3, 4, seed=4), seeded_randn(3, seed=5)
     w_ref, v_ref, x_ref = W.clone().requires_grad_(), V.clone().requires_grad_(), X.clone().requires_grad_()
     (F.gelu(F.linear(x_ref, w_ref)) * v_ref).sum().backward()
     w, v = W.clone().requires_grad_(), V.clone().requires_grad_()
@@ -95,7 +91,7 @@ def _dtensor_case(rank, world):
     from autopar import Partial, ProcessMesh, Replicate, from_dtensor, shard_tensor, to_dtensor
 
     mesh = ProcessMesh(list(range(world)))
-    G, C = _rand(*SHAPE, seed=6), _rand(*SHAPE, seed=7)
+    G, C = seeded_randn(*SHAPE, seed=6), seeded_randn(*SHAPE, seed=7)
     ref = G.clone().requires_grad_()
     (ref.sin() * C).sum().backward()
     for p in _placements():

@@ -10,13 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.testing import run_ranks
+from kernels.testing import run_ranks, seeded_randn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _check_clipped(t, shape):
@@ -31,9 +27,9 @@ def _pipeline_1rank_stages(rank, world):
     from autopar import ProcessMesh, Replicate, Shard, reshard, shard_tensor, stage_meshes
 
     stages = stage_meshes(ProcessMesh(list(range(world)), ["pp"]), "pp")
-    X = _rand(5, 3, 6, seed=0)
-    Ws = [_rand(6, 6, seed=1 + s) for s in range(world)]
-    bs = [_rand(6, seed=11 + s) for s in range(world)]
+    X = seeded_randn(5, 3, 6, seed=0)
+    Ws = [seeded_randn(6, 6, seed=1 + s) for s in range(world)]
+    bs = [seeded_randn(6, seed=11 + s) for s in range(world)]
     ref_p = [t.clone().requires_grad_() for t in Ws + bs]
     h = X
     for s in range(world):
@@ -78,10 +74,10 @@ def _pipeline_tp_stages(rank, world):
     from autopar import ProcessMesh, Replicate, Shard, reshard, shard_tensor, stage_meshes, sync_gradients
 
     stages = stage_meshes(ProcessMesh([[0, 1], [2, 3]], ["pp", "tp"]), "pp")
-    X = _rand(4, 3, 8, seed=0)
+    X = seeded_randn(4, 3, 8, seed=0)
     shapes = [(8, 12), (12,), (12, 8), (8,)]
     # Weights scaled by 1/sqrt(fan_in) keep activations O(1), so fp32 sums stay within TOL.
-    raw = [[_rand(*sh, seed=10 * s + j) / sh[0] ** 0.5 for j, sh in enumerate(shapes)] for s in range(2)]
+    raw = [[seeded_randn(*sh, seed=10 * s + j) / sh[0] ** 0.5 for j, sh in enumerate(shapes)] for s in range(2)]
     pls = [[Shard(1)], [Shard(0)], [Shard(0)], [Replicate()]]
     ref = [[t.clone().requires_grad_() for t in stage] for stage in raw]
     h = X

@@ -13,30 +13,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.testing import run_ranks
+from kernels.testing import run_ranks, seeded_randn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _rand(*shape, seed):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _cases(world):
     from autopar import Partial, Replicate, Shard
 
     S, R, P = Shard, Replicate(), Partial()
-    A = _rand(5, 6, 4, seed=1)
-    B = _rand(5, 8, seed=2)
-    C = _rand(5, 6, 3, seed=3)
-    H = _rand(2, 5, 64, seed=4)
-    U = _rand(5, 1, 4, seed=5)
-    q, k, v = _rand(2, 4, 5, 8, seed=6), _rand(2, 2, 5, 8, seed=7), _rand(2, 2, 5, 8, seed=8)
-    mask = _rand(2, 1, 5, 5, seed=9)
-    logits = _rand(6, 7, seed=10)
+    A = seeded_randn(5, 6, 4, seed=1)
+    B = seeded_randn(5, 8, seed=2)
+    C = seeded_randn(5, 6, 3, seed=3)
+    H = seeded_randn(2, 5, 64, seed=4)
+    U = seeded_randn(5, 1, 4, seed=5)
+    q, k, v = seeded_randn(2, 4, 5, 8, seed=6), seeded_randn(2, 2, 5, 8, seed=7), seeded_randn(2, 2, 5, 8, seed=8)
+    mask = seeded_randn(2, 1, 5, 5, seed=9)
+    logits = seeded_randn(6, 7, seed=10)
     labels = torch.tensor([0, 3, 6, -100, 2, 5])
     ids = torch.tensor([[0, 10, 3], [7, 5, 5], [1, 2, 9], [4, 8, 6], [10, 0, 2]])
-    emb = _rand(11, 6, seed=11)
+    emb = seeded_randn(11, 6, seed=11)
     even2 = world == 2
     # name -> (fn, inputs, placements of the inputs, expected output placements or None)
     return {
@@ -131,7 +127,7 @@ def _errors_case(rank, world):
     from autopar import ProcessMesh, Shard, shard_tensor
 
     mesh = ProcessMesh(list(range(world)))
-    x = shard_tensor(_rand(4, 6, seed=1), mesh, [Shard(0)])
+    x = shard_tensor(seeded_randn(4, 6, seed=1), mesh, [Shard(0)])
     checks = [
         (NotImplementedError, "advanced indexing", lambda: x[torch.tensor([0, 1])]),
         (NotImplementedError, "dropout", lambda: F.dropout(x, p=0.5, training=True)),
@@ -158,8 +154,8 @@ def test_clipped_rank_infers_shapes_of_shape_and_nn_ops():
     from autopar import Partial, ProcessMesh, Replicate, Shard, shard_tensor
 
     mesh = ProcessMesh([1, 2], dim_names=["tp"])
-    h = shard_tensor(_rand(2, 5, 64, seed=1), mesh, [Shard(2)]).requires_grad_()
-    emb = shard_tensor(_rand(11, 64, seed=2), mesh, [Shard(0)]).requires_grad_()
+    h = shard_tensor(seeded_randn(2, 5, 64, seed=1), mesh, [Shard(2)]).requires_grad_()
+    emb = shard_tensor(seeded_randn(11, 64, seed=2), mesh, [Shard(0)]).requires_grad_()
     ids = torch.tensor([[0, 10, 3, 1, 2], [7, 5, 5, 4, 9]])
     x = F.embedding(ids, emb) + h
     q = x.view(2, 5, 4, 16).transpose(1, 2)

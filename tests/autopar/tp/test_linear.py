@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.config import get_config
-from tests.harness import run_ranks
+from kernels.testing import assert_no_errors, run_ranks
 
 S, B, K, N = 12, 2, 12, 24  # s divisible by W in {2, 3, 4}; k, n divisible too; not tile multiples
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -282,21 +282,16 @@ def row_cases(rank: int, world: int) -> list[str]:
     return errors
 
 
-def _assert_no_errors(results: list[list[str]]) -> None:
-    msgs = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
-    assert not msgs, "\n".join(msgs)
-
-
 @pytest.mark.parametrize("parallel_num", PARALLEL_NUMS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_column_parallel_linear_matches_reference(world: int, parallel_num: int, coc_yamls: dict) -> None:
-    _assert_no_errors(run_ranks(column_cases, world, coc_yamls, env={"COC_PARALLEL_NUM": str(parallel_num)}))
+    assert_no_errors(run_ranks(column_cases, world, coc_yamls, env={"COC_PARALLEL_NUM": str(parallel_num)}))
 
 
 @pytest.mark.parametrize("parallel_num", PARALLEL_NUMS)
 @pytest.mark.parametrize("world", WORLDS)
 def test_row_parallel_linear_matches_reference(world: int, parallel_num: int) -> None:
-    _assert_no_errors(run_ranks(row_cases, world, env={"COC_PARALLEL_NUM": str(parallel_num)}))
+    assert_no_errors(run_ranks(row_cases, world, env={"COC_PARALLEL_NUM": str(parallel_num)}))
 
 
 def _count_fused_calls(body: Any, *args: Any) -> tuple[list[str], int]:
@@ -339,5 +334,5 @@ def test_linears_on_the_fused_kernels(world: int, coc_yamls: dict) -> None:
         run_ranks(fused_column_cases, world, coc_yamls, env=env, timeout=300),
         run_ranks(fused_row_cases, world, env=env, timeout=300),
     ):
-        _assert_no_errors([errors for errors, _ in results])
+        assert_no_errors([errors for errors, _ in results])
         assert all(calls > 0 for _, calls in results), results

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from kernels.testing import assert_no_errors, run_ranks
 
 S, B, K, N = 8, 2, 8, 12
 
@@ -305,34 +305,29 @@ def autocast_cases(rank: int, world: int) -> list[str]:
     return errors
 
 
-def _assert_no_errors(results: list[list[str]]) -> None:
-    msgs = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
-    assert not msgs, "\n".join(msgs)
-
-
 @pytest.mark.parametrize("world", (2, 4))
 def test_main_grad_accumulation(world: int) -> None:
-    _assert_no_errors(run_ranks(main_grad_cases, world, env={"COC_PARALLEL_NUM": "2"}))
+    assert_no_errors(run_ranks(main_grad_cases, world, env={"COC_PARALLEL_NUM": "2"}))
 
 
 def test_frozen_and_supplied_weights() -> None:
-    _assert_no_errors(run_ranks(frozen_and_supplied_weight_cases, 2))
+    assert_no_errors(run_ranks(frozen_and_supplied_weight_cases, 2))
 
 
 def test_deferred_embedding_wgrad() -> None:
-    _assert_no_errors(run_ranks(deferred_wgrad_cases, 2))
+    assert_no_errors(run_ranks(deferred_wgrad_cases, 2))
 
 
 def test_expert_layers_do_not_communicate() -> None:
-    _assert_no_errors(run_ranks(expert_cases, 2))
+    assert_no_errors(run_ranks(expert_cases, 2))
 
 
 def test_autocast() -> None:
-    _assert_no_errors(run_ranks(autocast_cases, 2, env={"COC_PARALLEL_NUM": "2"}))
+    assert_no_errors(run_ranks(autocast_cases, 2, env={"COC_PARALLEL_NUM": "2"}))
 
 
 def test_shape_errors() -> None:
-    _assert_no_errors(run_ranks(shape_error_cases, 2))
+    assert_no_errors(run_ranks(shape_error_cases, 2))
 
 
 def test_single_process_without_torch_distributed() -> None:

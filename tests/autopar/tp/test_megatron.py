@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from kernels.testing import assert_no_errors, run_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -357,27 +357,22 @@ def tp_group_from_parallel_state(rank: int, world: int) -> list[str]:
     return errors
 
 
-def _assert_no_errors(results: list[list[str]]) -> None:
-    msgs = [f"rank {r}: {e}" for r, errs in enumerate(results) for e in errs]
-    assert not msgs, "\n".join(msgs)
-
-
 @pytest.mark.parametrize("world", (2, 4))
 def test_matches_unpatched_megatron(world: int) -> None:
-    _assert_no_errors(run_ranks(against_megatron, world, env={"COC_PARALLEL_NUM": "2"}))
+    assert_no_errors(run_ranks(against_megatron, world, env={"COC_PARALLEL_NUM": "2"}))
 
 
 def test_patch_switches_prebuilt_modules_and_is_idempotent() -> None:
-    _assert_no_errors(run_ranks(patch_switches_prebuilt_modules, 2, env={"COC_PARALLEL_NUM": "4"}))
+    assert_no_errors(run_ranks(patch_switches_prebuilt_modules, 2, env={"COC_PARALLEL_NUM": "4"}))
 
 
 @pytest.mark.parametrize("world", (2, 4))
 def test_patched_megatron_sequence_parallel_and_scatter_gather(world: int) -> None:
-    _assert_no_errors(run_ranks(patched_megatron_paths_cpu_cannot_run, world, env={"COC_PARALLEL_NUM": "2"}))
+    assert_no_errors(run_ranks(patched_megatron_paths_cpu_cannot_run, world, env={"COC_PARALLEL_NUM": "2"}))
 
 
 def test_tp_group_defaults_to_megatron_parallel_state() -> None:
-    _assert_no_errors(run_ranks(tp_group_from_parallel_state, 4))
+    assert_no_errors(run_ranks(tp_group_from_parallel_state, 4))
 
 
 def test_unpatch_without_patch_is_noop_and_patch_needs_no_distributed() -> None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import autopar
 import kernels
 from kernels.quant import dequantize
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 
 pytestmark = pytest.mark.triton  # runs Triton kernels (interpreted on CPU)
 

@@ -28,7 +28,7 @@ import tempfile
 
 import pytest
 
-from tests.harness import REPO_ROOT
+from kernels.testing import REPO_ROOT
 
 GPU_TARGET = ("cuda", 90, 32)
 # One access instruction of 16 bits to global memory (no .v2/.v4 vector form).

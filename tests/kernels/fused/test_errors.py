@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from tests.harness import REPO_ROOT, run_ranks
+from kernels.testing import REPO_ROOT, run_ranks
 from tests.kernels.fused import cases as fused_cases
 
 TIMEOUT_S = 2.0

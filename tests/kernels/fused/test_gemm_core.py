@@ -15,7 +15,7 @@ from kernels.fused.gemm_configs import GemmConfig
 try:
     from kernels.testing import program_order
 except ImportError:  # the toolkit's move from tests/ to kernels.testing
-    from tests import program_order
+    from kernels.testing import program_order
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter test")
 

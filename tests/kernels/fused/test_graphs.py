@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels.testing import scramble
-from tests.harness import run_ranks
+from kernels.testing import run_ranks, scramble
 from tests.kernels.fused import cases as fused_cases
 from tests.kernels.fused.graph_replay import InterpretedGraph, new_graph
 

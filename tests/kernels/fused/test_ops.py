@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 from tests.kernels.fused import cases as fused_cases
 from tests.kernels.fused import mismatch_cases as fused_mismatch_cases
 
@@ -130,7 +130,7 @@ def test_fused_without_process_group_is_plain_gemm():
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    from tests.harness import REPO_ROOT as root
+    from kernels.testing import REPO_ROOT as root
 
     done = subprocess.run(
         [sys.executable, "-c", _NO_PG_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=120

@@ -1,4 +1,4 @@
-"""Programs of one launch in any order: the interpreter mode of tests/program_order.py, and the fused ops under it."""
+"""Programs of one launch in any order: kernels/testing/program_order.py, and the fused ops under it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tests import program_order
-from tests.harness import run_ranks
+from kernels.testing import program_order, run_ranks
 from tests.kernels.fused import cases as fused_cases
 
 ENV = program_order.ENV

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness import REPO_ROOT
+from kernels.testing import REPO_ROOT
 
 _SCRIPT = """
 import triton

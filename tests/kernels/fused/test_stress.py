@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from kernels.testing import run_ranks
 from tests.kernels.fused import cases as fused_cases
 
 TIMEOUT_S = 2.0

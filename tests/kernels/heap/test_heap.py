@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.heap import shm
-from tests.harness import REPO_ROOT, run_ranks
+from kernels.testing import REPO_ROOT, run_ranks
 
 
 def _own_segments(pid: int) -> list[str]:
