@@ -28,14 +28,23 @@ from .dtensor import (
     to_stage,
 )
 from .tp import (
+    CocColwiseParallel,
+    CocRowwiseParallel,
+    CocSequenceParallel,
     ColumnParallelLinear,
     ParallelConfig,
     QuantizedRowParallelLinear,
     RowParallelLinear,
+    hf_tp_plan,
+    mark_sequence_parallel,
+    parallelize_hf,
     patch_megatron,
     quantize_row_parallel_linear,
+    sequence_parallel_grad_hooks,
+    sum_sequence_parallel_grads,
     unpatch_megatron,
 )
+from .tp.fp8 import Fp8Recipe
 
 __all__ = [
     "DistTensor",
@@ -53,7 +62,16 @@ __all__ = [
     "sync_gradients",
     "to_dtensor",
     "to_stage",
+    "CocColwiseParallel",
+    "CocRowwiseParallel",
+    "CocSequenceParallel",
     "ColumnParallelLinear",
+    "Fp8Recipe",
+    "hf_tp_plan",
+    "mark_sequence_parallel",
+    "parallelize_hf",
+    "sequence_parallel_grad_hooks",
+    "sum_sequence_parallel_grads",
     "ParallelConfig",
     "QuantizedRowParallelLinear",
     "RowParallelLinear",
