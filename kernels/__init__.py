@@ -20,12 +20,23 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import checks, dispatch, library, name_clash, quant
+from . import checks, dispatch, inductor_pass, library, name_clash, quant
 from .config import CocConfig, get_config
+from .fp8 import (
+    all_gather_scaled_matmul,
+    dequantize_fp8,
+    quantize_fp8,
+    scaled_matmul,
+    scaled_matmul_all_reduce,
+    scaled_matmul_reduce_scatter,
+)
+from .inductor_pass import disable_inductor_pass, enable_inductor_pass, use_inductor_pass
 from .quant import quantize_weight
 
 # Before anything runs: another installed 'kernels' distribution would have mixed its files with ours.
 name_clash.check(__path__[0])
+# COC_INDUCTOR_PASS=1: compiled tensor-parallel models get the coc ops with no code change (docs/inductor.md).
+inductor_pass.enable_from_environment()
 
 __all__ = [
     "all_gather_matmul",
@@ -36,6 +47,15 @@ __all__ = [
     "quantize_weight",
     "quantized_matmul_all_reduce",
     "check_errors",
+    "enable_inductor_pass",
+    "disable_inductor_pass",
+    "use_inductor_pass",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "all_gather_scaled_matmul",
+    "scaled_matmul_reduce_scatter",
+    "scaled_matmul_all_reduce",
+    "scaled_matmul",
 ]
 
 

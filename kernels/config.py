@@ -26,7 +26,18 @@ ENV_CONFIG = "COC_CONFIG"
 ENV_TIMEOUT = "COC_TIMEOUT"
 ENV_TUNE_CACHE = "COC_TUNE_CACHE"
 ENV_CHECK = "COC_CHECK"
-_ENV_VARS = (ENV_PARALLEL_NUM, ENV_FUSED, ENV_CONFIG, ENV_TIMEOUT, ENV_TUNE_CACHE, ENV_CHECK)
+ENV_INDUCTOR_PASS = "COC_INDUCTOR_PASS"
+ENV_FP8 = "COC_FP8"
+_ENV_VARS = (
+    ENV_PARALLEL_NUM,
+    ENV_FUSED,
+    ENV_CONFIG,
+    ENV_TIMEOUT,
+    ENV_TUNE_CACHE,
+    ENV_CHECK,
+    ENV_INDUCTOR_PASS,
+    ENV_FP8,
+)
 
 DEFAULT_CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "coc.yaml")
 
@@ -48,6 +59,8 @@ class CocConfig:
     k_max: int = 4096
     tune_cache: str | None = None  # JSON file of COC_PARALLEL_NUM=auto choices (kernels.tune)
     check: bool = False  # COC_CHECK=1: ranks compare call descriptors before communicating (kernels.agree)
+    inductor_pass: bool = False  # COC_INDUCTOR_PASS=1: `import kernels` enables kernels.inductor_pass
+    fp8: bool = False  # COC_FP8=1: autopar linears built without fp8= use the default Fp8Recipe (docs/fp8.md)
 
     def parallel_num_for(self, m: int, k: int, n: int) -> int | str:
         """The split count for an op of shape ``[m, k, n]``: ``customized_coc`` wins over the env."""
@@ -197,6 +210,10 @@ def build_config(env: Mapping[str, str]) -> CocConfig:
         values["tune_cache"] = _parse_tune_cache(env[ENV_TUNE_CACHE])
     if env.get(ENV_CHECK) is not None:
         values["check"] = _parse_switch(ENV_CHECK, env[ENV_CHECK])
+    if env.get(ENV_INDUCTOR_PASS) is not None:
+        values["inductor_pass"] = _parse_switch(ENV_INDUCTOR_PASS, env[ENV_INDUCTOR_PASS])
+    if env.get(ENV_FP8) is not None:
+        values["fp8"] = _parse_switch(ENV_FP8, env[ENV_FP8])
     return CocConfig(**values)
 
 
