@@ -230,15 +230,15 @@ def test_dtensor_interop_every_placement(world, mesh_shape):
     assert checked[0] == (7 if len(mesh_shape) == 1 else 35)
 
 
-def _readme_example(rank, world, path):
+def _docs_example(rank, world, path):
     import contextlib
     import io
     import re
 
     from kernels.testing import REPO_ROOT
 
-    text = open(os.path.join(REPO_ROOT, "README.md")).read()
-    section = text[text.index("## Distributed tensors and pipelines") :]
+    text = open(os.path.join(REPO_ROOT, "docs", "dtensor.md")).read()
+    section = text[text.index("## Examples: data + sequence parallel training") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     # The harness already holds the process group that torchrun's script would create.
     code = code.replace('dist.init_process_group("gloo")\n', "").replace("dist.destroy_process_group()\n", "")
@@ -246,7 +246,7 @@ def _readme_example(rank, world, path):
     os.chdir(path)
     try:
         with contextlib.redirect_stdout(out):
-            exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+            exec(compile(code, "docs/dtensor.md", "exec"), {"__name__": "readme"})
     finally:
         os.chdir(cwd)
     assert os.path.exists(os.path.join(path, f"mlp-rank{rank}.pt"))
@@ -267,14 +267,14 @@ def _readme_example(rank, world, path):
     return out.getvalue().splitlines(), want, text
 
 
-def test_readme_distributed_tensor_example_runs(tmp_path):
-    """The README's nn.Module + AdamW example is a promise: run it on 4 ranks."""
-    results = run_ranks(_readme_example, 4, str(tmp_path), timeout=180)
+def test_docs_distributed_tensor_example_runs(tmp_path):
+    """docs/dtensor.md's nn.Module + AdamW example is a promise: run it on 4 ranks."""
+    results = run_ranks(_docs_example, 4, str(tmp_path), timeout=180)
     lines, want, text = results[0]
     assert lines == want
     assert all(r[0] == [] for r in results[1:])
     for line in want:
-        assert line.split()[0] in text  # the README quotes the losses it prints
+        assert line.split()[0] in text  # the docs quote the losses it prints
 
 
 def test_dispatch_overhead_bench_runs_at_world_2():
