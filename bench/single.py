@@ -7,7 +7,7 @@ For each local GEMM shape of the chosen cases:
 * each op with ``backend="chunked", parallel_num=4`` at world size 1 against ``"sequential"``
   (what splitting the GEMM costs);
 * on shapes whose k or n is not tensor-core aligned, ``matmul_soc_friendly``'s padded GEMM
-  (``kernels.soc.linear``) against the unpadded one (what the padding buys or costs).
+  (``kernels.padding.linear``) against the unpadded one (what the padding buys or costs).
 
 GPU only: on CPU the Triton kernels run in the interpreter and their times mean nothing.
 """
@@ -59,17 +59,17 @@ def _soc_effect(
     t_torch: float,
 ) -> None:
     """Time the padded GEMM of ``matmul_soc_friendly`` where the padding changes the shape."""
-    from kernels import soc
+    from kernels import padding
     from kernels.config import get_config
 
     config = get_config()
     k, n = x.shape[1], w.shape[0]
-    if soc.padded_shape(k, n, x.dtype, config.k_min, config.k_max) == (k, n):
+    if padding.padded_shape(k, n, x.dtype, config.k_min, config.k_max) == (k, n):
         return
-    out = soc.linear(x, w, force=True)
+    out = padding.linear(x, w, force=True)
     rec["soc_correct"] = _check(out, ref, dtype)
     if rec["soc_correct"]:
-        t_soc = timer.run(lambda: soc.linear(x, w, force=True), opts.warmup, opts.repeats)
+        t_soc = timer.run(lambda: padding.linear(x, w, force=True), opts.warmup, opts.repeats)
         rec["soc_ms"] = t_soc.to_ms()
         rec["soc_speedup"] = t_torch / t_soc.median
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import comm, soc
+from . import comm, padding
 
 
 def split_rows(rows: int, parallel_num: int) -> list[tuple[int, int]]:
@@ -77,7 +77,7 @@ def all_gather_matmul_multi(
         bufs.append(buf)
     if len(pieces) == 1 and outer == 1:
         works[0].wait()
-        ys = [soc.linear(bufs[0], w, b) for w, b in zip(weights, biases, strict=True)]
+        ys = [padding.linear(bufs[0], w, b) for w, b in zip(weights, biases, strict=True)]
         return ys, bufs[0] if return_gathered else None
     # Rank r's rows of piece i land at rows [start, stop) of block (o, r) of the gathered x.
     ys = [x.new_empty((outer, world, rows, w.shape[0])) for w in weights]
@@ -86,7 +86,7 @@ def all_gather_matmul_multi(
         work.wait()
         shape = (world, outer, stop - start)
         for y, w, b in zip(ys, weights, biases, strict=True):
-            y[:, :, start:stop] = soc.linear(buf, w, b).view(shape + (w.shape[0],)).transpose(0, 1)
+            y[:, :, start:stop] = padding.linear(buf, w, b).view(shape + (w.shape[0],)).transpose(0, 1)
         if x_gathered is not None:
             x_gathered[:, :, start:stop] = buf.view(shape + (k,)).transpose(0, 1)
     ys = [y.view(world * m_local, y.shape[-1]) for y in ys]
@@ -137,7 +137,7 @@ def matmul_reduce_scatter(
     for start, stop in split_rows(rows, parallel_num):
         p = stop - start
         # [W, outer, p, n]: owner-major, the order a dim-0 reduce-scatter hands out.
-        partial = soc.linear(x_blocks[:, :, start:stop].transpose(0, 1), weight).reshape(world * outer * p, n)
+        partial = padding.linear(x_blocks[:, :, start:stop].transpose(0, 1), weight).reshape(world * outer * p, n)
         if deterministic:
             parts = partial.new_empty((world, outer * p, n))
             work = comm.all_to_all(parts, partial, group, async_op=True)
@@ -176,7 +176,7 @@ def matmul_all_reduce(
     works = []
     for start, stop in split_rows(m, parallel_num):
         piece = out[start:stop]
-        soc.linear(x[start:stop], weight, out=piece)
+        padding.linear(x[start:stop], weight, out=piece)
         works.append(comm.all_reduce(piece, group, async_op=True))
     for work in works:
         work.wait()
@@ -202,7 +202,7 @@ def _fixed_order_all_reduce_pieces(
     exchanges = []
     for start, stop in split_rows(x.shape[0], parallel_num):
         block = -(-(stop - start) // world)
-        padded = comm.pad_rows(soc.linear(x[start:stop], weight), block * world)
+        padded = comm.pad_rows(padding.linear(x[start:stop], weight), block * world)
         parts = padded.new_empty((world, block, n))
         work = comm.all_to_all(parts, padded, group, async_op=True)
         exchanges.append((work, start, stop, parts))

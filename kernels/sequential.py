@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import comm, soc
+from . import comm, padding
 
 
 def gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None, world: int, outer: int = 1) -> torch.Tensor:
@@ -50,7 +50,7 @@ def all_gather_matmul_multi(
     return ys, x_gathered
     """
     x_gathered = gather_rows(x, group, world, outer)
-    return [soc.linear(x_gathered, w, b) for w, b in zip(weights, biases, strict=True)], x_gathered
+    return [padding.linear(x_gathered, w, b) for w, b in zip(weights, biases, strict=True)], x_gathered
 
 
 def all_gather_matmul(
@@ -99,7 +99,7 @@ def matmul_reduce_scatter(
     With ``outer > 1`` (``scatter_dim`` after ``outer`` rows of leading dims) each of the ``outer``
     row blocks of ``partial`` is scattered on its own: rank ``r`` gets block ``r`` of each.
     """
-    partial = soc.linear(x, weight)
+    partial = padding.linear(x, weight)
     if world > 1:
         partial = owner_major(partial, world, outer)
         rows = partial.shape[0] // world
@@ -145,7 +145,7 @@ def matmul_all_reduce(
     partial = x @ weight.T                       # [m, n] on every rank
     y = all_reduce(partial) + bias               # [m, n]; rank order sum if deterministic
     """
-    partial = soc.linear(x, weight)
+    partial = padding.linear(x, weight)
     if world > 1:
         if deterministic:
             partial = fixed_order_all_reduce(partial, group, world)

@@ -139,17 +139,17 @@ def _ops_with_soc_padding(rank, world, yaml_path):
     """matmul_soc_friendly active (as on CUDA) through every op and backend: results unchanged."""
     import os
 
-    from kernels import soc
+    from kernels import padding
 
     os.environ["COC_CONFIG"] = yaml_path
-    saved = soc._enabled
-    soc._enabled = lambda x, force: True
+    saved = padding._enabled
+    padding._enabled = lambda x, force: True
     try:
         for backend, pn in [("sequential", 1), ("chunked", 2), ("chunked", 4)]:
             for check in CHECKS.values():
                 check(rank, world, backend, pn)
     finally:
-        soc._enabled = saved
+        padding._enabled = saved
         os.environ.pop("COC_CONFIG")
 
 

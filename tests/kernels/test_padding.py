@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import soc
+from kernels import padding
 
 pytestmark = pytest.mark.triton  # runs Triton kernels (interpreted on CPU)
 
 
 def test_alignment_is_128_bytes_and_multiple_of_16():
-    assert soc.alignment(torch.float16) == 64
-    assert soc.alignment(torch.bfloat16) == 64
-    assert soc.alignment(torch.float32) == 32
-    assert soc.alignment(torch.float64) == 16
+    assert padding.alignment(torch.float16) == 64
+    assert padding.alignment(torch.bfloat16) == 64
+    assert padding.alignment(torch.float32) == 32
+    assert padding.alignment(torch.float64) == 16
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ def test_alignment_is_128_bytes_and_multiple_of_16():
     ],
 )
 def test_padded_shape(k, n, k_min, k_max, expected):
-    assert soc.padded_shape(k, n, torch.float32, k_min, k_max) == expected
+    assert padding.padded_shape(k, n, torch.float32, k_min, k_max) == expected
 
 
 @pytest.fixture
@@ -50,15 +50,15 @@ def test_forced_padding_keeps_results(wide_k_range, m, k, n, with_bias):
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
     ref = F.linear(x, w, b)
-    y = soc.linear(x, w, b, force=True)
+    y = padding.linear(x, w, b, force=True)
     assert y.shape == (m, n) and y.is_contiguous()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     out = torch.empty(m, n)
-    assert soc.linear(x, w, b, out=out, force=True) is out
+    assert padding.linear(x, w, b, out=out, force=True) is out
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     # Strided views into an output (the chunked path writes pieces of one buffer).
     big = torch.zeros(m + 2, n)
-    soc.linear(x, w, b, out=big[1 : m + 1], force=True)
+    padding.linear(x, w, b, out=big[1 : m + 1], force=True)
     torch.testing.assert_close(big[1 : m + 1], ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(big[0], torch.zeros(n)) and torch.equal(big[m + 1], torch.zeros(n))
 
@@ -67,7 +67,7 @@ def test_forced_padding_leading_dims(wide_k_range):
     """The chunked reduce-scatter multiplies a 3-D view ``[W, rows, k]``."""
     x = torch.randn(3, 4, 13)[:, 1:3]
     w = torch.randn(10, 13)
-    y = soc.linear(x, w, force=True)
+    y = padding.linear(x, w, force=True)
     assert y.shape == (3, 2, 10)
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
@@ -76,11 +76,11 @@ def test_noop_on_cpu(wide_k_range, monkeypatch):
     def fail(*args):
         raise AssertionError("padding planned on CPU without force")
 
-    monkeypatch.setattr(soc, "padded_shape", fail)
+    monkeypatch.setattr(padding, "padded_shape", fail)
     x, w, b = torch.randn(7, 13), torch.randn(10, 13), torch.randn(10)
-    assert torch.equal(soc.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(padding.linear(x, w, b), F.linear(x, w, b))
     out = torch.empty(7, 10)
-    soc.linear(x, w, out=out)
+    padding.linear(x, w, out=out)
     assert torch.equal(out, x @ w.T)
 
 
@@ -90,6 +90,6 @@ def test_cuda_padding_keeps_results(wide_k_range):
     x = torch.randn(33, 1000, device="cuda", dtype=torch.float16, generator=g)
     w = torch.randn(77, 1000, device="cuda", dtype=torch.float16, generator=g)
     ref = F.linear(x.float(), w.float())
-    y = soc.linear(x, w)
+    y = padding.linear(x, w)
     # fp16 output rounding plus fp32-accumulated dot products of 1000 terms.
     torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
