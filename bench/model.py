@@ -26,6 +26,17 @@ Schedules (S: bytes of the collective's full tensor, W ranks, p chunks):
   while the next is computed; the owner then sums W slots (HBM bound) once the last push lands.
 * fused GEMM all-reduce: fused reduce-scatter, then the reduced rows are all-gathered through
   peer memory (two-shot): ``+ signal + (W-1)/W * S / B``.
+* baseline: the unfused library path (``F.linear`` or ``torch._scaled_mm``, then an NCCL
+  collective); for bf16 / fp16 / fp32 it is ``sequential``.
+
+FP8 (``dtype="fp8"``, :func:`comm_bytes`, :meth:`GpuSpec.gemm_time`): the GEMM runs at the fp8 peak
+of links.yaml (twice bf16's on Hopper) with 1-byte operands; an all-gather moves 1 byte per element
+plus the fp32 scales of the rows it moves (block: ``rows * ceil(k / 128) * 4`` bytes), half of bf16's
+payload. The reducing ops do not halve: the baseline reduces its ``out_dtype`` output, and this
+package's FP8 backends reduce fp32 partials so that the result is rounded once (docs/fused_fp8.md):
+twice bf16's bytes. Its ``sequential`` and ``chunked`` FP8 backends are references that multiply
+dequantized fp32 operands; pass them an fp32 GEMM time. Quantizing the inputs is not modelled
+(inputs arrive quantized), nor is the fused kernel's per-128-k promotion.
 """
 
 from __future__ import annotations
@@ -41,6 +52,12 @@ from bench.suites import DTYPE_BYTES, OP_COLLECTIVE, REPO_ROOT, backend_args
 
 LINKS_PATH = os.path.join(REPO_ROOT, "configs", "links.yaml")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+FP8 = "fp8"
+FP8_MODES = ("tensor", "row", "block")
+FP8_BLOCK = 128  # scale block of the FP8 ops (kernels.fp8)
+SCALE_BYTES = 4  # fp32 scales
+# Partial products of the FP8 ops' own backends are reduced in fp32 (one rounding to out_dtype).
+FP8_PARTIAL_BYTES = 4
 
 GemmFn = Callable[[int, int, int], float]
 
@@ -139,11 +156,16 @@ class GpuSpec:
     hbm_bytes_per_s: float
     launch_s: float
 
-    def gemm_time(self, m: int, k: int, n: int, dtype: str) -> float:
+    def gemm_time(self, m: int, k: int, n: int, dtype: str, out_dtype: str = "bf16", fp8_mode: str = "block") -> float:
         """Roofline GEMM time: compute at peak x efficiency, quantised to waves of tiles over the SMs
-        (best of the tile shapes), or the HBM traffic, whichever is longer."""
+        (best of the tile shapes), or the HBM traffic, whichever is longer.
+
+        ``dtype="fp8"``: 1-byte operands, their fp32 scales (``fp8_mode``) and an ``out_dtype`` result."""
         if dtype not in self.peak_tflops:
-            raise ValueError(f"no peak TFLOP/s for dtype {dtype!r} on {self.name}")
+            raise ValueError(
+                f"no peak TFLOP/s for dtype {dtype!r} on {self.name} "
+                f"(configs/links.yaml has {sorted(self.peak_tflops)})"
+            )
         best_rate = 0.0
         for block_m, block_n, tile_eff in self.gemm_tiles:
             tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
@@ -152,7 +174,12 @@ class GpuSpec:
             wave_eff = (m * n) / (waves * self.sms * block_m * block_n)
             best_rate = max(best_rate, tile_eff * wave_eff)
         t_compute = 2.0 * m * k * n / (self.peak_tflops[dtype] * 1e12 * self.gemm_efficiency * best_rate)
-        t_memory = (m * k + k * n + m * n) * DTYPE_BYTES[dtype] / self.hbm_bytes_per_s
+        if dtype == FP8:
+            scales = fp8_scale_bytes(m, k, fp8_mode) + fp8_weight_scale_bytes(n, k, fp8_mode)
+            traffic = m * k + k * n + m * n * DTYPE_BYTES[out_dtype] + scales
+        else:
+            traffic = (m * k + k * n + m * n) * DTYPE_BYTES[dtype]
+        t_memory = traffic / self.hbm_bytes_per_s
         return max(t_compute, t_memory) + self.launch_s
 
 
@@ -250,6 +277,54 @@ def calibrate(
     )
 
 
+def _check_fp8_mode(mode: str) -> None:
+    if mode not in FP8_MODES:
+        raise ValueError(f"fp8_mode must be one of {FP8_MODES}, got {mode!r}")
+
+
+def fp8_scale_bytes(rows: int, k: int, mode: str, per_row_tensor: bool = False) -> int:
+    """fp32 scale bytes of ``rows`` FP8 activation rows of ``k`` columns: block 1 x 128
+    (``rows * ceil(k / 128) * 4``), row ``rows * 4``, tensor one scalar (``0`` moved; ``rows * 4``
+    where ``per_row_tensor``: the fused all-gather carries the scalar in each row's scale slot)."""
+    _check_fp8_mode(mode)
+    if mode == "block":
+        return rows * math.ceil(k / FP8_BLOCK) * SCALE_BYTES
+    if mode == "row" or per_row_tensor:
+        return rows * SCALE_BYTES
+    return 0
+
+
+def fp8_weight_scale_bytes(n: int, k: int, mode: str) -> int:
+    """fp32 scale bytes of an FP8 weight ``[n, k]``: block 128 x 128, row ``n``, tensor one."""
+    _check_fp8_mode(mode)
+    if mode == "block":
+        return math.ceil(n / FP8_BLOCK) * math.ceil(k / FP8_BLOCK) * SCALE_BYTES
+    return (n if mode == "row" else 1) * SCALE_BYTES
+
+
+def comm_bytes(
+    op: str,
+    backend: str,
+    gemm_shape: tuple[int, int, int],
+    comm_elems: int,
+    dtype: str,
+    fp8_mode: str = "block",
+    out_dtype: str = "bf16",
+) -> float:
+    """Bytes of the collective's full tensor (``S`` of the module docstring) for one call.
+
+    bf16 / fp16 / fp32: ``comm_elems`` elements of ``dtype``. FP8 all-gather: 1 byte per element plus
+    the scales of the gathered rows (``m = gemm_shape[0]`` rows of ``k``). FP8 reduce-scatter /
+    all-reduce: the baseline reduces ``out_dtype``, this package's backends fp32 partials."""
+    if dtype != FP8:
+        return float(comm_elems * DTYPE_BYTES[dtype])
+    kind = backend_args(backend)[0]
+    if OP_COLLECTIVE[op] == "all_gather":
+        m, k, _ = gemm_shape
+        return float(comm_elems + fp8_scale_bytes(m, k, fp8_mode, per_row_tensor=kind == "fused"))
+    return float(comm_elems * (DTYPE_BYTES[out_dtype] if kind == "baseline" else FP8_PARTIAL_BYTES))
+
+
 def chunk_rows(m: int, p: int) -> list[int]:
     """Row counts of p uneven chunks (as the chunked path splits: the first m % p get one more)."""
     base, extra = divmod(m, p)
@@ -293,15 +368,19 @@ def predict(
     dtype: str,
     gemm_time: GemmFn,
     link: LinkModel,
+    fp8_mode: str = "block",
+    out_dtype: str = "bf16",
 ) -> float | None:
-    """Predicted seconds of one op call; None where the model does not cover the backend."""
+    """Predicted seconds of one op call; None where the model does not cover the backend.
+
+    ``gemm_time`` is the GEMM of ``dtype`` (for FP8 the caller's FP8 GEMM, e.g. ``GpuSpec.gemm_time(...,
+    "fp8")``); ``fp8_mode`` and ``out_dtype`` only matter for ``dtype="fp8"`` (:func:`comm_bytes`)."""
     m, k, n = gemm_shape
-    eb = DTYPE_BYTES[dtype]
     coll = OP_COLLECTIVE[op]
-    nbytes = comm_elems * eb
+    nbytes = comm_bytes(op, backend, gemm_shape, comm_elems, dtype, fp8_mode, out_dtype)
     g_full = gemm_time(m, k, n)
     kind, p = backend_args(backend)
-    if kind == "sequential":
+    if kind in ("sequential", "baseline"):
         return g_full + link.collective_time(coll, nbytes, world)
     if kind == "chunked":
         rows = chunk_rows(m, p)
@@ -353,3 +432,80 @@ class GemmTimes:
             raise KeyError(f"no measured or modelled GEMM time for {(m, k, n)}")
         mm, t = min(same_kn, key=lambda e: abs(e[0] - m))
         return t * m / mm
+
+
+def fp8_rows(
+    generation: str, suite: str = "llama3-70b", tokens: int = 8192, world: int = 8, fp8_mode: str = "block"
+) -> list[dict]:
+    """PREDICTED bf16 and FP8 times of every layer of ``suite`` at ``tokens`` and TP ``world`` (roofline GEMMs)."""
+    from bench.suites import load_suite
+
+    link, spec = load_gpu(generation)
+    rows = []
+    for c in load_suite(suite).cases(tokens=[tokens], world_sizes=[world], dtypes=["bf16"]):
+        if c.op == "quantized_matmul_all_reduce":
+            continue
+
+        def bf16(m: int, k: int, n: int) -> float:
+            return spec.gemm_time(m, k, n, "bf16")
+
+        def fp8(m: int, k: int, n: int) -> float:
+            return spec.gemm_time(m, k, n, FP8, "bf16", fp8_mode)
+
+        row: dict = {"label": f"{c.layer} {c.op}", "gemm_shape": c.gemm_shape, "op": c.op}
+        for key, dtype, backend, gemm in (
+            ("bf16_sequential", "bf16", "sequential", bf16),
+            ("bf16_fused", "bf16", "fused", bf16),
+            ("fp8_baseline", FP8, "baseline", fp8),
+            ("fp8_fused", FP8, "fused", fp8),
+        ):
+            row[key] = predict(c.op, backend, world, c.gemm_shape, c.comm_elems, dtype, gemm, link, fp8_mode)
+            row[f"{key}_mb"] = comm_bytes(c.op, backend, c.gemm_shape, c.comm_elems, dtype, fp8_mode) / 1e6
+        rows.append(row)
+    return rows
+
+
+def fp8_table(generation: str, **kwargs) -> list[str]:
+    """Markdown lines of :func:`fp8_rows` (milliseconds; every figure a model prediction)."""
+    from bench.suites import OP_SHORT
+
+    out = [
+        "| layer, local GEMM [m, k, n] | bf16 sequential | bf16 fused | FP8 baseline (_scaled_mm + NCCL) | "
+        "FP8 fused | FP8 fused / FP8 baseline | FP8 fused / bf16 sequential | "
+        "collective MB bf16 / FP8 base / FP8 fused |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in fp8_rows(generation, **kwargs):
+        m, k, n = r["gemm_shape"]
+        out.append(
+            f"| {r['label'].split()[0]} {OP_SHORT[r['op']]} [{m}, {k}, {n}] | {r['bf16_sequential'] * 1e3:.3f} ms | "
+            f"{r['bf16_fused'] * 1e3:.3f} ms | {r['fp8_baseline'] * 1e3:.3f} ms | {r['fp8_fused'] * 1e3:.3f} ms | "
+            f"{r['fp8_baseline'] / r['fp8_fused']:.2f}x | {r['bf16_sequential'] / r['fp8_fused']:.2f}x | "
+            f"{r['bf16_sequential_mb']:.1f} / {r['fp8_baseline_mb']:.1f} / {r['fp8_fused_mb']:.1f} |"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.model --gpu H100``: the bf16 and FP8 predictions table (a model, not a measurement)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.model", description=main.__doc__)
+    p.add_argument("--gpu", default="H100", help=f"GPU generation of configs/links.yaml ({known_generations()})")
+    p.add_argument("--suite", default="llama3-70b")
+    p.add_argument("--tokens", type=int, default=8192, help="M, rows across the TP group")
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--fp8-mode", default="block", choices=FP8_MODES)
+    args = p.parse_args(argv)
+    print(
+        f"MODEL PREDICTIONS (not measurements): {args.suite} M={args.tokens} TP{args.world} on {args.gpu}, "
+        f"FP8 {args.fp8_mode} scales, bf16 outputs"
+    )
+    print(
+        "\n".join(fp8_table(args.gpu, suite=args.suite, tokens=args.tokens, world=args.world, fp8_mode=args.fp8_mode))
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

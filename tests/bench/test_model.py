@@ -142,3 +142,84 @@ def test_interference_from_bare_timings_is_clamped_to_0_1():
     assert interference(10.0, 5.0, 40.0) == 1.0  # noise cannot claim more than serializing
     assert interference(10.0, 5.0, 8.0) == 0.0
     assert interference(10.0, 0.0, 12.0) == 0.0
+
+
+# ------------------------------------------------------------------------------ FP8 terms
+
+
+def test_fp8_peak_is_twice_bf16_on_hopper_and_refused_without_fp8_tensor_cores():
+    for gen in ("H100", "H200", "H800"):
+        _, spec = model.load_gpu(gen)
+        assert spec.peak_tflops["fp8"] == 2 * spec.peak_tflops["bf16"] == 1978, gen
+    _, a100 = model.load_gpu("A100")
+    with pytest.raises(ValueError, match="no peak TFLOP/s for dtype 'fp8' on A100"):
+        a100.gemm_time(4096, 4096, 4096, "fp8")
+
+
+def test_fp8_gemm_compute_time_is_half_of_bf16():
+    _, spec = model.load_gpu("H100")
+    m = k = n = 16384  # compute bound in both dtypes
+    bf16 = spec.gemm_time(m, k, n, "bf16") - spec.launch_s
+    fp8 = spec.gemm_time(m, k, n, "fp8") - spec.launch_s
+    assert fp8 == pytest.approx(bf16 / 2, rel=1e-12)
+
+
+def test_fp8_gemm_memory_bound_reads_one_byte_operands_and_their_scales():
+    _, spec = model.load_gpu("H100")
+    m, k, n = 16, 8192, 8192  # decode-sized: HBM bound
+    for mode, scales in (("block", m * 64 * 4 + 64 * 64 * 4), ("row", m * 4 + n * 4), ("tensor", 4)):
+        traffic = m * k + k * n + m * n * 2 + scales  # bf16 output
+        want = traffic / spec.hbm_bytes_per_s + spec.launch_s
+        assert spec.gemm_time(m, k, n, "fp8", "bf16", mode) == pytest.approx(want, rel=1e-12), mode
+    assert spec.gemm_time(m, k, n, "fp8", "fp32") > spec.gemm_time(m, k, n, "fp8", "bf16")
+
+
+@pytest.mark.parametrize("k", [8192, 200])
+def test_fp8_all_gather_moves_half_the_bf16_bytes_plus_the_scales(k):
+    m, n, world = 4096, 1280, 8
+    shape, elems = (m, k, n), m * k
+    bf16 = model.comm_bytes("all_gather_matmul", "fused", shape, elems, "bf16")
+    assert bf16 == 2 * m * k
+    blocks = -(-k // 128)
+    for backend in ("baseline", "sequential", "chunked4", "fused"):
+        got = model.comm_bytes("all_gather_matmul", backend, shape, elems, "fp8", "block")
+        assert got == bf16 / 2 + m * blocks * 4, backend
+        assert model.comm_bytes("all_gather_matmul", backend, shape, elems, "fp8", "row") == bf16 / 2 + m * 4
+    # A tensorwise scale is one global scalar; the fused heap still gives each row a scale slot.
+    assert model.comm_bytes("all_gather_matmul", "baseline", shape, elems, "fp8", "tensor") == bf16 / 2
+    assert model.comm_bytes("all_gather_matmul", "fused", shape, elems, "fp8", "tensor") == bf16 / 2 + m * 4
+    # ...and the prediction uses exactly these bytes: baseline = FP8 GEMM + NCCL all-gather of them.
+    link, _ = model.load_gpu("H100")
+    gemm = _flat_gemm(1500e12)
+    t = model.predict("all_gather_matmul", "baseline", world, shape, elems, "fp8", gemm, link)
+    assert t == pytest.approx(gemm(*shape) + link.collective_time("all_gather", bf16 / 2 + m * blocks * 4, world))
+
+
+def test_fp8_reductions_move_the_output_dtype_in_the_baseline_and_fp32_partials_here():
+    shape, elems = (8192, 3584, 8192), 8192 * 8192
+    for op in ("matmul_reduce_scatter", "matmul_all_reduce"):
+        assert model.comm_bytes(op, "baseline", shape, elems, "fp8") == 2 * elems  # bf16 out
+        assert model.comm_bytes(op, "baseline", shape, elems, "fp8", out_dtype="fp32") == 4 * elems
+        for backend in ("sequential", "chunked4", "fused"):
+            assert model.comm_bytes(op, backend, shape, elems, "fp8") == 4 * elems, (op, backend)
+    with pytest.raises(ValueError, match="fp8_mode"):
+        model.comm_bytes("all_gather_matmul", "fused", shape, elems, "fp8", "blockwise")
+
+
+def test_fp8_predictions_table_covers_the_llama70b_tp8_layers():
+    rows = model.fp8_rows("H100")
+    assert {r["label"] for r in rows} == {
+        "qkv all_gather_matmul",
+        "attn_out matmul_reduce_scatter",
+        "attn_out matmul_all_reduce",
+        "fc1 all_gather_matmul",
+        "fc2 matmul_reduce_scatter",
+        "fc2 matmul_all_reduce",
+    }
+    for r in rows:
+        assert all(r[key] > 0 for key in ("bf16_sequential", "bf16_fused", "fp8_baseline", "fp8_fused")), r
+        if r["op"] == "all_gather_matmul":
+            m, k, _ = r["gemm_shape"]
+            assert r["fp8_fused_mb"] * 1e6 == r["bf16_sequential_mb"] * 1e6 / 2 + m * (k // 128) * 4
+            assert r["fp8_fused"] < r["bf16_fused"]
+    assert len(model.fp8_table("H100")) == len(rows) + 2
