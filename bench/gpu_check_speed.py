@@ -3,7 +3,9 @@
 Each shape's result becomes report items (``{"name", "status", "detail", ...}``) as soon as it is
 measured, so a section stopped at its deadline keeps the shapes it finished. Timings of several
 processes sharing one GPU (the gpu-marked tests) are correctness checks, not speedups; this section
-is where speed is measured.
+is where speed is measured. Order: the bf16 shapes (the targets' dtype), then the FP8 rows
+(:mod:`bench.fp8_speed`: the FP8 core and fused ops at W = 1 against ``torch._scaled_mm``, with the
+model's TP8 predictions from those GEMM times), then fp16.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import Any
+
+from bench import fp8_speed
 
 Emit = Callable[[dict], None]
 
@@ -103,16 +107,36 @@ def run(device_type: str, deadline: float, emit: Emit) -> None:
     groups: dict[tuple, list] = {}
     for c in cases(cuda):
         groups.setdefault(c.gemm_shape + (c.dtype,), []).append(c)
-    for done, group_cases in enumerate(groups.values()):
+    plan: list[tuple[str, Any]] = [("single", g) for g in groups.values() if g[0].dtype == "bf16"]
+    plan += [("fp8", c) for c in fp8_speed.cases(cuda)]
+    plan += [("single", g) for g in groups.values() if g[0].dtype != "bf16"]
+    for done, (kind, work) in enumerate(plan):
         left = deadline - time.time()
         if left < 10:
-            emit({"name": "speed: shapes not timed", "status": "skip", "detail": f"{len(groups) - done} (no time)"})
+            emit({"name": "speed: shapes not timed", "status": "skip", "detail": f"{len(plan) - done} (no time)"})
             return
-        res = launch.run_in_process(run_single, device_type, left, group_cases, opts)
-        label = f"{group_cases[0].suite}/{group_cases[0].layer} M={group_cases[0].tokens}"
+        if kind == "fp8":
+            run_fp8(device_type, left, work, opts, emit)
+            continue
+        res = launch.run_in_process(run_single, device_type, left, work, opts)
+        label = f"{work[0].suite}/{work[0].layer} M={work[0].tokens}"
         for rec in res["records"]:
             for it in speed_items(rec, label):
                 emit(it)
+
+
+def run_fp8(device_type: str, left: float, case: Any, opts: Any, emit: Emit) -> None:
+    """One FP8 case; an error (an FP8 build or torch that cannot run it) is reported, and the rows after go on."""
+    from bench import launch
+
+    try:
+        res = launch.run_in_process(fp8_speed.run_fp8_single, device_type, left, [case], opts)
+    except Exception as e:  # noqa: BLE001 - whatever failed, the report names it and the section continues
+        emit({"name": f"fp8 {case.shape}", "status": "fail", "detail": f"{type(e).__name__}: {str(e)[-1200:]}"})
+        return
+    for rec in res["records"]:
+        for it in fp8_speed.items(rec):
+            emit(it)
 
 
 def _median(values: list[float]) -> float:
@@ -134,7 +158,7 @@ def summary(items: list[dict]) -> str:
     chunk = [it["ratio"] for it in items if it.get("kind") == "chunked4_w1" and it["m"] >= 4096]
     if chunk:
         out.append(f"chunked x4 / unchunked at M >= 4096 max {max(chunk):.3f} (target <= 1.05)")
-    return "; ".join(out)
+    return "; ".join(out + fp8_speed.summary(items))
 
 
 def table(items: list[dict]) -> list[str]:
@@ -143,8 +167,8 @@ def table(items: list[dict]) -> list[str]:
 
     rows: dict[str, dict[str, str]] = {}
     for it in items:
-        if "shape" not in it:
-            continue
+        if "shape" not in it or str(it.get("kind", "")).startswith("fp8"):
+            continue  # FP8 rows: their own table (bench.fp8_speed.table)
         row = rows.setdefault(it["shape"], {})
         if it.get("kind") == "core" and it.get("core_vs_torch"):
             row.update(
@@ -155,7 +179,7 @@ def table(items: list[dict]) -> list[str]:
             cell = f"{OP_SHORT.get(it['op'], it['op'])} {it['ratio']:.3f}"
             row[key] = f"{row[key]}, {cell}" if key in row else cell
     if not rows:
-        return []
+        return fp8_speed.table(items)
     out = [
         "| dtype, shape, local GEMM [m, k, n] | cuBLAS TFLOP/s | core TFLOP/s | core / cuBLAS speed | "
         "fused W=1 / GEMM time | chunked x4 / unchunked time |",
@@ -164,4 +188,4 @@ def table(items: list[dict]) -> list[str]:
     for shape, row in rows.items():
         cells = " | ".join(row.get(k, "-") for k in ("cublas", "core", "ratio", "fused", "chunked"))
         out.append(f"| {shape} | {cells} |")
-    return out + [""]
+    return out + [""] + fp8_speed.table(items)

@@ -1,0 +1,172 @@
+"""gpu-check's FP8 parts on CPU: the speed section's FP8 rows (shapes, order, budget, failures, report) and
+the gpu-marked FP8 tests' place in the pytest run (collected by ``-m gpu``, ordered by the plugin)."""
+
+import time
+
+import pytest
+
+from bench import fp8_speed, gpu_check_speed
+from bench.runner import RunOptions
+from kernels.testing import REPO_ROOT
+
+
+def test_fp8_speed_cases_are_llama70b_tp8_local_gemms_block_first():
+    from bench.suites import load_suite
+
+    suite = {(c.layer, c.op): c.gemm_shape for c in load_suite("llama3-70b").cases(tokens=[8192], world_sizes=[8])}
+    cases = fp8_speed.cases(cuda=True)
+    assert [c.mode for c in cases] == ["block", "block", "row", "tensor"]
+    for c in cases:
+        layer = c.label.split("/")[1].split()[0]
+        for op in c.ops:
+            assert (c.m, c.k, c.n) == suite[(layer, op)], (c, op)
+    assert all(c.m * c.k * c.n < 2**20 for c in fp8_speed.cases(cuda=False))  # CPU: the code path only
+
+
+class _FakeLaunch:
+    """Stands in for bench.launch.run_in_process: records what the speed section asked for."""
+
+    def __init__(self, fail_fp8: bool = False):
+        self.calls: list[tuple[str, object]] = []
+        self.fail_fp8 = fail_fp8
+
+    def __call__(self, fn, device_type, timeout_s, work, opts):
+        if fn is fp8_speed.run_fp8_single:
+            self.calls.append(("fp8", work[0].mode))
+            if self.fail_fp8:
+                raise RuntimeError("no FP8 here")
+        else:
+            self.calls.append((work[0].dtype, work[0].gemm_shape))
+        return {"records": []}
+
+
+def _run_speed(monkeypatch, deadline_s: float, fake: _FakeLaunch) -> list[dict]:
+    from bench import launch
+
+    monkeypatch.setattr(launch, "run_in_process", fake)
+    items: list[dict] = []
+    gpu_check_speed.run("cuda", time.time() + deadline_s, items.append)
+    return items
+
+
+def test_speed_section_runs_bf16_then_fp8_then_fp16(monkeypatch):
+    fake = _FakeLaunch()
+    assert _run_speed(monkeypatch, 600, fake) == []
+    kinds = [k for k, _ in fake.calls]
+    first_fp8, last_fp8 = kinds.index("fp8"), len(kinds) - 1 - kinds[::-1].index("fp8")
+    assert set(kinds[:first_fp8]) == {"bf16"} and set(kinds[last_fp8 + 1 :]) == {"fp16"}
+    assert [mode for k, mode in fake.calls if k == "fp8"] == ["block", "block", "row", "tensor"]
+
+
+def test_speed_section_past_its_deadline_lists_fp8_rows_as_not_timed(monkeypatch):
+    items = _run_speed(monkeypatch, 5, fake := _FakeLaunch())  # under the 10 s a shape needs
+    assert fake.calls == []
+    groups = len({c.gemm_shape + (c.dtype,) for c in gpu_check_speed.cases(True)})
+    (skip,) = items
+    assert skip["status"] == "skip" and skip["detail"] == f"{groups + len(fp8_speed.cases(True))} (no time)"
+
+
+def test_fp8_row_that_fails_is_reported_and_later_rows_still_run(monkeypatch):
+    fake = _FakeLaunch(fail_fp8=True)
+    items = _run_speed(monkeypatch, 600, fake)
+    assert [it["status"] for it in items] == ["fail"] * 4
+    assert items[0]["name"].startswith("fp8 fp8-block llama3-70b/qkv") and "no FP8 here" in items[0]["detail"]
+    assert fake.calls[-1][0] == "fp16"
+
+
+_RECORD = {
+    "case": "llama3-70b/fc2 M=8192",
+    "mode": "block",
+    "gemm_shape": [8192, 3584, 8192],
+    "shape": "fp8-block llama3-70b/fc2 M=8192 gemm [8192, 3584, 8192]",
+    "scaled_mm_ms": {"median": 0.4},
+    "core_ms": 0.5,
+    "core_tflops": 962.0,
+    "core_vs_scaled_mm": 0.8,
+    "ops": [
+        {
+            "op": "matmul_reduce_scatter",
+            "fused_ms": 0.52,
+            "fused_over_scaled_mm": 1.3,
+            "fused_over_core": 1.04,
+            "model_tp8_ms": {"baseline": 0.7, "fused": 0.8},
+        },
+        {"op": "matmul_all_reduce", "skipped": "the dispatcher did not run the fused kernel: why"},
+    ],
+}
+
+
+def test_fp8_record_becomes_items_table_and_summary():
+    items = fp8_speed.items(_RECORD)
+    assert [(it["status"], it.get("kind")) for it in items] == [
+        ("pass", "fp8_core"),
+        ("pass", "fp8_fused_w1"),
+        ("skip", None),
+    ]
+    assert "core/_scaled_mm speed 0.800x" in items[0]["detail"]
+    assert items[0]["scaled_mm_tflops"] == pytest.approx(2 * 8192 * 3584 * 8192 / 0.4e-3 / 1e12)
+    assert "MODEL, not measured" in items[1]["detail"] and "0.700 ms" in items[1]["detail"]
+    table = "\n".join(gpu_check_speed.table(items))
+    assert "MODEL TP8 ms" in table and "nothing at TP8 was measured" in table
+    assert f"| {_RECORD['shape']} | 1203 | 962 | 0.800 | rs 1.300 | rs 0.700 / 0.800 |" in table
+    assert "cuBLAS TFLOP/s" not in table  # FP8 rows stay out of the bf16 table
+    line = gpu_check_speed.summary(items)
+    assert "FP8 core/_scaled_mm min 0.80x" in line and "FP8 fused W=1 / _scaled_mm max 1.300" in line
+    broken = dict(_RECORD, core_error="FP8 core differs", scaled_mm_skipped="cannot run block scales", ops=[])
+    assert [(it["status"], it["name"].split()[0]) for it in fp8_speed.items(broken)] == [
+        ("skip", "torch._scaled_mm"),
+        ("fail", "fp8"),
+    ]
+
+
+def test_fp8_speed_rows_fused_on_cpu():
+    """The real FP8 path on CPU (interpreter; times meaningless): quantize, torch._scaled_mm rowwise,
+    the FP8 core and the fused all-reduce at world 1, each checked before it is timed."""
+    items: list[dict] = []
+    opts = RunOptions(backends=[], warmup=0, repeats=1, seed=0, progress=False)
+    (case,) = fp8_speed.cases(cuda=False)
+    gpu_check_speed.run_fp8("cpu", 300, case, opts, items.append)
+    assert [(it["status"], it.get("kind")) for it in items] == [("pass", "fp8_core"), ("pass", "fp8_fused_w1")], items
+    assert items[0]["core_vs_scaled_mm"] > 0 and items[1]["ratio"] > 0
+
+
+def test_scaled_mm_block_layouts_are_tried_until_one_is_right():
+    import torch
+
+    xs, ws = torch.rand(4, 3) + 1, torch.rand(2, 3) + 1
+    layouts = fp8_speed.scaled_mm_layouts("block", xs, ws)
+    assert len(layouts) == len({(a.shape, a.stride(), b.shape, b.stride()) for a, b in layouts})
+    assert all(torch.equal(a, xs) for a, _ in layouts)
+    assert fp8_speed.scaled_mm_layouts("row", xs[:, :1], ws[:, :1])[0][1].shape == (1, 2)
+    assert fp8_speed.rel_error(torch.ones(3) * 1.001, torch.ones(3)) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_fp8_gpu_tests_are_collected_by_gpu_check_and_ordered_after_the_bf16_ops():
+    import pytest as pytest_mod
+
+    from bench import gpu_check
+
+    class Order:
+        ids: list[str] = []
+
+        def pytest_collection_finish(self, session):
+            Order.ids = [item.nodeid for item in session.items]
+
+    files = ["tests/kernels/fused/test_fp8_gpu.py", "tests/kernels/fused/test_gpu_heap.py"]
+    files.append("tests/kernels/fused/test_ops.py")
+    rc = pytest_mod.main(
+        ["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--rootdir", REPO_ROOT]
+        + [f"{REPO_ROOT}/{f}" for f in files],
+        plugins=[gpu_check, Order()],
+    )
+    assert rc == 0
+    ids = [i.split("tests/", 1)[-1] for i in Order.ids]
+    fp8 = [i for i in ids if "test_fp8_gpu.py" in i]
+    assert fp8 == [
+        "kernels/fused/test_fp8_gpu.py::test_fused_fp8_ops_gpu[block]",
+        "kernels/fused/test_fp8_gpu.py::test_fused_fp8_ops_gpu[row]",
+        "kernels/fused/test_fp8_gpu.py::test_fused_fp8_ops_gpu[tensor]",
+        "kernels/fused/test_fp8_gpu.py::test_fused_fp8_ops_gpu_world4_block",
+    ]
+    first = {name: min(n for n, i in enumerate(ids) if name in i) for name in ("test_ops", "fp8_gpu", "gpu_heap")}
+    assert first["test_ops"] < first["fp8_gpu"] < first["gpu_heap"], ids
