@@ -9,6 +9,7 @@ sums, which also covers any more precise accumulation (the fp16 path of unaligne
 
 from __future__ import annotations
 
+import importlib
 import time
 import warnings
 
@@ -20,6 +21,11 @@ from kernels.testing import heap_device, presize, scramble
 from tests.kernels.fused import fp8_cases
 
 OPS = ("ag", "ag_v2", "rs", "ar_one", "ar_two", "ar")
+FUSED_FUNCTIONS = {
+    "ag": ("kernels.fused.ag_gemm_fp8", "all_gather_scaled_matmul"),
+    "rs": ("kernels.fused.gemm_rs_fp8", "scaled_matmul_reduce_scatter"),
+    "ar": ("kernels.fused.gemm_ar_fp8", "scaled_matmul_all_reduce"),
+}
 STRAGGLER_S = 0.25
 
 
@@ -76,11 +82,24 @@ def public_case(rank: int, world: int, group, dev, op: str, mode: str, seed: int
         "rs": fp8.scaled_matmul_reduce_scatter,
         "ar": fp8.scaled_matmul_all_reduce,
     }[op]
+    module, name = FUSED_FUNCTIONS[op]
+    kernel = importlib.import_module(module)
+    inner, calls = getattr(kernel, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return inner(*args, **kwargs)
+
     scramble(group, dev)
-    with warnings.catch_warnings():
-        # The dispatcher warns when it sends a fused call elsewhere: on a GPU that is a failure here.
-        warnings.simplefilter("error", RuntimeWarning)
-        got = fn(x, x_scale, w, w_scale, bias_t, out_dtype=torch.bfloat16, group=group, backend="fused")
+    setattr(kernel, name, counted)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = fn(x, x_scale, w, w_scale, bias_t, out_dtype=torch.bfloat16, group=group, backend="fused")
+    finally:
+        setattr(kernel, name, inner)
+    # The dispatcher sends a fused call elsewhere with a warning (once per process): on a GPU a failure.
+    assert calls == [name], f"public {op} {mode}: the fused kernels did not run: {[str(c.message) for c in caught]}"
     want, bound = fp8_cases.reference(op, mode, xs, ws, b, rank, torch.bfloat16, HOPPER_FP8_ACCUMULATOR)
     fp8_cases.check(f"public {op} {mode} W={world} rank={rank} (GPU)", got.cpu(), want, bound, torch.bfloat16)
 
