@@ -1,6 +1,7 @@
 """gpu-check's FP8 parts on CPU: the speed section's FP8 rows (shapes, order, budget, failures, report) and
 the gpu-marked FP8 tests' place in the pytest run (collected by ``-m gpu``, ordered by the plugin)."""
 
+import os
 import time
 
 import pytest
@@ -122,10 +123,23 @@ def test_fp8_record_becomes_items_table_and_summary():
 def test_fp8_speed_rows_fused_on_cpu():
     """The real FP8 path on CPU (interpreter; times meaningless): quantize, torch._scaled_mm rowwise,
     the FP8 core and the fused all-reduce at world 1, each checked before it is timed."""
+    import torch
+
     items: list[dict] = []
     opts = RunOptions(backends=[], warmup=0, repeats=1, seed=0, progress=False)
     (case,) = fp8_speed.cases(cuda=False)
-    gpu_check_speed.run_fp8("cpu", 300, case, opts, items.append)
+    # run_in_process sets a rank's thread count and environment in this process: restored after.
+    threads = torch.get_num_threads()
+    saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "TRITON_INTERPRET")}
+    try:
+        gpu_check_speed.run_fp8("cpu", 300, case, opts, items.append)
+    finally:
+        torch.set_num_threads(threads)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     assert [(it["status"], it.get("kind")) for it in items] == [("pass", "fp8_core"), ("pass", "fp8_fused_w1")], items
     assert items[0]["core_vs_scaled_mm"] > 0 and items[1]["ratio"] > 0
 
