@@ -52,6 +52,7 @@ PRIORITY = (
     "tests/kernels/fused/test_graphs.py::test_captured_call_replays_on_gpu",
     "tests/kernels/test_compile.py::test_linears_cuda_graph_replays_on_one_gpu",
     "tests/kernels/fused/test_ops.py::test_fused_ops_gpu",
+    "tests/kernels/fused/test_fp8_gpu.py::test_fused_fp8_ops_gpu",
     "tests/kernels/fused/test_gpu_heap.py",
     "tests/kernels/fused/test_stress.py",
     "tests/kernels/test_compile.py::test_linears_cuda_graph_replays_match_eager",

@@ -56,11 +56,14 @@ def dequant(payload: torch.Tensor, scale: torch.Tensor, mode: str, weight: bool)
     return payload.double() * expand(scale.double(), mode, weight, rows, cols)
 
 
-def bound(y: torch.Tensor, abs_sum: torch.Tensor, k: int, world: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """Per-element bound on ``|y - y_ref|`` (module docstring); ``abs_sum`` is ``S + |bias|``."""
-    from kernels.fp8.numerics import op_error_bound
+def bound(
+    y: torch.Tensor, abs_sum: torch.Tensor, k: int, world: int, out_dtype: torch.dtype, u_acc: float | None = None
+) -> torch.Tensor:
+    """Per-element bound on ``|y - y_ref|`` (module docstring); ``abs_sum`` is ``S + |bias|``; ``u_acc``
+    the tensor-core sums' unit roundoff (default fp32's, the interpreter; ``HOPPER_FP8_ACCUMULATOR`` on a GPU)."""
+    from kernels.fp8.numerics import U32, op_error_bound
 
-    return op_error_bound(y, abs_sum, k, world, out_dtype, "promoted")
+    return op_error_bound(y, abs_sum, k, world, out_dtype, "promoted", U32 if u_acc is None else u_acc)
 
 
 def make_inputs(op: str, world: int, m: int, k: int, n: int, mode: str, bias: bool, out_dtype, seed: int):
@@ -89,8 +92,8 @@ def make_inputs(op: str, world: int, m: int, k: int, n: int, mode: str, bias: bo
     return xs, ws, b
 
 
-def reference(op: str, mode: str, xs, ws, b, rank: int, out_dtype: torch.dtype):
-    """``(y, bound)`` in fp64 from every rank's inputs."""
+def reference(op: str, mode: str, xs, ws, b, rank: int, out_dtype: torch.dtype, u_acc: float | None = None):
+    """``(y, bound)`` in fp64 from every rank's inputs (``u_acc``: :func:`bound`)."""
     world = len(xs)
     k = xs[0][0].shape[1]
     dx = [dequant(p, s, mode, False) for p, s in xs]
@@ -105,7 +108,7 @@ def reference(op: str, mode: str, xs, ws, b, rank: int, out_dtype: torch.dtype):
         if op == "rs":
             rows = y.shape[0] // world
             y, s = y[rank * rows : (rank + 1) * rows], s[rank * rows : (rank + 1) * rows]
-    return y, bound(y, s, k, world, out_dtype)
+    return y, bound(y, s, k, world, out_dtype, u_acc)
 
 
 def run_op(op: str, mode: str, x, xs, w, ws, b, out_dtype, group):
