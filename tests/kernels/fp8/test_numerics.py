@@ -26,12 +26,6 @@ def test_fp8_ops_within_bound(world: int) -> None:
 
 
 def test_fp8_ops_within_bound_fused() -> None:
-    from kernels.fp8 import library
-
-    try:
-        for op in library.FUSED_MODULES:
-            library.fused_function(op)
-    except (ImportError, NotImplementedError, AttributeError) as e:
-        pytest.skip(f"the fused FP8 kernels are not in this build yet: {e}")
+    # World 1 runs the fused GEMM alone (no peer), world 2 the communicating kernels.
     for world in (1, 2):
-        _check(run_ranks(numerics_rank, world, ("fused",), timeout=600))
+        _check(run_ranks(numerics_rank, world, ("fused",), False, timeout=600))

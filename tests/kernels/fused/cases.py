@@ -64,11 +64,22 @@ def check_case(
     assert_close(what, got, reference(op, xs, ws, b, rank), dtype)
 
 
-def correctness_body(rank: int, world: int, op: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> int:
+CORRECTNESS_CASES = ((13, 24, 20, False, False), (13, 24, 20, True, False), (17, 40, 48, True, True))
+CORRECTNESS_CASES += ((17, 40, 48, False, True),)
+
+
+def correctness_body(
+    rank: int,
+    world: int,
+    op: str,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    cases: tuple[tuple[int, int, int, bool, bool], ...] = CORRECTNESS_CASES,
+) -> int:
+    """``(m_local, k, n, bias, noncontig)`` cases in turn on a scrambled heap; returns how many ran."""
     dev = torch.device(device)
     group = dist.group.WORLD
     presize(group, dev)
-    cases = [(13, 24, 20, False, False), (13, 24, 20, True, False), (17, 40, 48, True, True), (17, 40, 48, False, True)]
     for seed, (m_local, k, n, bias, noncontig) in enumerate(cases):
         check_case(rank, world, op, m_local, k, n, bias, seed, noncontig, group, dtype, dev)
     return len(cases)

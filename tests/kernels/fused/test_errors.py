@@ -18,6 +18,9 @@ from kernels.testing import REPO_ROOT, run_ranks
 from tests.kernels.fused import cases as fused_cases
 
 TIMEOUT_S = 2.0
+# The raise must come at COC_TIMEOUT, not at the harness deadline; the slack is generous because the
+# interpreted spin loop is slow on a loaded machine, and still far below the deadline.
+SLACK_S = 30.0
 KERNELS_DIR = os.path.join(REPO_ROOT, "kernels") + os.sep
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # Calls that make the host wait for the device when their tensor lives on a GPU, by what they do:
@@ -229,7 +232,7 @@ def test_failure_recorded_by_kernels_surfaces_later_without_sync(how):
     elapsed, message, poisoned = results[0]
     assert results[1] is None
     assert poisoned, "the failed call's output was not filled with NaN"
-    assert TIMEOUT_S * 0.9 <= elapsed <= TIMEOUT_S + 5, elapsed
+    assert TIMEOUT_S * 0.9 <= elapsed <= TIMEOUT_S + SLACK_S, elapsed
     assert message.startswith("fused matmul_reduce_scatter: rank 0"), message
     assert "for rank 1 (group rank 1) to publish its call descriptor" in message, message
     assert "COC_TIMEOUT=2" in message, message

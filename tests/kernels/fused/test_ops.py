@@ -20,7 +20,9 @@ def test_fused_op_matches_torch(op, world):
 def test_fused_op_bf16_matches_torch(op):
     # The interpreter's own bf16 dot is off by ~1e10 (kernels.fused.gemm._WIDEN_BF16_DOT): every op,
     # and the w8A16 kernel below, must still give bf16 results within the bf16 bound.
-    assert run_ranks(fused_cases.correctness_body, 2, op, torch.bfloat16) == [4, 4]
+    # One case (odd rows, bias, non-contiguous inputs): the fp32 test covers the index arithmetic.
+    case = fused_cases.CORRECTNESS_CASES[2]
+    assert run_ranks(fused_cases.correctness_body, 2, op, torch.bfloat16, "cpu", (case,)) == [1, 1]
 
 
 def test_fused_w8a16_bf16_matches_torch():
