@@ -201,10 +201,11 @@ def heap_outlives_capture_body(rank: int, world: int) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# Capture and replay reuse one call's heap slots and epochs whatever the world size; world 3's
+# index arithmetic is tests/kernels/fused/test_ops.py's.
 @pytest.mark.parametrize("op", OPS)
-def test_captured_call_replays_interleaved_with_eager(op: str, world: int) -> None:
-    assert run_ranks(replay_body, world, op, 3, timeout=240) == [7] * world
+def test_captured_call_replays_interleaved_with_eager(op: str) -> None:
+    assert run_ranks(replay_body, 2, op, 3, timeout=240) == [7, 7]
 
 
 def test_capture_refuses_first_call_and_growth() -> None:
