@@ -10,6 +10,7 @@ keeps a tied input embedding / output head tied (both vocabulary-parallel on one
 from __future__ import annotations
 
 import fnmatch
+import types
 from typing import Any
 
 import torch.distributed as dist
@@ -203,7 +204,30 @@ def parallelize_hf(
         owner, _, pname = source.rpartition(".")
         tmod, _, tname = target.rpartition(".")
         setattr(model.get_submodule(tmod), tname, getattr(model.get_submodule(owner), pname))
+    if callable(getattr(type(model), "save_pretrained", None)):
+        # A bound method, not a closure: copy.deepcopy(model) rebinds it to the copy.
+        model.save_pretrained = types.MethodType(_save_pretrained_gathered, model)
     return model
+
+
+def _save_pretrained_gathered(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``save_pretrained`` of a model :func:`parallelize_hf` sharded: call it on every rank.
+
+    transformers gathers DTensor parameters only for models it sharded itself; safetensors cannot
+    read a DTensor's storage. Without an explicit ``state_dict`` every rank gathers the full one
+    (collective), transformers writes it on rank 0 only, and every rank returns once the files exist.
+    """
+    explicit = "state_dict" in kwargs or len(args) >= 3  # (save_directory, is_main_process, state_dict)
+    if not explicit:
+        kwargs["state_dict"] = full_state_dict(self)
+    out = type(self).save_pretrained(self, *args, **kwargs)
+    if not explicit:
+        from torch.distributed.tensor import DTensor
+
+        mesh = next((p.device_mesh for p in self.parameters() if isinstance(p, DTensor)), None)
+        if mesh is not None:
+            dist.barrier(group=mesh.get_group())
+    return out
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Any]:

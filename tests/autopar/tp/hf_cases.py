@@ -174,7 +174,8 @@ def compare_models(
 
 def state_dict_roundtrip(rank: int, world: int, model_name: str, sp: bool) -> dict[str, Any]:
     """A full one-process state dict loads into the sharded model (torch's DCP helpers), gathers
-    back, and save_pretrained writes a checkpoint that transformers loads in one process."""
+    back, and a plain save_pretrained on every rank writes a checkpoint that transformers loads in
+    one process."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -196,10 +197,12 @@ def state_dict_roundtrip(rank: int, world: int, model_name: str, sp: bool) -> di
         shared[0] = tempfile.mkdtemp(prefix="coc-hf-")
     dist.broadcast_object_list(shared, src=0)
     path = shared[0]
-    full_sd = autopar.tp.full_state_dict(tp)  # collective: every rank
-    if rank == 0:
-        tp.save_pretrained(path, state_dict=full_sd)
-    dist.barrier()
+    tp.save_pretrained(path)  # plain, on every rank: rank 0 writes the gathered model
+    copied = copy.deepcopy(tp)
+    assert copied.save_pretrained.__self__ is copied, "a copy's save_pretrained must save the copy"
+    with open(os.path.join(path, "config.json")) as f:
+        config_text = f.read()
+    assert "distributed_config" not in config_text and "device_mesh" not in config_text, config_text
     saved_err = None
     if rank == 0:
         reloaded = type(ref).from_pretrained(path)
