@@ -19,7 +19,9 @@ weight went through, or a new one). A bias joins the op where it means the same 
 into, folded back to ``b`` after the reduction; a ``+ b`` right after the reduction.
 
 The patterns are found by :mod:`kernels.inductor_patterns`; this module rewrites them, records what
-it did and switches the pass on and off. Everything else is left as it was, with the reason logged (logger ``kernels.inductor_pass``, INFO)
+it did and switches the pass on and off.
+
+Everything else is left as it was, with the reason logged (logger ``kernels.inductor_pass``, INFO)
 and kept in :func:`report`: a collective whose group cannot be resolved or whose size disagrees with
 the group, a reduction other than sum, symbolic shapes, mixed dtypes or devices, an intermediate used
 outside the pattern, a weight that depends on the gathered input, and a new op whose output shape or
