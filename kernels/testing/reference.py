@@ -16,9 +16,12 @@ dtype) errs by at most ``gamma_k * S <= k * eps32 * S`` with ``S = sum_i |x_i| |
 *Accuracy and Stability of Numerical Algorithms*, 3.1; ``eps`` is twice the unit roundoff, so the
 bound holds with a margin of 2); adding the W partial sums and the bias in fp32 adds at most
 ``(W + 2) * eps32 * S``; rounding the partials (rs / ar reduce partials stored in the output
-dtype) and the result to the output dtype adds ``2 * eps(dtype) * S``. So::
+dtype) and the result to the output dtype adds ``eps(dtype) * S`` (two roundings of ``eps / 2``),
+and a reduction that sums the W rounded partials in the output dtype itself (NCCL and gloo reduce in
+the tensor's dtype) adds ``W - 1`` more roundings: ``W / 2 * eps(dtype) * S`` in all. So, with the
+larger of the two and a margin of 2 at small W::
 
-    |y - y_ref| <= ((k + W + 2) * eps32 + 2 * eps(dtype)) * (|x| @ |w|.T + |b|)
+    |y - y_ref| <= ((k + W + 2) * eps32 + max(2, W / 2) * eps(dtype)) * (|x| @ |w|.T + |b|)
 
 No constant is tuned to pass: the bound follows from dtype, k and W, and a result that needs more
 is wrong. Where nothing is reduced (the gathered x) the check is exact.
@@ -35,12 +38,32 @@ OPS = ("ag", "ag_v2", "rs", "ar_one", "ar_two")
 Reference = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
-def tolerance(dtype: torch.dtype, k: int, world: int = 1) -> float:
-    """The coefficient ``c`` of the bound ``|y - y_ref| <= c * (|x| @ |w|.T + |b|)`` (module docstring)."""
-    if k < 0 or world < 1:
-        raise ValueError(f"tolerance needs k >= 0 and world >= 1, got k={k}, world={world}")
+def tolerance(dtype: torch.dtype, k: int, world: int = 1, operand_eps: float = 0.0) -> float:
+    """The coefficient ``c`` of the bound ``|y - y_ref| <= c * (|x| @ |w|.T + |b|)`` (module docstring).
+
+    ``operand_eps``: the eps of a narrower format the GEMM rounds its operands to before multiplying
+    (TF32's ``2**-10`` when torch allows TF32 for fp32 matmuls); rounding both operands of a product
+    errs by at most ``eps`` relative (two unit roundoffs), added per product like the summation's."""
+    if k < 0 or world < 1 or operand_eps < 0:
+        raise ValueError(
+            f"tolerance needs k >= 0, world >= 1 and operand_eps >= 0, got k={k}, world={world}, "
+            f"operand_eps={operand_eps}"
+        )
     eps32, eps = torch.finfo(torch.float32).eps, torch.finfo(dtype).eps
-    return (k + world + 2) * eps32 + 2 * eps
+    return (k + world + 2) * eps32 + max(2.0, world / 2) * eps + 2 * operand_eps
+
+
+def row_norm_bound(x_row_norms: list[torch.Tensor], w_row_norms: list[torch.Tensor]) -> torch.Tensor:
+    """``sum_r outer(x_row_norms[r], w_row_norms[r])`` in fp64, where the norms are the 2-norms of the
+    rows of ``x_r`` and ``w_r``: an elementwise upper bound of ``sum_r |x_r| @ |w_r|.T`` (Cauchy-Schwarz)
+    for checks at sizes where that would cost W more GEMMs; ranks exchange norms, not operands. For
+    random operands it exceeds the exact magnitude by about pi/2."""
+    if not x_row_norms or len(x_row_norms) != len(w_row_norms):
+        raise ValueError(f"row_norm_bound needs equally many (>= 1) norms, got {len(x_row_norms)}, {len(w_row_norms)}")
+    out = torch.zeros(x_row_norms[0].shape[0], w_row_norms[0].shape[0], dtype=torch.float64)
+    for xn, wn in zip(x_row_norms, w_row_norms, strict=True):
+        out = out.to(xn.device) + torch.outer(xn.double(), wn.double())
+    return out
 
 
 def rows_of(op: str, world: int, m_local: int) -> int:

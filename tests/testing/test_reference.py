@@ -125,3 +125,27 @@ def test_assert_no_errors_names_each_rank():
     assert_no_errors([[], []])
     with pytest.raises(AssertionError, match="rank 1: grad differs"):
         assert_no_errors([[], ["grad differs"]])
+
+
+def test_tolerance_covers_reductions_in_the_output_dtype_and_tf32_operands():
+    eps32, bf16 = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
+    # W partials rounded and summed in bf16 (NCCL / gloo): W / 2 eps(bf16) once W / 2 exceeds 2.
+    assert tolerance(torch.bfloat16, 64, 8) == pytest.approx((64 + 8 + 2) * eps32 + 4 * bf16)
+    assert tolerance(torch.float32, 64, 2, operand_eps=2.0**-10) == pytest.approx(
+        tolerance(torch.float32, 64, 2) + 2**-9
+    )
+    with pytest.raises(ValueError, match="operand_eps"):
+        tolerance(torch.float32, 64, 2, operand_eps=-1.0)
+
+
+def test_row_norm_bound_bounds_the_magnitude_of_every_element():
+    from kernels.testing import row_norm_bound, seeded_randn
+
+    xs = [seeded_randn(5, 7, seed=s) for s in (1, 2)]
+    ws = [seeded_randn(3, 7, seed=s) for s in (3, 4)]
+    exact = sum(x.double().abs() @ w.double().abs().T for x, w in zip(xs, ws, strict=True))
+    bound = row_norm_bound([x.norm(dim=-1) for x in xs], [w.norm(dim=-1) for w in ws])
+    assert bound.shape == exact.shape and bool((bound >= exact * (1 - 1e-12)).all())
+    assert float((bound / exact).max()) < 3  # a bound, not a blanket
+    with pytest.raises(ValueError, match="equally many"):
+        row_norm_bound([xs[0].norm(dim=-1)], [])
