@@ -4,7 +4,8 @@ Functions, ``patch_megatron``, the w8A16 row-parallel layer and ``ParallelConfig
 Layout: ``comm`` (process groups and collectives), ``wgrad`` (weight gradient), ``functions`` (the
 four autograd Functions), ``forward`` (the forwards shared with patched Megatron modules),
 ``layers`` (the modules), ``megatron``, ``quantized``, ``parallel_config``; ``styles`` (ParallelStyles
-for torch's ``parallelize_module`` on the same Functions) and ``hf`` (transformers' tp_plan strings mapped to them).
+for torch's ``parallelize_module`` on the same Functions), ``shared_gather`` (one all-gather for sibling
+column linears) and ``hf`` (transformers' tp_plan strings mapped to them).
 """
 
 from .comm import resolve_tp_group
@@ -21,6 +22,7 @@ from .layers import ColumnParallelLinear, RowParallelLinear
 from .megatron import is_megatron_patched, patch_megatron, unpatch_megatron
 from .parallel_config import ParallelConfig
 from .quantized import QuantizedRowParallelLinear, quantize_row_parallel_linear
+from .shared_gather import share_input_gather
 from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "full_state_dict",
     "hf_tp_plan",
     "parallelize_hf",
+    "share_input_gather",
     "tied_weights_to_keep",
     "mark_sequence_parallel",
     "sequence_parallel_grad_hooks",

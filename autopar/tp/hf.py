@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from .shared_gather import share_input_gather
 from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel
 
 # Models whose transformers config declares no plan; the names are their module paths.
@@ -200,6 +201,8 @@ def parallelize_hf(
         _adjust_gpt2(model, device_mesh.size())
     styles = {key: coc_style(s, sequence_parallel=sequence_parallel) for key, s in strings.items()}
     parallelize_module(model, device_mesh, styles)
+    if sequence_parallel:
+        _share_gathers(model)
     for target, source in retie:
         owner, _, pname = source.rpartition(".")
         tmod, _, tname = target.rpartition(".")
@@ -208,6 +211,20 @@ def parallelize_hf(
         # A bound method, not a closure: copy.deepcopy(model) rebinds it to the copy.
         model.save_pretrained = types.MethodType(_save_pretrained_gathered, model)
     return model
+
+
+# Sibling projections that read one input in the transformers models with a plan (Llama, Qwen2, Mistral, ...).
+_SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _share_gathers(model: nn.Module) -> None:
+    """q/k/v and gate/up share one all-gather of their sequence-sharded input (autopar.tp.shared_gather)."""
+    for parent in model.modules():
+        for names in _SHARED_INPUTS:
+            members = [getattr(parent, n, None) for n in names]
+            styles = [getattr(m, "_coc_style", None) for m in members]
+            if all(isinstance(s, CocColwiseParallel) for s in styles) and len({repr(s) for s in styles}) == 1:
+                share_input_gather(members)
 
 
 def _save_pretrained_gathered(self: nn.Module, *args: Any, **kwargs: Any) -> Any:

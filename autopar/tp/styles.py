@@ -42,6 +42,7 @@ from .functions import (
     RowParallelLinearFunction,
     RowParallelLinearSPFunction,
 )
+from .shared_gather import sharing_applies
 from .wgrad import WgradOptions
 
 try:  # torch's layout for weights packed along a sharded dim (q/k/v in one GEMM); private, stable since 2.5
@@ -235,10 +236,17 @@ class CocColwiseParallel(ParallelStyle):
         else:
             _distribute(module, "weight", device_mesh, Shard(wdim), self.src_data_rank)
             _distribute(module, "bias", device_mesh, Shard(0), self.src_data_rank)
+        module._coc_style = self
         return _install(module, functools.partial(self._forward, device_mesh))
 
     def _forward(self, mesh: DeviceMesh, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         group = _group(mesh)
+        link = sharing_applies(module)
+        source = x
+        if link is not None:
+            waiting = link.take(module, source)
+            if waiting is not None:
+                return _wrap(waiting, mesh, self.output_layouts[0], self.use_local_output)
         if isinstance(x, DTensor):
             if isinstance(x.placements[0], Partial):
                 x = x.redistribute(placements=[Replicate()])
@@ -250,6 +258,11 @@ class CocColwiseParallel(ParallelStyle):
         bias = _local(module.bias) if module.bias is not None else None
         recompute, coc_in_backward = _column_settings()
         d = _dim(layout, x.dim())
+        if link is not None and link.idle and d is not None and d != x.dim() - 1:
+            weights = [_linear_weight(m) for m in link.members]
+            biases = [_local(m.bias) if m.bias is not None else None for m in link.members]
+            y = link.compute(module, source, x, weights, biases, group, d, recompute)
+            return _wrap(y, mesh, self.output_layouts[0], self.use_local_output)
         if d is None:
             y = ColumnParallelLinearFunction.apply(x, weight, bias, group, True, coc_in_backward, _PLAIN)
         elif d == x.dim() - 1:

@@ -119,3 +119,58 @@ def test_style_arguments_are_checked() -> None:
         autopar.CocColwiseParallel(input_layouts="shard")
     with pytest.raises(ValueError, match="packed"):
         autopar.CocColwiseParallel(packed=0)
+
+
+def _shared_gather_rank(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import autopar
+    from autopar.tp.shared_gather import share_input_gather
+
+    torch.manual_seed(0)
+    block = nn.ModuleDict({"a": nn.Linear(H, FFN, dtype=torch.float64), "b": nn.Linear(H, 8, dtype=torch.float64)})
+    ref = copy.deepcopy(block)
+    mesh = init_device_mesh("cpu", (world,))
+    style = autopar.CocColwiseParallel(input_layouts=Shard(1))
+    parallelize_module(block, mesh, {"a": style, "b": style})
+    link = share_input_gather([block["a"], block["b"]])
+    x, x2 = (
+        torch.randn(2, 3 * world, H, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    )
+    shard = slice(rank * 3, (rank + 1) * 3)
+    x_local = x[:, shard].requires_grad_()
+    with coc_op_counter() as calls:
+        ya = block["a"](x_local)  # one gather for both; b's output waits
+        yb2 = block["b"](x2[:, shard])  # another input while b's waits: computed on its own
+        yb = block["b"](x_local)  # takes the waiting output
+    (ya.sum() + 2 * yb.sum()).backward()
+    xr = x.clone().requires_grad_()
+    (ref["a"](xr).sum() + 2 * ref["b"](xr).sum()).backward()
+    n_a, n_b = FFN // world, 8 // world
+    errors = {
+        "a": (ya - ref["a"](x)[..., rank * n_a : (rank + 1) * n_a]).abs().max().item(),
+        "b": (yb - ref["b"](x)[..., rank * n_b : (rank + 1) * n_b]).abs().max().item(),
+        "b2": (yb2 - ref["b"](x2)[..., rank * n_b : (rank + 1) * n_b]).abs().max().item(),
+        "grad_x": (x_local.grad - xr.grad[:, shard]).abs().max().item(),
+        "grad_w": max((block[m].weight.grad.full_tensor() - ref[m].weight.grad).abs().max().item() for m in "ab"),
+        "grad_b": max((block[m].bias.grad.full_tensor() - ref[m].bias.grad).abs().max().item() for m in "ab"),
+    }
+    return {"errors": errors, "calls": dict(calls), "waiting": len(link._waiting)}
+
+
+def test_siblings_share_one_gather_and_other_inputs_compute_their_own() -> None:
+    for res in run_ranks(_shared_gather_rank, 2):
+        assert max(res["errors"].values()) < TOL, res
+        assert res["calls"] == {("all_gather_matmul_multi", "sequential"): 1, ("all_gather_matmul", "sequential"): 1}
+        assert res["waiting"] == 0, res
+
+
+def test_share_input_gather_refuses_unparallelized_or_mismatched_modules() -> None:
+    from autopar.tp.shared_gather import share_input_gather
+
+    with pytest.raises(ValueError, match="two or more"):
+        share_input_gather([nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="CocColwiseParallel first"):
+        share_input_gather([nn.Linear(2, 2), nn.Linear(2, 2)])
