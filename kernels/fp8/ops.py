@@ -15,6 +15,7 @@ tensor mode of the all-gather, the global scale's bits) before the op communicat
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from .. import checks, comm, dispatch
 from ..config import get_config
 from . import library
-from .scales import FP8_DTYPES, MODES, OUT_DTYPES, check_operands, check_scale_values, flatten_x_scale
+from .scales import FP8_DTYPES, MODES, OUT_DTYPES, check_fp8, check_operands, check_scale_values, flatten_x_scale
 from .scales import value_check_wanted as _value_check_wanted
 
 _warned: set[str] = set()
@@ -146,6 +147,38 @@ def _prepare(
     return mode, world, x2d, xs, ws
 
 
+def _move_to_dim0(name: str, dim: object, x: object, x_scale: object) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """``(d, x, x_scale)`` with dim ``d`` of x (and of its per-row scales) moved to dim 0, contiguous;
+    None when ``d`` is 0 after normalization. Tensor-mode scales (one value) are left as they are."""
+    check_fp8("x", x, "nd")
+    if not isinstance(x_scale, torch.Tensor):
+        raise TypeError(f"x_scale must be a torch.Tensor, got {type(x_scale).__name__}")
+    assert isinstance(x, torch.Tensor)
+    d = checks.normalize_dim(name, dim, x)
+    if d == 0:
+        return None
+    lead = tuple(x.shape[:-1])
+    if x_scale.numel() > 1:
+        rows = x_scale.shape[0] if x_scale.dim() == 2 else -1
+        if x_scale.dim() == 2 and rows == math.prod(lead):
+            x_scale = x_scale.reshape(lead + (x_scale.shape[-1],))
+        elif x_scale.dim() != x.dim() or tuple(x_scale.shape[:-1]) != lead:
+            raise ValueError(
+                f"x_scale shape {tuple(x_scale.shape)} does not match x {tuple(x.shape)} for {name}={dim}: "
+                f"want [..., G] over x's leading dims {lead} or [{math.prod(lead)}, G] in x's row order"
+            )
+        x_scale = x_scale.movedim(d, 0).contiguous()
+    return d, x.movedim(d, 0).contiguous(), x_scale
+
+
+def _scale_back(x_scale_gathered: torch.Tensor, x_gathered_dim0: torch.Tensor, d: int) -> torch.Tensor:
+    """The gathered per-row scales in the caller's layout (``[..., G]`` over the gathered x's leading dims)."""
+    if x_scale_gathered.numel() <= 1:
+        return x_scale_gathered
+    lead = tuple(x_gathered_dim0.shape[:-1])
+    return x_scale_gathered.reshape(lead + (x_scale_gathered.shape[-1],)).movedim(0, d).contiguous()
+
+
 def all_gather_scaled_matmul(
     x: torch.Tensor,
     x_scale: torch.Tensor,
@@ -158,8 +191,9 @@ def all_gather_scaled_matmul(
     backend: str | None = None,
     parallel_num: int | None = None,
     return_gathered: bool = False,
+    gather_dim: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FP8 ``y = all_gather_dim0(x) @ weight.T + bias``, rounded once to ``out_dtype``.
+    """FP8 ``y = all_gather(x, dim=gather_dim) @ weight.T + bias``, rounded once to ``out_dtype``.
 
     Reference::
 
@@ -172,7 +206,32 @@ def all_gather_scaled_matmul(
     with dim 0 multiplied by W), ``weight [n, k]`` FP8, scales fp32 per mode (``kernels.fp8.scales``;
     ``x_scale`` may also be ``[..., G]`` over x's leading dims), ``bias [n]`` in ``out_dtype`` or fp32.
     In tensor mode ``x_scale`` is one global scale: every rank passes the same value.
+
+    ``gather_dim`` (not the last dim; ``[b, s_local, k]`` with ``gather_dim=1`` for Hugging Face's
+    layout): x and its per-row scales (``[..., G]`` or ``[m_local, G]`` in x's row order) are gathered
+    on that dim and the outputs keep x's layout. The kernels gather rows of dim 0, so the FP8 bytes
+    and their scales are first moved to dim 0 (a copy of one byte per element) and the result back.
     """
+    if gather_dim != 0:
+        moved = _move_to_dim0("gather_dim", gather_dim, x, x_scale)
+        if moved is not None:
+            d, xm, sm = moved
+            out = all_gather_scaled_matmul(
+                xm,
+                sm,
+                weight,
+                w_scale,
+                bias,
+                out_dtype=out_dtype,
+                group=group,
+                backend=backend,
+                parallel_num=parallel_num,
+                return_gathered=return_gathered,
+            )
+            if not return_gathered:
+                return out.movedim(0, d).contiguous()
+            y, xg, xsg = out
+            return y.movedim(0, d).contiguous(), xg.movedim(0, d).contiguous(), _scale_back(xsg, xg, d)
     mode, world, x2d, xs, ws = _prepare(
         "all_gather_scaled_matmul",
         x,
@@ -214,8 +273,9 @@ def scaled_matmul_reduce_scatter(
     backend: str | None = None,
     parallel_num: int | None = None,
     deterministic: bool = False,
+    scatter_dim: int = 0,
 ) -> torch.Tensor:
-    """FP8 ``y = reduce_scatter_dim0(x @ weight.T) + bias``, rounded once to ``out_dtype``.
+    """FP8 ``y = reduce_scatter(x @ weight.T, dim=scatter_dim) + bias``, rounded once to ``out_dtype``.
 
     Reference::
 
@@ -224,7 +284,26 @@ def scaled_matmul_reduce_scatter(
 
     ``x [..., k_local]`` (dim 0 must divide by W; leading dims restored with dim 0 divided by W).
     ``deterministic=True`` sums the partials in rank order: repeated calls give identical bits.
+    ``scatter_dim`` (not the last dim; it must divide by W): as ``gather_dim`` of
+    :func:`all_gather_scaled_matmul`, x and its scales are moved to dim 0 first and the result back.
     """
+    if scatter_dim != 0:
+        moved = _move_to_dim0("scatter_dim", scatter_dim, x, x_scale)
+        if moved is not None:
+            d, xm, sm = moved
+            y = scaled_matmul_reduce_scatter(
+                xm,
+                sm,
+                weight,
+                w_scale,
+                bias,
+                out_dtype=out_dtype,
+                group=group,
+                backend=backend,
+                parallel_num=parallel_num,
+                deterministic=deterministic,
+            )
+            return y.movedim(0, d).contiguous()
     mode, world, x2d, xs, ws = _prepare(
         "scaled_matmul_reduce_scatter",
         x,
