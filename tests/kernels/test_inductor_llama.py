@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,20 +129,6 @@ def _backend_calls() -> Iterator[collections.Counter]:
         backends.run, backends.run_all_gather_multi = run, multi
 
 
-@contextlib.contextmanager
-def _environment(env: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -178,7 +163,7 @@ def compiled_llama(rank: int, world: int, sequence_parallel: bool, variants: lis
     from torch.distributed.tensor.parallel import parallelize_module
 
     from kernels import inductor_pass
-    from tests.autopar.tp.hf_cases import build
+    from tests.autopar.tp.hf_cases import build, environment
 
     base = build("llama", layers=1)
     ids = torch.randint(1, 128, (B, S), generator=torch.Generator().manual_seed(1))
@@ -186,7 +171,7 @@ def compiled_llama(rank: int, world: int, sequence_parallel: bool, variants: lis
     mesh = init_device_mesh("cpu", (world,))
     rows = []
     for env, steps in variants:
-        with _environment(env):
+        with environment(env):
             torch._dynamo.reset()
             model = parallelize_module(copy.deepcopy(base), mesh, llama_plan(sequence_parallel))
             with torch.no_grad():

@@ -66,6 +66,21 @@ def build(model_name: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in ``os.environ`` for the block (the backend switches are read per call)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def coc_op_counter() -> Iterator[collections.Counter]:
     """Counts calls of the registered ``torch.ops.coc`` operators by ``(op, backend)``: what the
     kernels entry points dispatched to, after the backend choice (a fallback shows up as another
@@ -140,19 +155,11 @@ def compare_models(
     refs = {clip: _train(copy.deepcopy(ref_model), ids, clip=clip) for clip in (False, True)}
     rows = []
     for sp, env in combos:
-        saved_env = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environment(env):
             tp = autopar.parallelize_hf(copy.deepcopy(ref_model), sequence_parallel=sp)
             with coc_op_counter() as calls:
                 got = _train(tp, ids, clip=sp)
             ref = refs[sp]
-        finally:
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         row = {
             "sp": sp,
             "env": env,
