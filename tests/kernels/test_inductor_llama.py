@@ -1,5 +1,6 @@
-"""The compiled route on a Hugging Face model: a tiny random Llama (one decoder layer) parallelized with torch's
-plain styles at world 2 (gloo), compiled with the coc Inductor pass, trains as one process does.
+"""The compiled route on Hugging Face models: a tiny random Llama (one decoder layer; Qwen2 once)
+parallelized with torch's plain styles at world 2 (gloo), compiled with the coc Inductor pass, trains as
+one process does.
 
 One rank spawn per sequence-parallel setting compiles the model once per backend (``torch._dynamo.reset()``
 between): compiling on CPU dominates the cost, and the generated C++ kernels are the same for every backend (only
@@ -156,7 +157,9 @@ def _train(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> dict[str, A
     return got
 
 
-def compiled_llama(rank: int, world: int, sequence_parallel: bool, variants: list[tuple[dict, int]]) -> list[dict]:
+def compiled_llama(
+    rank: int, world: int, sequence_parallel: bool, variants: list[tuple[dict, int]], model: str = "llama"
+) -> list[dict]:
     """For each ``(environment, steps)``: the compiled parallel Llama against one process (module docstring)."""
     from torch._inductor import config as inductor_config
     from torch.distributed.device_mesh import init_device_mesh
@@ -165,7 +168,7 @@ def compiled_llama(rank: int, world: int, sequence_parallel: bool, variants: lis
     from kernels import inductor_pass
     from tests.autopar.tp.hf_cases import build, environment
 
-    base = build("llama", layers=1)
+    base = build(model, layers=1)
     ids = torch.randint(1, 128, (B, S), generator=torch.Generator().manual_seed(1))
     ref = {steps: _train(copy.deepcopy(base), ids, steps) for steps in {s for _, s in variants}}
     mesh = init_device_mesh("cpu", (world,))
@@ -251,3 +254,11 @@ def test_plain_styles_llama_compiled_with_the_pass(sequence_parallel):
     for rank_rows in rows:
         for row, backend in zip(rank_rows, backends, strict=True):
             _check(row, sequence_parallel, backend)
+
+
+def test_plain_styles_qwen2_compiled_with_the_pass():
+    """Qwen2 is Llama's layout with biases on q/k/v: the pass folds them into the gather's matmuls
+    (sequence parallelism, sequential backend). GPT-2 has no such route: torch's plain styles take
+    nn.Linear and nn.Embedding, not its Conv1D."""
+    for rank_rows in run_ranks(compiled_llama, 2, True, [(SEQ, STEPS)], "qwen2", timeout=900):
+        _check(rank_rows[0], True, "sequential")
