@@ -12,6 +12,8 @@ collectives followed by ``wait_tensor``. The pass rewrites, in both graphs::
         => coc.matmul_reduce_scatter
     mm / addmm [-> reshape] -> all-reduce(sum) -> wait
         => coc.matmul_all_reduce
+    (mm + mm + ... of the same rows [each -> reshape]) in place of the mm of the two above
+        => the same op on cat(x_i, dim=1) @ cat(b_i, dim=0), one matmul
 
 ``mm(a, b)`` is ``a @ b``: the coc weight ``[n, k]`` is ``b``'s transpose (the ``permute`` a linear's
 weight went through, or a new one). A bias joins the op where it means the same thing: the bias of an
@@ -226,14 +228,20 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
     mm, wv = r.mm, meta_val(r.wait)
     new: list[fx.Node] = []
     with graph.inserting_before(r.wait):
-        w = _weight(graph, mm.b, new)
-        xv = meta_val(mm.x2d)
+        x2d, b = mm.x2d, mm.b
+        if mm.parts:
+            # sum_i x_i @ b_i == cat(x_i, dim=1) @ cat(b_i, dim=0): one matmul feeds the reduction.
+            x2d = _call(graph, aten.cat.default, [p.x2d for p in mm.parts], 1)
+            b = _call(graph, aten.cat.default, [p.b for p in mm.parts], 0)
+            new += [x2d, b]
+        w = _weight(graph, b, new)
+        xv = meta_val(x2d)
         lead = tuple(meta_val(mm.post).shape[:-1]) if mm.post is not None else (xv.shape[0],)
-        x = mm.x2d
+        x = x2d
         if r.op == "matmul_reduce_scatter" and mm.post is not None:
-            x = _call(graph, aten.reshape.default, mm.x2d, [*lead, xv.shape[1]])
+            x = _call(graph, aten.reshape.default, x2d, [*lead, xv.shape[1]])
             new.append(x)
-        backend, num = _decide(r.op, xv, [meta_val(mm.b)], bias, False, r, r.dim)
+        backend, num = _decide(r.op, xv, [meta_val(b)], bias, False, r, r.dim)
         if r.op == "matmul_reduce_scatter":
             y = _call(
                 graph, library.matmul_reduce_scatter, x, w, bias, r.group_name, r.world, backend, num, False, r.dim
@@ -254,8 +262,9 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
     if out_node is not r.wait:
         graph.erase_node(out_node)
     _erase(graph, [*mm.nodes, *([mm.post] if mm.post is not None else []), *r.chain])
+    what = f"sum of {len(mm.parts)} mm" if mm.parts else ("mm" if mm.bias_in is None else "addmm")
     return (
-        f"{'mm' if mm.bias_in is None else 'addmm'} {tuple(xv.shape)} x {tuple(meta_val(mm.b).shape)} -> "
+        f"{what} {tuple(xv.shape)} x {tuple(meta_val(b).shape)} -> "
         f"{r.op}(dim={r.dim}) -> {tuple(wv.shape)}; {bias_how}; {backend}, parallel_num={num}"
     )
 

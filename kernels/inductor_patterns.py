@@ -75,10 +75,63 @@ class Matmul:
     bias_in: fx.Node | None  # addmm's first argument as it is in the graph
     post: fx.Node | None = None
     nodes: list[fx.Node] = field(default_factory=list)
+    # A sum of matmuls of the same rows, ``x_0 @ b_0 + x_1 @ b_1 + ...``: the rewrite computes it as one
+    # matmul of ``cat(x_i, dim=1)`` and ``cat(b_i, dim=0)`` (``node`` is then the root add, ``x2d`` and
+    # ``b`` the first part's).
+    parts: list[Matmul] = field(default_factory=list)
 
     @property
     def n(self) -> int:
         return meta_val(self.b).shape[1]
+
+
+def as_matmul_or_sum(node: Any) -> Matmul:
+    """``node`` as a matmul, or as a tree of ``add``s of plain matmuls (no bias, same rows, n and dtype,
+    each used only by its add): the backward of several column linears reading one input."""
+    if not (isinstance(node, fx.Node) and node.target is aten.add.Tensor):
+        return as_matmul(node)
+    adds: list[fx.Node] = []
+    leaves: list[fx.Node] = []
+    todo = [node]
+    while todo:
+        cur = todo.pop()
+        if isinstance(cur, fx.Node) and cur.target is aten.add.Tensor:
+            if len(cur.args) != 2 or cur.kwargs or not all(isinstance(a, fx.Node) for a in cur.args):
+                raise LeftAlone(f"{cur} is not a plain sum of two tensors")
+            if cur is not node:
+                only_users(cur, set(adds), "a partial sum of matmuls")
+            adds.append(cur)
+            todo.extend(reversed(cur.args))
+        else:
+            leaves.append(cur)
+    parts = []
+    reshapes = []
+    shape = tuple(meta_val(node).shape)
+    for leaf in leaves:
+        mm_node = leaf
+        if isinstance(leaf, fx.Node) and leaf.target in RESHAPES and tuple(meta_val(leaf).shape) == shape:
+            only_users(leaf, set(adds), "a summed, reshaped matmul")
+            reshapes.append(leaf)
+            mm_node = leaf.args[0]
+        if not (isinstance(mm_node, fx.Node) and mm_node.target is aten.mm.default):
+            raise LeftAlone(f"{leaf} (in the sum reduced) is not a matmul ({getattr(leaf, 'target', leaf)})")
+        part = as_matmul(mm_node)
+        only_users(mm_node, {leaf} if mm_node is not leaf else set(adds), "a summed matmul")
+        parts.append(part)
+    if reshapes and len(reshapes) != len(parts):
+        raise LeftAlone("some summed matmuls are reshaped and some are not")
+    first = parts[0]
+    rows, n, dtype = meta_val(first.x2d).shape[0], first.n, meta_val(first.x2d).dtype
+    for p in parts:
+        if meta_val(p.x2d).shape[0] != rows or p.n != n or meta_val(p.x2d).dtype != dtype:
+            raise LeftAlone(f"the summed matmuls differ in rows, n or dtype ({p.node} vs {first.node})")
+    if reshapes and (shape[-1] != n or math.prod(shape[:-1]) != rows):
+        raise LeftAlone(f"the summed matmuls are reshaped to {shape}, not [..., n] of their rows")
+    inner = [*adds[1:], *reshapes, *(p.node for p in parts)]
+    if reshapes:
+        # The root add is the [..., n] view of the summed product the reduction reads: the rewrite's post.
+        return Matmul(node, first.x2d, first.b, None, post=node, nodes=inner, parts=parts)
+    return Matmul(node, first.x2d, first.b, None, nodes=[node, *inner], parts=parts)
 
 
 def as_matmul(node: Any) -> Matmul:
@@ -302,11 +355,13 @@ def find_reduce(coll: fx.Node) -> Reduce:
     post = None
     if producer.target in RESHAPES:
         post, producer = producer, producer.args[0]
-    mm = as_matmul(producer)
+    mm = as_matmul_or_sum(producer)
     sv = meta_val(post if post is not None else producer)
     if post is not None:
         if sv.shape[-1] != mm.n or math.prod(sv.shape[:-1]) != meta_val(mm.x2d).shape[0]:
             raise LeftAlone(f"the reshape after the matmul gives {tuple(sv.shape)}, not [..., n] of its rows")
+        if mm.post is not None:
+            mm.nodes.append(mm.post)  # a sum's own [..., n] view, now inside the pattern
         mm.post = post
     if dim == sv.dim() - 1:
         raise LeftAlone(f"the reduction scatters the last dim ({dim}), the matmul's n")

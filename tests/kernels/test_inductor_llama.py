@@ -216,7 +216,9 @@ WANT = {
     True: {
         # q/k/v and gate/up: one gather each on dim 1 for several matmuls; o_proj, down_proj scatter dim 1
         "forward": {"all_gather_matmul": 2, "matmul_reduce_scatter": 2},
-        "backward": {"all_gather_matmul": 2},  # the output gradients of o_proj and down_proj, gathered
+        # the output gradients of o_proj and down_proj, gathered; the input gradients of q/k/v and of
+        # gate/up, each a sum of matmuls, reduce-scattered as one matmul of the concatenated operands
+        "backward": {"all_gather_matmul": 2, "matmul_reduce_scatter": 2},
     },
 }
 
