@@ -7,13 +7,7 @@ Same method as tests/kernels/fused/test_compile_sm90_fp8.py: compiled in a subpr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-from kernels.testing import REPO_ROOT
 
 pytestmark = pytest.mark.triton
 
@@ -23,7 +17,7 @@ def main() -> None:
 
     from kernels.fp8 import quantize_triton
     from kernels.fp8.scales import EPS, FP8_MAX
-    from tests.kernels.fused.test_compile_sm90 import compile_like_launch, resources
+    from tests.kernels.fused.sm90 import compile_like_launch, report_failures, resources
 
     failures = []
     for dtype, cvt in ((torch.float8_e4m3fn, "e4m3x2.f32"), (torch.float8_e5m2, "e5m2x2.f32")):
@@ -55,27 +49,10 @@ def main() -> None:
             failures.append(f"{dtype}: no cvt.rn.satfinite.{cvt} in the PTX")
         if "div.rn.f32" not in ptx:
             failures.append(f"{dtype}: the divisions are not div.rn.f32")
-    if failures:
-        print("FAILED\n" + "\n".join(failures))
-        sys.exit(1)
-    print("compiled: quantize kernel, no spills, hardware FP8 conversion")
+    report_failures(failures, "compiled: quantize kernel, no spills, hardware FP8 conversion")
 
 
 def test_quantize_kernel_compiles_for_sm90() -> None:
-    from tests.kernels.fused.test_compile_sm90 import _tool
+    from tests.kernels.fused.sm90 import run_compile_check
 
-    if not all(os.path.exists(_tool(name)) for name in ("ptxas", "cuobjdump")):
-        pytest.skip("Triton's bundled ptxas or cuobjdump is missing")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", "import tests.kernels.fp8.test_quantize_compile_sm90 as t; t.main()"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "compiled: quantize kernel" in proc.stdout
+    run_compile_check("tests.kernels.fp8.test_quantize_compile_sm90", "compiled: quantize kernel", timeout=600)

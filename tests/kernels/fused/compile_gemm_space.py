@@ -16,9 +16,7 @@ suffix), on a shape of its family with 16-byte aligned rows. The SASS must show
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
 _WGMMA = re.compile(r"\bHGMMA\.")
@@ -26,15 +24,6 @@ _TMA_LOAD = re.compile(r"\bUTMALDG\b")
 _LOAD_128 = re.compile(r"\b(?:LDGSTS|LDG)\.E(?:\.[A-Z0-9_]+)*\.128\b")
 # (m, n, k) compiled per family: LLaMA-70B TP8 widths; m only matters through its divisibility.
 FAMILY_SHAPE = {"decode": (16, 8192, 8192), "medium": (512, 8192, 1024), "large": (4096, 7168, 8192)}
-
-
-def sass(kernel) -> str:
-    from tests.kernels.fused.test_compile_sm90 import _tool
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        return subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def _args(cfg, shape, dtype) -> tuple[object, dict]:
@@ -125,7 +114,7 @@ def fused_cases():
 
 def check(kernel, variant: str) -> list[str]:
     """What ``kernel`` (compiled for sm_90a) lacks of the module docstring's properties."""
-    from tests.kernels.fused.test_compile_sm90 import resources
+    from tests.kernels.fused.sm90 import resources, sass
 
     problems = []
     _, spilled = resources(kernel)
@@ -153,7 +142,7 @@ def _jobs() -> list[tuple[str, int]]:
 
 def _run_job(job: tuple[str, int]) -> tuple[str, int, int, list[str]]:
     """Compile one job; ``(label, registers, spilled bytes, problems)``."""
-    from tests.kernels.fused.test_compile_sm90 import compile_like_launch, resources
+    from tests.kernels.fused.sm90 import compile_like_launch, resources
 
     kind, i = job
     if kind == "space":

@@ -20,63 +20,22 @@ alignment hints must not claim what does not hold, and 16-bit accesses are expec
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import tempfile
 
-import pytest
+from tests.kernels.fused.sm90 import (
+    CP_ASYNC_16,
+    compile_like_launch,
+    gather_rows_args,
+    reduce_slots_args,
+    report_failures,
+    resources,
+    run_compile_check,
+)
 
-from kernels.testing import REPO_ROOT
-
-GPU_TARGET = ("cuda", 90, 32)
 # One access instruction of 16 bits to global memory (no .v2/.v4 vector form).
 _ACCESS_16 = re.compile(
     r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)\.global(?:\.[a-z0-9_]+)*\.(?:b16|u16|s16|f16|bf16)\s", re.MULTILINE
 )
-
-
-def _tool(name: str) -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def compile_like_launch(fn, args: dict, num_warps: int, num_stages: int = 3):
-    """Compile ``fn`` for sm_90a as ``fn[grid](**args, num_warps=..., num_stages=...)`` would on an
-    H100: the JIT's binder computes the signature, constants and alignment attributes."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    missing = set(fn.arg_names) - set(args)
-    if missing:
-        raise TypeError(f"{fn.__name__}: no example value for {sorted(missing)}")
-    target = GPUTarget(*GPU_TARGET)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    options = dict(num_warps=num_warps, num_stages=num_stages)
-    bound, specialization, opts = binder(**args, **options)
-    opts, signature, constexprs, attrs = fn._pack_args(backend, options, bound, specialization, opts)
-    return compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
-
-
-def resources(kernel) -> tuple[int, int]:
-    """``(registers, local bytes)`` per thread of a compiled kernel, read from its cubin.
-
-    Triton kernels have no local arrays and no calls, so local memory (the stack frame, which is
-    what the driver reports as a kernel's ``n_spills``) holds only register spills.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        out = subprocess.run(
-            [_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True
-        ).stdout
-    usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", out))
-    return int(usage["REG"]), int(usage["STACK"]) + int(usage["LOCAL"])
 
 
 def accesses_16bit(kernel) -> list[str]:
@@ -244,31 +203,7 @@ def _cases():
                 (
                     f"reduce_slots push={push} {tag}",
                     gemm_rs._reduce_slots_kernel,
-                    dict(
-                        data_tab_ptr=tab,
-                        bias_ptr=t(),
-                        out_ptr=t(),
-                        ROWS_OWN=rows_own,
-                        ROWS_VALID=rows_own,
-                        N=n,
-                        LD=ld,
-                        stride_om=n,
-                        stride_on=1,
-                        target=7 * w,
-                        cnt_offset=off[signals.CH_RS],
-                        done_offset=off[signals.CH_DONE],
-                        push_offset=off[signals.CH_AR],
-                        push_base=w * rows_own * ld,
-                        WORLD=w,
-                        CHANNEL=signals.CH_RS,
-                        HAS_BIAS=True,
-                        PUSH=push,
-                        **sig,
-                        **timer,
-                        **acc,
-                        BLOCK_M=cfg.block_m,
-                        BLOCK_N=cfg.block_n,
-                    ),
+                    reduce_slots_args(tab, t(), t(), rows_own, n, ld, w, push, cfg, {**sig, **timer}, **acc),
                     cfg.num_warps,
                     1,
                     aligned,
@@ -278,25 +213,7 @@ def _cases():
             (
                 f"gather_rows {tag}",
                 gemm_ar._gather_rows_kernel,
-                dict(
-                    data_tab_ptr=tab,
-                    out_ptr=t(),
-                    M=m,
-                    N=n,
-                    LD=ld,
-                    ROWS_OWN=rows_own,
-                    stride_om=n,
-                    stride_on=1,
-                    target=7 * w,
-                    o_base=w * rows_own * ld,
-                    ar_offset=off[signals.CH_AR],
-                    WORLD=w,
-                    CHANNEL=signals.CH_AR,
-                    **sig,
-                    **timer,
-                    BLOCK_M=cfg.block_m,
-                    BLOCK_N=cfg.block_n,
-                ),
+                gather_rows_args(tab, t(), rows_own, n, ld, w, cfg, {**sig, **timer}),
                 cfg.num_warps,
                 1,
                 aligned,
@@ -427,7 +344,6 @@ def _cases():
 # GEMMs whose aligned operand tiles must reach shared memory by 16-byte cp.async (pipelined), the
 # A operand of the all-gather GEMM included (it comes through a peer-table pointer).
 PIPELINED = ("ag_gemm W", "gemm_scatter", "matmul torch.float16")
-_CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)\b")
 
 
 def main() -> None:
@@ -443,33 +359,15 @@ def main() -> None:
         )
         if spills > allowed_spill:
             failures.append(f"{label}: {spills} bytes of register spills")
-        if aligned and label.startswith(PIPELINED) and not _CP_ASYNC_16.search(kernel.asm["ptx"]):
+        if aligned and label.startswith(PIPELINED) and not CP_ASYNC_16.search(kernel.asm["ptx"]):
             failures.append(f"{label}: no 16-byte cp.async (operand loads not pipelined)")
         if aligned and allowed_16 is not None and len(narrow) > allowed_16:
             failures.append(f"{label}: {len(narrow)} 16-bit global accesses, e.g. {narrow[:3]}")
-    if failures:
-        print("FAILED\n" + "\n".join(failures))
-        sys.exit(1)
-    print("compiled: no spills, no 16-bit global accesses on aligned shapes")
+    report_failures(failures, "compiled: no spills, no 16-bit global accesses on aligned shapes")
 
 
 def test_fused_kernels_compile_for_sm90():
-    if not all(os.path.exists(_tool(name)) for name in ("ptxas", "cuobjdump")):
-        pytest.skip("Triton's bundled ptxas or cuobjdump is missing")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-c", "import tests.kernels.fused.test_compile_sm90 as t; t.main()"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "compiled: no spills" in proc.stdout
+    run_compile_check("tests.kernels.fused.test_compile_sm90", "compiled: no spills")
 
 
 def test_gemm_space_compiles_for_sm90():
@@ -477,22 +375,7 @@ def test_gemm_space_compiles_for_sm90():
     fused GEMM kernels, compiles for sm_90a under this Triton: no spills, wgmma, TMA loads for the TMA
     variant, 128-bit loads otherwise (tests/kernels/fused/compile_gemm_space.py; ``make test-triton36``
     runs it under Triton 3.6)."""
-    if not all(os.path.exists(_tool(name)) for name in ("ptxas", "cuobjdump")):
-        pytest.skip("Triton's bundled ptxas or cuobjdump is missing")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.fused.compile_gemm_space"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "gemm space compiled: no spills" in proc.stdout
+    run_compile_check("tests.kernels.fused.compile_gemm_space", "gemm space compiled: no spills")
 
 
 def test_gpu_block_config_keeps_tile_counts_agreed():

@@ -17,15 +17,18 @@ The registers, spills and GMMA forms of every kernel are printed (``pytest -s``)
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
-import pytest
-
-from kernels.testing import REPO_ROOT
-from tests.kernels.fused.test_compile_sm90 import _CP_ASYNC_16, _tool, compile_like_launch, resources
+from tests.kernels.fused.sm90 import (
+    CP_ASYNC_16,
+    compile_like_launch,
+    gather_rows_args,
+    reduce_slots_args,
+    report_failures,
+    resources,
+    run_compile_check,
+    sass,
+)
 
 # Known exceptions, by label prefix: (spilled bytes allowed, why).
 ALLOWED = {
@@ -39,14 +42,7 @@ _GMMA = re.compile(r"\b([HQ]GMMA)\.(\d+x\d+x\d+)\.F32((?:\.[A-Z0-9]+)*)")
 
 def gmma_forms(kernel) -> set[str]:
     """The (H|Q)GMMA forms in the kernel's SASS, e.g. ``QGMMA.E4M3.E4M3``."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
-    return {name + types for name, _, types in _GMMA.findall(sass)}
+    return {name + types for name, _, types in _GMMA.findall(sass(kernel))}
 
 
 def _cases():
@@ -225,29 +221,18 @@ def _cases():
                     (
                         f"reduce_slots fp32 push={push} {tag}",
                         gemm_rs._reduce_slots_kernel,
-                        dict(
-                            data_tab_ptr=tab,
-                            bias_ptr=t(torch.bfloat16),
-                            out_ptr=t(torch.float32),
-                            ROWS_OWN=rows,
-                            ROWS_VALID=rows,
-                            N=n,
-                            LD=ld,
-                            stride_om=n,
-                            stride_on=1,
-                            target=7 * w,
-                            cnt_offset=off[signals.CH_RS],
-                            done_offset=off[signals.CH_DONE],
-                            push_offset=off[signals.CH_AR],
-                            push_base=w * rows * ld,
-                            WORLD=w,
-                            CHANNEL=signals.CH_RS,
-                            HAS_BIAS=True,
-                            PUSH=push,
+                        reduce_slots_args(
+                            tab,
+                            t(torch.bfloat16),
+                            t(torch.float32),
+                            rows,
+                            n,
+                            ld,
+                            w,
+                            push,
+                            cfg,
+                            sig,
                             ACC_DTYPE=tl.float32,
-                            BLOCK_M=cfg.block_m,
-                            BLOCK_N=cfg.block_n,
-                            **sig,
                         ),
                         cfg.num_warps,
                         1,
@@ -258,24 +243,7 @@ def _cases():
                 (
                     f"gather_rows fp32 {tag}",
                     gemm_ar._gather_rows_kernel,
-                    dict(
-                        data_tab_ptr=tab,
-                        out_ptr=t(torch.float32),
-                        M=w * rows,
-                        N=n,
-                        LD=ld,
-                        ROWS_OWN=rows,
-                        stride_om=n,
-                        stride_on=1,
-                        target=7 * w,
-                        o_base=w * rows * ld,
-                        ar_offset=off[signals.CH_AR],
-                        WORLD=w,
-                        CHANNEL=signals.CH_AR,
-                        BLOCK_M=cfg.block_m,
-                        BLOCK_N=cfg.block_n,
-                        **sig,
-                    ),
+                    gather_rows_args(tab, t(torch.float32), rows, n, ld, w, cfg, sig),
                     cfg.num_warps,
                     1,
                     None,
@@ -342,28 +310,10 @@ def main() -> None:
             failures.append(f"{label}: {spills} bytes of register spills")
         if form is not None and forms != {form}:
             failures.append(f"{label}: GMMA forms {sorted(forms)}, want only {form}")
-        if form is not None and form.startswith("QGMMA") and not _CP_ASYNC_16.search(kernel.asm["ptx"]):
+        if form is not None and form.startswith("QGMMA") and not CP_ASYNC_16.search(kernel.asm["ptx"]):
             failures.append(f"{label}: no 16-byte cp.async (FP8 operand loads not pipelined)")
-    if failures:
-        print("FAILED\n" + "\n".join(failures))
-        sys.exit(1)
-    print("compiled: no spills, FP8 wgmma in every aligned FP8 GEMM")
+    report_failures(failures, "compiled: no spills, FP8 wgmma in every aligned FP8 GEMM")
 
 
 def test_fp8_kernels_compile_for_sm90():
-    if not all(os.path.exists(_tool(name)) for name in ("ptxas", "cuobjdump")):
-        pytest.skip("Triton's bundled ptxas or cuobjdump is missing")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-c", "import tests.kernels.fused.test_compile_sm90_fp8 as t; t.main()"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    print(proc.stdout)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "compiled: no spills, FP8 wgmma" in proc.stdout
+    run_compile_check("tests.kernels.fused.test_compile_sm90_fp8", "compiled: no spills, FP8 wgmma")

@@ -1,0 +1,166 @@
+"""Compiling Triton kernels for a Hopper GPU (sm_90a) without one, and reading what came out.
+
+The method of every ``*compile_sm90*`` test: each kernel is compiled under the argument
+specialization a real launch of it gets (:func:`compile_like_launch`), in a subprocess without
+``TRITON_INTERPRET`` (:func:`run_compile_check`), by Triton's bundled ptxas; the tests then read the
+cubin (:func:`resources`, :func:`sass`) and the PTX. The example arguments of the reduction kernels
+that the bf16 and the FP8 ops share are built here once (:func:`reduce_slots_args`,
+:func:`gather_rows_args`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import pytest
+
+from kernels.testing import REPO_ROOT
+
+GPU_TARGET = ("cuda", 90, 32)
+# A 16-byte cp.async from global to shared memory: a pipelined operand tile load.
+CP_ASYNC_16 = re.compile(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (?:16|0x10)\b")
+
+
+def tool(name: str) -> str:
+    """The path of one of Triton's bundled CUDA tools (``ptxas``, ``cuobjdump``)."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_like_launch(fn: Any, args: dict, num_warps: int, num_stages: int = 3) -> Any:
+    """Compile ``fn`` for sm_90a as ``fn[grid](**args, num_warps=..., num_stages=...)`` would on an
+    H100: the JIT's binder computes the signature, constants and alignment attributes (pointers of
+    torch tensors 16-byte aligned, integers divisible by 16 marked so, integers equal to 1 constants,
+    ``do_not_specialize`` honoured)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    missing = set(fn.arg_names) - set(args)
+    if missing:
+        raise TypeError(f"{fn.__name__}: no example value for {sorted(missing)}")
+    target = GPUTarget(*GPU_TARGET)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    bound, specialization, opts = binder(**args, **options)
+    opts, signature, constexprs, attrs = fn._pack_args(backend, options, bound, specialization, opts)
+    return compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=opts.__dict__)
+
+
+def _cuobjdump(kernel: Any, flag: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        return subprocess.run([tool("cuobjdump"), flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def resources(kernel: Any) -> tuple[int, int]:
+    """``(registers, local bytes)`` per thread of a compiled kernel, read from its cubin.
+
+    Triton kernels have no local arrays and no calls, so local memory (the stack frame, which is
+    what the driver reports as a kernel's ``n_spills``) holds only register spills.
+    """
+    usage = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", _cuobjdump(kernel, "-res-usage")))
+    return int(usage["REG"]), int(usage["STACK"]) + int(usage["LOCAL"])
+
+
+def sass(kernel: Any) -> str:
+    """The SASS of a compiled kernel."""
+    return _cuobjdump(kernel, "-sass")
+
+
+def run_compile_check(module: str, expect: str, timeout: int = 900) -> None:
+    """Run ``module.main()`` in a subprocess without ``TRITON_INTERPRET`` (Triton's default FP fusion,
+    whatever this environment says) and assert it exited 0 and printed ``expect``; skip where
+    Triton's bundled ptxas or cuobjdump is missing. ``timeout`` bounds a hang, not the speed."""
+    if not all(os.path.exists(tool(name)) for name in ("ptxas", "cuobjdump")):
+        pytest.skip("Triton's bundled ptxas or cuobjdump is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module} as t; t.main()"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert expect in proc.stdout
+
+
+def report_failures(failures: list[str], success: str) -> None:
+    """Print ``success``, or the failures and exit 1 (the last words of a compile check's ``main``)."""
+    if failures:
+        print("FAILED\n" + "\n".join(failures))
+        sys.exit(1)
+    print(success)
+
+
+def reduce_slots_args(
+    tab: Any, bias: Any, out: Any, rows: int, n: int, ld: int, world: int, push: bool, cfg: Any, sig: dict, **extra: Any
+) -> dict:
+    """Example arguments of ``gemm_rs._reduce_slots_kernel`` as the reduce-scatter (``push=False``) or
+    the two-shot all-reduce (``push=True``) of ``world`` ranks launches it on ``rows`` rows per owner;
+    ``sig`` the signal arguments, ``extra`` the dtype constants of the specialization."""
+    from kernels.fused import signals
+
+    return dict(
+        data_tab_ptr=tab,
+        bias_ptr=bias,
+        out_ptr=out,
+        ROWS_OWN=rows,
+        ROWS_VALID=rows,
+        N=n,
+        LD=ld,
+        stride_om=n,
+        stride_on=1,
+        target=7 * world,
+        cnt_offset=signals.channel_offset(signals.CH_RS, world),
+        done_offset=signals.channel_offset(signals.CH_DONE, world),
+        push_offset=signals.channel_offset(signals.CH_AR, world),
+        push_base=world * rows * ld,
+        WORLD=world,
+        CHANNEL=signals.CH_RS,
+        HAS_BIAS=True,
+        PUSH=push,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        **sig,
+        **extra,
+    )
+
+
+def gather_rows_args(tab: Any, out: Any, rows: int, n: int, ld: int, world: int, cfg: Any, sig: dict) -> dict:
+    """Example arguments of ``gemm_ar._gather_rows_kernel`` as the two-shot all-reduce of ``world``
+    ranks launches it on ``rows`` rows per owner."""
+    from kernels.fused import signals
+
+    return dict(
+        data_tab_ptr=tab,
+        out_ptr=out,
+        M=world * rows,
+        N=n,
+        LD=ld,
+        ROWS_OWN=rows,
+        stride_om=n,
+        stride_on=1,
+        target=7 * world,
+        o_base=world * rows * ld,
+        ar_offset=signals.channel_offset(signals.CH_AR, world),
+        WORLD=world,
+        CHANNEL=signals.CH_AR,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        **sig,
+    )
