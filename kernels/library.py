@@ -49,27 +49,9 @@ import torch
 import torch.distributed as dist
 
 from . import backends, quant
-
-_LIB = torch.library.Library("coc", "FRAGMENT")
+from .op_registration import define_op, unaliased
 
 _COMM = "str group_name, int world, str backend, int parallel_num"
-_LIB.define(f"all_gather_matmul(Tensor x, Tensor weight, Tensor? bias, {_COMM}, int gather_dim=0) -> Tensor")
-_LIB.define(
-    f"all_gather_matmul_gathered(Tensor x, Tensor weight, Tensor? bias, {_COMM}, int gather_dim=0) -> (Tensor, Tensor)"
-)
-_LIB.define(
-    f"all_gather_matmul_multi(Tensor x, Tensor[] weights, Tensor?[] biases, {_COMM}, int gather_dim=0, "
-    "bool return_gathered=False) -> (Tensor[], Tensor?)"
-)
-_LIB.define(
-    f"matmul_reduce_scatter(Tensor x, Tensor weight, Tensor? bias, {_COMM}, bool deterministic, "
-    "int scatter_dim=0) -> Tensor"
-)
-_LIB.define(f"matmul_all_reduce(Tensor x, Tensor weight, Tensor? bias, {_COMM}, bool deterministic) -> Tensor")
-_LIB.define(
-    "quantized_matmul_all_reduce(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, Tensor? offset, "
-    f"str quant_mode, int group_size, {_COMM}, bool deterministic) -> Tensor"
-)
 
 
 def group_name(group: dist.ProcessGroup | None) -> str:
@@ -114,14 +96,6 @@ def _scattered_shape(x: torch.Tensor, scatter_dim: int, world: int, last: int) -
     return _resized(x.shape, d, x.shape[d] // world, last)
 
 
-def _unaliased(x_gathered: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    if x_gathered.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-        # A group of one gathers nothing and the sequential path returns x itself; an operator's
-        # output must not alias its input (autograd and compile assume fresh outputs).
-        return x_gathered.clone(memory_format=torch.contiguous_format)
-    return x_gathered
-
-
 def _all_gather_matmul_gathered(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -148,7 +122,7 @@ def _all_gather_matmul_gathered(
     )
     return (
         y.view(_gathered_shape(x, d, world, weight.shape[0])),
-        _unaliased(x_gathered, x).view(_gathered_shape(x, d, world, x.shape[-1])),
+        unaliased(x_gathered, x).view(_gathered_shape(x, d, world, x.shape[-1])),
     )
 
 
@@ -206,7 +180,7 @@ def _all_gather_matmul_multi(
     ys = [y.view(_gathered_shape(x, d, world, w.shape[0])) for y, w in zip(ys, weights, strict=True)]
     if not return_gathered:
         return ys, None
-    return ys, _unaliased(x_gathered, x).view(_gathered_shape(x, d, world, x.shape[-1]))
+    return ys, unaliased(x_gathered, x).view(_gathered_shape(x, d, world, x.shape[-1]))
 
 
 def _matmul_reduce_scatter(
@@ -283,19 +257,6 @@ def _quantized_matmul_all_reduce(
     )
 
 
-_IMPLS = {
-    "all_gather_matmul": _all_gather_matmul,
-    "all_gather_matmul_gathered": _all_gather_matmul_gathered,
-    "all_gather_matmul_multi": _all_gather_matmul_multi,
-    "matmul_reduce_scatter": _matmul_reduce_scatter,
-    "matmul_all_reduce": _matmul_all_reduce,
-    "quantized_matmul_all_reduce": _quantized_matmul_all_reduce,
-}
-for _name, _impl in _IMPLS.items():
-    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("coc::all_gather_matmul", lib=_LIB)
 def _all_gather_matmul_fake(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -309,7 +270,6 @@ def _all_gather_matmul_fake(
     return x.new_empty(_gathered_shape(x, gather_dim, world, weight.shape[0]))
 
 
-@torch.library.register_fake("coc::all_gather_matmul_gathered", lib=_LIB)
 def _all_gather_matmul_gathered_fake(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -326,7 +286,6 @@ def _all_gather_matmul_gathered_fake(
     )
 
 
-@torch.library.register_fake("coc::all_gather_matmul_multi", lib=_LIB)
 def _all_gather_matmul_multi_fake(
     x: torch.Tensor,
     weights: list[torch.Tensor],
@@ -342,7 +301,6 @@ def _all_gather_matmul_multi_fake(
     return ys, x.new_empty(_gathered_shape(x, gather_dim, world, x.shape[-1])) if return_gathered else None
 
 
-@torch.library.register_fake("coc::matmul_reduce_scatter", lib=_LIB)
 def _matmul_reduce_scatter_fake(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -357,7 +315,6 @@ def _matmul_reduce_scatter_fake(
     return x.new_empty(_scattered_shape(x, scatter_dim, world, weight.shape[0]))
 
 
-@torch.library.register_fake("coc::matmul_all_reduce", lib=_LIB)
 def _matmul_all_reduce_fake(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -371,7 +328,6 @@ def _matmul_all_reduce_fake(
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-@torch.library.register_fake("coc::quantized_matmul_all_reduce", lib=_LIB)
 def _quantized_matmul_all_reduce_fake(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -389,12 +345,39 @@ def _quantized_matmul_all_reduce_fake(
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
-all_gather_matmul = torch.ops.coc.all_gather_matmul.default
-all_gather_matmul_gathered = torch.ops.coc.all_gather_matmul_gathered.default
-all_gather_matmul_multi = torch.ops.coc.all_gather_matmul_multi.default
-matmul_reduce_scatter = torch.ops.coc.matmul_reduce_scatter.default
-matmul_all_reduce = torch.ops.coc.matmul_all_reduce.default
-quantized_matmul_all_reduce = torch.ops.coc.quantized_matmul_all_reduce.default
+all_gather_matmul = define_op(
+    f"all_gather_matmul(Tensor x, Tensor weight, Tensor? bias, {_COMM}, int gather_dim=0) -> Tensor",
+    _all_gather_matmul,
+    _all_gather_matmul_fake,
+)
+all_gather_matmul_gathered = define_op(
+    f"all_gather_matmul_gathered(Tensor x, Tensor weight, Tensor? bias, {_COMM}, int gather_dim=0) -> (Tensor, Tensor)",
+    _all_gather_matmul_gathered,
+    _all_gather_matmul_gathered_fake,
+)
+all_gather_matmul_multi = define_op(
+    f"all_gather_matmul_multi(Tensor x, Tensor[] weights, Tensor?[] biases, {_COMM}, int gather_dim=0, "
+    "bool return_gathered=False) -> (Tensor[], Tensor?)",
+    _all_gather_matmul_multi,
+    _all_gather_matmul_multi_fake,
+)
+matmul_reduce_scatter = define_op(
+    f"matmul_reduce_scatter(Tensor x, Tensor weight, Tensor? bias, {_COMM}, bool deterministic, "
+    "int scatter_dim=0) -> Tensor",
+    _matmul_reduce_scatter,
+    _matmul_reduce_scatter_fake,
+)
+matmul_all_reduce = define_op(
+    f"matmul_all_reduce(Tensor x, Tensor weight, Tensor? bias, {_COMM}, bool deterministic) -> Tensor",
+    _matmul_all_reduce,
+    _matmul_all_reduce_fake,
+)
+quantized_matmul_all_reduce = define_op(
+    "quantized_matmul_all_reduce(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, Tensor? offset, "
+    f"str quant_mode, int group_size, {_COMM}, bool deterministic) -> Tensor",
+    _quantized_matmul_all_reduce,
+    _quantized_matmul_all_reduce_fake,
+)
 
 
 def call(

@@ -18,6 +18,7 @@ Outputs never alias inputs.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,17 +26,11 @@ import torch.distributed as dist
 
 from .. import backends
 from ..library import resolve_group
+from ..op_registration import define_op, unaliased
 from . import chunked, sequential
-
-_LIB = torch.library.Library("coc", "FRAGMENT")
 
 _ARGS = "Tensor x, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias, str mode, ScalarType out_dtype"
 _COMM = "str group_name, int world, str backend, int parallel_num"
-_LIB.define(f"all_gather_scaled_matmul({_ARGS}, {_COMM}) -> Tensor")
-_LIB.define(f"all_gather_scaled_matmul_gathered({_ARGS}, {_COMM}) -> (Tensor, Tensor, Tensor)")
-_LIB.define(f"scaled_matmul_reduce_scatter({_ARGS}, {_COMM}, bool deterministic) -> Tensor")
-_LIB.define(f"scaled_matmul_all_reduce({_ARGS}, {_COMM}, bool deterministic) -> Tensor")
-_LIB.define(f"scaled_matmul({_ARGS}, str backend) -> Tensor")
 
 # The fused FP8 kernels, one module per op (kernels/fused/*_fp8.py).
 FUSED_MODULES = {
@@ -79,127 +74,56 @@ def _run(
     return getattr(sequential, op)(x, x_scale, weight, w_scale, bias, mode, out_dtype, group, world, **{name: flag})
 
 
-def _fresh(t: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-    # A group of one gathers nothing: an operator's output must not alias its input.
-    ptr = t.untyped_storage().data_ptr()
-    if any(ptr == i.untyped_storage().data_ptr() for i in inputs):
-        return t.clone()
-    return t
+def _comm_op(op: str, gathered: bool = False) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(implementation, fake)`` of the communicating operator of ``op`` (the all-gather one returning
+    the gathered x and its scales too where ``gathered``): the four share one argument list, and
+    ``deterministic`` is absent from the all-gather schemas."""
 
+    def impl(
+        x: torch.Tensor,
+        x_scale: torch.Tensor,
+        weight: torch.Tensor,
+        w_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        mode: str,
+        out_dtype: torch.dtype,
+        group_name: str,
+        world: int,
+        backend: str,
+        num: int,
+        deterministic: bool = False,
+    ) -> Any:
+        group = resolve_group(group_name)
+        flag = gathered or deterministic
+        out = _run(op, backend, num, x, x_scale, weight, w_scale, bias, mode, out_dtype, group, world, flag)
+        if not gathered:
+            return out
+        y, xg, xsg = out
+        return y, unaliased(xg, x), unaliased(xsg, x_scale)
 
-def _all_gather_scaled_matmul(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    mode: str,
-    out_dtype: torch.dtype,
-    group_name: str,
-    world: int,
-    backend: str,
-    num: int,
-) -> torch.Tensor:
-    group = resolve_group(group_name)
-    return _run(
-        "all_gather_scaled_matmul",
-        backend,
-        num,
-        x,
-        x_scale,
-        weight,
-        w_scale,
-        bias,
-        mode,
-        out_dtype,
-        group,
-        world,
-        False,
-    )
+    def fake(
+        x: torch.Tensor,
+        x_scale: torch.Tensor,
+        weight: torch.Tensor,
+        w_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        mode: str,
+        out_dtype: torch.dtype,
+        group_name: str,
+        world: int,
+        backend: str,
+        num: int,
+        deterministic: bool = False,
+    ) -> Any:
+        rows = {"all_gather_scaled_matmul": x.shape[0] * world, "scaled_matmul_reduce_scatter": x.shape[0] // world}
+        y = x.new_empty((rows.get(op, x.shape[0]), weight.shape[0]), dtype=out_dtype)
+        if not gathered:
+            return y
+        rows_gathered = x.shape[0] * world
+        scale = x_scale.new_empty(()) if mode == "tensor" else x_scale.new_empty((rows_gathered, x_scale.shape[1]))
+        return y, x.new_empty((rows_gathered, x.shape[1])), scale
 
-
-def _all_gather_scaled_matmul_gathered(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    mode: str,
-    out_dtype: torch.dtype,
-    group_name: str,
-    world: int,
-    backend: str,
-    num: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    group = resolve_group(group_name)
-    y, xg, xsg = _run(
-        "all_gather_scaled_matmul", backend, num, x, x_scale, weight, w_scale, bias, mode, out_dtype, group, world, True
-    )
-    return y, _fresh(xg, x), _fresh(xsg, x_scale)
-
-
-def _scaled_matmul_reduce_scatter(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    mode: str,
-    out_dtype: torch.dtype,
-    group_name: str,
-    world: int,
-    backend: str,
-    num: int,
-    deterministic: bool,
-) -> torch.Tensor:
-    group = resolve_group(group_name)
-    return _run(
-        "scaled_matmul_reduce_scatter",
-        backend,
-        num,
-        x,
-        x_scale,
-        weight,
-        w_scale,
-        bias,
-        mode,
-        out_dtype,
-        group,
-        world,
-        deterministic,
-    )
-
-
-def _scaled_matmul_all_reduce(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    mode: str,
-    out_dtype: torch.dtype,
-    group_name: str,
-    world: int,
-    backend: str,
-    num: int,
-    deterministic: bool,
-) -> torch.Tensor:
-    group = resolve_group(group_name)
-    return _run(
-        "scaled_matmul_all_reduce",
-        backend,
-        num,
-        x,
-        x_scale,
-        weight,
-        w_scale,
-        bias,
-        mode,
-        out_dtype,
-        group,
-        world,
-        deterministic,
-    )
+    return impl, fake
 
 
 _warned: set[str] = set()
@@ -232,93 +156,7 @@ def _scaled_matmul(
     return sequential.scaled_matmul(x, x_scale, weight, w_scale, bias, mode, out_dtype)
 
 
-for _name, _impl in {
-    "all_gather_scaled_matmul": _all_gather_scaled_matmul,
-    "all_gather_scaled_matmul_gathered": _all_gather_scaled_matmul_gathered,
-    "scaled_matmul_reduce_scatter": _scaled_matmul_reduce_scatter,
-    "scaled_matmul_all_reduce": _scaled_matmul_all_reduce,
-    "scaled_matmul": _scaled_matmul,
-}.items():
-    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("coc::all_gather_scaled_matmul", lib=_LIB)
-def _ag_fake(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    mode: str,
-    out_dtype: torch.dtype,
-    group_name: str,
-    world: int,
-    backend: str,
-    num: int,
-) -> torch.Tensor:
-    return x.new_empty((x.shape[0] * world, weight.shape[0]), dtype=out_dtype)
-
-
-@torch.library.register_fake("coc::all_gather_scaled_matmul_gathered", lib=_LIB)
-def _ag_gathered_fake(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    mode: str,
-    out_dtype: torch.dtype,
-    group_name: str,
-    world: int,
-    backend: str,
-    num: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    scale = x_scale.new_empty(()) if mode == "tensor" else x_scale.new_empty((x.shape[0] * world, x_scale.shape[1]))
-    return (
-        x.new_empty((x.shape[0] * world, weight.shape[0]), dtype=out_dtype),
-        x.new_empty((x.shape[0] * world, x.shape[1])),
-        scale,
-    )
-
-
-@torch.library.register_fake("coc::scaled_matmul_reduce_scatter", lib=_LIB)
-def _rs_fake(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    mode: str,
-    out_dtype: torch.dtype,
-    group_name: str,
-    world: int,
-    backend: str,
-    num: int,
-    deterministic: bool,
-) -> torch.Tensor:
-    return x.new_empty((x.shape[0] // world, weight.shape[0]), dtype=out_dtype)
-
-
-@torch.library.register_fake("coc::scaled_matmul_all_reduce", lib=_LIB)
-def _ar_fake(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    mode: str,
-    out_dtype: torch.dtype,
-    group_name: str,
-    world: int,
-    backend: str,
-    num: int,
-    deterministic: bool,
-) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
-
-
-@torch.library.register_fake("coc::scaled_matmul", lib=_LIB)
-def _mm_fake(
+def _scaled_matmul_fake(
     x: torch.Tensor,
     x_scale: torch.Tensor,
     weight: torch.Tensor,
@@ -331,8 +169,18 @@ def _mm_fake(
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
-all_gather_scaled_matmul = torch.ops.coc.all_gather_scaled_matmul.default
-all_gather_scaled_matmul_gathered = torch.ops.coc.all_gather_scaled_matmul_gathered.default
-scaled_matmul_reduce_scatter = torch.ops.coc.scaled_matmul_reduce_scatter.default
-scaled_matmul_all_reduce = torch.ops.coc.scaled_matmul_all_reduce.default
-scaled_matmul = torch.ops.coc.scaled_matmul.default
+all_gather_scaled_matmul = define_op(
+    f"all_gather_scaled_matmul({_ARGS}, {_COMM}) -> Tensor", *_comm_op("all_gather_scaled_matmul")
+)
+all_gather_scaled_matmul_gathered = define_op(
+    f"all_gather_scaled_matmul_gathered({_ARGS}, {_COMM}) -> (Tensor, Tensor, Tensor)",
+    *_comm_op("all_gather_scaled_matmul", gathered=True),
+)
+scaled_matmul_reduce_scatter = define_op(
+    f"scaled_matmul_reduce_scatter({_ARGS}, {_COMM}, bool deterministic) -> Tensor",
+    *_comm_op("scaled_matmul_reduce_scatter"),
+)
+scaled_matmul_all_reduce = define_op(
+    f"scaled_matmul_all_reduce({_ARGS}, {_COMM}, bool deterministic) -> Tensor", *_comm_op("scaled_matmul_all_reduce")
+)
+scaled_matmul = define_op(f"scaled_matmul({_ARGS}, str backend) -> Tensor", _scaled_matmul, _scaled_matmul_fake)
