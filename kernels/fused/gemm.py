@@ -293,7 +293,25 @@ def local_launch(x: torch.Tensor, n: int) -> tuple[torch.Tensor, BlockConfig, tu
     m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     cfg = block_config(x.device, m, k, x.dtype)
-    return out, cfg, (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    return out, cfg, tile_grid(m, n, cfg)
+
+
+def tile_grid(m: int, n: int, cfg: BlockConfig | GemmConfig) -> tuple[int]:
+    """The 1-D grid of a bare GEMM of ``[m, n]``: one program per output tile (``(0,)`` when empty);
+    the kernel orders the tiles itself (:func:`grouped_tile`)."""
+    return (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+
+
+def tile_launch_options(cfg: BlockConfig | GemmConfig) -> dict:
+    """The tile constants and launch options of a bare GEMM kernel (``BLOCK_*``, ``GROUP_M``, warps, stages)."""
+    return dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 def default_config(x: torch.Tensor) -> GemmConfig:
@@ -382,9 +400,8 @@ def _narrowed(x: torch.Tensor, cfg: GemmConfig) -> GemmConfig:
 def _launch_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg) -> None:
     m, k = x.shape
     n = weight.shape[0]
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     bias_arg = bias.contiguous() if bias is not None else out
-    _matmul_kernel[grid](
+    _matmul_kernel[tile_grid(m, n, cfg)](
         x,
         weight,
         bias_arg,
@@ -401,10 +418,5 @@ def _launch_plain(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None,
         ACC_DTYPE=acc_dtype(x.dtype),
         DOT_PRECISION=dot_precision(x.dtype, x.device),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **tile_launch_options(cfg),
     )

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import BlockConfig, grouped_tile
+from .gemm import SMALL_M, BlockConfig, grouped_tile, tile_grid, tile_launch_options
 from .runtime import triton_interpreted
 
 # Columns of k per scale, and rows of n per weight scale in block mode (DeepSeek-V3's 1x128 / 128x128).
@@ -52,8 +52,8 @@ _ROUND_BF16_BITS = tl.constexpr(triton_interpreted())
 # is 128 bytes per row, the same smem tile as a 64-deep bf16 step.
 CPU_FP8_BLOCKS = BlockConfig(block_m=16, block_n=16, block_k=64, num_warps=1, num_stages=1, ag_splits=2, group_m=2)
 GPU_FP8_BLOCKS = BlockConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, ag_splits=4, group_m=8)
+# Decode-size m (at most gemm.SMALL_M rows): 64-row tiles, as for the bf16 GEMM.
 GPU_FP8_SMALL_M_BLOCKS = replace(GPU_FP8_BLOCKS, block_m=64, num_warps=4, num_stages=4)
-SMALL_M = 64
 # Operand rows that do not start 16-byte aligned (k % 16 != 0) are loaded a byte at a time (no
 # cp.async below 4 bytes): every k step of 32 or more spilled on sm_90 (48 to 600 bytes, even with
 # one stage), so such shapes take 16-deep steps through the fp16 dot (see ``fp8_dot``).
@@ -353,7 +353,7 @@ def scaled_matmul(
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     cfg = cfg if cfg is not None else fp8_block_config(x.device, m, k)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    grid = tile_grid(m, n, cfg)
     if grid[0] == 0:
         return out
     stride_xsm, stride_xsk = scale_strides(mode, x_scale)
@@ -382,11 +382,6 @@ def scaled_matmul(
         out.stride(1),
         PER_BLOCK=mode == "block",
         HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **tile_launch_options(cfg),
     )
     return out
