@@ -15,7 +15,6 @@ no autograd recording; a last row times one training step (forward and backward)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable
@@ -138,35 +137,17 @@ def _row(op: str, t_torch: float, t_dtensor: float, t_autopar: float) -> dict:
     }
 
 
-def _rank_main(rank: int, world: int, store_path: str, iters: int, repeats: int, out: str) -> None:
-    import datetime
-
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
-    try:
-        res = run(iters, repeats)
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(res, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _rank_body(rank: int, world: int, iters: int, repeats: int) -> dict:
+    return run(iters, repeats)
 
 
 def run_world(world: int, iters: int, repeats: int) -> dict:
-    """``run`` on ``world`` spawned gloo ranks; returns rank 0's figures."""
-    import tempfile
-
-    import torch.multiprocessing as tmp
+    """``run`` on ``world`` gloo ranks of :func:`kernels.testing.run_ranks` (the one spawner); rank 0's figures."""
+    from kernels.testing import run_ranks
 
     if world < 1:
         raise ValueError(f"--world must be >= 1, got {world}")
-    with tempfile.TemporaryDirectory(prefix="coc-dispatch-") as d:
-        out = os.path.join(d, "result.json")
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        tmp.spawn(_rank_main, args=(world, os.path.join(d, "store"), iters, repeats, out), nprocs=world, join=True)
-        with open(out) as f:
-            return json.load(f)
+    return run_ranks(_rank_body, world, iters, repeats, timeout=600)[0]
 
 
 def main() -> None:
@@ -176,7 +157,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     args = ap.parse_args()
-    res = run_world(args.world, args.iters, args.repeats)
+    from kernels.testing import close_pools
+
+    try:
+        res = run_world(args.world, args.iters, args.repeats)
+    finally:
+        close_pools()
     print(f"per-op time on CPU, torch {res['torch']}, world {res['world']}, x [8, 16] Shard(0), w [16, 16] Replicate()")
     print(
         f"{'op':8s} {'torch us':>10s} {'DTensor us':>11s} {'autopar us':>11s} "
