@@ -315,33 +315,11 @@ def _matmul_reduce_scatter_fake(
     return x.new_empty(_scattered_shape(x, scatter_dim, world, weight.shape[0]))
 
 
-def _matmul_all_reduce_fake(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    group_name: str,
-    world: int,
-    backend: str,
-    parallel_num: int,
-    deterministic: bool,
-) -> torch.Tensor:
+def _matmul_all_reduce_fake(x: torch.Tensor, weight: torch.Tensor, *_: Any) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _quantized_matmul_all_reduce_fake(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    offset: torch.Tensor | None,
-    quant_mode: str,
-    group_size: int,
-    group_name: str,
-    world: int,
-    backend: str,
-    parallel_num: int,
-    deterministic: bool,
-) -> torch.Tensor:
+def _quantized_matmul_all_reduce_fake(x: torch.Tensor, qweight: torch.Tensor, *_: Any) -> torch.Tensor:
     return x.new_empty((x.shape[0], qweight.shape[0]))
 
 

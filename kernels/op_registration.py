@@ -19,7 +19,8 @@ LIB = torch.library.Library("coc", "FRAGMENT")
 def define_op(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> torch._ops.OpOverload:
     """Define ``coc::<schema>``, register ``impl`` for every device (``CompositeExplicitAutograd``: the
     op is forward-only; autograd Functions wrap it) and ``fake`` (output shapes, dtypes and devices
-    from the inputs alone, so ``torch.compile`` never runs the op), and return the operator."""
+    from the inputs alone, so ``torch.compile`` never runs the op), and return the operator. A fake
+    may end in ``*_`` for the trailing arguments its shapes do not read."""
     name = schema.split("(", 1)[0]
     LIB.define(schema)
     LIB.impl(name, impl, "CompositeExplicitAutograd")

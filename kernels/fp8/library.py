@@ -111,9 +111,7 @@ def _comm_op(op: str, gathered: bool = False) -> tuple[Callable[..., Any], Calla
         out_dtype: torch.dtype,
         group_name: str,
         world: int,
-        backend: str,
-        num: int,
-        deterministic: bool = False,
+        *_: Any,
     ) -> Any:
         rows = {"all_gather_scaled_matmul": x.shape[0] * world, "scaled_matmul_reduce_scatter": x.shape[0] // world}
         y = x.new_empty((rows.get(op, x.shape[0]), weight.shape[0]), dtype=out_dtype)
@@ -164,7 +162,7 @@ def _scaled_matmul_fake(
     bias: torch.Tensor | None,
     mode: str,
     out_dtype: torch.dtype,
-    backend: str,
+    *_: Any,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
 
