@@ -115,7 +115,14 @@ def reference(op: str, xs: list[torch.Tensor], ws: list[torch.Tensor], b: torch.
     """Torch math in fp64 from every rank's inputs: ``(y, elementwise bound, gathered x or None)``.
 
     ``op`` is one of :data:`OPS` or ``"ar"``; the bound is :func:`tolerance` times ``|x| @ |w|.T + |b|``.
+    An ``x`` with more than two dims (``[rows, ..., k]``, the ops' leading dims) is computed as its
+    ``[-1, k]`` rows and the result given the same leading dims.
     """
+    if xs[0].dim() > 2:
+        middle = tuple(xs[0].shape[1:-1])
+        y, bound, gathered = reference(op, [x.reshape(-1, x.shape[-1]) for x in xs], ws, b, rank)
+        gathered = torch.cat([x.cpu() for x in xs]) if gathered is not None else None
+        return y.reshape(-1, *middle, y.shape[-1]), bound.reshape(-1, *middle, y.shape[-1]), gathered
     world = len(xs)
     k = xs[0].shape[1]
     ws64 = [w.double().cpu() for w in ws]

@@ -1,8 +1,8 @@
 """matmul_soc_friendly: padding plan, unchanged results for odd shapes, no-op on CPU.
 
 Padding adds ``0 * 0`` terms to every dot product and sliced-off columns, so the math is the
-same; the GEMM may block k differently, so fp32 results are compared with ``rtol = atol = 1e-5``
-(k <= 1100 terms of unit-variance products: rounding ~ sqrt(k) * eps * |y|).
+same; the GEMM may block k differently, so results are checked against the toolkit's fp64
+reference within its tolerance rule (a padded GEMM is the W = 1 matmul_all_reduce).
 """
 
 import pytest
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import padding
+from kernels.testing import assert_close, reference
 
 pytestmark = pytest.mark.triton  # runs Triton kernels (interpreted on CPU)
 
@@ -49,17 +50,17 @@ def test_forced_padding_keeps_results(wide_k_range, m, k, n, with_bias):
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if with_bias else None
-    ref = F.linear(x, w, b)
+    ref = reference("ar", [x], [w], b, 0)
     y = padding.linear(x, w, b, force=True)
-    assert y.shape == (m, n) and y.is_contiguous()
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert y.is_contiguous()
+    assert_close("padded", y, ref, torch.float32)
     out = torch.empty(m, n)
     assert padding.linear(x, w, b, out=out, force=True) is out
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_close("padded into out", out, ref, torch.float32)
     # Strided views into an output (the chunked path writes pieces of one buffer).
     big = torch.zeros(m + 2, n)
     padding.linear(x, w, b, out=big[1 : m + 1], force=True)
-    torch.testing.assert_close(big[1 : m + 1], ref, rtol=1e-5, atol=1e-5)
+    assert_close("padded into a view", big[1 : m + 1], ref, torch.float32)
     assert torch.equal(big[0], torch.zeros(n)) and torch.equal(big[m + 1], torch.zeros(n))
 
 
@@ -68,8 +69,7 @@ def test_forced_padding_leading_dims(wide_k_range):
     x = torch.randn(3, 4, 13)[:, 1:3]
     w = torch.randn(10, 13)
     y = padding.linear(x, w, force=True)
-    assert y.shape == (3, 2, 10)
-    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert_close("padded 3-D", y, reference("ar", [x], [w], None, 0), torch.float32)
 
 
 def test_noop_on_cpu(wide_k_range, monkeypatch):
@@ -89,7 +89,5 @@ def test_cuda_padding_keeps_results(wide_k_range):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(33, 1000, device="cuda", dtype=torch.float16, generator=g)
     w = torch.randn(77, 1000, device="cuda", dtype=torch.float16, generator=g)
-    ref = F.linear(x.float(), w.float())
     y = padding.linear(x, w)
-    # fp16 output rounding plus fp32-accumulated dot products of 1000 terms.
-    torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+    assert_close("padded fp16 on CUDA", y, reference("ar", [x], [w], None, 0), torch.float16)

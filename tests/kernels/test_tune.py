@@ -15,9 +15,7 @@ import torch.distributed as dist
 import kernels
 from kernels import chunked, dispatch, sequential, tune
 from kernels.config import build_config
-from kernels.testing import run_ranks
-
-TOL = dict(rtol=1e-5, atol=1e-5)
+from kernels.testing import assert_close, reference, run_ranks
 
 
 class _Spy:
@@ -56,7 +54,7 @@ def _customized(rank, world):
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(7, 12, generator=g) for _ in range(world)]
     ws = [torch.randn(10, 12, generator=g) for _ in range(world)]
-    ref = sum(xs[r] @ ws[r].T for r in range(world))
+    ref = reference("ar", xs, ws, None, rank)
     out = {}
     # [7, 12, 10] is customized to 4 (key written with odd spacing in the YAML).
     out["resolve_hit"] = dispatch.resolve("matmul_all_reduce", None, None, xs[rank], ws[rank], None, world)
@@ -86,7 +84,7 @@ def _customized(rank, world):
         )
         with torch.no_grad():
             row(xs[rank][:, None, :])
-    torch.testing.assert_close(y, ref, **TOL)
+    assert_close("customized matmul_all_reduce", y, ref, torch.float32)
     out["calls"] = spy.calls
     return out
 
@@ -133,13 +131,13 @@ def _auto(rank, world, cache_path):
         g = torch.Generator().manual_seed(1)
         xs = [torch.randn(16, 12, generator=g) for _ in range(world)]
         ws = [torch.randn(10, 12, generator=g) for _ in range(world)]
-        ref = sum(xs[r] @ ws[r].T for r in range(world))
+        ref = reference("ar", xs, ws, None, rank)
         results = []
         with _Spy() as spy:
             for _ in range(3):
                 results.append(kernels.matmul_all_reduce(xs[rank], ws[rank]))
-        for y in results:
-            torch.testing.assert_close(y, ref, **TOL)
+        for i, y in enumerate(results):
+            assert_close(f"auto call {i}", y, ref, torch.float32)
         key = tune.tuning_key("matmul_all_reduce", 16, 12, 10, torch.float32, world, "cpu", True)
         first = tune._memory[tune.memory_key(key, None, world)]
         in_file = tune.read_cache_file(cache_path).get(key)
@@ -262,7 +260,7 @@ def test_auto_single_process(monkeypatch, tmp_path):
     tune.clear_memory_cache()
     x, w = torch.randn(4, 8), torch.randn(3, 8)
     y = kernels.matmul_all_reduce(x, w, backend="chunked")
-    torch.testing.assert_close(y, x @ w.T, **TOL)
+    assert_close("auto at W = 1", y, reference("ar", [x], [w], None, 0), torch.float32)
     assert len(tune.read_cache_file(str(tmp_path / "c.json"))) == 1
     tune.clear_memory_cache()
 

@@ -13,6 +13,7 @@ from kernels.testing import (
     rows_of,
     run_ranks,
     scramble,
+    seeded_randn,
     tolerance,
 )
 
@@ -43,6 +44,23 @@ def test_reference_matches_the_ops_semantics(op):
         assert torch.equal(want, y)
         assert (bound > 0).all()
         assert (gathered is not None) == (op == "ag_v2")
+
+
+@pytest.mark.parametrize("op", ["ag_v2", "rs", "ar"])
+def test_reference_keeps_leading_dims(op):
+    """``[rows, 2, k]`` inputs: the reference of the ``[-1, k]`` rows, shaped ``[rows', 2, n]``; rs keeps
+    the rank's slice of dim 0 (its flattened rows are contiguous)."""
+    world, n = 2, 5
+    xs3 = [seeded_randn(4, 2, 8, seed=r) for r in range(world)]
+    ws = [seeded_randn(n, 8, seed=10 + r) for r in range(world)]
+    flat = reference(op, [x.reshape(-1, 8) for x in xs3], ws, None, 1)
+    want, bound, gathered = reference(op, xs3, ws, None, 1)
+    rows = {"ag_v2": 8, "rs": 2, "ar": 4}[op]
+    assert want.shape == bound.shape == (rows, 2, n)
+    assert torch.equal(want.reshape(-1, n), flat[0]) and torch.equal(bound.reshape(-1, n), flat[1])
+    assert (gathered is None) == (op != "ag_v2")
+    if gathered is not None:
+        assert torch.equal(gathered, torch.cat(xs3))
 
 
 def test_assert_close_accepts_fp32_math_and_rejects_a_wrong_result():
@@ -113,8 +131,6 @@ def test_scramble_fills_this_ranks_heap():
 
 
 def test_seeded_randn_is_the_same_for_a_seed():
-    from kernels.testing import seeded_randn
-
     assert torch.equal(seeded_randn(3, 4, seed=7), seeded_randn(3, 4, seed=7))
     assert not torch.equal(seeded_randn(3, 4, seed=7), seeded_randn(3, 4, seed=8))
 
@@ -139,7 +155,7 @@ def test_tolerance_covers_reductions_in_the_output_dtype_and_tf32_operands():
 
 
 def test_row_norm_bound_bounds_the_magnitude_of_every_element():
-    from kernels.testing import row_norm_bound, seeded_randn
+    from kernels.testing import row_norm_bound
 
     xs = [seeded_randn(5, 7, seed=s) for s in (1, 2)]
     ws = [seeded_randn(3, 7, seed=s) for s in (3, 4)]

@@ -1,8 +1,9 @@
 """QuantizedRowParallelLinear: inference with int8 weights built from a RowParallelLinear.
 
-Reference per rank: ``all_reduce(x_shard @ dequant(qweight_shard).T) + bias``; the full input
-(``input_is_parallel=False``) and the full float weight are built from one seed on every rank.
-Tolerances as in test_quant.py (fp32, W partial sums of short dot products).
+Reference per rank: ``all_reduce(x_shard @ dequant(qweight_shard).T) + bias``, the toolkit's fp64
+reference of that all-reduce from every rank's shards (the dequantized weight shards are gathered),
+within its one tolerance rule; the full input (``input_is_parallel=False``) and the full float
+weight are built from one seed on every rank.
 """
 
 import pytest
@@ -12,11 +13,10 @@ import torch.distributed as dist
 import autopar
 import kernels
 from kernels.quant import dequantize
-from kernels.testing import run_ranks
+from kernels.testing import assert_close, reference, run_ranks
 
 pytestmark = pytest.mark.triton  # runs Triton kernels (interpreted on CPU)
 
-TOL = dict(rtol=1e-5, atol=1e-5)
 IN, OUT = 24, 10
 
 
@@ -54,15 +54,17 @@ def _check_linear(rank, world):
                     out, out_bias = qlayer(x_shard if input_is_parallel else x_full)
                     float_out, _ = layer(x_shard if input_is_parallel else x_full)
                 w = dequantize(qlayer.qweight, qlayer.scale, group_size, dtype=torch.float32)
-                ref = x_shard @ w.T
-                dist.all_reduce(ref)
+                ws = [torch.empty_like(w) for _ in range(world)]
+                dist.all_gather(ws, w)
+                xs = list(x_full.split(k_local, dim=-1))
                 if skip_bias_add:
                     assert out_bias is qlayer.bias
-                    torch.testing.assert_close(out_bias, layer.bias.detach(), rtol=0, atol=0)
+                    assert torch.equal(out_bias, layer.bias.detach())
                 else:
                     assert out_bias is None
-                    ref = ref + layer.bias.detach()
-                torch.testing.assert_close(out, ref, **TOL)
+                bias = None if skip_bias_add else layer.bias.detach()
+                what = f"{mode} input_is_parallel={input_is_parallel} skip_bias_add={skip_bias_add}"
+                assert_close(what, out, reference("ar", xs, ws, bias, rank), torch.float32)
                 # Close to the float layer within the int8 rounding: |dW| <= scale / 2 per weight,
                 # summed over IN inputs of |x| <= 4.
                 torch.testing.assert_close(out, float_out, rtol=0, atol=IN * 4 * qlayer.scale.max().item())
@@ -105,5 +107,6 @@ def test_wrong_full_input_width():
     with torch.no_grad():
         out, _ = qlayer(torch.ones(2, IN))
     w = dequantize(qlayer.qweight, qlayer.scale, dtype=torch.float32)
-    torch.testing.assert_close(out, torch.ones(2, IN) @ w.T + layer.bias.detach(), **TOL)
+    ref = reference("ar", [torch.ones(2, IN)], [w], layer.bias.detach(), 0)
+    assert_close("full input at W = 1", out, ref, torch.float32)
     assert kernels.quant.quant_spec(qlayer.qweight, qlayer.scale, None, None).mode == "per_channel"
