@@ -4,9 +4,16 @@
 lives under a folder that holds only Triton-running tests (:data:`TRITON_FOLDERS`), when its module says so with
 ``pytestmark = pytest.mark.triton``, or when its name or a parameter id names the fused backend (contains ``fused``).
 
-That rerun sets ``COC_TEST_SMALLEST_WORLD=1``: a test parametrized over ``world`` then runs at world 1 and 2 only.
-What differs between Triton versions is how a kernel compiles and interprets, which every kernel path shows at
-world 2 already; the odd world 3 and world 4 check the index arithmetic, which the newest Triton's run covers.
+What differs between Triton versions is how a kernel compiles (every sm_90a compile check reruns: the GPU machine
+has Triton 3.6) and how the interpreter runs it (every kernel's own correctness tests, and the tests that hook the
+interpreter: program order, graph capture and replay). So the rerun leaves out:
+
+* tests marked ``one_triton``: those under :data:`ONE_TRITON_FOLDERS` (the layers, the benchmark and its CLI run the
+  kernels the kernel tests check) and modules or tests that say so (the fused protocol's stress and error paths,
+  whole-model compiles): their Triton dependence is those same kernels;
+* with ``COC_TEST_SMALLEST_WORLD=1`` (the Makefile sets it), tests parametrized over ``world`` beyond world 2: every
+  kernel path shows at world 2 already; the odd world 3 and world 4 check the index arithmetic, which the newest
+  Triton's run covers.
 """
 
 import os
@@ -28,17 +35,24 @@ program_order.install_if_requested()
 
 TESTS_ROOT = Path(__file__).resolve().parent
 TRITON_FOLDERS = ("kernels/fused", "kernels/heap")
+ONE_TRITON_FOLDERS = ("autopar", "bench")
+
+
+def _relative(item: pytest.Item) -> str:
+    return Path(str(item.path)).resolve().relative_to(TESTS_ROOT).as_posix()
 
 
 def _needs_triton(item: pytest.Item) -> bool:
-    rel = Path(str(item.path)).resolve().relative_to(TESTS_ROOT).as_posix()
-    if any(rel.startswith(folder + "/") for folder in TRITON_FOLDERS):
+    if any(_relative(item).startswith(folder + "/") for folder in TRITON_FOLDERS):
         return True
     return "fused" in item.name
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "triton: runs or compiles Triton kernels (selected by make test-triton36)")
+    config.addinivalue_line(
+        "markers", "one_triton: depends on Triton only through kernels other tests check (left out of test-triton36)"
+    )
 
 
 def _beyond_smallest_world(item: pytest.Item) -> bool:
@@ -50,6 +64,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _needs_triton(item):
             item.add_marker(pytest.mark.triton)
+        if any(_relative(item).startswith(folder + "/") for folder in ONE_TRITON_FOLDERS):
+            item.add_marker(pytest.mark.one_triton)
     if os.environ.get("COC_TEST_SMALLEST_WORLD") == "1":
         dropped = [item for item in items if _beyond_smallest_world(item)]
         if dropped:

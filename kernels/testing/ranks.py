@@ -155,6 +155,7 @@ class RankPool:
         self.backend = backend
         self.device = device
         self.dead = False
+        self._closing = False
         ctx = mp.get_context("spawn")
         # Removed by kill(), after the ranks are gone, not by a TemporaryDirectory finalizer: that
         # one runs at interpreter exit before close_pools() and would pull the dir from under
@@ -264,12 +265,18 @@ class RankPool:
         shutil.rmtree(self._tmp, ignore_errors=True)
         self.dead = True
 
+    def request_close(self) -> None:
+        """Ask the ranks to leave their loop; :meth:`close` waits for them."""
+        if self.alive and not self._closing:
+            self._closing = True
+            for q in self._tasks:
+                q.put(None)
+
     def close(self) -> None:
         if not self.alive:
             self.kill()
             return
-        for q in self._tasks:
-            q.put(None)
+        self.request_close()
         for p in self._procs:
             p.join(timeout=10)
         self.kill()
@@ -341,9 +348,13 @@ def assert_no_errors(results: list[list[str]]) -> None:
 
 
 def close_pools() -> None:
-    for pool in _POOLS.values():
-        pool.close()
+    pools = list(_POOLS.values())
     _POOLS.clear()
+    # Every pool's ranks shut down (process group, interpreter exit) at once, not one pool after another.
+    for pool in pools:
+        pool.request_close()
+    for pool in pools:
+        pool.close()
 
 
 atexit.register(close_pools)

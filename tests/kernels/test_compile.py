@@ -296,6 +296,7 @@ def _compile_linears_rank(rank: int, world: int, config_dir: str, configs: tuple
     return failures
 
 
+@pytest.mark.one_triton  # whole linears; the ops' compile tests above rerun under Triton 3.6
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("backend", ["chunked", "fused"])
 def test_linears_compile_forward_and_backward(world: int, backend: str, tmp_path: Any) -> None:

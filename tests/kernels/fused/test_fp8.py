@@ -25,11 +25,13 @@ def test_fp8_ops_world2(mode):
     assert run_ranks(fp8_cases.ops_body, 2, (mode,), OPS, shapes, timeout=600) == [len(OPS) * len(shapes)] * 2
 
 
+@pytest.mark.one_triton  # W = 3 index arithmetic; the kernels rerun at W = 2 under Triton 3.6 (tests/conftest.py)
 def test_fp8_ops_world3_block():
     shapes = SHAPES[:1]
     assert run_ranks(fp8_cases.ops_body, 3, ("block",), OPS, shapes, timeout=600) == [len(OPS)] * 3
 
 
+@pytest.mark.one_triton  # W = 4, as above
 def test_fp8_all_gather_world4_row():
     shapes = ((3, 136, 20, True, torch.float16),)
     assert run_ranks(fp8_cases.ops_body, 4, ("row",), ("ag_v2",), shapes, timeout=600) == [1] * 4
