@@ -5,6 +5,8 @@
   bounded by timeouts, reporting ranks that raise, hang or die;
 * :mod:`~kernels.testing.reference`: input builders, the fp64 reference of the ops, the one
   tolerance rule (derived from dtype, k and W) and :func:`assert_close`;
+* :mod:`~kernels.testing.fp8`: the same for the FP8 ops (inputs, the fp64 reference of the
+  dequantized inputs and the bound of ``kernels.fp8.numerics``);
 * :mod:`~kernels.testing.heap`: heap presizing and scrambling before a checked call;
 * :mod:`~kernels.testing.program_order`: run an interpreted launch's programs in another order.
 

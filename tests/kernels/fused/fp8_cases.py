@@ -1,18 +1,10 @@
-"""Inputs, fp64 reference, bound and rank bodies of the fused FP8 tests (module level so rank pools can unpickle them).
+"""Rank bodies of the fused FP8 tests (module level so rank pools can unpickle them).
 
-Semantics checked (``W`` ranks, rank ``r`` holds FP8 ``x_r`` with ``xs_r`` and ``w_r`` with ``ws_r``)::
-
-    dq(p, s) = p.double() * s broadcast      (tensor: scalar; row: per row; block: x per row per 128
-                                              columns, w per 128 x 128 block; partial blocks at the edges)
-    ag:  y = cat(dq(x_0, xs_0) .. dq(x_{W-1}, xs_{W-1})) @ dq(w, ws).T + b
-    rs:  y = (sum_r dq(x_r, xs_r) @ dq(w_r, ws_r).T + b)[rows of rank r]
-    ar:  y = sum_r dq(x_r, xs_r) @ dq(w_r, ws_r).T + b
-
-Bound: :func:`kernels.fp8.numerics.op_error_bound` with the "promoted" accumulation model, which
-holds for the fused kernels in every mode: they promote the tensor-core sum into a separate fp32
-accumulator every 128-deep k block in row and tensor mode too (the scales are then applied once at
-the end, 2 roundings, within that model's ``ceil(k / 128) + W + 3`` term). Under the interpreter
-the tensor-core sums are fp32 (``u_acc = 2**-24``).
+Inputs, the fp64 reference of the dequantized inputs and the bound come from :mod:`kernels.testing.fp8`,
+with the "promoted" accumulation model, which holds for the fused kernels in every mode: they promote
+the tensor-core sum into a separate fp32 accumulator every 128-deep k block in row and tensor mode too
+(the scales are then applied once at the end, 2 roundings, within that model's ``ceil(k / 128) + W + 3``
+term). Under the interpreter the tensor-core sums are fp32 (``u_acc = 2**-24``).
 """
 
 from __future__ import annotations
@@ -21,94 +13,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.testing import presize, scramble
-
-BLOCK = 128
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
-
-def quantize(t: torch.Tensor, mode: str, weight: bool, dtype: torch.dtype = torch.float8_e4m3fn):
-    """``(payload, scale)`` of ``t`` with amax / fp8-max scales (block: 1x128 rows, 128x128 for a weight)."""
-    top = FP8_MAX[dtype]
-    if mode == "tensor":
-        scale = (t.abs().amax() / top).clamp(min=1e-12).float()
-        return (t / scale).to(dtype), scale
-    if mode == "row":
-        scale = (t.abs().amax(dim=1, keepdim=True) / top).clamp(min=1e-12).float()
-        return (t / scale).to(dtype), scale
-    rows, cols = t.shape
-    row_block = BLOCK if weight else 1
-    grid = torch.nn.functional.pad(t.abs(), (0, -cols % BLOCK, 0, -rows % row_block))
-    grid = grid.reshape(-1, row_block, grid.shape[1] // BLOCK, BLOCK)
-    scale = (grid.amax(dim=(1, 3)) / top).clamp(min=1e-12).float()
-    return (t / expand(scale, mode, weight, rows, cols)).to(dtype), scale.contiguous()
-
-
-def expand(scale: torch.Tensor, mode: str, weight: bool, rows: int, cols: int) -> torch.Tensor:
-    """``scale`` broadcast to ``[rows, cols]`` (the dequantization's layout)."""
-    if mode != "block":
-        return scale.expand(rows, cols) if scale.dim() else scale.reshape(1, 1).expand(rows, cols)
-    full = scale.repeat_interleave(BLOCK, dim=1)[:, :cols]
-    return full.repeat_interleave(BLOCK, dim=0)[:rows] if weight else full
-
-
-def dequant(payload: torch.Tensor, scale: torch.Tensor, mode: str, weight: bool) -> torch.Tensor:
-    rows, cols = payload.shape
-    return payload.double() * expand(scale.double(), mode, weight, rows, cols)
-
-
-def bound(
-    y: torch.Tensor, abs_sum: torch.Tensor, k: int, world: int, out_dtype: torch.dtype, u_acc: float | None = None
-) -> torch.Tensor:
-    """Per-element bound on ``|y - y_ref|`` (module docstring); ``abs_sum`` is ``S + |bias|``; ``u_acc``
-    the tensor-core sums' unit roundoff (default fp32's, the interpreter; ``HOPPER_FP8_ACCUMULATOR`` on a GPU)."""
-    from kernels.fp8.numerics import U32, op_error_bound
-
-    return op_error_bound(y, abs_sum, k, world, out_dtype, "promoted", U32 if u_acc is None else u_acc)
-
-
-def make_inputs(op: str, world: int, m: int, k: int, n: int, mode: str, bias: bool, out_dtype, seed: int):
-    """Every rank's ``(x, xs)`` and ``(w, ws)`` (same on every rank: same seed) and the bias.
-
-    ``ag``: ``m`` rows per rank, one weight; ``rs``: ``m * W`` rows; ``ar``: ``m`` rows. Rows are
-    scaled by powers of 2 so tensor, row and block scales see different magnitudes.
-    """
-    g = torch.Generator().manual_seed(seed)
-    rows = m * world if op == "rs" else m
-
-    def rand(r: int, c: int) -> torch.Tensor:
-        return torch.randn(r, c, generator=g) * torch.exp2(torch.randint(-3, 4, (r, 1), generator=g).float())
-
-    raw = [rand(rows, k) for _ in range(world)]
-    if mode == "tensor" and op.startswith("ag"):
-        # The all-gather's tensorwise x_scale is one global scale: every rank passes the same.
-        top = max(float(t.abs().amax()) for t in raw)
-        scale = torch.tensor(top / FP8_MAX[torch.float8_e4m3fn])
-        xs = [((t / scale).to(torch.float8_e4m3fn), scale) for t in raw]
-    else:
-        xs = [quantize(t, mode, False) for t in raw]
-    w_one = quantize(rand(n, k), mode, True)
-    ws = [w_one] * world if op.startswith("ag") else [quantize(rand(n, k), mode, True) for _ in range(world)]
-    b = torch.randn(n, generator=g).to(out_dtype) if bias else None
-    return xs, ws, b
-
-
-def reference(op: str, mode: str, xs, ws, b, rank: int, out_dtype: torch.dtype, u_acc: float | None = None):
-    """``(y, bound)`` in fp64 from every rank's inputs (``u_acc``: :func:`bound`)."""
-    world = len(xs)
-    k = xs[0][0].shape[1]
-    dx = [dequant(p, s, mode, False) for p, s in xs]
-    dw = [dequant(p, s, mode, True) for p, s in ws]
-    b64 = b.double() if b is not None else torch.zeros(dw[0].shape[0], dtype=torch.float64)
-    if op.startswith("ag"):
-        xg = torch.cat(dx)
-        y, s = xg @ dw[0].T + b64, xg.abs() @ dw[0].abs().T + b64.abs()
-    else:
-        y = sum(dx[i] @ dw[i].T for i in range(world)) + b64
-        s = sum(dx[i].abs() @ dw[i].abs().T for i in range(world)) + b64.abs()
-        if op == "rs":
-            rows = y.shape[0] // world
-            y, s = y[rank * rows : (rank + 1) * rows], s[rank * rows : (rank + 1) * rows]
-    return y, bound(y, s, k, world, out_dtype, u_acc)
+from kernels.testing.fp8 import assert_close, make_inputs, quantize, reference
 
 
 def run_op(op: str, mode: str, x, xs, w, ws, b, out_dtype, group):
@@ -122,16 +27,6 @@ def run_op(op: str, mode: str, x, xs, w, ws, b, out_dtype, group):
         return scaled_matmul_reduce_scatter(x, xs, w, ws, b, mode, out_dtype, group, True)
     algorithm = {"ar_one": "one_shot", "ar_two": "two_shot"}.get(op, "auto")
     return scaled_matmul_all_reduce(x, xs, w, ws, b, mode, out_dtype, group, True, algorithm)
-
-
-def check(what: str, got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, out_dtype: torch.dtype) -> None:
-    assert tuple(got.shape) == tuple(want.shape) and got.dtype == out_dtype, (
-        f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {out_dtype}"
-    )
-    excess = (got.double() - want).abs() - bound
-    assert got.numel() == 0 or float(excess.max()) <= 0, (
-        f"{what}: error exceeds the bound by {float(excess.max()):.3g} at {int(excess.argmax())}"
-    )
 
 
 def gathered_scales(mode: str, xs, rank: int) -> torch.Tensor:
@@ -151,7 +46,7 @@ def check_case(rank, world, group, op, mode, m, k, n, bias, out_dtype, seed) -> 
         assert torch.equal(x_gathered.view(torch.uint8), payload.view(torch.uint8)), f"{what}: gathered bytes differ"
         want_s = gathered_scales(mode, xs, rank)
         assert s_gathered.dtype == torch.float32 and torch.equal(s_gathered, want_s), f"{what}: gathered scales differ"
-    check(what, got, *reference(op, mode, xs, ws, b, rank, out_dtype), out_dtype)
+    assert_close(what, got, *reference(op, mode, xs, ws, b, rank, out_dtype), out_dtype)
 
 
 def ops_body(rank: int, world: int, modes: tuple[str, ...], ops: tuple[str, ...], shapes) -> int:
@@ -251,7 +146,7 @@ def public_ops_body(rank: int, world: int, mode: str) -> int:
                 assert torch.equal(fused[1].view(torch.uint8), seq[1].view(torch.uint8)), f"{op} {mode}: gathered bytes"
                 assert torch.equal(fused[2], seq[2]), f"{op} {mode}: gathered scales"
                 fused, seq = fused[0], seq[0]
-            check(f"public {op} {mode} fused rank={rank}", fused, want, bound, torch.bfloat16)
+            assert_close(f"public {op} {mode} fused rank={rank}", fused, want, bound, torch.bfloat16)
             done += 1
     finally:
         for (m, n), original in zip(patched, originals, strict=True):
@@ -290,7 +185,7 @@ def graph_replay_body(rank: int, world: int, op: str, mode: str) -> int:
         static_xs.copy_(new_xs[rank][1])
         scramble(group, dev)
         graph.replay()
-        check(
+        assert_close(
             f"{op} {mode} replay {i} rank={rank}",
             static_out.clone(),
             *reference(op, mode, new_xs, ws, b, rank, out_dtype),
@@ -298,7 +193,7 @@ def graph_replay_body(rank: int, world: int, op: str, mode: str) -> int:
         )
         scramble(group, dev)
         eager = run_op(op, mode, *new_xs[rank], w, w_scale, b, out_dtype, group)
-        check(
+        assert_close(
             f"{op} {mode} eager after replay {i} rank={rank}",
             eager,
             *reference(op, mode, new_xs, ws, b, rank, out_dtype),

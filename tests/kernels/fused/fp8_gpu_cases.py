@@ -2,7 +2,7 @@
 
 Every rank is a process of its own on the GPU(s) (several share one GPU through CUDA IPC when only
 one exists: a correctness check, not a timing). Inputs, the fp64 reference and the bound are
-:mod:`tests.kernels.fused.fp8_cases`'; the bound takes the Hopper FP8 tensor-core accumulator
+:mod:`kernels.testing.fp8`'s; the bound takes the Hopper FP8 tensor-core accumulator
 (``kernels.fp8.numerics.HOPPER_FP8_ACCUMULATOR``, about 14 bits, DeepSeek-V3 3.3.2) for the 128-deep
 sums, which also covers any more precise accumulation (the fp16 path of unaligned ``k``).
 """
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.fp8.numerics import HOPPER_FP8_ACCUMULATOR
+from kernels.testing import fp8 as fp8_reference
 from kernels.testing import heap_device, presize, scramble
 from tests.kernels.fused import fp8_cases
 
@@ -52,7 +53,7 @@ def _to(dev: torch.device, *tensors):
 
 def check_case(rank: int, world: int, group, dev, op: str, mode: str, shape, seed: int) -> None:
     m, k, n, bias, out_dtype = shape
-    xs, ws, b = fp8_cases.make_inputs(op, world, m, k, n, mode, bias, out_dtype, seed)
+    xs, ws, b = fp8_reference.make_inputs(op, world, m, k, n, mode, bias, out_dtype, seed)
     what = f"{op} {mode} W={world} m={m} k={k} n={n} bias={bias} out={out_dtype} rank={rank} (GPU)"
     x, x_scale, w, w_scale, bias_t = _to(dev, *xs[rank], *ws[rank], b)
     scramble(group, dev)
@@ -66,8 +67,8 @@ def check_case(rank: int, world: int, group, dev, op: str, mode: str, shape, see
         assert torch.equal(x_gathered.cpu().view(torch.uint8), payload.view(torch.uint8)), f"{what}: gathered bytes"
         want_s = fp8_cases.gathered_scales(mode, xs, rank)
         assert torch.equal(s_gathered.cpu(), want_s), f"{what}: gathered scales differ"
-    want, bound = fp8_cases.reference(op, mode, xs, ws, b, rank, out_dtype, HOPPER_FP8_ACCUMULATOR)
-    fp8_cases.check(what, got.cpu(), want, bound, out_dtype)
+    want, bound = fp8_reference.reference(op, mode, xs, ws, b, rank, out_dtype, u_acc=HOPPER_FP8_ACCUMULATOR)
+    fp8_reference.assert_close(what, got.cpu(), want, bound, out_dtype)
 
 
 def public_case(rank: int, world: int, group, dev, op: str, mode: str, seed: int) -> None:
@@ -75,7 +76,7 @@ def public_case(rank: int, world: int, group, dev, op: str, mode: str, seed: int
     from kernels import fp8
 
     m, k, n = 37, 272, 136
-    xs, ws, b = fp8_cases.make_inputs(op, world, m, k, n, mode, True, torch.bfloat16, seed)
+    xs, ws, b = fp8_reference.make_inputs(op, world, m, k, n, mode, True, torch.bfloat16, seed)
     x, x_scale, w, w_scale, bias_t = _to(dev, *xs[rank], *ws[rank], b)
     fn = {
         "ag": fp8.all_gather_scaled_matmul,
@@ -100,8 +101,10 @@ def public_case(rank: int, world: int, group, dev, op: str, mode: str, seed: int
         setattr(kernel, name, inner)
     # The dispatcher sends a fused call elsewhere with a warning (once per process): on a GPU a failure.
     assert calls == [name], f"public {op} {mode}: the fused kernels did not run: {[str(c.message) for c in caught]}"
-    want, bound = fp8_cases.reference(op, mode, xs, ws, b, rank, torch.bfloat16, HOPPER_FP8_ACCUMULATOR)
-    fp8_cases.check(f"public {op} {mode} W={world} rank={rank} (GPU)", got.cpu(), want, bound, torch.bfloat16)
+    want, bound = fp8_reference.reference(op, mode, xs, ws, b, rank, torch.bfloat16, u_acc=HOPPER_FP8_ACCUMULATOR)
+    fp8_reference.assert_close(
+        f"public {op} {mode} W={world} rank={rank} (GPU)", got.cpu(), want, bound, torch.bfloat16
+    )
 
 
 def gpu_ops_body(rank: int, world: int, mode: str, device: str = "cuda", case_shapes=None) -> int:

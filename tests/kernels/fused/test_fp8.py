@@ -1,7 +1,7 @@
 """Fused FP8 ops (all-gather + scaled GEMM, scaled GEMM + reduce-scatter / all-reduce) under the interpreter.
 
 Every op x scaling mode on spawned gloo ranks against the fp64 product of the dequantized inputs,
-within the bound of kernels.fp8.numerics (promoted model, see fp8_cases); k = 136 and 200 (not multiples
+within the bound of kernels.fp8.numerics (promoted model; kernels.testing.fp8); k = 136 and 200 (not multiples
 of 128: partial scale blocks), odd row counts, bf16 / fp32 outputs; the gathered payload and scales
 bit-exact; repeated reducing calls bitwise identical; ranks that disagree refused by name.
 """
@@ -9,6 +9,7 @@ bit-exact; repeated reducing calls bitwise identical; ranks that disagree refuse
 import pytest
 import torch
 
+from kernels.testing import fp8 as fp8_reference
 from kernels.testing import run_ranks
 from tests.kernels.fused import fp8_cases
 
@@ -73,18 +74,13 @@ def test_scaled_tile_core_every_k_step(mode):
         (7, 200, 40, torch.float8_e4m3fn, torch.bfloat16),
         (1, 130, 5, torch.float8_e5m2, torch.float32),
     ):
-        x, xs = fp8_cases.quantize(torch.randn(m, k, generator=g), mode, False, x_dtype)
-        w, ws = fp8_cases.quantize(torch.randn(n, k, generator=g) * 3, mode, True)
+        x, xs = fp8_reference.quantize(torch.randn(m, k, generator=g), mode, False, x_dtype)
+        w, ws = fp8_reference.quantize(torch.randn(n, k, generator=g) * 3, mode, True)
         b = torch.randn(n, generator=g).to(out_dtype)
-        want = fp8_cases.dequant(x, xs, mode, False) @ fp8_cases.dequant(w, ws, mode, True).T + b.double()
-        s = (
-            fp8_cases.dequant(x, xs, mode, False).abs() @ fp8_cases.dequant(w, ws, mode, True).abs().T
-            + b.double().abs()
-        )
-        bound = fp8_cases.bound(want, s, k, 1, out_dtype)
+        want, bound = fp8_reference.reference("ar", mode, [(x, xs)], [(w, ws)], b, 0, out_dtype)
         for block_k in (16, 32, 64, 128):
             got = scaled_matmul(x, xs, w, ws, b, mode, out_dtype, replace(CPU_FP8_BLOCKS, block_k=block_k))
-            fp8_cases.check(f"{mode} m={m} k={k} block_k={block_k}", got, want, bound, out_dtype)
+            fp8_reference.assert_close(f"{mode} m={m} k={k} block_k={block_k}", got, want, bound, out_dtype)
 
 
 def test_scaled_tile_core_propagates_nan_and_inf_payloads():
