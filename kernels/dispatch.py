@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import agree, library
 from .backends import fused_unavailable as _fused_unavailable
 from .config import get_config
+from .op_registration import assume_constant_result
 from .tune import choose_parallel_num
 
 _warned: set[str] = set()
@@ -48,7 +49,7 @@ def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     return torch.empty((), dtype=dtype, device=device).expand(shape)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def shape_keys(backend: str | None, parallel_num: int | None) -> None | str | tuple:
     """What of the op's shape the choice depends on in the current environment: ``None``, nothing;
     ``"exact"``, the shape itself (``COC_CHECK=1`` compares it, ``auto`` tunes for it); else the
@@ -74,7 +75,7 @@ def _matching_key(keys: tuple, m: int, k: int, n: int) -> tuple[int, int, int]:
     return (0, 0, 0)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _decide(
     op: str,
     backend: str | None,

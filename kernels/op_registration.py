@@ -16,6 +16,15 @@ import torch
 LIB = torch.library.Library("coc", "FRAGMENT")
 
 
+def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo``: that import takes
+    about a second of every ``import kernels``, in every rank a launcher starts. torch's decorator
+    only marks ``fn`` (``_dynamo_marked_constant``), which Dynamo reads when it traces a call;
+    tests/kernels/test_compile.py checks that torch's decorator still sets exactly this mark."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
 def define_op(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> torch._ops.OpOverload:
     """Define ``coc::<schema>``, register ``impl`` for every device (``CompositeExplicitAutograd``: the
     op is forward-only; autograd Functions wrap it) and ``fake`` (output shapes, dtypes and devices

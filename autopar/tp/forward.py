@@ -13,6 +13,7 @@ import torch
 
 from kernels import checks
 from kernels.config import get_config
+from kernels.op_registration import assume_constant_result
 
 from .comm import GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
 from .functions import (
@@ -24,7 +25,7 @@ from .functions import (
 from .wgrad import WgradOptions
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _column_settings() -> tuple[bool, bool]:
     """``(recompute_all_gather, enable_coc_in_column_backward)`` from the config; read while tracing
     under ``torch.compile`` and kept as constants of the graph (the config reads files)."""

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .. import checks, comm, dispatch
 from ..config import get_config
+from ..op_registration import assume_constant_result
 from . import library
 from .scales import FP8_DTYPES, MODES, OUT_DTYPES, check_fp8, check_operands, check_scale_values, flatten_x_scale
 from .scales import value_check_wanted as _value_check_wanted
@@ -30,7 +31,7 @@ from .scales import value_check_wanted as _value_check_wanted
 _warned: set[str] = set()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _fused_missing(op: str) -> str | None:
     """Why the fused FP8 function of ``op`` cannot be imported, or None."""
     try:

@@ -578,3 +578,24 @@ def _flat(out: Any) -> list[torch.Tensor]:
 def test_dims_and_weight_lists_fake_outputs_and_opcheck_world2() -> None:
     results = run_ranks(_dims_fake_and_opcheck_rank, 2, timeout=600)
     assert results == [[], []], results
+
+
+def test_constant_result_mark_is_torchs_and_import_skips_dynamo() -> None:
+    """``kernels.op_registration.assume_constant_result`` marks a function as torch's decorator does (if
+    torch changes how, this fails rather than compiled dispatch silently re-deciding per call), and
+    importing the package does not import ``torch._dynamo``."""
+    import subprocess
+    import sys
+
+    from kernels.op_registration import assume_constant_result
+
+    def ours() -> int:
+        return 1
+
+    def torchs() -> int:
+        return 1
+
+    assert vars(assume_constant_result(ours)) == vars(torch.compiler.assume_constant_result(torchs)) != {}
+    code = "import sys, kernels, autopar; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
