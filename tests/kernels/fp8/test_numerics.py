@@ -27,6 +27,7 @@ def test_fp8_ops_within_bound(world: int) -> None:
 
 @pytest.mark.one_triton  # the fused FP8 kernels' own tests (tests/kernels/fused/test_fp8.py) rerun under 3.6
 def test_fp8_ops_within_bound_fused() -> None:
-    # World 1 runs the fused GEMM alone (no peer), world 2 the communicating kernels.
-    for world in (1, 2):
-        _check(run_ranks(numerics_rank, world, ("fused",), False, timeout=600))
+    # World 1: the fused GEMM alone (no peer). The communicating kernels are checked against the same
+    # reference and bound (kernels.testing.fp8) at W = 2, 3, 4 by tests/kernels/fused/test_fp8.py, every
+    # op x mode with bf16 and fp32 outputs, so the table's W = 2 fused run would only repeat them.
+    _check(run_ranks(numerics_rank, 1, ("fused",), False, timeout=600))
