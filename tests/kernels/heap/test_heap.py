@@ -1,11 +1,8 @@
 """Symmetric heap on POSIX shared memory: mapping, growth, permissions, no leak in /dev/shm."""
 
-import multiprocessing as mp
 import os
 import signal
 import stat
-import sys
-import tempfile
 import time
 
 import pytest
@@ -13,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.heap import shm
-from kernels.testing import REPO_ROOT, run_ranks
+from kernels.testing import run_ranks
 
 
 def _own_segments(pid: int) -> list[str]:
@@ -91,44 +88,44 @@ def test_segment_mode_is_0600_and_name_unguessable():
     assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
 
 
-def _kill_worker(rank: int, world: int, store_path: str, ready) -> None:
-    sys.path.insert(0, REPO_ROOT)
-    import datetime
+def _proc_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie awaiting its parent, the test process, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def _killed_body(rank: int, world: int, pid_file: str) -> None:
+    """Every rank maps the heap; rank 1 is SIGKILLed, rank 0 checks that nothing of either is left in
+    /dev/shm, records both pids and is SIGKILLed too (the test checks again after it)."""
+    import json
 
     from kernels.heap import get_heap
 
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store_path, world),
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    get_heap(dist.group.WORLD, torch.device("cpu"), 1 << 16, 8)
-    ready.put((rank, os.getpid()))
-    time.sleep(120)
+    group = dist.new_group(list(range(world)))
+    get_heap(group, torch.device("cpu"), 1 << 16, 8)
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid(), group=group)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not _proc_gone(pids[1]):
+        assert time.monotonic() < deadline, f"rank 1 (pid {pids[1]}) still alive 60 s after SIGKILL"
+        time.sleep(0.05)
+    leftover = {pid: _own_segments(pid) for pid in pids}
+    with open(pid_file, "w") as f:
+        json.dump({"pids": pids, "leftover_after_rank1": leftover}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_killed_ranks_leak_no_segment():
-    ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_kill_worker, args=(r, 2, os.path.join(tmp, "store"), ready), daemon=True)
-            for r in range(2)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            pids = dict(ready.get(timeout=90) for _ in procs)
-            os.kill(pids[1], signal.SIGKILL)
-            procs[1].join(10)
-            assert all(_own_segments(pid) == [] for pid in pids.values())
-            os.kill(pids[0], signal.SIGKILL)
-            procs[0].join(10)
-            assert all(_own_segments(pid) == [] for pid in pids.values())
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
+def test_killed_ranks_leak_no_segment(tmp_path):
+    import json
+
+    pid_file = str(tmp_path / "pids.json")
+    assert run_ranks(_killed_body, 2, pid_file, allow_dead=True, timeout=120) == [None, None]
+    with open(pid_file) as f:
+        record = json.load(f)
+    assert all(not names for names in record["leftover_after_rank1"].values()), record
+    assert all(_own_segments(pid) == [] for pid in record["pids"]), record
