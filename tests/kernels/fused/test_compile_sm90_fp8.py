@@ -294,24 +294,37 @@ def _cases():
     return cases
 
 
+def _compile_case(i: int) -> tuple[str, int, int, set[str], str | None, bool]:
+    """Compile case ``i`` of :func:`_cases`: ``(label, registers, spilled bytes, GMMA forms, wanted form,
+    16-byte cp.async present)``. Cases are rebuilt by index in the worker (kernels do not pickle)."""
+    label, fn, args, num_warps, num_stages, form = _cases()[i]
+    kernel = compile_like_launch(fn, args, num_warps, num_stages)
+    regs, spills = resources(kernel)
+    return label, regs, spills, gmma_forms(kernel), form, bool(CP_ASYNC_16.search(kernel.asm["ptx"]))
+
+
 def main() -> None:
+    import multiprocessing
+    import os
+
     import triton
 
     failures = []
-    print(f"Triton {triton.__version__}")
+    # Compiles are independent and spend their time in MLIR and ptxas: one process per core, as
+    # compile_gemm_space does.
+    workers = max(1, min(4, os.cpu_count() or 1))
+    print(f"Triton {triton.__version__} ({workers} processes)")
     print(f"{'kernel':62} {'regs':>5} {'spill B':>8}  GMMA")
-    for label, fn, args, num_warps, num_stages, form in _cases():
-        kernel = compile_like_launch(fn, args, num_warps, num_stages)
-        regs, spills = resources(kernel)
-        forms = gmma_forms(kernel)
-        print(f"{label:62} {regs:5d} {spills:8d}  {' '.join(sorted(forms)) or '-'}", flush=True)
-        allowed, _ = next((v for p, v in ALLOWED.items() if label.startswith(p)), (0, ""))
-        if spills > allowed:
-            failures.append(f"{label}: {spills} bytes of register spills")
-        if form is not None and forms != {form}:
-            failures.append(f"{label}: GMMA forms {sorted(forms)}, want only {form}")
-        if form is not None and form.startswith("QGMMA") and not CP_ASYNC_16.search(kernel.asm["ptx"]):
-            failures.append(f"{label}: no 16-byte cp.async (FP8 operand loads not pipelined)")
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        for label, regs, spills, forms, form, cp_async_16 in pool.imap(_compile_case, range(len(_cases()))):
+            print(f"{label:62} {regs:5d} {spills:8d}  {' '.join(sorted(forms)) or '-'}", flush=True)
+            allowed, _ = next((v for p, v in ALLOWED.items() if label.startswith(p)), (0, ""))
+            if spills > allowed:
+                failures.append(f"{label}: {spills} bytes of register spills")
+            if form is not None and forms != {form}:
+                failures.append(f"{label}: GMMA forms {sorted(forms)}, want only {form}")
+            if form is not None and form.startswith("QGMMA") and not cp_async_16:
+                failures.append(f"{label}: no 16-byte cp.async (FP8 operand loads not pipelined)")
     report_failures(failures, "compiled: no spills, FP8 wgmma in every aligned FP8 GEMM")
 
 
