@@ -161,22 +161,18 @@ def _run_job(job: tuple[str, int]) -> tuple[str, int, int, list[str]]:
 
 
 def main() -> None:
-    import multiprocessing
-    import os
-
     import triton
+
+    from tests.kernels.fused.sm90 import compile_jobs
 
     start = time.time()
     jobs = _jobs()
-    # Compiles are independent and mostly outside the GIL's reach (MLIR, ptxas): one process per core
-    # keeps the test's wall time bounded on CI machines with a few cores.
-    workers = max(1, min(4, os.cpu_count() or 1))
     failures = []
+    workers, results = compile_jobs(_run_job, jobs)
     print(f"Triton {triton.__version__}: {'config':58} {'regs':>5} {'spill B':>8}  sass ({workers} processes)")
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        for label, regs, spilled, problems in pool.imap(_run_job, jobs):
-            print(f"{label:66} {regs:5d} {spilled:8d}  {'ok' if not problems else '; '.join(problems)}", flush=True)
-            failures += [f"{label}: {p}" for p in problems]
+    for label, regs, spilled, problems in results:
+        print(f"{label:66} {regs:5d} {spilled:8d}  {'ok' if not problems else '; '.join(problems)}", flush=True)
+        failures += [f"{label}: {p}" for p in problems]
     print(f"{len(jobs)} kernels in {time.time() - start:.1f} s")
     if failures:
         print("FAILED\n" + "\n".join(failures))

@@ -99,6 +99,21 @@ def run_compile_check(module: str, expect: str, timeout: int = 900) -> None:
     assert expect in proc.stdout
 
 
+def compile_jobs(job: Any, jobs: list) -> tuple[int, Any]:
+    """``(processes, results in order)``: ``job(j)`` for each ``j`` of ``jobs`` in one forked process per
+    core (at most 4). Compiles are independent and spend their time in MLIR and ptxas, outside the GIL;
+    jobs are indices or plain data, rebuilt into kernels in the worker (kernels do not pickle)."""
+    import multiprocessing
+
+    workers = max(1, min(4, os.cpu_count() or 1))
+
+    def results() -> Any:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            yield from pool.imap(job, jobs)
+
+    return workers, results()
+
+
 def report_failures(failures: list[str], success: str) -> None:
     """Print ``success``, or the failures and exit 1 (the last words of a compile check's ``main``)."""
     if failures:

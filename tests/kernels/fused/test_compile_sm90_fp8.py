@@ -21,6 +21,7 @@ import re
 
 from tests.kernels.fused.sm90 import (
     CP_ASYNC_16,
+    compile_jobs,
     compile_like_launch,
     gather_rows_args,
     reduce_slots_args,
@@ -304,27 +305,21 @@ def _compile_case(i: int) -> tuple[str, int, int, set[str], str | None, bool]:
 
 
 def main() -> None:
-    import multiprocessing
-    import os
-
     import triton
 
     failures = []
-    # Compiles are independent and spend their time in MLIR and ptxas: one process per core, as
-    # compile_gemm_space does.
-    workers = max(1, min(4, os.cpu_count() or 1))
+    workers, results = compile_jobs(_compile_case, list(range(len(_cases()))))
     print(f"Triton {triton.__version__} ({workers} processes)")
     print(f"{'kernel':62} {'regs':>5} {'spill B':>8}  GMMA")
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        for label, regs, spills, forms, form, cp_async_16 in pool.imap(_compile_case, range(len(_cases()))):
-            print(f"{label:62} {regs:5d} {spills:8d}  {' '.join(sorted(forms)) or '-'}", flush=True)
-            allowed, _ = next((v for p, v in ALLOWED.items() if label.startswith(p)), (0, ""))
-            if spills > allowed:
-                failures.append(f"{label}: {spills} bytes of register spills")
-            if form is not None and forms != {form}:
-                failures.append(f"{label}: GMMA forms {sorted(forms)}, want only {form}")
-            if form is not None and form.startswith("QGMMA") and not cp_async_16:
-                failures.append(f"{label}: no 16-byte cp.async (FP8 operand loads not pipelined)")
+    for label, regs, spills, forms, form, cp_async_16 in results:
+        print(f"{label:62} {regs:5d} {spills:8d}  {' '.join(sorted(forms)) or '-'}", flush=True)
+        allowed, _ = next((v for p, v in ALLOWED.items() if label.startswith(p)), (0, ""))
+        if spills > allowed:
+            failures.append(f"{label}: {spills} bytes of register spills")
+        if form is not None and forms != {form}:
+            failures.append(f"{label}: GMMA forms {sorted(forms)}, want only {form}")
+        if form is not None and form.startswith("QGMMA") and not cp_async_16:
+            failures.append(f"{label}: no 16-byte cp.async (FP8 operand loads not pipelined)")
     report_failures(failures, "compiled: no spills, FP8 wgmma in every aligned FP8 GEMM")
 
 
