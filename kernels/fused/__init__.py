@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..heap import cupy_install_hint, import_cupy
 from . import (
-    interpreter_compat,  # noqa: F401  (repairs Triton 3.6's interpreter under NumPy >= 2.4)
+    interpreter_compat,  # noqa: F401  (repairs of the Triton interpreter, see the module)
     runtime,
 )
 from .ag_gemm import all_gather_matmul, all_gather_matmul_multi
