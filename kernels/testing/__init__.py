@@ -9,6 +9,8 @@
   dequantized inputs and the bound of ``kernels.fp8.numerics``);
 * :mod:`~kernels.testing.heap`: heap presizing and scrambling before a checked call;
 * :mod:`~kernels.testing.program_order`: run an interpreted launch's programs in another order.
+* :mod:`~kernels.testing.compile`: a ``torch.compile`` backend with Inductor's graph passes and no code
+  generation (tests of graph rewrites).
 
 docs/testing.md describes how tests use it.
 """
