@@ -21,6 +21,7 @@ def _compiled_mlp(rank: int, world: int, sequence_parallel: bool, backend_env: s
     )
 
     from kernels import inductor_pass
+    from kernels.testing.compile import graph_passes_backend
 
     if backend_env:
         os.environ["COC_PARALLEL_NUM"] = backend_env
@@ -44,7 +45,9 @@ def _compiled_mlp(rank: int, world: int, sequence_parallel: bool, backend_env: s
     x = torch.randn(4 * world, 3, h)  # [s, b, h]
     inductor_pass.clear_report()
     with inductor_pass.use_inductor_pass():
-        compiled = torch.compile(model)
+        # Inductor compiles the sequential backend's graphs; the chunked backend's differ in the coc ops'
+        # backend argument only, and run Inductor's graph passes without its code generation.
+        compiled = torch.compile(model, backend=graph_passes_backend if backend_env else "inductor")
         if sequence_parallel:
             from torch.distributed.tensor import DTensor
 
