@@ -2,7 +2,11 @@
 
 Starting a rank costs seconds (importing torch), so one pool of ``W`` processes is spawned per
 ``(world_size, backend, device)`` and kept for the whole session, like PyTorch's
-``MultiProcContinuousTest``. A rank body is a module-level function ``fn(rank, world_size, *args)``;
+``MultiProcContinuousTest``. Ranks are forked from multiprocessing's fork server, which imports torch
+once (``set_forkserver_preload``) and nothing else: no Triton, no CUDA context, no threads to fork. A
+rank starts with torch already imported, then takes the starting process's environment as its own
+(the fork server's is that of the first pool's start) with the pool's variables applied, before it
+imports anything else. A rank body is a module-level function ``fn(rank, world_size, *args)``;
 :func:`run_ranks` ships it (by reference, through pickle) to every rank of the pool, waits for all
 of them with a deadline and returns their results in rank order.
 
@@ -36,7 +40,6 @@ import multiprocessing.util as mp_util
 import os
 import queue
 import shutil
-import sys
 import tempfile
 import time
 import traceback
@@ -102,11 +105,21 @@ def _apply_env(env: dict[str, str | None]) -> None:
             os.environ[k] = v
 
 
-def _worker(
-    rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any, env: dict[str, str | None]
-) -> None:
-    _apply_env(env)
-    sys.path.insert(0, REPO_ROOT)
+# A rank's first code: nothing of this package may be imported before the environment is the starting
+# process's (TRITON_INTERPRET decides how triton behaves from its import on; ``import kernels`` reads
+# COC_INDUCTOR_PASS). The fork server imports the target's module while unpickling it, so the target is
+# the builtin ``exec`` running this text, which imports the package only once the environment is set.
+_BOOT = """
+import os, sys
+os.environ.clear()
+os.environ.update(environ)
+sys.path.insert(0, repo_root)
+from kernels.testing.ranks import _worker
+_worker(*worker_args)
+"""
+
+
+def _worker(rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any) -> None:
     _private_pymp_dir(os.path.dirname(store_path))
     import datetime
 
@@ -114,7 +127,7 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if env.get("TRITON_INTERPRET") is None and torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") is None and torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(
@@ -156,7 +169,8 @@ class RankPool:
         self.device = device
         self.dead = False
         self._closing = False
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch"])
         # Removed by kill(), after the ranks are gone, not by a TemporaryDirectory finalizer: that
         # one runs at interpreter exit before close_pools() and would pull the dir from under
         # ranks still removing their own pymp-* dir in it.
@@ -164,25 +178,30 @@ class RankPool:
         store_path = os.path.join(self._tmp, "store")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        env = dict(RANK_ENV[device])
+        environ = dict(os.environ)
+        for k, v in RANK_ENV[device].items():
+            if v is None:
+                environ.pop(k, None)
+            else:
+                environ[k] = v
         self._procs = [
             ctx.Process(
-                target=_worker,
+                target=exec,
                 daemon=True,
                 name=f"coc-rank{r}-of{world_size}-{device}",
-                args=(r, world_size, backend, store_path, self._tasks[r], self._results, env),
+                args=(
+                    _BOOT,
+                    {
+                        "environ": environ,
+                        "repo_root": REPO_ROOT,
+                        "worker_args": (r, world_size, backend, store_path, self._tasks[r], self._results),
+                    },
+                ),
             )
             for r in range(world_size)
         ]
-        # A spawned child imports this module, hence kernels and triton, before _worker runs: the
-        # environment that picks the interpreter must be in place at its birth.
-        saved = {k: os.environ.get(k) for k in env}
-        _apply_env(env)
-        try:
-            for p in self._procs:
-                p.start()
-        finally:
-            _apply_env(saved)
+        for p in self._procs:
+            p.start()
         ready = self._collect(start_timeout, allow_dead=False)
         bad = [o for o in ready if o is None or not o.ok]
         if bad:

@@ -38,6 +38,12 @@ def _read_env(rank, world_size):
     return os.environ.get("COC_HARNESS_PROBE")
 
 
+def _birth_env(rank, world_size):
+    import sys
+
+    return os.environ.get("COC_HARNESS_BIRTH"), os.environ.get("TRITON_INTERPRET"), "torch" in sys.modules
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_results_in_rank_order(world):
     expected = float(sum(range(world)) + world * 10)
@@ -47,6 +53,24 @@ def test_results_in_rank_order(world):
 def test_env_is_scoped_to_the_call():
     assert run_ranks(_read_env, 2, env={"COC_HARNESS_PROBE": "x"}) == ["x", "x"]
     assert run_ranks(_read_env, 2) == [None, None]
+
+
+def test_ranks_start_with_the_environment_of_their_pools_start(monkeypatch):
+    # Ranks fork from a server started with an earlier environment; each takes the one of its pool's
+    # start (plus the pool kind's variables), as a spawned process would, and torch comes preloaded.
+    from kernels.testing.ranks import RankPool
+
+    monkeypatch.setenv("COC_HARNESS_BIRTH", "cpu pool")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cpu = RankPool(2)
+    monkeypatch.setenv("COC_HARNESS_BIRTH", "cuda pool")
+    cuda = RankPool(1, device="cuda")
+    try:
+        assert cpu.run(_birth_env, (), {}, 60, {}, False) == [("cpu pool", "1", True)] * 2
+        assert cuda.run(_birth_env, (), {}, 60, {}, False) == [("cuda pool", None, True)]
+    finally:
+        cpu.close()
+        cuda.close()
 
 
 def test_exception_names_rank():
