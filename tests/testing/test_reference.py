@@ -11,7 +11,6 @@ from kernels.testing import (
     quantized_weights,
     reference,
     rows_of,
-    run_ranks,
     scramble,
     seeded_randn,
     tolerance,
