@@ -17,8 +17,9 @@ SLACK_S = 30.0
 
 def test_back_to_back_calls():
     # Four rounds of the six ops over all four shapes: every op follows every other op's epoch, and
-    # the heap grows mid-run (back_to_back_body asserts it).
-    assert run_ranks(fused_cases.back_to_back_body, 3, 24, timeout=240) == [24, 24, 24]
+    # the heap grows mid-run (back_to_back_body asserts it). World 2, a core per rank: the epochs and the
+    # heap growth do not depend on the world size (the odd world's ops run in test_ops.py).
+    assert run_ranks(fused_cases.back_to_back_body, 2, 24, timeout=240) == [24, 24]
 
 
 @pytest.mark.parametrize("op", ["ag", "rs", "ar_two"])
