@@ -11,6 +11,9 @@ PY := $(VENV)/bin/python
 # The CPU wheel where one is available locally; on a GPU machine pip picks the CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): two keep both cores of a CI machine busy while a test's ranks wait on
+# each other, a sleep or a compiler; 0 runs the tests in one process.
+PYTEST_WORKERS ?= 2
 VENV_TRITON36 ?= .venv-triton36
 PY_TRITON36 := $(VENV_TRITON36)/bin/python
 TRITON36_VERSION ?= 3.6.0
@@ -39,14 +42,14 @@ demo: venv
 	$(PY) -m autopar.demo
 
 test: venv
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 test-triton36: venv-triton36
-	COC_TEST_SMALLEST_WORLD=1 $(PY_TRITON36) -m pytest tests -m "triton and not one_triton" $(PYTEST_ARGS)
+	COC_TEST_SMALLEST_WORLD=1 $(PY_TRITON36) -m pytest tests -m "triton and not one_triton" -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 bench: venv
 	$(PY) -m bench --suite tiny

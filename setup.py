@@ -18,6 +18,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-timeout>=2.1",
+            "pytest-xdist>=3.5",
             "megatron-core>=0.9",
             "matplotlib>=3.5",
             "ruff==0.17.6",
