@@ -89,11 +89,12 @@ def test_segment_mode_is_0600_and_name_unguessable():
 
 
 def _proc_gone(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie awaiting its parent, the test process, counts as gone)."""
+    """True once ``pid`` has exited. A zombie awaiting its parent counts as gone; the parent (the fork server)
+    may also reap it while its status file is read, which then raises ProcessLookupError."""
     try:
         with open(f"/proc/{pid}/status") as f:
             return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return True
 
 
