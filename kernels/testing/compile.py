@@ -39,26 +39,15 @@ def _post_grad_graph_runner(gm: torch.fx.GraphModule, example_inputs: Sequence[A
     return make_boxed_func(gm.forward)
 
 
-def _hooks_available() -> bool:
-    try:
-        from torch._functorch.aot_autograd import make_boxed_func  # noqa: F401
-        from torch._inductor.compile_fx import (  # noqa: F401
-            _recursive_post_grad_passes,
-            compile_fx,
-            fake_tensor_prop,
-            view_to_reshape,
-        )
-        from torch._inductor.virtualized import V  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def graph_passes_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     """``torch.compile(model, backend=graph_passes_backend)``: Inductor's graphs run eagerly (module docstring)."""
     from torch._inductor.compile_fx import compile_fx
 
-    if not _hooks_available():
+    try:
+        from torch._functorch.aot_autograd import make_boxed_func  # noqa: F401
+        from torch._inductor.compile_fx import _recursive_post_grad_passes, fake_tensor_prop, view_to_reshape  # noqa: F401
+        from torch._inductor.virtualized import V  # noqa: F401
+    except ImportError:
         warnings.warn(
             "kernels.testing.graph_passes_backend: this torch lacks the Inductor hooks it uses; "
             "compiling with Inductor itself",

@@ -43,7 +43,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,12 +97,12 @@ def _private_pymp_dir(parent: str) -> None:
         tempfile.tempdir = saved
 
 
-def _apply_env(env: dict[str, str | None]) -> None:
+def _apply_env(env: dict[str, str | None], into: MutableMapping[str, str] = os.environ) -> None:
     for k, v in env.items():
         if v is None:
-            os.environ.pop(k, None)
+            into.pop(k, None)
         else:
-            os.environ[k] = v
+            into[k] = v
 
 
 # A rank's first code: nothing of this package may be imported before the environment is the starting
@@ -179,11 +179,7 @@ class RankPool:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         environ = dict(os.environ)
-        for k, v in RANK_ENV[device].items():
-            if v is None:
-                environ.pop(k, None)
-            else:
-                environ[k] = v
+        _apply_env(RANK_ENV[device], environ)
         self._procs = [
             ctx.Process(
                 target=exec,
