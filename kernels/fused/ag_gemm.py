@@ -134,8 +134,12 @@ def _ag_gemm_kernel(
     # Own shard first (already local), then ring order: the flags arrive roughly in that order.
     src = (rank + pid_m // tiles_per_shard) % WORLD
     first_row = (pid_m % tiles_per_shard) * BLOCK_M
-    # chunk_rows is a multiple of BLOCK_M, so a tile lies in exactly one chunk.
-    flag = flag_offset + src * FLAG_STRIDE + first_row // chunk_rows
+    # chunk_rows is the same on every rank (it follows the checked m_local only) while BLOCK_M is this
+    # rank's own (tuned by its n, which column shards need not share): a tile waits for every chunk
+    # of src's shard its rows overlap.
+    flags = flag_offset + src * FLAG_STRIDE
+    first_chunk = first_row // chunk_rows
+    last_chunk = (tl.minimum(first_row + BLOCK_M, M_LOCAL) - 1) // chunk_rows
     local_rows = first_row + tl.arange(0, BLOCK_M).to(tl.int64)
     mask_m = local_rows < M_LOCAL
     # Rows of the gather buffer G (source-major: shard src at rows [src * M_LOCAL, ...)).
@@ -183,7 +187,11 @@ def _ag_gemm_kernel(
 
     else:
         epoch = signals.call_epoch(pad)
-        if signals.wait_signal(pad + flag, epoch, pad, timeout, 1 + src + WORLD * CHANNEL, USE_GLOBALTIMER):
+        code = 1 + src + WORLD * CHANNEL
+        ready = signals.wait_signal(pad + flags + first_chunk, epoch, pad, timeout, code, USE_GLOBALTIMER)
+        for c in range(first_chunk + 1, last_chunk + 1):
+            ready = ready & signals.wait_signal(pad + flags + c, epoch, pad, timeout, code, USE_GLOBALTIMER)
+        if ready:
             g_local = signals.peer_ptr(data_tab_ptr, rank, y_ptr.dtype.element_ty)
             if STORE_A and SPLIT_BLOCKS:
                 if pid_n == 0:
@@ -257,6 +265,15 @@ def _push_shard_kernel(
         signals.send_signal(
             signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + FLAG_OFFSET + rank * FLAG_STRIDE + c, signals.call_epoch(pad)
         )
+
+
+def _chunk_rows(device: torch.device, m_local: int) -> int:
+    """Rows per pushed chunk of a shard: a peer flags each chunk and the GEMM here waits on those flags,
+    so every rank must count the same chunks. They follow ``m_local`` (in the checked descriptor) and
+    the untuned tile height for it, never the tuned tiles, which each rank looks up by its own ``n``
+    (ranks may differ in ``n``); a tile of another height waits for every chunk it overlaps."""
+    base = block_config(device, m_local)
+    return max(1, triton.cdiv(triton.cdiv(m_local, base.ag_splits), base.block_m)) * base.block_m
 
 
 def _push_shard(call: runtime.FusedCall, x: torch.Tensor, chunk_rows: int, side: torch.cuda.Stream | None) -> bool:
@@ -472,10 +489,8 @@ def _all_gather_matmul(
     # The call check waits for every peer's descriptor of this epoch, which each peer publishes
     # only after its previous call's kernels finished: its gather buffer is free to overwrite.
     with runtime.fused_call("all_gather_matmul", group, x.device, data_bytes, descriptor) as call:
-        # m_local, k and dtype are in the checked descriptor, so every rank picks the same tiles and
-        # chunk_rows (a peer's push flags chunks the GEMM here waits on).
         cfg = block_config(x.device, m_local, k, x.dtype, op="all_gather_matmul", n=n)
-        chunk_rows = max(1, triton.cdiv(triton.cdiv(m_local, cfg.ag_splits), cfg.block_m)) * cfg.block_m
+        chunk_rows = _chunk_rows(x.device, m_local)
         side = _side_stream(x.device) if x.device.type == "cuda" else None
         forked = _push_shard(call, x, chunk_rows, side)
         try:

@@ -297,6 +297,32 @@ def edge_shapes_body(rank: int, world: int) -> int:
     return len(cases)
 
 
+def per_rank_tiles_body(rank: int, world: int) -> list[int]:
+    """``all_gather_matmul`` on uneven column shards (n = 16 on even ranks, 64 on odd ones) under a tuned
+    file (``COC_TUNED_DIR``, written by the test) that gives each n another tile height: the tiles are
+    each rank's own choice, while the chunks a rank pushes and the flags its peers wait on must not
+    depend on them. Returns the tile heights the ranks ran with."""
+    from kernels.fused import gemm
+
+    dev = torch.device("cpu")
+    group = dist.group.WORLD
+    presize(group, dev)
+    m_local, k = 24, 20
+    ns = [16 if r % 2 == 0 else 64 for r in range(world)]
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randn(m_local, k, generator=g) for _ in range(world)]
+    ws = [torch.randn(n, k, generator=g) for n in ns]
+    cfg = gemm.block_config(dev, m_local, k, torch.float32, op="all_gather_matmul", n=ns[rank])
+    for op in ("ag", "ag_v2"):
+        scramble(group, dev)
+        if rank == 0:
+            time.sleep(STRAGGLER_S)  # its peers' tiles of its rows must wait for every chunk they cover
+        got = run_op(op, xs[rank], ws[rank], None, group)
+        want = reference(op, xs, [ws[rank]], None, rank)
+        assert_close(f"{op} n={ns[rank]} block_m={cfg.block_m} rank={rank}", got, want, torch.float32)
+    return [cfg.block_m]
+
+
 def interrupted_call_body(rank: int, world: int, delay_s: float) -> None:
     """Rank 0's host abandons a reduce-scatter between its launches (an exception after the scatter)
     while rank 1's scatter of that call is ``delay_s`` late, so its increments reach rank 0's

@@ -43,6 +43,22 @@ def test_fused_deterministic_and_ranks_agree():
         assert all(torch.equal(outs[0][op][0], o[op][0]) for o in outs[1:]), f"{op}: ranks differ"
 
 
+def test_fused_all_gather_with_tiles_that_differ_by_rank(tmp_path):
+    # Column shards may differ in n, and the tuned file is looked up by n, so ranks may run the
+    # all-gather GEMM with different tile heights; the pushed chunks must still match what peers wait on.
+    from kernels.fused import tuned
+    from kernels.fused.gemm_configs import GemmConfig
+
+    tall, short = GemmConfig(32, 32, 16, 1, 1, 2), GemmConfig(16, 16, 16, 1, 1, 1)
+    entries = [
+        tuned.Entry("all_gather_matmul", "float32", 24, 16, 20, short),
+        tuned.Entry("all_gather_matmul", "float32", 24, 64, 20, tall),
+    ]
+    tuned.write(tmp_path / "cpu.yaml", entries, {"gpu": "test"})
+    got = run_ranks(fused_cases.per_rank_tiles_body, 2, env={tuned.ENV_TUNED_DIR: str(tmp_path)})
+    assert got == [[short.block_m], [tall.block_m]]
+
+
 def test_fused_singleton_group_is_plain_gemm():
     assert run_ranks(fused_cases.singleton_body, 2) == [3, 3]
 
