@@ -235,9 +235,11 @@ def wait_signal(flag_ptr, target, pad_ptr, timeout, code, USE_GLOBALTIMER: tl.co
     volatile loads, reads its clock and (GPU) sleeps with an exponential back-off, and leaves on its
     own. Threads may leave at different iterations (their clocks differ by nanoseconds), which is
     harmless because nothing inside the loop synchronizes them. The verdict after the loop comes
-    from one scalar acquire atomic (executed once, broadcast to every thread, so the result and
-    the branches on it are uniform); only then, on a failure, is the error word claimed with a
-    compare-and-swap, so a healthy wait costs no read-modify-write on the error word at all.
+    from one scalar acquire atomic on the flag and one relaxed read of the error word (each
+    executed once, broadcast to every thread, so the result and the branches on it are uniform):
+    a flag at its target with the error word set is a failure too, so a rank whose call check
+    failed stores nothing into peers. Only on a failure is the error word claimed with a
+    compare-and-swap.
     """
     value = tl.load(flag_ptr, volatile=True)
     err = tl.load(pad_ptr + _ERROR, volatile=True)
@@ -252,6 +254,10 @@ def wait_signal(flag_ptr, target, pad_ptr, timeout, code, USE_GLOBALTIMER: tl.co
         err = tl.load(pad_ptr + _ERROR, volatile=True)
         alive = _now(pad_ptr, USE_GLOBALTIMER) - t0 < timeout
     ok = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") >= target
+    # A flag already at its target says nothing of this rank's own state: after a failed check (or
+    # another program's timeout) the caller must not store into peers, whose previous call may still
+    # be reading the slots or whose counter bank this call's check never saw zeroed.
+    ok = ok & (failed(pad_ptr) == 0)
     if ok == 0:
         # A timeout, or an earlier failure of this rank (then the swap finds the word taken).
         if claim_error(pad_ptr, code):

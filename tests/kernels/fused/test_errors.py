@@ -321,3 +321,30 @@ def gated_push_body(rank: int, world: int) -> bool | None:
 def test_timed_out_check_pushes_nothing_into_peers():
     results = run_ranks(gated_push_body, 2, env={"COC_TIMEOUT": "1"}, timeout=90)
     assert results[1] is True, "rank 0 pushed into rank 1's gather buffer after its call check timed out"
+
+
+def gated_scatter_body(rank: int, world: int, op: str) -> bool | None:
+    """The reducing ops' twin of :func:`gated_push_body`: after rank 0's call check timed out, its
+    GEMM stores no tile into rank 1's slots and its reduce pushes nothing (rank 1's previous call is
+    over, so only the failed check can hold them back)."""
+    from kernels.heap import peek_heap
+
+    group = dist.new_group(list(range(world)))
+    xs, ws, b = fused_cases.make_inputs(op, world, 2 * world, 8, 6, False, 2)
+    fused_cases.run_op(op, xs[rank], ws[rank], b, group)
+    heap = peek_heap(group, torch.device("cpu"))
+    data = heap.data_view(heap.rank, torch.uint8, (heap.data_bytes,))
+    if rank == 1:
+        data.fill_(0x5A)
+    dist.barrier(group)
+    if rank == 0:
+        with pytest.raises(RuntimeError, match="to publish its call descriptor"):
+            fused_cases.run_op(op, xs[rank], ws[rank], b, group)
+    dist.barrier(group)
+    return bool((data == 0x5A).all()) if rank == 1 else None
+
+
+@pytest.mark.parametrize("op", ["rs", "ar_one", "ar_two"])
+def test_timed_out_check_scatters_nothing_into_peers(op):
+    results = run_ranks(gated_scatter_body, 2, op, env={"COC_TIMEOUT": "1"}, timeout=90)
+    assert results[1] is True, f"{op}: rank 0 wrote into rank 1's heap after its call check timed out"
