@@ -13,9 +13,9 @@ the signal pad, :mod:`kernels.fused.signals`), so a captured call replays correc
 times, in stream order with eager calls. What cannot be captured is refused with a RuntimeError
 inside capture: the group's first fused call on the device (it creates the heap with collectives)
 and a call that needs a larger heap (growth synchronizes and exchanges handles). A heap a graph
-captured is retired, not freed, when growth or a failure replaces it (the graph holds its
-addresses). Failures of a replayed call surface like those of an eager one: at the next fused call
-on the group or at :func:`check_errors`.
+captured is retired, not freed, when growth replaces it (the graph holds its addresses); so is
+every heap of a failed call (a slow peer may still store into it). Failures of a replayed call
+surface like those of an eager one: at the next fused call on the group or at :func:`check_errors`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .. import agree
 from ..capture import capturing
 from ..checks import group_size
 from ..config import get_config
-from ..heap import CallMismatch, SymmetricHeap, destroy_heap, get_heap, heaps_of, peek_heap
+from ..heap import CallMismatch, SymmetricHeap, get_heap, heaps_of, peek_heap, retire_heap
 from . import signals
 
 
@@ -136,12 +136,6 @@ _FAILED_GROUPS: dict[int, tuple[dist.ProcessGroup, str]] = {}
 def _refuse(op: str, group: dist.ProcessGroup, device: torch.device) -> None:
     failed = _FAILED_GROUPS.get(id(group))
     if failed is not None and failed[0] is group:
-        heap = peek_heap(group, device)
-        if heap is not None and not capturing(device):
-            # Left mapped by a failure found inside capture, where the device could not be synchronized.
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            destroy_heap(group, device, keep_captured=True)
         raise RuntimeError(
             f"fused {op}: an earlier fused call on this process group failed ({failed[1]}); "
             "its ranks no longer agree on the call sequence, so the fused path refuses the group. "
@@ -344,7 +338,9 @@ def _message(
 def raise_recorded(heap: SymmetricHeap) -> None:
     """Raise ``RuntimeError`` if a kernel recorded a failure on ``heap`` (a CPU read, no device sync).
 
-    The group is then refused by the fused path and the heap freed (its flags are inconsistent).
+    The group is then refused by the fused path and its heap retired: no longer used (its flags are
+    inconsistent) but kept mapped until ``kernels.heap.destroy_heap`` or exit, since a slow peer may
+    still store into it.
     """
     if heap.error_record is None or heap.closed or heap.failure_reported:
         return
@@ -359,14 +355,10 @@ def raise_recorded(heap: SymmetricHeap) -> None:
     message = _message(heap, code, epoch, mine, peer_words, int(view[signals.RECORD_TIMEOUT]))
     heap.failure_reported = True
     _FAILED_GROUPS[id(heap.group)] = (heap.group, message)
-    # Inside capture the device cannot be synchronized; the next call outside capture frees the heap.
-    if not capturing(heap.device):
-        if heap.device.type == "cuda":
-            # Kernels queued after the failure still reference the heap (they skip their work).
-            torch.cuda.synchronize(heap.device)
-        # A captured heap stays mapped: replays of its graph find the error word set, skip their
-        # work and fill their outputs with NaN.
-        destroy_heap(heap.group, heap.device, keep_captured=True)
+    # Not freed, so no synchronization either (inside capture there could be none): kernels queued
+    # after the failure and replays of a graph that captured a call on the heap still address it;
+    # they find the error word set, skip their work and fill their outputs with NaN.
+    retire_heap(heap.group, heap.device)
     raise RuntimeError(message)
 
 

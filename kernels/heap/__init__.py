@@ -30,6 +30,7 @@ __all__ = [
     "get_heap",
     "peek_heap",
     "heaps_of",
+    "retire_heap",
     "destroy_heap",
     "destroy_all_heaps",
     "cupy_install_hint",
@@ -41,7 +42,7 @@ def cupy_install_hint() -> str:
     """How to install the CuPy wheel matching torch's CUDA (CuPy ships one wheel per CUDA major)."""
     major = (torch.version.cuda or "12").split(".")[0]
     extra = "cuda13" if major == "13" else "cuda12"
-    return f"pip install coc[{extra}] (CuPy for CUDA {major}: cupy-cuda{major}x)"
+    return f"pip install coc-overlap[{extra}] (CuPy for CUDA {major}: cupy-cuda{major}x)"
 
 
 def import_cupy() -> Any:
@@ -54,9 +55,10 @@ def import_cupy() -> Any:
 
 
 _HEAPS: dict[tuple[int, str], tuple[object, SymmetricHeap]] = {}
-# Heaps replaced (grown) or dropped after a failure while a CUDA graph may still replay launches
-# that address them (``SymmetricHeap.captured``): kept mapped, and still read by ``heaps_of`` so a
-# replayed call's failure is reported, until destroy_heap / destroy_all_heaps frees them.
+# Heaps dropped after a failed call (a slow peer may still store into them), or grown while a CUDA
+# graph may still replay launches that address them (``SymmetricHeap.captured``): kept mapped, and
+# still read by ``heaps_of`` so a replayed call's failure is reported, until destroy_heap /
+# destroy_all_heaps frees them.
 _RETIRED: list[tuple[object, SymmetricHeap]] = []
 
 
@@ -78,7 +80,7 @@ def peek_heap(group: dist.ProcessGroup, device: torch.device) -> SymmetricHeap |
 
 def heaps_of(group: dist.ProcessGroup | None) -> list[SymmetricHeap]:
     """The cached heaps of ``group`` on every device (of every group when None), then its retired
-    captured heaps; no collective."""
+    heaps; no collective."""
     current = [heap for (gid, _), (_, heap) in list(_HEAPS.items()) if group is None or gid == id(group)]
     return current + [heap for g, heap in _RETIRED if group is None or g is group]
 
@@ -138,31 +140,37 @@ def get_heap(
     return heap
 
 
-def destroy_heap(group: dist.ProcessGroup, device: torch.device | None = None, keep_captured: bool = False) -> None:
+def _ours(group: dist.ProcessGroup, device: torch.device | None, gid: int, dev: str) -> bool:
+    return gid == id(group) and (device is None or dev == str(device))
+
+
+def retire_heap(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Stop using the heap of ``group`` on ``device`` but keep it mapped (retired) until
+    :func:`destroy_heap` or exit. Local, no collective.
+
+    The fused path's teardown after a failed call: a peer that is slow rather than gone may still
+    store into this rank's memory (its call check passed before this rank gave up), and freeing
+    memory that a peer still maps is undefined behaviour in CUDA; a graph that captured a call on
+    the heap may still be replayed (its calls then find the failure and skip their work).
+    """
+    for key in list(_HEAPS):
+        if _ours(group, device, *key):
+            _RETIRED.append(_HEAPS.pop(key))
+
+
+def destroy_heap(group: dist.ProcessGroup, device: torch.device | None = None) -> None:
     """Unmap and free the heap(s) of ``group`` (all devices when ``device`` is None), retired ones
     included. Local, no collective.
 
     Safe only when no peer will write into this rank's memory anymore (e.g. after a barrier, or
-    after a failed call, when the peers are presumed gone), and no CUDA graph that captured a call
-    on the group will be replayed. With ``keep_captured`` a captured heap is only retired (the
-    fused path's own teardown after a failure: a graph may still be replayed, and its calls then
-    find the failure and skip their work).
+    once the peers are gone), and no CUDA graph that captured a call on the group will be replayed.
     """
-
-    def ours(gid: int, dev: str) -> bool:
-        return gid == id(group) and (device is None or dev == str(device))
-
     for key in list(_HEAPS):
-        if ours(*key):
-            g, heap = _HEAPS.pop(key)
-            if keep_captured:
-                _drop(g, heap)
-            else:
-                heap.close()
-    if not keep_captured:
-        for entry in [e for e in _RETIRED if ours(id(e[0]), str(e[1].device))]:
-            _RETIRED.remove(entry)
-            entry[1].close()
+        if _ours(group, device, *key):
+            _HEAPS.pop(key)[1].close()
+    for entry in [e for e in _RETIRED if _ours(group, device, id(e[0]), str(e[1].device))]:
+        _RETIRED.remove(entry)
+        entry[1].close()
 
 
 def destroy_all_heaps() -> None:
