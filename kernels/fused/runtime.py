@@ -216,6 +216,23 @@ def _first_mismatch(op: str, group: dist.ProcessGroup, descriptors: Sequence[obj
     return None
 
 
+def _follow_last_call(heap: SymmetricHeap) -> None:
+    """Queue the next call on ``heap`` behind the previous eager one, whatever stream either is on.
+
+    The protocol's flow control is stream order: a call's check must follow the previous call's
+    last launch, whose reduce may still read slots that peers overwrite once this check passes,
+    and whose counter bank this check zeroes. Calls from one stream are ordered already; a call
+    from another stream first waits for the previous call's. Inside capture no wait on an uncaptured
+    stream is possible: replays must be ordered with the eager calls by the caller (docs/fused.md).
+    """
+    if heap.device.type != "cuda" or capturing(heap.device):
+        return
+    stream = torch.cuda.current_stream(heap.device)
+    if heap.last_stream is not None and heap.last_stream != stream:
+        stream.wait_stream(heap.last_stream)
+    heap.last_stream = stream
+
+
 def _open(op: str, heap: SymmetricHeap, descriptor: tuple[int, ...]) -> FusedCall:
     """The call check of the next call on ``heap`` queued (it advances the epoch on the device)."""
     _attach_record(heap)
@@ -228,6 +245,7 @@ def _open(op: str, heap: SymmetricHeap, descriptor: tuple[int, ...]) -> FusedCal
         # The graph will hold this heap's addresses: never free it while the graph may replay.
         heap.captured = True
     heap.arm_clock(True)
+    _follow_last_call(heap)
     signals.check_call(heap, descriptor, _must_agree_mask(op, descriptor), ticks, use_globaltimer)
     return FusedCall(op, heap, descriptor, ticks, use_globaltimer)
 

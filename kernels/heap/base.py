@@ -40,6 +40,9 @@ class SymmetricHeap:
         # heap stays readable by check_errors, which must not raise it again).
         self.failure_reported = False
         self.closed = False
+        # The CUDA stream of the last eager fused call on this heap (kernels.fused.runtime orders the
+        # next call after it when it comes from another stream).
+        self.last_stream: torch.cuda.Stream | None = None
         # Host memory the kernels write a failure into (set up by the heap's user, see kernels.fused.runtime).
         self.error_record: torch.Tensor | None = None
         self.error_view: object | None = None

@@ -467,6 +467,30 @@ def gpu_correctness_body(rank: int, world: int, dtypes: tuple[torch.dtype, ...])
     return checked
 
 
+def gpu_streams_body(rank: int, world: int) -> int:
+    """Back-to-back calls on one group from two streams in turn, with nothing ordering the streams
+    but the fused path itself: all inputs ready first, then eight calls (reduce-scatter, two-shot
+    all-reduce and all-gather in turn) on a grid over one wave, each checked against fp64 torch
+    math after a single synchronization. A call whose check overtook the previous call's reduce
+    would let peers overwrite slots still being read."""
+    dev = gpu_device()
+    group = dist.group.WORLD
+    presize(group, dev, 64 << 20)
+    m_local, k, n = gpu_wave_shape(world)
+    calls = [(("rs", "ar_two", "ag")[i % 3], i) for i in range(8)]
+    inputs = [make_inputs(op, world, m_local, k, n, True, seed, False, torch.float16, str(dev)) for op, seed in calls]
+    streams = (torch.cuda.current_stream(dev), torch.cuda.Stream(dev))
+    torch.cuda.synchronize(dev)
+    outs = []
+    for i, ((op, _), (xs, ws, b)) in enumerate(zip(calls, inputs, strict=True)):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(run_op(op, xs[rank], ws[rank], b, group))
+    torch.cuda.synchronize(dev)
+    for (op, seed), (xs, ws, b), got in zip(calls, inputs, outs, strict=True):
+        assert_close(f"{op} call {seed} rank={rank}", got, reference(op, xs, ws, b, rank), torch.float16)
+    return len(calls)
+
+
 def gpu_back_to_back_body(rank: int, world: int, calls: int, dtype: torch.dtype) -> int:
     """``calls`` fused calls in a row on the GPU, ops and shapes changing, no barrier or sync between
     them (the kernels' own flags order every call after the previous one), checked at the end."""

@@ -59,6 +59,46 @@ def test_fused_all_gather_with_tiles_that_differ_by_rank(tmp_path):
     assert got == [[short.block_m], [tall.block_m]]
 
 
+def test_a_call_from_another_stream_waits_for_the_previous_call(monkeypatch):
+    # The ordering logic of runtime._follow_last_call with stand-in streams (the GPU test above runs it
+    # on real ones): a call from a new stream waits for the previous call's stream, one from the same
+    # stream adds no wait, and inside capture nothing is recorded or waited on.
+    from types import SimpleNamespace
+
+    from kernels.fused import runtime
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other: "Stream") -> None:
+            self.waited.append(other.name)
+
+    a, b = Stream("a"), Stream("b")
+    current, capture = [a], [False]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capture[0])
+    heap = SimpleNamespace(device=torch.device("cuda", 0), last_stream=None)
+    runtime._follow_last_call(heap)
+    runtime._follow_last_call(heap)
+    assert heap.last_stream is a and a.waited == []
+    current[0] = b
+    runtime._follow_last_call(heap)
+    assert heap.last_stream is b and b.waited == ["a"]
+    capture[0], current[0] = True, a
+    runtime._follow_last_call(heap)
+    assert heap.last_stream is b and a.waited == []
+    cpu_heap = SimpleNamespace(device=torch.device("cpu"), last_stream=None)
+    runtime._follow_last_call(cpu_heap)
+    assert cpu_heap.last_stream is None
+
+
+@pytest.mark.gpu
+def test_fused_calls_from_two_streams_gpu():
+    # The flow control is stream order; calls from two streams must still form one sequence.
+    assert fused_cases.run_gpu_ranks(fused_cases.gpu_streams_body, 2) == [8, 8]
+
+
 def test_fused_singleton_group_is_plain_gemm():
     assert run_ranks(fused_cases.singleton_body, 2) == [3, 3]
 
