@@ -6,14 +6,15 @@ Launch sequence on rank ``r`` for call epoch ``e`` (W ranks, heap region ``G [W 
    theirs of epoch ``e``. A peer publishes only after its kernels of call ``e - 1`` finished, so
    once the check passes no peer still reads its ``G`` of the previous call;
 2. push kernel (GPU: on a high-priority side stream): copy ``x`` into rows
-   ``[r * m_local, (r + 1) * m_local)`` of every peer's ``G`` chunk by chunk (chunks of whole row
-   tiles), peers in the order ``r - 1, r - 2, ...`` (the order in which they need shard ``r``),
-   setting flag ``AG[r, c] = e`` on the receiving rank after chunk ``c``; skipped entirely if the
-   check failed;
-3. GEMM kernel: programs walk this rank's rows first (read straight from ``x``, no wait), then the
-   ring ``r + 1, r + 2, ...``; a program waits for ``AG[src, c] >= e`` of the chunk holding its
-   rows before loading them from the local ``G``; with ``return_gathered`` the ``n``-tile-0
-   programs also write the rows they load to ``x_gathered``;
+   ``[r * m_local, (r + 1) * m_local)`` of every peer's ``G`` chunk by chunk (chunks of whole
+   untuned row tiles, the same on every rank), peers in the order ``r - 1, r - 2, ...`` (the order in which they need
+   shard ``r``), setting flag ``AG[r, c] = e`` on the receiving rank after chunk ``c``; skipped
+   entirely if the check failed;
+3. GEMM kernel: programs walk this rank's rows first (read straight from ``x``, no wait), then
+   the ring ``r + 1, r + 2, ...``; a program waits for ``AG[src, c] >= e`` of every chunk its rows
+   overlap (one unless its tuned tile is taller than the untuned one) before loading them from the
+   local ``G``; with ``return_gathered`` the ``n``-tile-0 programs also write the rows they load to
+   ``x_gathered``;
 4. finish kernel: set ``DONE[r] = e`` on every rank, or fill the outputs with NaN after a failure.
 
 Each rank only reads its own ``G`` and only peers write it, so step 1 is the whole flow control.

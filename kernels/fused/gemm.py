@@ -76,7 +76,9 @@ def block_config(
     only ``block_k``, which no count depends on (nor does the TF32 switch, a per-process setting).
 
     ``op`` (a fused op's name) and ``n``: the tuned file of this GPU (:mod:`tuned`) is consulted for
-    ``(op, dtype, rows, n)``, never ``k``, so every rank that agrees on the call gets the same tiles.
+    ``(op, dtype, rows, n)``, never ``k``, so every rank of a reducing op that agrees on the call gets
+    the same tiles. ``all_gather_matmul`` ranks may differ in ``n``, so its tiles are each rank's own:
+    nothing that peers count may follow them (its pushed chunks follow the untuned tiles).
     """
     cfg = _tuned_blocks(device, rows, dtype, op, n)
     if cfg is None:

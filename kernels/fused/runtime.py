@@ -375,7 +375,9 @@ def raise_recorded(heap: SymmetricHeap) -> None:
     _FAILED_GROUPS[id(heap.group)] = (heap.group, message)
     # Not freed, so no synchronization either (inside capture there could be none): kernels queued
     # after the failure and replays of a graph that captured a call on the heap still address it;
-    # they find the error word set, skip their work and fill their outputs with NaN.
+    # they find the error word set, skip their work and fill their outputs with NaN. The pad clock
+    # of a call that raises here (growth path) would otherwise keep running until exit.
+    heap.arm_clock(False)
     retire_heap(heap.group, heap.device)
     raise RuntimeError(message)
 

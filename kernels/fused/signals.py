@@ -235,7 +235,7 @@ def wait_signal(flag_ptr, target, pad_ptr, timeout, code, USE_GLOBALTIMER: tl.co
     volatile loads, reads its clock and (GPU) sleeps with an exponential back-off, and leaves on its
     own. Threads may leave at different iterations (their clocks differ by nanoseconds), which is
     harmless because nothing inside the loop synchronizes them. The verdict after the loop comes
-    from one scalar acquire atomic on the flag and one relaxed read of the error word (each
+    from one scalar acquire atomic on the flag and one relaxed atomic read of the error word (each
     executed once, broadcast to every thread, so the result and the branches on it are uniform):
     a flag at its target with the error word set is a failure too, so a rank whose call check
     failed stores nothing into peers. Only on a failure is the error word claimed with a

@@ -34,7 +34,8 @@ class SymmetricHeap:
         self.sig_words = sig_words
         self.calls = 0
         # Set once a call on this heap was captured into a CUDA graph: the graph holds its raw
-        # addresses, so growth and failure retire it (kept mapped) instead of freeing it.
+        # addresses, so growth retires it (kept mapped) instead of freeing it (a failure retires
+        # every heap).
         self.captured = False
         # Set once the fused path raised the failure recorded on this heap (a retired captured
         # heap stays readable by check_errors, which must not raise it again).

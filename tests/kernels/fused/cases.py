@@ -323,6 +323,34 @@ def per_rank_tiles_body(rank: int, world: int) -> list[int]:
     return [cfg.block_m]
 
 
+def withheld_chunk_body(rank: int, world: int) -> str | None:
+    """Ranks as in :func:`per_rank_tiles_body` (rank 1's tiles 32 rows tall, its peers' chunks 16),
+    with rank 0 pushing only its first chunk: rank 1's tile over rows 0-23 of rank 0's shard must
+    wait for the second chunk too, and time out, not read rows 16-23 unpushed. Run with a short
+    ``COC_TIMEOUT``; returns rank 1's error (rank 0's call may pass or fail: rank 1 is then gone)."""
+    from kernels.fused import ag_gemm
+
+    group = dist.new_group(list(range(world)))
+    m_local, k = 24, 20
+    ns = [16 if r % 2 == 0 else 64 for r in range(world)]
+    g = torch.Generator().manual_seed(12)
+    xs = [torch.randn(m_local, k, generator=g) for _ in range(world)]
+    ws = [torch.randn(n, k, generator=g) for n in ns]
+    real = ag_gemm._push_shard
+    if rank == 0:
+        # One chunk of chunk_rows rows (rank 0's rows land at offset 0 of every gather buffer).
+        ag_gemm._push_shard = lambda call, x, chunk_rows, side: real(call, x[:chunk_rows], chunk_rows, side)
+    try:
+        run_op("ag", xs[rank], ws[rank], None, group)
+    except RuntimeError as e:
+        return str(e) if rank == 1 else None
+    finally:
+        ag_gemm._push_shard = real
+    if rank == 1:
+        raise AssertionError("rank 1 returned a result although rank 0's second chunk never arrived")
+    return None
+
+
 def interrupted_call_body(rank: int, world: int, delay_s: float) -> None:
     """Rank 0's host abandons a reduce-scatter between its launches (an exception after the scatter)
     while rank 1's scatter of that call is ``delay_s`` late, so its increments reach rank 0's

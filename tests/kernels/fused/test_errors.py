@@ -354,3 +354,29 @@ def gated_scatter_body(rank: int, world: int, op: str) -> bool | None:
 def test_timed_out_check_scatters_nothing_into_peers(op):
     results = run_ranks(gated_scatter_body, 2, op, env={"COC_TIMEOUT": "1"}, timeout=90)
     assert results[1] is True, f"{op}: rank 0 wrote into rank 1's heap after its call check timed out"
+
+
+def growth_failure_body(rank: int, world: int) -> bool:
+    """A call that needs a larger heap while rank 1 makes none: rank 0's check, run on the old heap
+    before growth, times out, and the call raises from ``begin``; the old heap is retired with its
+    pad clock stopped (no thread keeps ticking for a heap nothing uses)."""
+    from kernels.heap import destroy_heap, heaps_of, peek_heap
+
+    group = dist.new_group(list(range(world)))
+    xs, ws, b = fused_cases.make_inputs("rs", world, 2 * world, 8, 6, False, 2)
+    fused_cases.run_op("rs", xs[rank], ws[rank], b, group)
+    heap = peek_heap(group, torch.device("cpu"))
+    dist.barrier(group)
+    if rank == 0:
+        big_xs, big_ws, _ = fused_cases.make_inputs("rs", world, 64 * world, 8, 256, False, 3)
+        with pytest.raises(RuntimeError, match="to publish its call descriptor"):
+            fused_cases.run_op("rs", big_xs[rank], big_ws[rank], None, group)
+        assert heaps_of(group) == [heap] and not heap.closed
+        assert not heap._clock._armed.is_set(), "the retired heap's clock is still armed"
+    dist.barrier(group)
+    destroy_heap(group)
+    return True
+
+
+def test_failure_before_growth_retires_the_old_heap_with_its_clock_stopped():
+    assert run_ranks(growth_failure_body, 2, env={"COC_TIMEOUT": "1"}, timeout=90) == [True, True]

@@ -55,12 +55,17 @@ def test_fused_all_gather_with_tiles_that_differ_by_rank(tmp_path):
         tuned.Entry("all_gather_matmul", "float32", 24, 64, 20, tall),
     ]
     tuned.write(tmp_path / "cpu.yaml", entries, {"gpu": "test"})
-    got = run_ranks(fused_cases.per_rank_tiles_body, 2, env={tuned.ENV_TUNED_DIR: str(tmp_path)})
+    env = {tuned.ENV_TUNED_DIR: str(tmp_path)}
+    got = run_ranks(fused_cases.per_rank_tiles_body, 2, env=env)
     assert got == [[short.block_m], [tall.block_m]]
+    # A tall tile waits for every chunk it overlaps: with rank 0's second chunk withheld, rank 1 times out.
+    errors = run_ranks(fused_cases.withheld_chunk_body, 2, env={**env, "COC_TIMEOUT": "2"}, timeout=120)
+    assert "rank 1 (group rank 1) waited more than COC_TIMEOUT=2 s for rank 0" in errors[1], errors[1]
+    assert "to push its input shard" in errors[1], errors[1]
 
 
 def test_a_call_from_another_stream_waits_for_the_previous_call(monkeypatch):
-    # The ordering logic of runtime._follow_last_call with stand-in streams (the GPU test above runs it
+    # The ordering logic of runtime._follow_last_call with stand-in streams (the GPU test below runs it
     # on real ones): a call from a new stream waits for the previous call's stream, one from the same
     # stream adds no wait, and inside capture nothing is recorded or waited on.
     from types import SimpleNamespace
