@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import capture, comm
 from .config import CocConfig
 
-DESCRIPTOR_VERSION = 2
+DESCRIPTOR_VERSION = 3
 OPS = (
     "all_gather_matmul",
     "matmul_reduce_scatter",
@@ -52,9 +52,15 @@ FIELDS = (
     "group_size",
     # gather_dim of all_gather_matmul / scatter_dim of matmul_reduce_scatter (normalized to >= 0).
     "comm_dim",
-    # FP8 ops: the weight's and the output's dtype in one word (the check kernel takes 15 words;
-    # the x payload's dtype is "dtype", the scaling mode "quant_mode").
+    # FP8 ops: the weight's and the output's dtype in one word (the check kernel takes
+    # kernels.fused.signals.DESC_WORDS words; the x payload's dtype is "dtype", the scaling mode
+    # "quant_mode").
     "fp8_dtypes",
+    # Fused reducing ops: the GEMM tile (block_m, block_n) in one word. Its tile counts are the
+    # signal targets, and the tuned file a rank reads may differ from a peer's (another
+    # COC_TUNED_DIR, a file rewritten between the ranks' reads): a difference must be named, not
+    # counted wrong. Not applicable elsewhere (the all-gather's tiles are each rank's own).
+    "tiles",
 )
 DESCRIPTOR_LEN = len(FIELDS)
 
@@ -64,9 +70,11 @@ _QUANT_MODES = (None, "per_tensor", "per_channel", "per_group", "tensor", "row",
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _NOT_APPLICABLE = -1
 _AUTO = -1
+# One word for (block_m, block_n): block_m * _TILE_CODE + block_n (tile sides are below it).
+_TILE_CODE = 1 << 16
 
 _COMMON = ("version", "op", "dtype", "bias", "backend", "parallel_num")
-_REDUCING = _COMMON + ("m", "n", "deterministic")
+_REDUCING = _COMMON + ("m", "n", "deterministic", "tiles")
 _MUST_AGREE = {
     "all_gather_matmul": _COMMON + ("m", "k", "return_gathered", "comm_dim"),
     "matmul_reduce_scatter": _REDUCING + ("comm_dim",),
@@ -97,6 +105,7 @@ def describe_call(
     comm_dim: int = 0,
     weight_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
+    tiles: tuple[int, int] | None = None,
 ) -> Descriptor:
     """The descriptor of one call: ``DESCRIPTOR_LEN`` ints in the order of :data:`FIELDS`.
 
@@ -105,7 +114,8 @@ def describe_call(
     and ``parallel_num`` are what the call asks for before resolution (None: no request,
     ``"auto"``: tuned); ``group_size`` is the per_group quantization group (0 otherwise);
     ``comm_dim`` is the normalized ``gather_dim`` / ``scatter_dim`` (ignored by the other ops);
-    ``weight_dtype`` / ``out_dtype``: the FP8 ops' weight payload and output dtypes (``dtype`` is x's).
+    ``weight_dtype`` / ``out_dtype``: the FP8 ops' weight payload and output dtypes (``dtype`` is x's);
+    ``tiles``: ``(block_m, block_n)`` of a fused reducing op's GEMM (None: not applicable).
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} is not accepted; use one of {OPS}")
@@ -136,6 +146,7 @@ def describe_call(
         int(group_size),
         int(comm_dim) if has_dim else _NOT_APPLICABLE,
         fp8_dtypes,
+        _NOT_APPLICABLE if tiles is None else tiles[0] * _TILE_CODE + tiles[1],
     )
 
 
@@ -158,6 +169,8 @@ def _shown(name: str, code: int) -> str:
         if code == _NOT_APPLICABLE:
             return "n/a"
         return "/".join(_shown("dtype", c) for c in divmod(code, len(_DTYPES)))
+    if name == "tiles":
+        return "n/a" if code == _NOT_APPLICABLE else "x".join(str(side) for side in divmod(code, _TILE_CODE))
     return str(code)
 
 
@@ -200,7 +213,11 @@ def format_mismatch(
             )
     if not parts:
         return None
-    return f"{op}: ranks disagree: " + "; ".join(parts)
+    hint = ""
+    if "tiles" in needed and desc_a[FIELDS.index("tiles")] != desc_b[FIELDS.index("tiles")]:
+        # Every other field agrees or is named too: the tiles come from the tuned file a rank read.
+        hint = " (GEMM tiles block_m x block_n; give every rank the same tuned file: COC_TUNED_DIR, configs/tuned)"
+    return f"{op}: ranks disagree: " + "; ".join(parts) + hint
 
 
 def first_mismatch(op: str, table: Sequence[Sequence[int]], labels: Sequence[str] | None = None) -> str | None:

@@ -121,7 +121,16 @@ def matmul_all_reduce(
         algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
     cfg = block_config(x.device, tile_rows(algorithm, m, w), x.shape[1], x.dtype, op="matmul_all_reduce", n=n)
     # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
-    descriptor = runtime.describe("matmul_all_reduce", m, x.shape[1], n, x.dtype, bias is not None, deterministic)
+    descriptor = runtime.describe(
+        "matmul_all_reduce",
+        m,
+        x.shape[1],
+        n,
+        x.dtype,
+        bias is not None,
+        deterministic,
+        tiles=(cfg.block_m, cfg.block_n),
+    )
     return all_reduce_partials(
         "matmul_all_reduce",
         group,

@@ -405,6 +405,7 @@ def matmul_all_reduce_w8a16(
         deterministic,
         layout,
         group_size if layout == "per_group" else 0,
+        tiles=(cfg.block_m, cfg.block_n),
     )
     return all_reduce_partials(
         "quantized_matmul_all_reduce",

@@ -441,7 +441,15 @@ def matmul_reduce_scatter(
     data_bytes = w * rows_own * slot_stride(n) * x.element_size()
     # ``deterministic`` changes nothing here but is part of the call every rank must agree on.
     descriptor = runtime.describe(
-        "matmul_reduce_scatter", m, x.shape[1], n, x.dtype, bias is not None, deterministic, comm_dim=comm_dim
+        "matmul_reduce_scatter",
+        m,
+        x.shape[1],
+        n,
+        x.dtype,
+        bias is not None,
+        deterministic,
+        comm_dim=comm_dim,
+        tiles=(cfg.block_m, cfg.block_n),
     )
     with runtime.fused_call("matmul_reduce_scatter", group, x.device, data_bytes, descriptor) as call:
         target = scatter_partials(call, x, weight, rows_own, False, cfg, outer=outer)

@@ -64,8 +64,10 @@ def describe(
     quant_mode: str | None = None,
     group_size: int = 0,
     comm_dim: int = 0,
+    tiles: tuple[int, int] | None = None,
 ) -> tuple[int, ...]:
-    """This rank's descriptor of a fused call (:func:`kernels.agree.describe_call`, backend ``"fused"``)."""
+    """This rank's descriptor of a fused call (:func:`kernels.agree.describe_call`, backend ``"fused"``);
+    ``tiles``: the GEMM's ``(block_m, block_n)`` for the reducing ops, whose tile counts peers count."""
     return agree.describe_call(
         op,
         m,
@@ -79,6 +81,7 @@ def describe(
         quant_mode=quant_mode,
         group_size=group_size,
         comm_dim=comm_dim,
+        tiles=tiles,
     )
 
 

@@ -71,8 +71,11 @@ ERROR_WORD = 1
 RECORD_WORD = 2
 EPOCH_WORD = 3
 TIMEOUT_WORD = 4
-# Words per descriptor slot: the epoch and up to DESC_SLOT - 1 descriptor words.
-DESC_SLOT = 16
+# Descriptor words the call check takes (kernels.agree.FIELDS, padded), and words per descriptor
+# slot: the epoch and the descriptor words, rounded up to a power of two (one tl.arange, and one
+# lane of the check's single warp per word).
+DESC_WORDS = 16
+DESC_SLOT = 32
 # This rank's descriptor of the call in progress, laid out as a slot (word MINE_WORD unused).
 MINE_WORD = 8
 HEADER_WORDS = MINE_WORD + DESC_SLOT
@@ -299,6 +302,9 @@ def add_signal(flag_ptr, increment):
         "d10",
         "d11",
         "d12",
+        "d13",
+        "d14",
+        "d15",
     ]
 )
 def _check_call_kernel(
@@ -321,6 +327,7 @@ def _check_call_kernel(
     d12: tl.int64,
     d13: tl.int64,
     d14: tl.int64,
+    d15: tl.int64,
     WORLD: tl.constexpr,
     DESC_LEN: tl.constexpr,
     DESC_OFFSET: tl.constexpr,
@@ -357,6 +364,7 @@ def _check_call_kernel(
     mine = tl.where(idx == 13, d12, mine)
     mine = tl.where(idx == 14, d13, mine)
     mine = tl.where(idx == 15, d14, mine)
+    mine = tl.where(idx == 16, d15, mine)
     tl.store(pad + _MINE + idx, mine, mask=words)
     compared = words & (((must_agree >> tl.maximum(idx - 1, 0).to(tl.int64)) & 1) != 0)
     parity = epoch % 2
@@ -422,8 +430,8 @@ def check_call(heap, descriptor: tuple[int, ...], must_agree: int, timeout: int,
     """Advance the heap's epoch, zero this rank's counters, publish this rank's descriptor to every
     peer and compare theirs (one program)."""
     w = heap.world_size
-    if len(descriptor) > DESC_SLOT - 1:
-        raise ValueError(f"descriptor: {len(descriptor)} words, the check kernel takes at most {DESC_SLOT - 1}")
+    if len(descriptor) > DESC_WORDS:
+        raise ValueError(f"descriptor: {len(descriptor)} words, the check kernel takes at most {DESC_WORDS}")
     # RS and AR are adjacent channels of two banks each: one masked store zeroes a bank of both.
     assert channel_offset(CH_AR, w) == channel_offset(CH_RS, w) + 2 * w
     _check_call_kernel[(1,)](
@@ -433,7 +441,7 @@ def check_call(heap, descriptor: tuple[int, ...], must_agree: int, timeout: int,
         must_agree,
         # Unused words are padding (DESC_LEN masks them out of the slot).
         *descriptor,
-        *([0] * (DESC_SLOT - 1 - len(descriptor))),
+        *([0] * (DESC_WORDS - len(descriptor))),
         WORLD=w,
         DESC_LEN=len(descriptor),
         DESC_OFFSET=channel_offset(CH_DESC, w),

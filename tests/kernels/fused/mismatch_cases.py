@@ -3,6 +3,7 @@ pools can unpickle them)."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -95,4 +96,34 @@ def mismatch_body(rank: int, world: int) -> list[str]:
     )
     assert mismatch_call("ag", rank, world, group, {"n": 6 + rank}).shape == (5 * world, 6 + rank)
     assert mismatch_call("rs", rank, world, group, {"k": 8 + rank}).shape == (2, 6)
+    return messages
+
+
+def tuned_tiles_body(rank: int, world: int, tuned_dir: str) -> list[str]:
+    """The last rank reads a tuned file (``tuned_dir``) that gives the reducing ops other GEMM tiles
+    than its peers' defaults: their tile counts are signal targets, so each call must raise naming
+    the tiles, at a group's first call (the heap exchange) and at a later one (the kernel check)."""
+    from kernels.fused import tuned
+
+    messages = []
+    saved = os.environ.get(tuned.ENV_TUNED_DIR)
+    try:
+        for op in ("rs", "ar"):
+            for warm in (False, True):
+                group = dist.new_group(list(range(world)))
+                if warm:
+                    mismatch_call(op, rank, world, group, {})  # the same tiles: the heap exists
+                if rank == world - 1:
+                    os.environ[tuned.ENV_TUNED_DIR] = tuned_dir
+                try:
+                    mismatch_call(op, rank, world, group, {})
+                except RuntimeError as e:
+                    messages.append(str(e))
+                else:
+                    raise AssertionError(f"{op} (warm={warm}) with other tiles on rank {world - 1} returned")
+                finally:
+                    os.environ.pop(tuned.ENV_TUNED_DIR, None)
+    finally:
+        if saved is not None:
+            os.environ[tuned.ENV_TUNED_DIR] = saved
     return messages

@@ -104,6 +104,20 @@ def test_fused_calls_from_two_streams_gpu():
     assert fused_cases.run_gpu_ranks(fused_cases.gpu_streams_body, 2) == [8, 8]
 
 
+def test_ranks_with_other_tuned_tiles_raise_naming_the_tiles(tmp_path):
+    from kernels.fused import tuned
+    from kernels.fused.gemm_configs import GemmConfig
+
+    tall = GemmConfig(32, 32, 16, 1, 1, 2)
+    entries = [tuned.Entry(op, "float32", 4, 6, 8, tall) for op in ("matmul_reduce_scatter", "matmul_all_reduce")]
+    tuned.write(tmp_path / "cpu.yaml", entries, {"gpu": "test"})
+    for messages in run_ranks(fused_mismatch_cases.tuned_tiles_body, 2, str(tmp_path), timeout=300):
+        assert len(messages) == 4, messages
+        for message in messages:
+            assert "ranks disagree" in message and "tiles=16x16" in message and "tiles=32x32" in message, message
+            assert "same tuned file" in message, message
+
+
 def test_fused_singleton_group_is_plain_gemm():
     assert run_ranks(fused_cases.singleton_body, 2) == [3, 3]
 
