@@ -1,7 +1,8 @@
 """Rank agreement: the ranks of a group must call an op with matching descriptors.
 
 A descriptor is a fixed-length tuple of ints describing one call as a rank sees it (op, shapes,
-dtype, bias, flags, backend request, split count, quantization layout), so every rank can
+dtype, bias, flags, backend request, split count, quantization layout, the fused reducing ops' GEMM
+tile), so every rank can
 publish it in one small fixed-size message whatever its shapes are, and ranks that disagree can
 be told apart before any collective sized from those shapes is entered (mismatched sizes abort
 gloo and hang or corrupt NCCL).

@@ -6,11 +6,12 @@ other characters than letters and digits turned into ``-``, e.g. ``nvidia-h100-8
 ranks of a job read the same file, so they choose the same tiles for the reducing ops, whose tile
 counts are signal targets (the all-gather's tiles are each rank's own: it is looked up by ``n``,
 which ranks need not share, and its pushed chunks do not follow it). The file is re-read when its
-mtime changes: do not rewrite it (tune) while a job that uses it runs, since ranks re-reading it at
-different calls could disagree on those counts, which the call check does not compare. No file (or
-no entry for an op and dtype): the built-in defaults. ``COC_TUNED_DIR`` names another directory; a
-CPU file (``cpu.yaml``, from ``--mode tune --allow-cpu``) is read only from ``COC_TUNED_DIR``, so a
-CI run of the tuner never changes the tiles of the CPU test suite.
+mtime changes; ranks whose tiles for a reducing op differ (another ``COC_TUNED_DIR``, a file
+rewritten between their reads) fail that call by name (the call check compares the tile), so do not
+rewrite the file while a job that uses it runs. No file (or no entry for an op and dtype): the
+built-in defaults. ``COC_TUNED_DIR`` names another directory; a CPU file (``cpu.yaml``, from
+``--mode tune --allow-cpu``) is read only from ``COC_TUNED_DIR``, so a CI run of the tuner never
+changes the tiles of the CPU test suite.
 
 File layout (``version: 1``)::
 
