@@ -340,6 +340,8 @@ def withheld_chunk_body(rank: int, world: int) -> str | None:
     if rank == 0:
         # One chunk of chunk_rows rows (rank 0's rows land at offset 0 of every gather buffer).
         ag_gemm._push_shard = lambda call, x, chunk_rows, side: real(call, x[:chunk_rows], chunk_rows, side)
+    # Both calls start together, so the short bound can only run out on the withheld chunk.
+    dist.barrier(group)
     try:
         run_op("ag", xs[rank], ws[rank], None, group)
     except RuntimeError as e:

@@ -59,8 +59,8 @@ def test_fused_all_gather_with_tiles_that_differ_by_rank(tmp_path):
     got = run_ranks(fused_cases.per_rank_tiles_body, 2, env=env)
     assert got == [[short.block_m], [tall.block_m]]
     # A tall tile waits for every chunk it overlaps: with rank 0's second chunk withheld, rank 1 times out.
-    errors = run_ranks(fused_cases.withheld_chunk_body, 2, env={**env, "COC_TIMEOUT": "2"}, timeout=120)
-    assert "rank 1 (group rank 1) waited more than COC_TIMEOUT=2 s for rank 0" in errors[1], errors[1]
+    errors = run_ranks(fused_cases.withheld_chunk_body, 2, env={**env, "COC_TIMEOUT": "5"}, timeout=120)
+    assert "rank 1 (group rank 1) waited more than COC_TIMEOUT=5 s for rank 0" in errors[1], errors[1]
     assert "to push its input shard" in errors[1], errors[1]
 
 
