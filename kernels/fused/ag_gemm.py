@@ -173,7 +173,9 @@ def _ag_gemm_kernel(
                 offs_n,
                 mask_n,
                 K,
-                g_ptr + rank * M_LOCAL * K,
+                # 64-bit: the gathered buffer of W * m_local rows of k elements passes 2**31 elements long
+                # before any row index does.
+                g_ptr + (rank * M_LOCAL).to(tl.int64) * K,
                 K,
                 store_mask,
                 BLOCK_M,
