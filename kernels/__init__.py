@@ -121,6 +121,7 @@ def all_gather_matmul(
         group,
         world,
         comm_dim=d,
+        outer=library.blocks_before(x, d),
     )
     if return_gathered:
         return library.all_gather_matmul_gathered(x, weight, bias, group_name, world, name, num, d)
@@ -163,6 +164,7 @@ def _all_gather_matmul_multi(
         group,
         world,
         comm_dim=d,
+        outer=library.blocks_before(x, d),
         n=sum(w.shape[0] for w in weights),
     )
     ys, x_gathered = library.all_gather_matmul_multi(
@@ -212,6 +214,7 @@ def matmul_reduce_scatter(
         group,
         world,
         comm_dim=d,
+        outer=library.blocks_before(x, d),
     )
     return library.matmul_reduce_scatter(x, weight, bias, group_name, world, name, num, deterministic, d)
 

@@ -62,6 +62,10 @@ FIELDS = (
     # COC_TUNED_DIR, a file rewritten between the ranks' reads): a difference must be named, not
     # counted wrong. Not applicable elsewhere (the all-gather's tiles are each rank's own).
     "tiles",
+    # all_gather_matmul / matmul_reduce_scatter: the product of x's dims before gather_dim /
+    # scatter_dim, the row blocks gathered or scattered on their own (with m and comm_dim it fixes
+    # where every row goes; x [2, 4, k] and [4, 2, k] with dim 1 flatten to the same m).
+    "outer",
 )
 DESCRIPTOR_LEN = len(FIELDS)
 
@@ -77,12 +81,13 @@ _TILE_CODE = 1 << 16
 _COMMON = ("version", "op", "dtype", "bias", "backend", "parallel_num")
 _REDUCING = _COMMON + ("m", "n", "deterministic", "tiles")
 _MUST_AGREE = {
-    "all_gather_matmul": _COMMON + ("m", "k", "return_gathered", "comm_dim"),
-    "matmul_reduce_scatter": _REDUCING + ("comm_dim",),
+    "all_gather_matmul": _COMMON + ("m", "k", "return_gathered", "comm_dim", "outer"),
+    "matmul_reduce_scatter": _REDUCING + ("comm_dim", "outer"),
     "matmul_all_reduce": _REDUCING,
     "quantized_matmul_all_reduce": _REDUCING + ("quant_mode", "group_size"),
-    "all_gather_scaled_matmul": _COMMON + ("m", "k", "return_gathered", "comm_dim", "quant_mode", "fp8_dtypes"),
-    "scaled_matmul_reduce_scatter": _REDUCING + ("comm_dim", "quant_mode", "fp8_dtypes"),
+    "all_gather_scaled_matmul": _COMMON
+    + ("m", "k", "return_gathered", "comm_dim", "outer", "quant_mode", "fp8_dtypes"),
+    "scaled_matmul_reduce_scatter": _REDUCING + ("comm_dim", "outer", "quant_mode", "fp8_dtypes"),
     "scaled_matmul_all_reduce": _REDUCING + ("quant_mode", "fp8_dtypes"),
 }
 _GATHERING = ("all_gather_matmul", "all_gather_scaled_matmul")
@@ -107,6 +112,7 @@ def describe_call(
     weight_dtype: torch.dtype | None = None,
     out_dtype: torch.dtype | None = None,
     tiles: tuple[int, int] | None = None,
+    outer: int | None = None,
 ) -> Descriptor:
     """The descriptor of one call: ``DESCRIPTOR_LEN`` ints in the order of :data:`FIELDS`.
 
@@ -116,7 +122,9 @@ def describe_call(
     ``"auto"``: tuned); ``group_size`` is the per_group quantization group (0 otherwise);
     ``comm_dim`` is the normalized ``gather_dim`` / ``scatter_dim`` (ignored by the other ops);
     ``weight_dtype`` / ``out_dtype``: the FP8 ops' weight payload and output dtypes (``dtype`` is x's);
-    ``tiles``: ``(block_m, block_n)`` of a fused reducing op's GEMM (None: not applicable).
+    ``tiles``: ``(block_m, block_n)`` of a fused reducing op's GEMM (None: not applicable);
+    ``outer``: the product of x's dims before ``comm_dim`` (None: not known, as for the 2-D rows a
+    compiled graph's pass decides on; every rank of one call site knows it alike or not at all).
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} is not accepted; use one of {OPS}")
@@ -148,6 +156,7 @@ def describe_call(
         int(comm_dim) if has_dim else _NOT_APPLICABLE,
         fp8_dtypes,
         _NOT_APPLICABLE if tiles is None else tiles[0] * _TILE_CODE + tiles[1],
+        int(outer) if has_dim and outer is not None else _NOT_APPLICABLE,
     )
 
 
@@ -164,6 +173,8 @@ def _shown(name: str, code: int) -> str:
         return str(table[code]) if 0 <= code < len(table) else f"<unknown code {code}>"
     if name in ("bias", "return_gathered", "deterministic"):
         return "n/a" if code == _NOT_APPLICABLE else str(bool(code))
+    if name == "outer":
+        return "n/a" if code == _NOT_APPLICABLE else str(code)
     if name == "parallel_num":
         return {_AUTO: "auto", 0: "None"}.get(code, str(code))
     if name == "fp8_dtypes":
@@ -184,6 +195,8 @@ def _field_name(name: str, op_code: int) -> str:
         return "gather_dim" if op in _GATHERING else "scatter_dim"
     if name == "fp8_dtypes":
         return "weight_dtype/out_dtype"
+    if name == "outer":
+        return "prod(x.shape[:gather_dim])" if op in _GATHERING else "prod(x.shape[:scatter_dim])"
     return name
 
 
@@ -253,6 +266,7 @@ def check_call(
     group: dist.ProcessGroup | None,
     world: int,
     comm_dim: int = 0,
+    outer: int | None = None,
 ) -> None:
     """Compare this call's descriptor with every rank of ``group``; raise ``RuntimeError`` on all
     of them when any disagrees (``COC_CHECK=1``).
@@ -290,6 +304,7 @@ def check_call(
         quant_mode=mode,
         group_size=group_size if mode == "per_group" else 0,
         comm_dim=comm_dim,
+        outer=outer,
     )
     # One fixed-size message on the device the op itself communicates from, so it goes through
     # the same group (gloo on CPU, NCCL on CUDA) whatever the shapes are.

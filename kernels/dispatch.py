@@ -92,6 +92,7 @@ def _decide(
     group_name: str,
     world: int,
     comm_dim: int,
+    outer: int | None,
 ) -> tuple[str, int]:
     config = get_config()
     group = library.resolve_group(group_name)
@@ -110,6 +111,7 @@ def _decide(
             group,
             world,
             comm_dim,
+            outer,
         )
     if backend == "sequential":
         return backend, 1
@@ -154,12 +156,14 @@ def decide(
     quant: tuple[str, int] | None = None,
     *,
     comm_dim: int = 0,
+    outer: int | None = None,
     n: int | None = None,
 ) -> tuple[str, int, str]:
     """``(backend, parallel_num, group name)`` for a call of ``op`` on 2-D ``x``.
 
-    ``comm_dim`` is the normalized ``gather_dim`` / ``scatter_dim`` (compared under ``COC_CHECK=1``);
-    ``n`` overrides ``weight.shape[0]`` (the total ``n`` of an all-gather feeding several weights).
+    ``comm_dim`` is the normalized ``gather_dim`` / ``scatter_dim`` and ``outer`` the product of the
+    dims before it (both compared under ``COC_CHECK=1``); ``n`` overrides ``weight.shape[0]`` (the
+    total ``n`` of an all-gather feeding several weights).
     """
     name = library.group_name(group)
     # _decide and shape_keys are assume_constant_result: while tracing, dynamo calls them with the
@@ -174,6 +178,8 @@ def decide(
             m = k = n = 0
         elif keys != "exact":
             m, k, n = _matching_key(keys, m, k, n)
+        if keys != "exact":
+            outer = None  # only the check reads it, and the check needs exact shapes
     chosen, num = _decide(
         op,
         backend,
@@ -190,6 +196,7 @@ def decide(
         name,
         world,
         comm_dim,
+        outer,
     )
     return chosen, num, name
 

@@ -487,7 +487,7 @@ def _all_gather_matmul(
     bias = bias.contiguous() if bias is not None else None
     data_bytes = w * m_local * k * x.element_size()
     descriptor = runtime.describe(
-        "all_gather_matmul", m_local, k, n, x.dtype, bias is not None, return_gathered, comm_dim=comm_dim
+        "all_gather_matmul", m_local, k, n, x.dtype, bias is not None, return_gathered, comm_dim=comm_dim, outer=outer
     )
     # The call check waits for every peer's descriptor of this epoch, which each peer publishes
     # only after its previous call's kernels finished: its gather buffer is free to overwrite.

@@ -450,6 +450,7 @@ def matmul_reduce_scatter(
         deterministic,
         comm_dim=comm_dim,
         tiles=(cfg.block_m, cfg.block_n),
+        outer=outer,
     )
     with runtime.fused_call("matmul_reduce_scatter", group, x.device, data_bytes, descriptor) as call:
         target = scatter_partials(call, x, weight, rows_own, False, cfg, outer=outer)

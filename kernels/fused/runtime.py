@@ -65,9 +65,11 @@ def describe(
     group_size: int = 0,
     comm_dim: int = 0,
     tiles: tuple[int, int] | None = None,
+    outer: int | None = None,
 ) -> tuple[int, ...]:
     """This rank's descriptor of a fused call (:func:`kernels.agree.describe_call`, backend ``"fused"``);
-    ``tiles``: the GEMM's ``(block_m, block_n)`` for the reducing ops, whose tile counts peers count."""
+    ``tiles``: the GEMM's ``(block_m, block_n)`` for the reducing ops, whose tile counts peers count;
+    ``outer``: the row blocks of x gathered / scattered on their own (``kernels.agree.FIELDS``)."""
     return agree.describe_call(
         op,
         m,
@@ -82,6 +84,7 @@ def describe(
         group_size=group_size,
         comm_dim=comm_dim,
         tiles=tiles,
+        outer=outer,
     )
 
 

@@ -74,7 +74,7 @@ TIMEOUT_WORD = 4
 # Descriptor words the call check takes (kernels.agree.FIELDS, padded), and words per descriptor
 # slot: the epoch and the descriptor words, rounded up to a power of two (one tl.arange, and one
 # lane of the check's single warp per word).
-DESC_WORDS = 16
+DESC_WORDS = 17
 DESC_SLOT = 32
 # This rank's descriptor of the call in progress, laid out as a slot (word MINE_WORD unused).
 MINE_WORD = 8
@@ -305,6 +305,7 @@ def add_signal(flag_ptr, increment):
         "d13",
         "d14",
         "d15",
+        "d16",
     ]
 )
 def _check_call_kernel(
@@ -328,6 +329,7 @@ def _check_call_kernel(
     d13: tl.int64,
     d14: tl.int64,
     d15: tl.int64,
+    d16: tl.int64,
     WORLD: tl.constexpr,
     DESC_LEN: tl.constexpr,
     DESC_OFFSET: tl.constexpr,
@@ -365,6 +367,7 @@ def _check_call_kernel(
     mine = tl.where(idx == 14, d13, mine)
     mine = tl.where(idx == 15, d14, mine)
     mine = tl.where(idx == 16, d15, mine)
+    mine = tl.where(idx == 17, d16, mine)
     tl.store(pad + _MINE + idx, mine, mask=words)
     compared = words & (((must_agree >> tl.maximum(idx - 1, 0).to(tl.int64)) & 1) != 0)
     parity = epoch % 2

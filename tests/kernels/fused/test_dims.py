@@ -81,6 +81,30 @@ def _dim_mismatch_body(rank: int, world: int) -> list[str]:
     return messages
 
 
+def _layout_mismatch_body(rank: int, world: int) -> list[str]:
+    """The last rank's x is [4W, 2, K] where its peers' is [2, 4W, K], all with dim 1: the same
+    flattened rows, but other blocks before the dim, so the rows would land elsewhere. Refused by
+    name on every backend: fused at a group's first call (heap exchange) and later (kernel check),
+    sequential under COC_CHECK=1."""
+    messages = []
+    x = torch.randn(2, 4 * world, K, dtype=torch.float64)
+    x_odd = x.reshape(4 * world, 2, K)
+    w = torch.randn(N, K, dtype=torch.float64)
+    mine = x_odd if rank == world - 1 else x
+    for op, name in ((kernels.all_gather_matmul, "gather_dim"), (kernels.matmul_reduce_scatter, "scatter_dim")):
+        for backend, warm in (("fused", False), ("fused", True), ("sequential", False)):
+            group = dist.new_group(list(range(world)))
+            if warm:
+                op(x, w, group=group, backend=backend, **{name: 1})
+            try:
+                op(mine, w, group=group, backend=backend, **{name: 1})
+            except RuntimeError as e:
+                messages.append(str(e))
+            else:
+                raise AssertionError(f"{backend} (warm={warm}): ranks with other blocks before {name} got a result")
+    return messages
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_fused_gather_dim_and_weight_lists_match_torch(world: int) -> None:
     assert run_ranks(_gather_body, world, timeout=300) == [3] * world
@@ -96,3 +120,12 @@ def test_fused_ranks_disagreeing_on_the_dim_are_refused_by_name() -> None:
         assert len(messages) == 2
         assert "gather_dim=0" in messages[0] and "gather_dim=1" in messages[0], messages[0]
         assert "scatter_dim=0" in messages[1] and "scatter_dim=1" in messages[1], messages[1]
+
+
+def test_ranks_with_other_blocks_before_the_dim_are_refused_by_name() -> None:
+    for messages in run_ranks(_layout_mismatch_body, 2, timeout=300, env={"COC_CHECK": "1"}):
+        assert len(messages) == 6, messages
+        for i, message in enumerate(messages):
+            name = "gather_dim" if i < 3 else "scatter_dim"
+            assert "ranks disagree" in message, message
+            assert f"prod(x.shape[:{name}])=2" in message and f"prod(x.shape[:{name}])=8" in message, message
