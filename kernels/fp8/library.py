@@ -2,14 +2,16 @@
 
     coc::all_gather_scaled_matmul(Tensor x, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias,
                                   str mode, ScalarType out_dtype, str group_name, int world, str backend,
-                                  int parallel_num) -> Tensor
+                                  int parallel_num, int comm_dim, int outer) -> Tensor
     coc::all_gather_scaled_matmul_gathered(... same ...) -> (Tensor y, Tensor x_gathered, Tensor x_scale_gathered)
     coc::scaled_matmul_reduce_scatter(... same ..., bool deterministic) -> Tensor
     coc::scaled_matmul_all_reduce(... same ..., bool deterministic) -> Tensor
     coc::scaled_matmul(Tensor x, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias, str mode,
                        ScalarType out_dtype, str backend) -> Tensor               (local, no communication)
 
-``x`` is 2-D (the public functions flatten and restore leading dims); ``mode`` is the validated
+``x`` is 2-D (the public functions flatten and restore leading dims, and move a ``gather_dim`` /
+``scatter_dim`` to dim 0: ``comm_dim`` and ``outer``, the product of the dims before it, say which
+for the call check); ``mode`` is the validated
 scaling mode; the group travels by name, the backend and split count are decided before the call
 (constants of a compiled graph), exactly as for the bf16 operators in :mod:`kernels.library`.
 Outputs never alias inputs.
@@ -30,7 +32,9 @@ from ..op_registration import define_op, unaliased
 from . import chunked, sequential
 
 _ARGS = "Tensor x, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias, str mode, ScalarType out_dtype"
-_COMM = "str group_name, int world, str backend, int parallel_num"
+# comm_dim / outer: the caller's gather_dim / scatter_dim and the product of x's dims before it, for
+# the call check only (x arrives with that dim moved to dim 0).
+_COMM = "str group_name, int world, str backend, int parallel_num, int comm_dim, int outer"
 
 # The fused FP8 kernels, one module per op (kernels/fused/*_fp8.py).
 FUSED_MODULES = {
@@ -63,9 +67,12 @@ def _run(
     group: dist.ProcessGroup | None,
     world: int,
     flag: bool,
+    comm_dim: int,
+    outer: int,
 ) -> Any:
     if backend == "fused":
-        return fused_function(op)(x, x_scale, weight, w_scale, bias, mode, out_dtype, group, flag)
+        fn = fused_function(op)
+        return fn(x, x_scale, weight, w_scale, bias, mode, out_dtype, group, flag, comm_dim=comm_dim, outer=outer)
     name = "return_gathered" if op == "all_gather_scaled_matmul" else "deterministic"
     if backend == "chunked":
         return getattr(chunked, op)(
@@ -91,11 +98,15 @@ def _comm_op(op: str, gathered: bool = False) -> tuple[Callable[..., Any], Calla
         world: int,
         backend: str,
         num: int,
+        comm_dim: int,
+        outer: int,
         deterministic: bool = False,
     ) -> Any:
         group = resolve_group(group_name)
         flag = gathered or deterministic
-        out = _run(op, backend, num, x, x_scale, weight, w_scale, bias, mode, out_dtype, group, world, flag)
+        out = _run(
+            op, backend, num, x, x_scale, weight, w_scale, bias, mode, out_dtype, group, world, flag, comm_dim, outer
+        )
         if not gathered:
             return out
         y, xg, xsg = out

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .. import checks, comm, dispatch
 from ..config import get_config
+from ..library import blocks_before
 from ..op_registration import assume_constant_result
 from . import library
 from .scales import FP8_DTYPES, MODES, OUT_DTYPES, check_fp8, check_operands, check_scale_values, flatten_x_scale
@@ -52,6 +53,7 @@ def _choose(
     flag: bool,
     group: dist.ProcessGroup | None,
     world: int,
+    layout: tuple[int, int] = (0, 1),
 ) -> tuple[str, int, str]:
     # The dispatcher (and COC_PARALLEL_NUM=auto's tuner) sees stand-ins of the op's output dtype:
     # the split count tuned for the bf16 op of the same shape is the one used (FP8 operands cannot
@@ -64,7 +66,9 @@ def _choose(
     x_stand = dispatch._stand_in(tuple(x2d.shape), out_dtype, x2d.device)
     w_stand = dispatch._stand_in(tuple(weight.shape), out_dtype, x2d.device)
     b_stand = None if bias is None else dispatch._stand_in((weight.shape[0],), out_dtype, x2d.device)
-    name, num, group_name = dispatch.decide(base, backend, parallel_num, x_stand, w_stand, b_stand, flag, group, world)
+    name, num, group_name = dispatch.decide(
+        base, backend, parallel_num, x_stand, w_stand, b_stand, flag, group, world, comm_dim=layout[0], outer=layout[1]
+    )
     if name == "fused":
         reason = _fused_missing(op)
         if reason is not None:
@@ -217,22 +221,34 @@ def all_gather_scaled_matmul(
         moved = _move_to_dim0("gather_dim", gather_dim, x, x_scale)
         if moved is not None:
             d, xm, sm = moved
-            out = all_gather_scaled_matmul(
-                xm,
-                sm,
-                weight,
-                w_scale,
-                bias,
-                out_dtype=out_dtype,
-                group=group,
-                backend=backend,
-                parallel_num=parallel_num,
-                return_gathered=return_gathered,
+            layout = (d, blocks_before(x, d))
+            out = _all_gather_scaled_matmul(
+                xm, sm, weight, w_scale, bias, out_dtype, group, backend, parallel_num, return_gathered, layout
             )
             if not return_gathered:
                 return out.movedim(0, d).contiguous()
             y, xg, xsg = out
             return y.movedim(0, d).contiguous(), xg.movedim(0, d).contiguous(), _scale_back(xsg, xg, d)
+    return _all_gather_scaled_matmul(
+        x, x_scale, weight, w_scale, bias, out_dtype, group, backend, parallel_num, return_gathered, (0, 1)
+    )
+
+
+def _all_gather_scaled_matmul(
+    x: object,
+    x_scale: object,
+    weight: object,
+    w_scale: object,
+    bias: object,
+    out_dtype: object,
+    group: object,
+    backend: object,
+    parallel_num: object,
+    return_gathered: object,
+    layout: tuple[int, int],
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`all_gather_scaled_matmul` on dim 0 of ``x``; ``layout`` the caller's ``(gather_dim, product of
+    x's dims before it)``, which the ranks' call check compares (x arrives with that dim moved to 0)."""
     mode, world, x2d, xs, ws = _prepare(
         "all_gather_scaled_matmul",
         x,
@@ -248,16 +264,28 @@ def all_gather_scaled_matmul(
         return_gathered,
     )
     name, num, group_name = _choose(
-        "all_gather_scaled_matmul", backend, parallel_num, x2d, weight, bias, out_dtype, return_gathered, group, world
+        "all_gather_scaled_matmul",
+        backend,
+        parallel_num,
+        x2d,
+        weight,
+        bias,
+        out_dtype,
+        return_gathered,
+        group,
+        world,
+        layout,
     )
     _check_agreement("all_gather_scaled_matmul", mode, x2d, xs, weight, out_dtype, group, world)
     lead = (x.shape[0] * world,) + tuple(x.shape[1:-1])
     w = weight.contiguous()
     if not return_gathered:
-        y = library.all_gather_scaled_matmul(x2d, xs, w, ws, bias, mode, out_dtype, group_name, world, name, num)
+        y = library.all_gather_scaled_matmul(
+            x2d, xs, w, ws, bias, mode, out_dtype, group_name, world, name, num, *layout
+        )
         return y.view(lead + (weight.shape[0],))
     y, xg, xsg = library.all_gather_scaled_matmul_gathered(
-        x2d, xs, w, ws, bias, mode, out_dtype, group_name, world, name, num
+        x2d, xs, w, ws, bias, mode, out_dtype, group_name, world, name, num, *layout
     )
     return y.view(lead + (weight.shape[0],)), xg.view(lead + (x.shape[-1],)), xsg
 
@@ -292,19 +320,30 @@ def scaled_matmul_reduce_scatter(
         moved = _move_to_dim0("scatter_dim", scatter_dim, x, x_scale)
         if moved is not None:
             d, xm, sm = moved
-            y = scaled_matmul_reduce_scatter(
-                xm,
-                sm,
-                weight,
-                w_scale,
-                bias,
-                out_dtype=out_dtype,
-                group=group,
-                backend=backend,
-                parallel_num=parallel_num,
-                deterministic=deterministic,
+            layout = (d, blocks_before(x, d))
+            y = _scaled_matmul_reduce_scatter(
+                xm, sm, weight, w_scale, bias, out_dtype, group, backend, parallel_num, deterministic, layout
             )
             return y.movedim(0, d).contiguous()
+    return _scaled_matmul_reduce_scatter(
+        x, x_scale, weight, w_scale, bias, out_dtype, group, backend, parallel_num, deterministic, (0, 1)
+    )
+
+
+def _scaled_matmul_reduce_scatter(
+    x: object,
+    x_scale: object,
+    weight: object,
+    w_scale: object,
+    bias: object,
+    out_dtype: object,
+    group: object,
+    backend: object,
+    parallel_num: object,
+    deterministic: object,
+    layout: tuple[int, int],
+) -> torch.Tensor:
+    """:func:`scaled_matmul_reduce_scatter` on dim 0 of ``x``; ``layout`` as in :func:`_all_gather_scaled_matmul`."""
     mode, world, x2d, xs, ws = _prepare(
         "scaled_matmul_reduce_scatter",
         x,
@@ -325,11 +364,21 @@ def scaled_matmul_reduce_scatter(
             f"is not divisible by the group size W={world}"
         )
     name, num, group_name = _choose(
-        "scaled_matmul_reduce_scatter", backend, parallel_num, x2d, weight, bias, out_dtype, deterministic, group, world
+        "scaled_matmul_reduce_scatter",
+        backend,
+        parallel_num,
+        x2d,
+        weight,
+        bias,
+        out_dtype,
+        deterministic,
+        group,
+        world,
+        layout,
     )
     _check_agreement("scaled_matmul_reduce_scatter", mode, x2d, xs, weight, out_dtype, group, world)
     y = library.scaled_matmul_reduce_scatter(
-        x2d, xs, weight.contiguous(), ws, bias, mode, out_dtype, group_name, world, name, num, deterministic
+        x2d, xs, weight.contiguous(), ws, bias, mode, out_dtype, group_name, world, name, num, *layout, deterministic
     )
     return y.view((x.shape[0] // world,) + tuple(x.shape[1:-1]) + (weight.shape[0],))
 
@@ -375,7 +424,7 @@ def scaled_matmul_all_reduce(
     )
     _check_agreement("scaled_matmul_all_reduce", mode, x2d, xs, weight, out_dtype, group, world)
     y = library.scaled_matmul_all_reduce(
-        x2d, xs, weight.contiguous(), ws, bias, mode, out_dtype, group_name, world, name, num, deterministic
+        x2d, xs, weight.contiguous(), ws, bias, mode, out_dtype, group_name, world, name, num, 0, 1, deterministic
     )
     return y.view(tuple(x.shape[:-1]) + (weight.shape[0],))
 

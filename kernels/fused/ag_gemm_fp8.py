@@ -434,8 +434,13 @@ def all_gather_scaled_matmul(
     out_dtype: torch.dtype,
     group: dist.ProcessGroup | None,
     return_gathered: bool,
+    comm_dim: int = 0,
+    outer: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused FP8 all-gather + scaled GEMM over the group's symmetric heap.
+
+    ``comm_dim`` / ``outer``: the caller's ``gather_dim`` and the product of x's dims before it, for
+    the call check only (the public op moves that dim to dim 0 before this call).
 
     Shapes: x FP8 ``[m_local, k]`` (same ``m_local`` and ``k`` on every rank), weight FP8 ``[n, k]``,
     scales for ``mode`` (validated by the caller), bias ``[n]`` in ``out_dtype`` -> y ``[W * m_local, n]``
@@ -477,6 +482,8 @@ def all_gather_scaled_matmul(
         quant_mode=mode,
         weight_dtype=weight.dtype,
         out_dtype=out_dtype,
+        comm_dim=comm_dim,
+        outer=outer,
     )
     with runtime.fused_call(OP, group, x.device, data_bytes, descriptor) as call:
         # m_local and k are in the checked descriptor: every rank picks the same tiles and chunks.

@@ -31,6 +31,8 @@ def scaled_matmul_all_reduce(
     group: dist.ProcessGroup | None,
     deterministic: bool,
     algorithm: str = "auto",
+    comm_dim: int = 0,
+    outer: int = 1,
 ) -> torch.Tensor:
     """Fused FP8 scaled GEMM + all-reduce over the group's symmetric heap.
 
@@ -44,7 +46,8 @@ def scaled_matmul_all_reduce(
         y = sum(partial_src for src in 0..W-1)                  # fp32, in rank order
         y = (y + bias).to(out_dtype)                             # bias once, one rounding
 
-    ``algorithm``: ``"auto"`` (one-shot when the fp32 output is at most ``ONE_SHOT_MAX_BYTES``),
+    ``comm_dim`` / ``outer`` are accepted for a uniform signature and ignored (an all-reduce has no
+    communicated dim). ``algorithm``: ``"auto"`` (one-shot when the fp32 output is at most ``ONE_SHOT_MAX_BYTES``),
     ``"one_shot"`` or ``"two_shot"``.
     """
     if algorithm not in ALGORITHMS:

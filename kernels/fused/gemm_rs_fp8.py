@@ -174,8 +174,11 @@ def describe(
     mode: str,
     out_dtype: torch.dtype,
     deterministic: bool,
+    comm_dim: int = 0,
+    outer: int = 1,
 ) -> tuple[int, ...]:
-    """This rank's descriptor of a reducing FP8 fused call (mode and all three dtypes included)."""
+    """This rank's descriptor of a reducing FP8 fused call (mode and all three dtypes included;
+    ``comm_dim`` / ``outer``: the caller's ``scatter_dim`` and the product of x's dims before it)."""
     m, k = x.shape
     return agree.describe_call(
         op,
@@ -189,6 +192,8 @@ def describe(
         quant_mode=mode,
         weight_dtype=weight.dtype,
         out_dtype=out_dtype,
+        comm_dim=comm_dim,
+        outer=outer,
     )
 
 
@@ -202,8 +207,13 @@ def scaled_matmul_reduce_scatter(
     out_dtype: torch.dtype,
     group: dist.ProcessGroup | None,
     deterministic: bool,
+    comm_dim: int = 0,
+    outer: int = 1,
 ) -> torch.Tensor:
     """Fused FP8 scaled GEMM + reduce-scatter over the group's symmetric heap.
+
+    ``comm_dim`` / ``outer``: the caller's ``scatter_dim`` and the product of x's dims before it, for
+    the call check only (the public op moves that dim to dim 0 before this call).
 
     Shapes: x FP8 ``[m, k_local]`` (``m % W == 0``, same ``m`` on every rank), weight FP8
     ``[n, k_local]``, scales for ``mode`` (validated by the caller), bias ``[n]`` -> y ``[m / W, n]``
@@ -226,7 +236,7 @@ def scaled_matmul_reduce_scatter(
     rows_own = m // w
     cfg = fp8_block_config(x.device, rows_own, k)
     data_bytes = w * rows_own * slot_stride(n) * 4
-    descriptor = describe(OP, x, weight, bias, mode, out_dtype, deterministic)
+    descriptor = describe(OP, x, weight, bias, mode, out_dtype, deterministic, comm_dim, outer)
     with runtime.fused_call(OP, group, x.device, data_bytes, descriptor) as call:
         target = scatter_scaled_partials(call, x, x_scale, weight, w_scale, mode, rows_own, False, cfg)
         # The reduce sums the fp32 slots into an fp32 tile and stores it in its output's dtype.

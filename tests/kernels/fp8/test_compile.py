@@ -69,8 +69,8 @@ def test_fake_impls_match_real_outputs(op: str) -> None:
 
     x, xs, w, ws, b = _inputs("block")
     extra = {
-        "all_gather_scaled_matmul_gathered": ("", 1, "sequential", 1),
-        "scaled_matmul_all_reduce": ("", 1, "sequential", 1, False),
+        "all_gather_scaled_matmul_gathered": ("", 1, "sequential", 1, 0, 1),
+        "scaled_matmul_all_reduce": ("", 1, "sequential", 1, 0, 1, False),
         "scaled_matmul": ("sequential",),
     }[op]
     fn = getattr(torch.ops.coc, op).default

@@ -94,3 +94,51 @@ def test_fp8_bad_dims_and_scale_shapes_are_named() -> None:
         kernels.all_gather_scaled_matmul(xq, xs[:7], wq, ws, gather_dim=1)
     with pytest.raises(TypeError, match="gather_dim must be an int"):
         kernels.all_gather_scaled_matmul(xq, xs, wq, ws, gather_dim=1.0)
+
+
+def _layout_mismatch_rank(rank: int, world: int) -> list[str]:
+    """The last rank passes another dim with the same shape ([4W, 4W, K], dim 0 against dim 1) or the
+    same dim with another shape ([2, 8W, K] against [8W, 2, K], dim 1): the FP8 ops move the dim to
+    dim 0 before the call, so only the caller's dim and the dims before it tell the calls apart.
+    Refused by name on every backend: fused at a group's first call and later, sequential under
+    COC_CHECK=1 (the test sets it). Returns the messages."""
+    import torch.distributed as dist
+
+    import kernels
+
+    messages = []
+    wq, ws = _quant(torch.randn(N, K), "row", True)
+    last = rank == world - 1
+    square = torch.randn(4 * world, 4 * world, K)
+    flat = torch.randn(2, 8 * world, K)
+    fq, fs = _quant(flat.reshape(-1, K), "row", False)
+    fq, fs = fq.view(flat.shape), fs.view(tuple(flat.shape[:-1]) + (1,))
+    cases = [
+        ("gather_dim", square, 1 if last else 0, "gather_dim=0"),
+        ("gather_dim", flat.reshape(8 * world, 2, K) if last else flat, 1, "prod(x.shape[:gather_dim])=2"),
+        ("scatter_dim", square, 1 if last else 0, "scatter_dim=0"),
+        ("scatter_dim", flat.reshape(8 * world, 2, K) if last else flat, 1, "prod(x.shape[:scatter_dim])=2"),
+    ]
+    for name, x, dim, expected in cases:
+        xq, xs = _quant(x.reshape(-1, K), "row", False)
+        xq, xs = xq.view(x.shape), xs.view(tuple(x.shape[:-1]) + (1,))
+        op = kernels.all_gather_scaled_matmul if name == "gather_dim" else kernels.scaled_matmul_reduce_scatter
+        for backend, warm in (("fused", False), ("fused", True), ("sequential", False)):
+            group = dist.new_group(list(range(world)))
+            opts = {"group": group, "backend": backend, "out_dtype": torch.float32}
+            if warm:
+                op(fq, fs, wq, ws, **opts, **{name: 1})  # the same call everywhere: the heap exists
+            try:
+                op(xq, xs, wq, ws, **opts, **{name: dim})
+            except RuntimeError as e:
+                message = str(e)
+                if "ranks disagree" not in message or expected not in message:
+                    messages.append(f"{name} {backend} warm={warm}: {message}")
+            else:
+                messages.append(f"{name} {backend} warm={warm}: ranks with other layouts got a result")
+    return messages
+
+
+def test_fp8_ranks_with_other_dims_or_layouts_are_refused_by_name() -> None:
+    failures = run_ranks(_layout_mismatch_rank, 2, timeout=300, env={"COC_CHECK": "1"})
+    assert failures == [[], []], failures
