@@ -297,6 +297,13 @@ def edge_shapes_body(rank: int, world: int) -> int:
     return len(cases)
 
 
+def _uneven_n_inputs(world: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's x ``[24, 20]`` and column shard ``[n, 20]``, n = 16 on even ranks and 64 on odd ones."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(24, 20, generator=g) for _ in range(world)]
+    return xs, [torch.randn(16 if r % 2 == 0 else 64, 20, generator=g) for r in range(world)]
+
+
 def per_rank_tiles_body(rank: int, world: int) -> list[int]:
     """``all_gather_matmul`` on uneven column shards (n = 16 on even ranks, 64 on odd ones) under a tuned
     file (``COC_TUNED_DIR``, written by the test) that gives each n another tile height: the tiles are
@@ -307,11 +314,9 @@ def per_rank_tiles_body(rank: int, world: int) -> list[int]:
     dev = torch.device("cpu")
     group = dist.group.WORLD
     presize(group, dev)
-    m_local, k = 24, 20
-    ns = [16 if r % 2 == 0 else 64 for r in range(world)]
-    g = torch.Generator().manual_seed(11)
-    xs = [torch.randn(m_local, k, generator=g) for _ in range(world)]
-    ws = [torch.randn(n, k, generator=g) for n in ns]
+    xs, ws = _uneven_n_inputs(world, 11)
+    m_local, k = xs[0].shape
+    ns = [w.shape[0] for w in ws]
     cfg = gemm.block_config(dev, m_local, k, torch.float32, op="all_gather_matmul", n=ns[rank])
     for op in ("ag", "ag_v2"):
         scramble(group, dev)
@@ -331,11 +336,7 @@ def withheld_chunk_body(rank: int, world: int) -> str | None:
     from kernels.fused import ag_gemm
 
     group = dist.new_group(list(range(world)))
-    m_local, k = 24, 20
-    ns = [16 if r % 2 == 0 else 64 for r in range(world)]
-    g = torch.Generator().manual_seed(12)
-    xs = [torch.randn(m_local, k, generator=g) for _ in range(world)]
-    ws = [torch.randn(n, k, generator=g) for n in ns]
+    xs, ws = _uneven_n_inputs(world, 12)
     real = ag_gemm._push_shard
     if rank == 0:
         # One chunk of chunk_rows rows (rank 0's rows land at offset 0 of every gather buffer).
