@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "command that writes a correctness and speed report of this GPU (bench/gpu_check.py; "
         "--allow-cpu runs it on CPU under the interpreter); tune: time the GEMM config space "
         "against cuBLAS and write configs/tuned/<gpu-name>.yaml, or into --out-dir when given "
-        "(bench/tune.py; --allow-cpu: tiny shapes under the interpreter)",
+        "(bench/tune.py; --allow-cpu: tiny shapes under the interpreter, cpu.yaml always into --out-dir)",
     )
     p.add_argument(
         "--sections",
@@ -103,7 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help=f"comma list from {', '.join(BACKENDS)} (default: the suite's; sequential is always run as the reference)",
     )
-    p.add_argument("--dtypes", type=_csv(str), default=None, metavar="LIST", help=f"comma list from {DTYPES}")
+    p.add_argument(
+        "--dtypes",
+        type=_csv(str),
+        default=None,
+        metavar="LIST",
+        help=f"comma list from {', '.join(DTYPES)} (default: the suite's)",
+    )
     p.add_argument(
         "--world-sizes",
         type=_csv(int),
@@ -538,8 +544,10 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("TRITON_INTERPRET", "1")
         from bench import tune
 
-        # --out-dir's default is the benchmark reports' folder: the tuned file goes to configs/tuned unless named.
-        out_dir = None if args.out_dir == build_parser().get_default("out_dir") else args.out_dir
+        # On a GPU the tuned file goes where the kernels read it (configs/tuned) unless --out-dir is named.
+        # A CPU file is never read from there (only from COC_TUNED_DIR): it goes to --out-dir, default included.
+        named = args.out_dir != build_parser().get_default("out_dir")
+        out_dir = args.out_dir if named or not _cuda_available() else None
         return tune.main(out_dir, args.allow_cpu)
     device_type = _device_type(args.device)
     if device_type == "cpu":

@@ -6,7 +6,8 @@ installs nothing, needs no network, and the whole run, cold ``import torch`` inc
 
 * ``env``: versions, GPU, driver, MPS, git revision (in this process);
 * ``tune``: :func:`bench.tune.run` times the GEMM configuration space and writes
-  ``configs/tuned/<gpu>.yaml``, so the sections after it run the tuned tiles;
+  ``configs/tuned/<gpu>.yaml``, so the sections after it run the tuned tiles (with ``--allow-cpu``:
+  ``cpu.yaml`` into ``--out-dir``, since the kernels read a CPU file only from ``COC_TUNED_DIR``);
 * ``tests``: ``pytest -m gpu``, the tests that matter most first (:data:`PRIORITY`: CUDA-graph
   replay and the fused ops on the CUDA-IPC heap), each under a time limit; this module is loaded
   into that pytest as a plugin (``-p bench.gpu_check``), which orders the tests and writes each
@@ -116,7 +117,7 @@ def _append(path: str, record: dict) -> None:
 # ------------------------------------------------------------------------------ sections
 
 
-def _section_cmd(name: str, device_type: str, deadline: float, out: str) -> list[str]:
+def _section_cmd(name: str, device_type: str, deadline: float, out: str, tuned_dir: str | None) -> list[str]:
     if name == "tests":
         return [
             sys.executable,
@@ -132,11 +133,12 @@ def _section_cmd(name: str, device_type: str, deadline: float, out: str) -> list
             "-q",
             f"--timeout={PER_TEST_S[device_type]}",
         ]
-    return [sys.executable, "-m", "bench.gpu_check", name, device_type, str(deadline), out]
+    return [sys.executable, "-m", "bench.gpu_check", name, device_type, str(deadline), out, tuned_dir or ""]
 
 
-def section_main(name: str, device_type: str, deadline: float, out: str) -> int:
-    """Body of the ``tune`` and ``speed`` processes: items as JSON lines into ``out``."""
+def section_main(name: str, device_type: str, deadline: float, out: str, tuned_dir: str | None = None) -> int:
+    """Body of the ``tune`` and ``speed`` processes: items as JSON lines into ``out``; the tuner writes
+    into ``tuned_dir`` (None: ``configs/tuned``, a GPU run's place)."""
 
     def emit(item: dict) -> None:
         _append(out, {"item": item})
@@ -151,7 +153,7 @@ def section_main(name: str, device_type: str, deadline: float, out: str) -> int:
     except ImportError as e:
         emit({"name": "tuner", "status": "skip", "detail": f"bench.tune is not available ({e})"})
         return 0
-    result = tune.run(None, device_type == "cpu", budget_s=max(5.0, deadline - time.time() - 10))
+    result = tune.run(tuned_dir, device_type == "cpu", budget_s=max(5.0, deadline - time.time() - 10))
     emit({"name": "tuned file", "status": "pass", "detail": f"{result['path']} in {result['seconds']:.0f} s"})
     for row in result["rows"]:
         emit({"name": f"tuned {row.get('op')} {row.get('dtype')} {row.get('shape')}", "status": "pass", **row})
@@ -160,8 +162,11 @@ def section_main(name: str, device_type: str, deadline: float, out: str) -> int:
     return 0
 
 
-def run_section(name: str, device_type: str, budget_s: float, work: str) -> dict[str, Any]:
-    """Run a section in its own process session, killed with its children after ``budget_s``."""
+def run_section(
+    name: str, device_type: str, budget_s: float, work: str, tuned_dir: str | None = None
+) -> dict[str, Any]:
+    """Run a section in its own process session, killed with its children after ``budget_s``; the
+    tuner writes into ``tuned_dir`` (an absolute path: the section runs in the repository root)."""
     out = os.path.join(work, f"{name}.jsonl")
     started = time.time()
     env = dict(os.environ, **{RESULTS_ENV: out})
@@ -171,7 +176,7 @@ def run_section(name: str, device_type: str, budget_s: float, work: str) -> dict
     else:
         env.pop("TRITON_INTERPRET", None)  # compiled kernels: the interpreter cannot address GPU memory
     proc = subprocess.Popen(
-        _section_cmd(name, device_type, started + budget_s - 3, out),
+        _section_cmd(name, device_type, started + budget_s - 3, out, tuned_dir),
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -328,6 +333,8 @@ def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> in
     total = TOTAL_BUDGET_S[device_type]
     env, env_items = environment(device_type)
     results = [_section("env", env_items, start, 0, [], False)] if "env" in chosen else []
+    # A CPU tuned file is read only from COC_TUNED_DIR, so it goes beside the report, not into configs/tuned.
+    tuned_dir = os.path.abspath(out_dir) if device_type == "cpu" else None
     with tempfile.TemporaryDirectory(prefix="coc-gpu-check-") as work:
         for name in (s for s in chosen if s != "env"):
             left = total - (time.time() - start)
@@ -336,7 +343,7 @@ def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> in
                 results.append(_section(name, [], time.time(), 0, ["not started: the time budget was spent"], True))
                 continue
             print(f"gpu-check: {name} ({TITLES[name]}), budget {budget:.0f} s ...", file=sys.stderr, flush=True)
-            results.append(run_section(name, device_type, budget, work))
+            results.append(run_section(name, device_type, budget, work, tuned_dir))
             print(f"gpu-check: {name}: {summary_line(results[-1], device_type == 'cuda')}", file=sys.stderr, flush=True)
     verdicts = {sec["verdict"] for sec in results}
     overall = next((v for v in ("FAIL", "TIMEOUT", "WARN") if v in verdicts), "PASS")
@@ -369,7 +376,7 @@ def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> in
 
 
 if __name__ == "__main__":
-    _name, _device_type, _deadline, _out = sys.argv[1:]
+    _name, _device_type, _deadline, _out, _tuned_dir = sys.argv[1:]
     if _device_type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.exit(section_main(_name, _device_type, float(_deadline), _out))
+    sys.exit(section_main(_name, _device_type, float(_deadline), _out, _tuned_dir or None))

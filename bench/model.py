@@ -42,15 +42,15 @@ dequantized fp32 operands; pass them an fp32 GEMM time. Quantizing the inputs is
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import yaml
 
-from bench.suites import DTYPE_BYTES, OP_COLLECTIVE, REPO_ROOT, backend_args
+from bench.suites import DTYPE_BYTES, OP_COLLECTIVE, backend_args
+from kernels.paths import config_path
 
-LINKS_PATH = os.path.join(REPO_ROOT, "configs", "links.yaml")
+LINKS_PATH = str(config_path("links.yaml"))
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 FP8 = "fp8"
 FP8_MODES = ("tensor", "row", "block")

@@ -19,8 +19,10 @@ from typing import Any
 
 import yaml
 
+from kernels.paths import config_path
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SUITE_DIR = os.path.join(REPO_ROOT, "configs", "bench")
+SUITE_DIR = str(config_path("bench"))
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "quantized_matmul_all_reduce")
 OP_ALIASES = {

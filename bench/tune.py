@@ -12,14 +12,17 @@ rows-per-owner ``m``) and dtype (bf16, fp16) the tuner
    same kernel body the fused kernels run between their waits) among the plain configs,
 
 and writes ``configs/tuned/<gpu-name>.yaml`` (:mod:`kernels.fused.tuned`; ``--out-dir`` writes
-there instead) with cuBLAS's time beside each winner. Timings are shared: a config timed on a
-shape for ``matmul`` is not timed again for a fused op of the same shape.
+there instead) with cuBLAS's time beside each winner, printing each winner as it is found under one
+header (:func:`table`). Timings are shared: a config timed on a shape for ``matmul`` is not timed
+again for a fused op of the same shape.
 
 Time bound: the space is small (about a dozen configs per family, each compiled once per dtype for
 all shapes), a timing is a few milliseconds of repeats, and a budget (``budget_s``, default 200 s)
 stops starting new shapes once spent (the skipped shapes are listed), so the whole run fits in
 gpu-check's 9 minutes. ``--allow-cpu`` runs the same flow on CPU under the interpreter with tiny
-shapes and the CPU space (CI); its file is named ``cpu.yaml``.
+shapes and the CPU space (CI); its file, ``cpu.yaml``, always goes to ``--out-dir`` (by default
+``./bench_results``): the kernels read a CPU file only from ``COC_TUNED_DIR``, so it has no place in
+``configs/tuned``.
 """
 
 from __future__ import annotations
@@ -218,17 +221,38 @@ def tune(
     return entries, rows, skipped
 
 
+# (header, width, left-aligned, cell of a row): the header and the rows come from this one list, so every
+# column has a header and they stay aligned.
+_COLUMNS: tuple[tuple[str, int, bool, Callable[[dict], str]], ...] = (
+    ("op", 21, True, lambda r: r["op"]),
+    ("shape", 13, True, lambda r: r["shape"]),
+    ("dtype", 8, True, lambda r: r["dtype"]),
+    ("config", 32, True, lambda r: r["config"]),
+    ("ms", 9, False, lambda r: f"{r['ms']:.4f}"),
+    ("cuBLAS ms", 9, False, lambda r: f"{r['cublas_ms']:.4f}"),
+    ("vs cuBLAS", 9, False, lambda r: f"{r['vs_cublas']:.2f}x"),
+    ("TFLOP/s", 8, False, lambda r: f"{r['tflops']:.1f}"),
+)
+
+
+def _line(cells: list[str]) -> str:
+    return "  ".join(
+        cell.ljust(width) if left else cell.rjust(width)
+        for cell, (_, width, left, _) in zip(cells, _COLUMNS, strict=True)
+    ).rstrip()
+
+
 def _row_text(r: dict) -> str:
-    return (
-        f"{r['op']:22} {r['shape']:14} {r['dtype']:9} {r['config']:34} {r['ms']:9.4f} ms  "
-        f"cuBLAS {r['cublas_ms']:9.4f} ms  {r['vs_cublas']:5.2f}x  {r['tflops']:7.1f} TFLOP/s"
-    )
+    return _line([cell(r) for *_, cell in _COLUMNS])
+
+
+def header() -> str:
+    return _line([name for name, *_ in _COLUMNS])
 
 
 def table(rows: list[dict]) -> str:
-    """Text table of the winners: op, shape, dtype, config, time, cuBLAS time, speed relative to cuBLAS."""
-    head = f"{'op':22} {'shape':14} {'dtype':9} {'config':34} {'time':>12}  {'cuBLAS':>16}  vs cuBLAS"
-    return "\n".join([head] + [_row_text(r) for r in rows])
+    """Text table of the winners: op, shape, dtype, config, time, cuBLAS time, speed relative to cuBLAS, TFLOP/s."""
+    return "\n".join([header()] + [_row_text(r) for r in rows])
 
 
 def run(
@@ -238,7 +262,8 @@ def run(
     timer: Timer | None = None,
     dtypes: list[torch.dtype] | None = None,
 ) -> dict:
-    """Tune on this machine's GPU (or on CPU with ``allow_cpu``) and write the tuned file.
+    """Tune on this machine's GPU (or on CPU with ``allow_cpu``) and write the tuned file into ``out_dir``
+    (on a GPU, ``None`` writes it where the kernels read it: ``configs/tuned``; a CPU run needs one).
 
     Returns ``{"path", "rows", "skipped", "seconds"}``: the file written, the winners' table rows
     (op, shape, dtype, config, ms, cublas_ms, vs_cublas, tflops) and the shapes the budget cut.
@@ -255,9 +280,17 @@ def run(
         raise SystemExit("error: --allow-cpu needs TRITON_INTERPRET=1 set before triton is imported")
     import triton
 
+    if out_dir:
+        directory = Path(out_dir)
+    elif cuda:
+        directory = tuned.DEFAULT_DIR
+    else:
+        raise ValueError(
+            "out_dir: a CPU run of the tuner needs one (its cpu.yaml is read only from COC_TUNED_DIR, "
+            "never from configs/tuned, so it is not written there)"
+        )
     device = torch.device("cuda" if cuda else "cpu")
     t0 = time.monotonic()
-    directory = Path(out_dir) if out_dir else tuned.DEFAULT_DIR
     path = directory / f"{tuned.gpu_name(device)}.yaml"
 
     def write(entries: list, skipped: list[str]) -> None:
@@ -270,6 +303,8 @@ def run(
         )
         tuned.write(path, entries, meta)
 
+    # The rows are printed as tune() finds them (a GPU run takes minutes), under this header, once.
+    print(header())
     entries, rows, skipped = tune(
         gpu_shapes() if cuda else cpu_shapes(),
         dtypes or ([torch.bfloat16, torch.float16] if cuda else [torch.bfloat16]),
@@ -280,7 +315,6 @@ def run(
     )
     write(entries, skipped)
     seconds = time.monotonic() - t0
-    print(table(rows))
     if skipped:
         print(f"budget of {budget_s:.0f} s spent: not tuned: {', '.join(skipped)}")
     print(f"wrote {path} ({len(entries)} entries) in {seconds:.1f} s")
@@ -293,4 +327,5 @@ def main(out_dir: str | None, allow_cpu: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(None, "--allow-cpu" in sys.argv))
+    # python -m bench's default --out-dir, where a CPU run's file goes.
+    sys.exit(main(None if torch.cuda.is_available() else "bench_results", "--allow-cpu" in sys.argv))

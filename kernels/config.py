@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .paths import config_path
+
 PARALLEL_NUMS = (1, 2, 4, 8)
 BACKENDS = ("sequential", "chunked", "fused")
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
@@ -39,7 +41,7 @@ _ENV_VARS = (
     ENV_FP8,
 )
 
-DEFAULT_CONFIG_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "coc.yaml")
+DEFAULT_CONFIG_FILE = str(config_path("coc.yaml"))
 
 ShapeKey = tuple[int, int, int]
 

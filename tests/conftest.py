@@ -53,6 +53,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "one_triton: depends on Triton only through kernels other tests check (left out of test-triton36)"
     )
+    config.addinivalue_line(
+        "markers", "wheel: builds the wheel and runs it installed, outside the checkout (make test; about 15 s)"
+    )
 
 
 def _beyond_smallest_world(item: pytest.Item) -> bool:

@@ -9,7 +9,9 @@ which ranks need not share, and its pushed chunks do not follow it). The file is
 mtime changes; ranks whose tiles for a reducing op differ (another ``COC_TUNED_DIR``, a file
 rewritten between their reads) fail that call by name (the call check compares the tile), so do not
 rewrite the file while a job that uses it runs. No file (or no entry for an op and dtype): the
-built-in defaults. ``COC_TUNED_DIR`` names another directory; a CPU file (``cpu.yaml``, from
+built-in defaults. The directory is ``configs/tuned`` (:data:`DEFAULT_DIR`: the checkout's, or the
+installed package's copy, :mod:`kernels.paths`); ``COC_TUNED_DIR`` names another, existing one (a
+missing directory is a ``ValueError`` naming the variable). A CPU file (``cpu.yaml``, from
 ``--mode tune --allow-cpu``) is read only from ``COC_TUNED_DIR``, so a CI run of the tuner never
 changes the tiles of the CPU test suite.
 
@@ -43,13 +45,14 @@ from pathlib import Path
 
 import torch
 
+from ..paths import config_path
 from .gemm_configs import GemmConfig, family
 
 ENV_TUNED_DIR = "COC_TUNED_DIR"
 FILE_VERSION = 1
 OPS = ("matmul", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 FUSED_OPS = OPS[1:]
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "configs" / "tuned"
+DEFAULT_DIR = config_path("tuned")
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,14 @@ def _cuda_name(index: int) -> str:
 
 def tuned_path(device: torch.device) -> Path | None:
     """The tuned file the kernels on ``device`` read (it may not exist), or None (CPU without ``COC_TUNED_DIR``)."""
-    path = _path(os.environ.get(ENV_TUNED_DIR) or None, device.type, device.index)
+    path = _path(_env_dir(), device.type, device.index)
     return None if path is None else Path(path)
+
+
+def _env_dir() -> str | None:
+    # Empty or blank means unset, as for the other COC_* variables (kernels/config.py).
+    raw = os.environ.get(ENV_TUNED_DIR)
+    return raw if raw and raw.strip() else None
 
 
 @functools.cache
@@ -102,6 +111,12 @@ def _path(directory: str | None, device_type: str, index: int | None) -> str | N
         if device_type != "cuda":
             return None
         directory = str(DEFAULT_DIR)
+    elif not os.path.isdir(directory):
+        # Not cached (functools.cache keeps no exceptions): a directory created later is then accepted.
+        raise ValueError(
+            f"{ENV_TUNED_DIR}={directory!r} is not accepted: no such directory; use an existing directory "
+            "holding the tuner's <gpu-name>.yaml files (python -m bench --mode tune --out-dir DIR writes one)"
+        )
     return os.path.join(directory, f"{gpu_name(torch.device(device_type, index))}.yaml")
 
 
@@ -193,7 +208,7 @@ def lookup(
     """
     if op not in OPS:
         raise ValueError(f"op: {op!r} is not one of {OPS}")
-    path = _path(os.environ.get(ENV_TUNED_DIR) or None, device.type, device.index)
+    path = _path(_env_dir(), device.type, device.index)
     if path is None:
         return None
     entries = load(path)

@@ -37,6 +37,14 @@ def test_help_documents_the_tool():
         assert word in r.stdout, word
 
 
+def test_help_lists_choices_as_words_not_python_values():
+    from bench.__main__ import build_parser
+
+    text = " ".join(build_parser().format_help().split())  # argparse wraps lines at the terminal's width
+    assert "--dtypes LIST comma list from fp32, fp16, bf16 (default: the suite's)" in text, text
+    assert not re.search(r"[(\[{]'", text), text  # no tuple, list or dict printed as Python shows it
+
+
 def _check_report(tmp_path, worlds):
     doc = json.loads((tmp_path / "out.json").read_text())
     meta = doc["meta"]

@@ -2,9 +2,11 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the --allow-cpu f
 def _env(**extra):
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, **extra)
     env.pop("TRITON_INTERPRET", None)  # the command sets it for its own sections
+    env.pop("COC_TUNED_DIR", None)
     return env
 
 
@@ -52,6 +55,42 @@ def test_allow_cpu_reports_environment_and_speed(tmp_path):
     tail = r.stdout.strip().splitlines()
     assert tail[-1].startswith("overall: PASS") and len(tail) == 5, r.stdout
     assert 0 < doc["meta"]["seconds"] <= doc["meta"]["total_budget_s"]
+
+
+@no_gpu
+def test_allow_cpu_tuner_writes_into_out_dir_not_configs(tmp_path):
+    """The tune section of a CPU run writes cpu.yaml beside the report (--out-dir), never into the
+    checkout's configs/tuned, where the kernels would not read it anyway."""
+    checkout_file = Path(REPO_ROOT) / "configs" / "tuned" / "cpu.yaml"
+    before = checkout_file.stat().st_mtime_ns if checkout_file.exists() else None
+    r, doc, _ = _gpu_check(tmp_path, "--sections", "tune")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    items = {it["name"]: it for it in doc["sections"][0]["items"]}
+    assert items["tuned file"]["detail"].startswith(f"{tmp_path / 'cpu.yaml'} in "), items["tuned file"]
+    assert (tmp_path / "cpu.yaml").is_file()
+    assert (checkout_file.stat().st_mtime_ns if checkout_file.exists() else None) == before
+
+
+@pytest.mark.skipif(
+    shutil.which("git") is None or not os.path.isdir(os.path.join(REPO_ROOT, ".git")), reason="needs a git checkout"
+)
+def test_gitignore_covers_what_cpu_runs_write():
+    """What the CPU runs of the tools write in a checkout stays out of git status: reports and the CPU
+    tuned file in the default --out-dir, a CPU tuned file put into configs/tuned by hand, and a CPU
+    gpu-check run into bench/results (the committed example report stays tracked)."""
+    paths = [
+        "bench_results/cpu.yaml",
+        "bench_results/cpu-gpu-check-20990101-000000.md",
+        "configs/tuned/cpu.yaml",
+        "bench/results/cpu-gpu-check-20990101-000000.json",
+        "bench/results/cpu-gpu-check-20990101-000000.md",
+        "bench/results/cpu.yaml",
+    ]
+    r = subprocess.run(["git", "check-ignore", *paths], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert sorted(r.stdout.split()) == sorted(paths), r.stdout + r.stderr
+    tracked = ["bench/results/cpu-gpu-check-20261123-093557.md", "configs/tuned/README.md"]
+    r = subprocess.run(["git", "check-ignore", *tracked], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == [], r.stdout
 
 
 def test_budget_keeps_the_speed_reserve_and_caps_the_tuner():

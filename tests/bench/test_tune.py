@@ -4,8 +4,10 @@ kernels reading what the tuner wrote."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from kernels.fused.gemm_configs import GemmConfig
 from kernels.testing import REPO_ROOT
 
 pytestmark = pytest.mark.triton
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the --allow-cpu flow; a GPU tunes its own shapes")
+CHECKOUT_CPU_FILE = Path(REPO_ROOT) / "configs" / "tuned" / "cpu.yaml"
 
 FAST = GemmConfig(16, 32, 16, 1, 1, 1, "persistent")
 FAST_PLAIN = GemmConfig(16, 32, 16, 1, 1, 1, "plain")
@@ -151,3 +155,64 @@ def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monke
                 e.config.num_warps,
                 e.config.group_m,
             )
+
+
+def _cells(line: str) -> list[tuple[int, int, str]]:
+    """(start, end, text) of each cell: cells are separated by two spaces or more."""
+    return [(m.start(), m.end(), m.group()) for m in re.finditer(r"\S+(?: \S+)*", line)]
+
+
+def test_table_has_a_header_over_every_column():
+    row = dict(
+        op="matmul_reduce_scatter",
+        shape="gate_up m4096",
+        dtype="bfloat16",
+        config=GemmConfig(128, 256, 64, 8, 3, 8, "persistent").label(),
+        ms=1.2345,
+        cublas_ms=1.2,
+        vs_cublas=0.97,
+        tflops=812.3,
+    )
+    head, line = tune.table([row]).splitlines()
+    heads, cells = _cells(head), _cells(line)
+    assert [h[2] for h in heads][-1] == "TFLOP/s" and len(heads) == len(cells), (head, line)
+    for h, c in zip(heads, cells, strict=True):  # left-aligned cells start under their header, the others end there
+        assert h[0] == c[0] or h[1] == c[1], (h, c)
+
+
+def _checkout_cpu_file() -> int | None:
+    return CHECKOUT_CPU_FILE.stat().st_mtime_ns if CHECKOUT_CPU_FILE.exists() else None
+
+
+@no_gpu
+def test_run_prints_each_winner_once_under_one_header(tmp_path, capsys):
+    result = tune.run(str(tmp_path), allow_cpu=True, timer=_fake_timer({}, []))
+    out = capsys.readouterr().out.splitlines()
+    head, *_ = tune.table([]).splitlines()
+    assert out.count(head) == 1 and result["rows"], out
+    for row in result["rows"]:
+        assert out.count(tune.table([row]).splitlines()[1]) == 1, out
+
+
+@no_gpu
+def test_cpu_run_writes_into_out_dir_never_into_configs(tmp_path):
+    """``--mode tune --allow-cpu`` without ``--out-dir``, from another directory: the file goes to the
+    default report folder (./bench_results, ignored by git), not into the checkout's configs/tuned
+    (where the kernels never read a CPU file)."""
+    before = _checkout_cpu_file()
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", tuned.ENV_TUNED_DIR)}
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--mode", "tune", "--allow-cpu"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = tmp_path / "bench_results" / "cpu.yaml"
+    assert f"wrote {written.relative_to(tmp_path)}" in proc.stdout and tuned.load(written)
+    assert _checkout_cpu_file() == before
+    with pytest.raises(ValueError, match="out_dir: a CPU run of the tuner needs one"):
+        tune.run(None, allow_cpu=True)

@@ -124,6 +124,30 @@ def test_no_tuned_file_keeps_todays_defaults(monkeypatch, tmp_path):
     assert tuned.tuned_path(torch.device("cpu")) is None
 
 
+def test_tuned_dir_that_is_no_directory_is_named(monkeypatch, tmp_path):
+    """A COC_TUNED_DIR naming no directory raises ValueError naming the variable and the value (the
+    README's rule for every COC_* variable) instead of leaving the kernels on the default tiles; a blank
+    value means unset, and a directory created later is accepted."""
+    x = torch.randn(40, 32)
+    missing, a_file = tmp_path / "missing", tmp_path / "a-file"
+    a_file.write_text("")
+    for bad in (missing, a_file):
+        monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(bad))
+        for ask in (
+            lambda: gemm.matmul_config(x, 24),
+            lambda: gemm.block_config(x.device, 40, 32, x.dtype, op="matmul_reduce_scatter", n=24),
+            lambda: tuned.tuned_path(torch.device("cpu")),
+        ):
+            with pytest.raises(ValueError, match=f"COC_TUNED_DIR={str(bad)!r} is not accepted: no such directory"):
+                ask()
+    monkeypatch.setenv(tuned.ENV_TUNED_DIR, " ")
+    assert tuned.tuned_path(torch.device("cpu")) is None
+    monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(missing))
+    missing.mkdir()
+    assert tuned.tuned_path(torch.device("cpu")) == missing / "cpu.yaml"
+    assert gemm.matmul_config(x, 24) == gemm.default_config(x)
+
+
 def _write(path, entries):
     tuned.write(path, entries, {"gpu": "test"})
 
