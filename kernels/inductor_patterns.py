@@ -36,7 +36,11 @@ def meta_val(node: Any) -> torch.Tensor:
     if not isinstance(val, torch.Tensor):
         raise LeftAlone(f"{node} has no tensor metadata")
     if not all(isinstance(s, int) for s in val.shape):
-        raise LeftAlone(f"{node} has symbolic shape {tuple(val.shape)} (compile with dynamic=False)")
+        raise LeftAlone(
+            f"{node} has symbolic shape {tuple(val.shape)}: a dynamic-shape graph (dynamic=True, or the recompile "
+            "for a second size under the default automatic dynamic shapes); compile with dynamic=False for static "
+            "graphs, one per shape"
+        )
     return val
 
 
@@ -198,7 +202,7 @@ def split_pieces(pieces: Any, source: fx.Node, dim: int, size: int, world: int) 
             sizes = s.args[1]
             sdim = arg(s, 2, "dim", 0)
             ok = s.args[0] is source and sdim == dim and p.args[1] == i
-            ok = ok and (sizes == size if isinstance(sizes, int) else list(sizes) == [size] * world)
+            ok = ok and (sizes == size if isinstance(sizes, int) else constant_sizes(sizes) == [size] * world)
             if not ok or (split is not None and s is not split):
                 raise LeftAlone(f"cat piece {p} is not piece {i} of a split of {source} by {size} on dim {dim}")
             split = s
@@ -228,14 +232,22 @@ class Gather:
     chain: list[fx.Node]  # collective, wait, [split pieces, cat]: erased once unused
 
 
+def constant_sizes(sizes: Any) -> list[int]:
+    """A split's sizes as ints; in a dynamic-shape graph they are nodes (``sym_size`` and arithmetic on it)."""
+    if isinstance(sizes, int):
+        return [sizes]
+    if isinstance(sizes, (list, tuple)) and sizes and all(isinstance(s, int) for s in sizes):
+        return list(sizes)
+    raise LeftAlone(f"the split sizes {sizes} are not constants (symbolic shapes; compile with dynamic=False)")
+
+
 def split_source(pieces: Any) -> tuple[fx.Node, int, int]:
     """``(source, dim, size)`` of the split / slice that the first of ``pieces`` comes from."""
     first = pieces[0] if isinstance(pieces, (list, tuple)) and pieces else None
     if isinstance(first, fx.Node) and first.target is operator.getitem and isinstance(first.args[0], fx.Node):
         split = first.args[0]
         if split.target in SPLITS and isinstance(split.args[0], fx.Node):
-            sizes = split.args[1]
-            return split.args[0], arg(split, 2, "dim", 0), sizes if isinstance(sizes, int) else sizes[0]
+            return split.args[0], arg(split, 2, "dim", 0), constant_sizes(split.args[1])[0]
     if isinstance(first, fx.Node) and first.target is aten.slice.Tensor and isinstance(first.args[0], fx.Node):
         start, end = arg(first, 2, "start", None), arg(first, 3, "end", None)
         if isinstance(start, int) and isinstance(end, int):
@@ -333,6 +345,8 @@ def find_reduce(coll: fx.Node) -> Reduce:
     if len(waits) != 1 or waits[0].target is not c10d.wait_tensor.default:
         raise LeftAlone("the collective is not waited on exactly once (its unwaited result is used elsewhere)")
     wait = waits[0]
+    if isinstance(inp, fx.Node):
+        meta_val(inp)  # a symbolic shape is left alone here, before the split / cat helpers read its sizes
     chain = [coll, wait]
     dim = 0
     source = inp
