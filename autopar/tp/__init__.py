@@ -5,7 +5,8 @@ Layout: ``comm`` (process groups and collectives), ``wgrad`` (weight gradient), 
 four autograd Functions), ``forward`` (the forwards shared with patched Megatron modules),
 ``layers`` (the modules), ``megatron``, ``quantized``, ``parallel_config``; ``styles`` (ParallelStyles
 for torch's ``parallelize_module`` on the same Functions), ``shared_gather`` (one all-gather for sibling
-column linears) and ``hf`` (transformers' tp_plan strings mapped to them).
+column linears), ``hf`` (transformers' tp_plan strings mapped to them) and ``hf_sizes`` (the sizes such a
+plan splits, checked against the mesh size).
 """
 
 from .comm import resolve_tp_group

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from .hf_sizes import check_shardable
 from .shared_gather import share_input_gather
 from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel
 
@@ -117,6 +118,17 @@ def _style_of(name: str, strings: dict[str, str]) -> str | None:
     return None
 
 
+def _sharded_modules(model: nn.Module, strings: dict[str, str]) -> list[tuple[str, str, str]]:
+    """``(module name, plan key, tp_plan string)`` of every module the plan parallelizes (the first key
+    that matches, as in :func:`_style_of`)."""
+    found = []
+    for name, _ in model.named_modules():
+        key = next((k for k in strings if _matches(name, k)), None)
+        if key is not None:
+            found.append((name, key, strings[key]))
+    return found
+
+
 def tied_weights_to_keep(model: nn.Module, strings: dict[str, str]) -> list[tuple[str, str]]:
     """Parameters shared by several modules (tied weights), checked against a tp_plan.
 
@@ -184,7 +196,9 @@ def parallelize_hf(
 
     ``device_mesh``: a 1-D tensor-parallel mesh (default: every rank of the default group, on the
     model's device type). ``plan``: tp_plan strings instead of the model's own. Tied input /
-    output embeddings stay tied (see :func:`tied_weights_to_keep`).
+    output embeddings stay tied (see :func:`tied_weights_to_keep`). A plan that would split an
+    attention head or a size the mesh size does not divide raises ``ValueError`` before anything is
+    sharded, naming the config fields (``autopar.tp.hf_sizes.check_shardable``).
 
     With ``sequence_parallel=True`` activations between the blocks are ``Shard(1)`` DTensors and
     the model's inputs keep their full shape: every rank passes the same ``input_ids`` and gets the
@@ -197,6 +211,7 @@ def parallelize_hf(
         device_mesh = init_device_mesh(device, (dist.get_world_size(),))
     strings = dict(plan) if plan is not None else hf_plan_strings(model, sequence_parallel=sequence_parallel)
     retie = tied_weights_to_keep(model, strings)
+    check_shardable(model, _sharded_modules(model, strings), device_mesh.size())
     if _model_type(model) == "gpt2":
         _adjust_gpt2(model, device_mesh.size())
     styles = {key: coc_style(s, sequence_parallel=sequence_parallel) for key, s in strings.items()}

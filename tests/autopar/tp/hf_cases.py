@@ -28,40 +28,23 @@ _OPS = ("all_gather_matmul", "all_gather_matmul_gathered", "all_gather_matmul_mu
 _OPS += ("matmul_all_reduce",)
 
 
-def build(model_name: str, seed: int = 0, layers: int = 2) -> torch.nn.Module:
+def build(model_name: str, seed: int = 0, layers: int = 2, **overrides: Any) -> torch.nn.Module:
+    """A tiny random model; ``overrides``: config fields to set instead of the defaults below."""
     import transformers as T
 
     torch.manual_seed(seed)
     if model_name == "gpt2":
-        cfg = T.GPT2Config(
-            n_embd=64,
-            n_layer=layers,
-            n_head=4,
-            vocab_size=128,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        )
+        fields = dict(n_embd=64, n_layer=layers, n_head=4, vocab_size=128, n_positions=64)
+        fields.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cfg = T.GPT2Config(**{**fields, **overrides})
         return T.GPT2LMHeadModel(cfg)
     cls_cfg, cls_model = {
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
         "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
     }[model_name]
-    cfg = cls_cfg(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        pad_token_id=0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4)
+    fields.update(num_key_value_heads=2, vocab_size=128, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    cfg = cls_cfg(**{**fields, **overrides})
     return cls_model(cfg)
 
 

@@ -97,6 +97,57 @@ def test_tied_head_and_embedding_stay_tied() -> None:
     assert all(run_ranks(_tied_kept, 2))
 
 
+def _sizes_checked(rank: int, world: int, model_name: str, overrides: dict, sp: bool) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    import autopar
+
+    model = build(model_name, **overrides)
+    try:
+        autopar.parallelize_hf(model, sequence_parallel=sp)  # no forward: the refusal comes before one
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    split_sizes = [m.split_size for m in model.modules() if hasattr(m, "split_size")]  # GPT-2's attention
+    return {
+        "message": message,
+        "sharded": [n for n, p in model.named_parameters() if isinstance(p, DTensor)],
+        "split_sizes": split_sizes,
+    }
+
+
+@pytest.mark.parametrize(
+    ("model", "overrides", "sp", "named"),
+    [
+        # multi-query attention: one KV head for two ranks (the first forward failed with shape '[2, 8, -1, 16]')
+        (
+            "llama",
+            {"num_key_value_heads": 1},
+            True,
+            ["num_key_value_heads=1", "model.layers.*.self_attn.k_proj", "self_attn.v_proj", "replicated"],
+        ),
+        # three heads of 16 in GPT-2's packed q/k/v (c_attn): the shards divide by W but split a head
+        ("gpt2", {"n_embd": 48, "n_head": 3}, False, ["n_head=3", "packed_colwise:3", "transformer.h.*.attn.c_attn"]),
+        # an odd MLP width: the style refused it with out_features only, after sharding the attention
+        (
+            "llama",
+            {"intermediate_size": 127},
+            False,
+            ["intermediate_size=127", "model.layers.*.mlp.gate_proj", "model.layers.*.mlp.down_proj"],
+        ),
+    ],
+    ids=["llama_kv_heads", "gpt2_heads", "llama_intermediate"],
+)
+def test_sizes_the_mesh_does_not_divide_raise_at_parallelize_time(model, overrides, sp, named) -> None:
+    """Every rank raises at parallelize time, naming the config fields, W and the mesh sizes that work, and the
+    model is left unsharded."""
+    for res in run_ranks(_sizes_checked, 2, model, overrides, sp):
+        msg = res["message"]
+        assert "mesh size W=2" in msg and all(n in msg for n in named), msg
+        assert "Mesh sizes that divide everything this plan shards: 1." in msg, msg
+        assert not res["sharded"] and set(res["split_sizes"]) <= {overrides.get("n_embd")}, res
+
+
 def test_plan_strings() -> None:
     from torch.distributed.tensor import Replicate, Shard
 
