@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from .config import BACKENDS, PARALLEL_NUMS
 
 
+def check_launched_alone() -> None:
+    """Without an initialized default group, refuse to run as a group of one where the environment says
+    the job has more processes (``WORLD_SIZE`` > 1, as torchrun sets it): every rank would return its
+    own unreduced partial, with the right shape."""
+    raw = os.environ.get("WORLD_SIZE", "").strip()
+    if raw.isdigit() and int(raw) > 1:
+        raise RuntimeError(
+            f"torch.distributed is not initialized but WORLD_SIZE={raw} in the environment (a launcher such as "
+            "torchrun started several processes): without a process group each rank would compute alone and "
+            "return its own partial result. Call torch.distributed.init_process_group(...) before the first op "
+            "or layer, or unset WORLD_SIZE (or set it to 1) to run a single process"
+        )
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
-    """World size of ``group``; 1 when torch.distributed is not initialized and no group is given."""
+    """World size of ``group``; 1 when torch.distributed is not initialized and no group is given (refused
+    by :func:`check_launched_alone` when the environment says the job has several processes)."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
+        check_launched_alone()
         return 1
     return dist.get_world_size(group)
 

@@ -46,6 +46,9 @@ def resolve_tp_group(tp_group: Group, is_expert: bool = False) -> Group:
             raise TypeError(f"tp_group must be a torch.distributed ProcessGroup or None, got {type(tp_group).__name__}")
         return tp_group
     if not (dist.is_available() and dist.is_initialized()):
+        # A layer built before init_process_group under a multi-process launcher would hold the full
+        # weight on every rank and never communicate: refused by name.
+        kernels.checks.check_launched_alone()
         return None
     ps = megatron_module("megatron.core.parallel_state")
     if ps is not None and ps.is_initialized():

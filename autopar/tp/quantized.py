@@ -89,7 +89,7 @@ class QuantizedRowParallelLinear(torch.nn.Module):
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
-            world = 1 if self.tp_group is None and not dist.is_initialized() else dist.get_world_size(self.tp_group)
+            world = kernels.checks.group_size(self.tp_group)
             rank = 0 if world == 1 else dist.get_rank(self.tp_group)
             k_local = self.qweight.shape[1]
             if input_.shape[-1] != k_local * world:

@@ -71,6 +71,31 @@ def test_world_one_without_process_group():
     torch.testing.assert_close(y, X @ W.T + B)
 
 
+@pytest.mark.parametrize("world_size", ["2", "1", None], ids=["WORLD_SIZE=2", "WORLD_SIZE=1", "unset"])
+def test_launched_with_several_processes_but_no_process_group(monkeypatch, world_size):
+    """torchrun sets WORLD_SIZE; without init_process_group every rank would return its own unreduced partial
+    (with the right shape). Refused by name; one process (WORLD_SIZE unset or 1) runs as a group of one."""
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    xq, xs = kernels.quantize_fp8(X, "row")
+    wq, ws = kernels.quantize_fp8(W, "row")
+    calls = [
+        lambda: kernels.matmul_all_reduce(X, W),
+        lambda: kernels.all_gather_matmul(X, W),
+        lambda: kernels.matmul_reduce_scatter(X, W),
+        lambda: kernels.quantized_matmul_all_reduce(X, *kernels.quantize_weight(W)),
+        lambda: kernels.scaled_matmul_all_reduce(xq, xs, wq, ws),
+    ]
+    for call in calls:
+        if world_size == "2":
+            with pytest.raises(RuntimeError, match=r"not initialized but WORLD_SIZE=2 .*init_process_group"):
+                call()
+        else:
+            call()
+
+
 def _reduce_scatter_bad_rows(rank, world):
     with pytest.raises(ValueError) as e:
         kernels.matmul_reduce_scatter(torch.randn(7, 6), W)

@@ -358,6 +358,26 @@ def test_single_process_without_torch_distributed() -> None:
     assert x.grad is not None and col.weight.grad is not None and row.weight.grad is not None
 
 
+def test_linears_built_before_init_under_a_launcher_are_refused(monkeypatch) -> None:
+    """WORLD_SIZE=2 (torchrun) but no process group: a linear would hold the full weight on every rank and
+    never communicate; refused by name at construction."""
+    from autopar import ColumnParallelLinear, RowParallelLinear
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="not initialized but WORLD_SIZE=2"):
+        ColumnParallelLinear(K, N, config=_config(False), init_method=torch.nn.init.normal_)
+    with pytest.raises(RuntimeError, match="not initialized but WORLD_SIZE=2"):
+        RowParallelLinear(
+            N,
+            K,
+            config=_config(False),
+            init_method=torch.nn.init.normal_,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=False,
+        )
+
+
 def test_parallel_config_validation() -> None:
     from autopar import ParallelConfig
 
