@@ -16,11 +16,12 @@ under ``torch.compile(fullgraph=True)``: one opaque call per op in the graph.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import checks, dispatch, inductor_pass, library, name_clash, quant
+from . import agree, callcheck, checks, dispatch, inductor_pass, library, name_clash, quant
 from .config import CocConfig, get_config
 from .fp8 import (
     all_gather_scaled_matmul,
@@ -59,23 +60,26 @@ __all__ = [
 ]
 
 
-def _validate(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    group: object,
-    backend: object,
-    parallel_num: object,
-    flag_name: str,
-    flag: object,
-    weight_dtypes: tuple = (),
-) -> int:
-    checks.check_matmul_operands(x, weight, bias, weight_dtypes=weight_dtypes)
-    checks.check_group(group)
-    checks.check_backend(backend)
-    checks.check_parallel_num(parallel_num)
-    checks.check_flag(flag_name, flag)
-    return checks.group_size(group)
+def _describe(
+    op: str, x2d: torch.Tensor, n: int, quant: tuple[str, int] | None = None, **fields: Any
+) -> agree.Descriptor:
+    """The call's descriptor (``kernels.agree``) for 2-D ``x2d`` and a weight of ``n`` rows; ``quant`` the
+    ``(mode, group_size)`` of a w8A16 weight."""
+    mode, group_size = quant if quant is not None else (None, 0)
+    return agree.describe_call(
+        op,
+        x2d.shape[0],
+        x2d.shape[1],
+        n,
+        x2d.dtype,
+        quant_mode=mode,
+        group_size=group_size if mode == "per_group" else 0,
+        **fields,
+    )
+
+
+def _device(x: object) -> torch.device | None:
+    return x.device if isinstance(x, torch.Tensor) else None
 
 
 def all_gather_matmul(
@@ -108,21 +112,28 @@ def all_gather_matmul(
     """
     if isinstance(weight, (list, tuple)):
         return _all_gather_matmul_multi(x, weight, bias, group, backend, parallel_num, return_gathered, gather_dim)
-    world = _validate(x, weight, bias, group, backend, parallel_num, "return_gathered", return_gathered)
-    d = checks.normalize_dim("gather_dim", gather_dim, x)
-    name, num, group_name = dispatch.decide(
-        "all_gather_matmul",
-        backend,
-        parallel_num,
-        x.flatten(0, -2),
-        weight,
-        bias,
-        return_gathered,
-        group,
-        world,
-        comm_dim=d,
-        outer=library.blocks_before(x, d),
-    )
+    op = "all_gather_matmul"
+    world = checks.world_of(group)
+
+    def validate() -> agree.Descriptor:
+        checks.check_matmul_operands(x, weight, bias)
+        checks.check_options(backend, parallel_num, "return_gathered", return_gathered)
+        d = checks.normalize_dim("gather_dim", gather_dim, x)
+        return _describe(
+            op,
+            x.flatten(0, -2),
+            weight.shape[0],
+            bias=bias is not None,
+            flag=return_gathered,
+            backend=backend,
+            parallel_num=parallel_num,
+            comm_dim=d,
+            outer=library.blocks_before(x, d),
+        )
+
+    callcheck.admit(op, group, world, _device(x), validate, backend=backend)
+    d = gather_dim % x.dim()
+    name, num, group_name = dispatch.decide(op, backend, parallel_num, x.flatten(0, -2), weight, group, world)
     if return_gathered:
         return library.all_gather_matmul_gathered(x, weight, bias, group_name, world, name, num, d)
     return library.all_gather_matmul(x, weight, bias, group_name, world, name, num, d)
@@ -138,37 +149,53 @@ def _all_gather_matmul_multi(
     return_gathered: bool,
     gather_dim: int,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], torch.Tensor]:
-    if len(weights) == 0:
-        raise ValueError("weight: an empty list; pass one weight [n, k] or a non-empty list of them")
-    if biases is None:
-        biases = [None] * len(weights)
-    elif not isinstance(biases, (list, tuple)):
-        raise TypeError(
-            f"bias must be None or a list / tuple of tensors or None (one per weight) when weight is a list, "
-            f"got {type(biases).__name__}"
+    op = "all_gather_matmul"
+    world = checks.world_of(group)
+
+    def validate() -> agree.Descriptor:
+        if len(weights) == 0:
+            raise ValueError("weight: an empty list; pass one weight [n, k] or a non-empty list of them")
+        if biases is not None and not isinstance(biases, (list, tuple)):
+            raise TypeError(
+                f"bias must be None or a list / tuple of tensors or None (one per weight) when weight is a list, "
+                f"got {type(biases).__name__}"
+            )
+        if biases is not None and len(biases) != len(weights):
+            raise ValueError(
+                f"bias: {len(biases)} entries for {len(weights)} weights; pass one per weight (None allowed)"
+            )
+        for i, w in enumerate(weights):
+            b = None if biases is None else biases[i]
+            checks.check_matmul_operands(x, w, b, weight_name=f"weight[{i}]", bias_name=f"bias[{i}]")
+        checks.check_options(backend, parallel_num, "return_gathered", return_gathered)
+        d = checks.normalize_dim("gather_dim", gather_dim, x)
+        return _describe(
+            op,
+            x.flatten(0, -2),
+            sum(w.shape[0] for w in weights),
+            bias=biases is not None and biases[0] is not None,
+            flag=return_gathered,
+            backend=backend,
+            parallel_num=parallel_num,
+            comm_dim=d,
+            outer=library.blocks_before(x, d),
         )
-    elif len(biases) != len(weights):
-        raise ValueError(f"bias: {len(biases)} entries for {len(weights)} weights; pass one per weight (None allowed)")
-    for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
-        checks.check_matmul_operands(x, w, b, weight_name=f"weight[{i}]", bias_name=f"bias[{i}]")
-    world = _validate(x, weights[0], biases[0], group, backend, parallel_num, "return_gathered", return_gathered)
-    d = checks.normalize_dim("gather_dim", gather_dim, x)
+
+    callcheck.admit(op, group, world, _device(x), validate, backend=backend)
+    biases = list(biases) if biases is not None else [None] * len(weights)
+    d = gather_dim % x.dim()
     name, num, group_name = dispatch.decide(
-        "all_gather_matmul",
+        op,
         backend,
         parallel_num,
         x.flatten(0, -2),
         weights[0],
-        biases[0],
-        return_gathered,
         group,
         world,
-        comm_dim=d,
-        outer=library.blocks_before(x, d),
         n=sum(w.shape[0] for w in weights),
     )
     ys, x_gathered = library.all_gather_matmul_multi(
-        x, list(weights), list(biases), group_name, world, name, num, d, return_gathered
+        x, list(weights), biases, group_name, world, name, num, d, return_gathered
     )
     return (ys, x_gathered) if return_gathered else ys
 
@@ -196,27 +223,35 @@ def matmul_reduce_scatter(
     ``x [b, s, k]`` with 1 (or -2) gives ``[b, s / W, n]``. ``deterministic=True`` sums the
     partials in rank order, so repeated calls give identical bits.
     """
-    world = _validate(x, weight, bias, group, backend, parallel_num, "deterministic", deterministic)
-    d = checks.normalize_dim("scatter_dim", scatter_dim, x)
-    if x.shape[d] % world != 0:
-        raise ValueError(
-            f"matmul_reduce_scatter: scatter_dim={scatter_dim} splits x.shape[{d}] (m={x.shape[d]}, x shape "
-            f"{tuple(x.shape)}), which is not divisible by the group size W={world}"
+    op = "matmul_reduce_scatter"
+    world = checks.world_of(group)
+
+    def validate() -> agree.Descriptor:
+        checks.check_matmul_operands(x, weight, bias)
+        checks.check_options(backend, parallel_num, "deterministic", deterministic)
+        d = checks.normalize_dim("scatter_dim", scatter_dim, x)
+        if x.shape[d] % world != 0:
+            raise ValueError(
+                f"matmul_reduce_scatter: scatter_dim={scatter_dim} splits x.shape[{d}] (m={x.shape[d]}, x shape "
+                f"{tuple(x.shape)}), which is not divisible by the group size W={world}"
+            )
+        return _describe(
+            op,
+            x.flatten(0, -2),
+            weight.shape[0],
+            bias=bias is not None,
+            flag=deterministic,
+            backend=backend,
+            parallel_num=parallel_num,
+            comm_dim=d,
+            outer=library.blocks_before(x, d),
         )
-    name, num, group_name = dispatch.decide(
-        "matmul_reduce_scatter",
-        backend,
-        parallel_num,
-        x.flatten(0, -2),
-        weight,
-        bias,
-        deterministic,
-        group,
-        world,
-        comm_dim=d,
-        outer=library.blocks_before(x, d),
+
+    callcheck.admit(op, group, world, _device(x), validate, backend=backend)
+    name, num, group_name = dispatch.decide(op, backend, parallel_num, x.flatten(0, -2), weight, group, world)
+    return library.matmul_reduce_scatter(
+        x, weight, bias, group_name, world, name, num, deterministic, scatter_dim % x.dim()
     )
-    return library.matmul_reduce_scatter(x, weight, bias, group_name, world, name, num, deterministic, d)
 
 
 def matmul_all_reduce(
@@ -239,12 +274,26 @@ def matmul_all_reduce(
     ``deterministic=True`` sums the partials in rank order: repeated calls give identical bits and
     all ranks hold identical bits.
     """
-    world = _validate(x, weight, bias, group, backend, parallel_num, "deterministic", deterministic)
+    op = "matmul_all_reduce"
+    world = checks.world_of(group)
+
+    def validate() -> agree.Descriptor:
+        checks.check_matmul_operands(x, weight, bias)
+        checks.check_options(backend, parallel_num, "deterministic", deterministic)
+        return _describe(
+            op,
+            x.flatten(0, -2),
+            weight.shape[0],
+            bias=bias is not None,
+            flag=deterministic,
+            backend=backend,
+            parallel_num=parallel_num,
+        )
+
+    callcheck.admit(op, group, world, _device(x), validate, backend=backend)
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num, group_name = dispatch.decide(
-        "matmul_all_reduce", backend, parallel_num, x2d, weight, bias, deterministic, group, world
-    )
+    name, num, group_name = dispatch.decide(op, backend, parallel_num, x2d, weight, group, world)
     out = library.matmul_all_reduce(x2d, weight, bias, group_name, world, name, num, deterministic)
     return out.view(tuple(lead) + (weight.shape[0],))
 
@@ -274,25 +323,33 @@ def quantized_matmul_all_reduce(
     :func:`quantize_weight`; ``x`` fp16 / bf16 (fp32 allowed on CPU). See ``kernels.quant`` for
     the group and offset conventions.
     """
-    quant.check_activation(x)
-    spec = quant.quant_spec(qweight, scale, group_size, offset)
-    world = _validate(
-        x, qweight, bias, group, backend, parallel_num, "deterministic", deterministic, weight_dtypes=(torch.int8,)
-    )
+    op = "quantized_matmul_all_reduce"
+    world = checks.world_of(group)
+
+    spec: quant.QuantSpec | None = None
+
+    def validate() -> agree.Descriptor:
+        nonlocal spec
+        quant.check_activation(x)
+        spec = quant.quant_spec(qweight, scale, group_size, offset)
+        checks.check_matmul_operands(x, qweight, bias, weight_dtypes=(torch.int8,))
+        checks.check_options(backend, parallel_num, "deterministic", deterministic)
+        return _describe(
+            op,
+            x.flatten(0, -2),
+            qweight.shape[0],
+            bias=bias is not None,
+            flag=deterministic,
+            backend=backend,
+            parallel_num=parallel_num,
+            quant=(spec.mode, spec.group_size),
+        )
+
+    callcheck.admit(op, group, world, _device(x), validate, backend=backend)
+    assert spec is not None
     lead = x.shape[:-1]
     x2d = x.flatten(0, -2)
-    name, num, group_name = dispatch.decide(
-        "quantized_matmul_all_reduce",
-        backend,
-        parallel_num,
-        x2d,
-        qweight,
-        bias,
-        deterministic,
-        group,
-        world,
-        quant=(spec.mode, spec.group_size),
-    )
+    name, num, group_name = dispatch.decide(op, backend, parallel_num, x2d, qweight, group, world)
     out = library.quantized_matmul_all_reduce(
         x2d, qweight, scale, bias, offset, spec.mode, spec.group_size, group_name, world, name, num, deterministic
     )

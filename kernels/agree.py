@@ -12,9 +12,9 @@ Not every field must be equal: column-parallel weights may be sharded unevenly a
 k (even to an empty shard), so the reducing ops' ranks may differ in k. Those differences are
 valid calls and are never reported.
 
-Used by the sequential and chunked paths under ``COC_CHECK=1`` (:func:`check_call`, one
-all-gather of ``DESCRIPTOR_LEN`` int64 per call) and, with the same descriptor and message, by
-the fused path, which carries the descriptor in its own signals.
+Exchanged by :mod:`kernels.callcheck` before any backend communicates (on every backend, when a
+call is checked) and, with the same descriptor and message, by the fused path, which carries the
+descriptor in its own signals at every call.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
-from . import capture, comm
 from .config import CocConfig
 
 DESCRIPTOR_VERSION = 3
@@ -68,6 +66,8 @@ FIELDS = (
     "outer",
 )
 DESCRIPTOR_LEN = len(FIELDS)
+_M, _K, _N = FIELDS.index("m"), FIELDS.index("k"), FIELDS.index("n")
+_BACKEND, _PARALLEL_NUM = FIELDS.index("backend"), FIELDS.index("parallel_num")
 
 _BACKENDS = (None, "sequential", "chunked", "fused")
 _QUANT_MODES = (None, "per_tensor", "per_channel", "per_group", "tensor", "row", "block")
@@ -128,6 +128,7 @@ def describe_call(
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} is not accepted; use one of {OPS}")
+    m, k, n, outer = _known(m), _known(k), _known(n), None if outer is None else _known(outer)
     gathers = op in _GATHERING
     has_dim = op in _GATHERING + ("matmul_reduce_scatter", "scaled_matmul_reduce_scatter")
     if parallel_num == "auto":
@@ -160,6 +161,35 @@ def describe_call(
     )
 
 
+def _known(size: object) -> int:
+    """A size as a descriptor word: ``-1`` for a dim ``torch.compile`` keeps dynamic (reading it as an
+    int would specialize the graph to this size)."""
+    return size if isinstance(size, int) else _NOT_APPLICABLE
+
+
+def resolve_request(descriptor: Descriptor, config: CocConfig) -> Descriptor:
+    """``descriptor`` (made with the call's own ``backend`` / ``parallel_num`` arguments) with the backend
+    and split count the call requests once the environment is read: the argument, else the environment.
+    Ranks compare the request, not its outcome: resolving may tune (``COC_PARALLEL_NUM=auto``), which
+    runs collectives sized from the shapes."""
+    out = list(descriptor)
+    backend = _BACKENDS[out[_BACKEND]]
+    if backend is None and config.use_fused:
+        backend = "fused"
+    out[_BACKEND] = _BACKENDS.index(backend)
+    if backend == "sequential":
+        out[_PARALLEL_NUM] = 1  # a sequential request ignores every split count
+    elif out[_PARALLEL_NUM] == 0:
+        num = config.parallel_num_for(out[_M], out[_K], out[_N])
+        out[_PARALLEL_NUM] = _AUTO if num == "auto" else int(num)
+    return tuple(out)
+
+
+def requests_fused(descriptor: Descriptor) -> bool:
+    """Whether the call asks for the fused backend (after :func:`resolve_request`)."""
+    return _BACKENDS[descriptor[_BACKEND]] == "fused"
+
+
 def _shown(name: str, code: int) -> str:
     """A descriptor field as the user wrote it (dtype names, flags as bools, ``auto``)."""
     lookup: dict[str, Sequence[object]] = {
@@ -173,8 +203,8 @@ def _shown(name: str, code: int) -> str:
         return str(table[code]) if 0 <= code < len(table) else f"<unknown code {code}>"
     if name in ("bias", "return_gathered", "deterministic"):
         return "n/a" if code == _NOT_APPLICABLE else str(bool(code))
-    if name == "outer":
-        return "n/a" if code == _NOT_APPLICABLE else str(code)
+    if name in ("outer", "m", "k", "n"):
+        return ("n/a" if name == "outer" else "dynamic") if code == _NOT_APPLICABLE else str(code)
     if name == "parallel_num":
         return {_AUTO: "auto", 0: "None"}.get(code, str(code))
     if name == "fp8_dtypes":
@@ -186,18 +216,31 @@ def _shown(name: str, code: int) -> str:
     return str(code)
 
 
+_SCALED = ("all_gather_scaled_matmul", "scaled_matmul_reduce_scatter", "scaled_matmul_all_reduce")
+
+
 def _field_name(name: str, op_code: int) -> str:
+    """A descriptor field under the name the caller of ``op`` knows it by."""
     op = OPS[op_code] if 0 <= op_code < len(OPS) else None
     # all_gather_matmul's m is the local row count (the gathered one is W times larger).
     if name == "m" and op in _GATHERING:
         return "m_local"
     if name == "comm_dim":
         return "gather_dim" if op in _GATHERING else "scatter_dim"
-    if name == "fp8_dtypes":
-        return "weight_dtype/out_dtype"
     if name == "outer":
         return "prod(x.shape[:gather_dim])" if op in _GATHERING else "prod(x.shape[:scatter_dim])"
+    if op in _SCALED and name in ("dtype", "quant_mode"):
+        # The FP8 ops' mode is what the scale shapes say; their x is the FP8 payload.
+        return "x.dtype" if name == "dtype" else "scaling mode (from the scale shapes)"
     return name
+
+
+def _differences(name: str, op_code: int, a: int, b: int) -> list[tuple[str, str, str]]:
+    """``(field as the caller names it, value a, value b)`` for each part of field ``name`` that differs."""
+    if name != "fp8_dtypes" or _NOT_APPLICABLE in (a, b):
+        return [(_field_name(name, op_code), _shown(name, a), _shown(name, b))]
+    pairs = zip(("weight.dtype", "out_dtype"), divmod(a, len(_DTYPES)), divmod(b, len(_DTYPES)), strict=True)
+    return [(field, _shown("dtype", x), _shown("dtype", y)) for field, x, y in pairs if x != y]
 
 
 def format_mismatch(
@@ -217,14 +260,12 @@ def format_mismatch(
     needed = set(FIELDS)
     for code in (desc_a[1], desc_b[1]):
         needed &= set(_MUST_AGREE[OPS[code]] if 0 <= code < len(OPS) else _COMMON)
-    parts = []
-    for i, name in enumerate(FIELDS):
-        if name in needed and desc_a[i] != desc_b[i]:
-            shown = _field_name(name, desc_a[1])
-            parts.append(
-                f"rank {rank_a} has {shown}={_shown(name, desc_a[i])}, "
-                f"rank {rank_b} has {shown}={_shown(name, desc_b[i])}"
-            )
+    parts = [
+        f"rank {rank_a} has {field}={a}, rank {rank_b} has {field}={b}"
+        for i, name in enumerate(FIELDS)
+        if name in needed and desc_a[i] != desc_b[i]
+        for field, a, b in _differences(name, desc_a[1], desc_a[i], desc_b[i])
+    ]
     if not parts:
         return None
     hint = ""
@@ -245,78 +286,3 @@ def first_mismatch(op: str, table: Sequence[Sequence[int]], labels: Sequence[str
         if message is not None:
             return message
     return None
-
-
-def _rank_labels(group: dist.ProcessGroup | None, world: int) -> list[str]:
-    if group is None or group == dist.group.WORLD:
-        return [str(r) for r in range(world)]
-    return [f"{r} (global {g})" for r, g in enumerate(dist.get_process_group_ranks(group))]
-
-
-def check_call(
-    op: str,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    flag: bool,
-    backend: str | None,
-    parallel_num: int | None,
-    quant: tuple[str, int] | None,
-    config: CocConfig,
-    group: dist.ProcessGroup | None,
-    world: int,
-    comm_dim: int = 0,
-    outer: int | None = None,
-) -> None:
-    """Compare this call's descriptor with every rank of ``group``; raise ``RuntimeError`` on all
-    of them when any disagrees (``COC_CHECK=1``).
-
-    ``x`` is the 2-D input as the op sees it. The backend and split count compared are the ones
-    requested (the argument, else the environment), before resolution: resolving may tune
-    (``COC_PARALLEL_NUM=auto``), which runs collectives sized from the shapes.
-    """
-    if capture.capturing(x.device):
-        # The check all-gathers every rank's descriptor and compares them on the host: a host read
-        # that capture cannot hold (it would fail with a raw CUDA error).
-        raise RuntimeError(
-            f"{op}: COC_CHECK=1 inside CUDA-graph capture; the check reads every rank's call descriptor on the "
-            "host, which cannot be captured. Run the checked call once before capturing (the usual warm-up) and "
-            "capture with COC_CHECK unset (0)"
-        )
-    m, k = x.shape
-    n = weight.shape[0]
-    requested = backend if backend is not None else ("fused" if config.use_fused else None)
-    if requested == "sequential":
-        num: int | str = 1  # a sequential request ignores every split count
-    else:
-        num = parallel_num if parallel_num is not None else config.parallel_num_for(m, k, n)
-    mode, group_size = quant if quant is not None else (None, 0)
-    mine = describe_call(
-        op,
-        m,
-        k,
-        n,
-        x.dtype,
-        bias=bias is not None,
-        flag=flag,
-        backend=requested,
-        parallel_num=num,
-        quant_mode=mode,
-        group_size=group_size if mode == "per_group" else 0,
-        comm_dim=comm_dim,
-        outer=outer,
-    )
-    # One fixed-size message on the device the op itself communicates from, so it goes through
-    # the same group (gloo on CPU, NCCL on CUDA) whatever the shapes are.
-    local = torch.tensor([mine], dtype=torch.int64, device=x.device)
-    table = local.new_empty((world, DESCRIPTOR_LEN))
-    comm.all_gather(table, local, group)
-    rows = table.tolist()
-    # Identical rows (the usual case) need no field-by-field comparison.
-    if any(row != rows[0] for row in rows[1:]) and first_mismatch(op, rows) is not None:
-        # Group and global ranks are looked up only for the message, off the agreeing path.
-        message = first_mismatch(op, rows, _rank_labels(group, world))
-        raise RuntimeError(
-            f"{message} (found by COC_CHECK=1 before any communication of the op; "
-            "every rank refused the call, and the group stays usable)"
-        )

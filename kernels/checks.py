@@ -38,6 +38,13 @@ def check_group(group: object) -> None:
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
 
 
+def world_of(group: object) -> int:
+    """The size of the group an op communicates over, after checking ``group`` itself (these errors
+    raise on this rank alone: without a valid group there is nobody to tell)."""
+    check_group(group)
+    return group_size(group)  # type: ignore[arg-type]
+
+
 def check_backend(backend: object) -> None:
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not accepted; use None or one of {BACKENDS}")
@@ -52,6 +59,14 @@ def check_parallel_num(parallel_num: object) -> None:
 def check_flag(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def check_options(backend: object, parallel_num: object, flag_name: str, flag: object) -> None:
+    """The options every communicating op takes: ``backend``, ``parallel_num`` and its bool flag
+    (``return_gathered`` or ``deterministic``)."""
+    check_backend(backend)
+    check_parallel_num(parallel_num)
+    check_flag(flag_name, flag)
 
 
 def check_input_k(x: object, k: int, *, name: str, expected: str) -> None:

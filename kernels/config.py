@@ -60,7 +60,9 @@ class CocConfig:
     k_min: int = 1024
     k_max: int = 4096
     tune_cache: str | None = None  # JSON file of COC_PARALLEL_NUM=auto choices (kernels.tune)
-    check: bool = False  # COC_CHECK=1: ranks compare call descriptors before communicating (kernels.agree)
+    # COC_CHECK: None (unset) compares a call across ranks the first time its signature is seen, True (1)
+    # at every call, False (0) never on sequential / chunked (kernels.callcheck).
+    check: bool | None = None
     inductor_pass: bool = False  # COC_INDUCTOR_PASS=1: `import kernels` enables kernels.inductor_pass
     fp8: bool = False  # COC_FP8=1: autopar linears built without fp8= use the default Fp8Recipe (docs/fp8.md)
 

@@ -11,8 +11,8 @@ Under ``torch.compile`` the choice is made once, while tracing, and is a constan
 (``kernels.library``) with the backend and split count as arguments. A changed environment takes
 effect in a compiled function after ``torch._dynamo.reset()``. The choice depends on the shape only
 through ``customized_coc`` (a graph with dynamic shapes guards on whether its shape is one of the
-keys), ``COC_PARALLEL_NUM=auto`` and ``COC_CHECK=1`` (these need the exact shape: compile them
-with static shapes).
+keys) and ``COC_PARALLEL_NUM=auto`` (which needs the exact shape: compile it with static shapes).
+Whether the ranks agree on the call is settled before, by :mod:`kernels.callcheck`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import agree, library
+from . import library
 from .backends import fused_unavailable as _fused_unavailable
 from .config import get_config
 from .op_registration import assume_constant_result
@@ -52,11 +52,9 @@ def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
 @assume_constant_result
 def shape_keys(backend: str | None, parallel_num: int | None) -> None | str | tuple:
     """What of the op's shape the choice depends on in the current environment: ``None``, nothing;
-    ``"exact"``, the shape itself (``COC_CHECK=1`` compares it, ``auto`` tunes for it); else the
+    ``"exact"``, the shape itself (``auto`` tunes for it); else the
     ``customized_coc`` keys, of which only the one the shape equals (if any) matters."""
     config = get_config()
-    if config.check:
-        return "exact"
     if backend == "sequential" or parallel_num is not None:
         return None
     if config.parallel_num == "auto":
@@ -86,33 +84,11 @@ def _decide(
     dtype: torch.dtype,
     weight_dtype: torch.dtype,
     device: torch.device,
-    has_bias: bool,
-    flag: bool,
-    quant: tuple[str, int] | None,
     group_name: str,
     world: int,
-    comm_dim: int,
-    outer: int | None,
 ) -> tuple[str, int]:
     config = get_config()
     group = library.resolve_group(group_name)
-    if config.check and world > 1:
-        bias = _stand_in((n,), dtype, device) if has_bias else None
-        agree.check_call(
-            op,
-            _stand_in((m, k), dtype, device),
-            _stand_in((n, k), weight_dtype, device),
-            bias,
-            flag,
-            backend,
-            parallel_num,
-            quant,
-            config,
-            group,
-            world,
-            comm_dim,
-            outer,
-        )
     if backend == "sequential":
         return backend, 1
     if backend is None and config.use_fused:
@@ -149,27 +125,19 @@ def decide(
     parallel_num: int | None,
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    flag: bool,
     group: dist.ProcessGroup | None,
     world: int,
-    quant: tuple[str, int] | None = None,
     *,
-    comm_dim: int = 0,
-    outer: int | None = None,
     n: int | None = None,
 ) -> tuple[str, int, str]:
-    """``(backend, parallel_num, group name)`` for a call of ``op`` on 2-D ``x``.
-
-    ``comm_dim`` is the normalized ``gather_dim`` / ``scatter_dim`` and ``outer`` the product of the
-    dims before it (both compared under ``COC_CHECK=1``); ``n`` overrides ``weight.shape[0]`` (the
-    total ``n`` of an all-gather feeding several weights).
-    """
+    """``(backend, parallel_num, group name)`` for a call of ``op`` on 2-D ``x`` (already admitted by
+    :mod:`kernels.callcheck`: resolving may tune, which communicates); ``n`` overrides
+    ``weight.shape[0]`` (the total ``n`` of an all-gather feeding several weights)."""
     name = library.group_name(group)
     # _decide and shape_keys are assume_constant_result: while tracing, dynamo calls them with the
     # constant arguments and keeps the result, instead of tracing the environment reads, caches and
     # collectives inside. A shape is passed only as far as the choice depends on it, so a graph
-    # compiled with dynamic shapes stays dynamic (auto and COC_CHECK=1 need the exact shape: static).
+    # compiled with dynamic shapes stays dynamic (auto needs the exact shape: static).
     m, k = x.shape[0], x.shape[1]
     n = weight.shape[0] if n is None else n
     if torch.compiler.is_compiling():
@@ -178,26 +146,7 @@ def decide(
             m = k = n = 0
         elif keys != "exact":
             m, k, n = _matching_key(keys, m, k, n)
-        if keys != "exact":
-            outer = None  # only the check reads it, and the check needs exact shapes
-    chosen, num = _decide(
-        op,
-        backend,
-        parallel_num,
-        m,
-        k,
-        n,
-        x.dtype,
-        weight.dtype,
-        x.device,
-        bias is not None,
-        flag,
-        quant,
-        name,
-        world,
-        comm_dim,
-        outer,
-    )
+    chosen, num = _decide(op, backend, parallel_num, m, k, n, x.dtype, weight.dtype, x.device, name, world)
     return chosen, num, name
 
 
@@ -209,16 +158,7 @@ def resolve(
     weight: torch.Tensor,
     group: dist.ProcessGroup | None,
     world: int,
-    *,
-    bias: torch.Tensor | None = None,
-    flag: bool = False,
-    quant: tuple[str, int] | None = None,
 ) -> tuple[str, int]:
-    """``(backend, parallel_num)`` to run ``op`` with; ``x`` is the 2-D input as the op sees it.
-
-    Under ``COC_CHECK=1`` the ranks first compare their calls (``kernels.agree``; ``bias``,
-    ``flag`` and ``quant``, the ``(mode, group_size)`` of a w8A16 weight, are compared too):
-    resolving may already communicate, so the check comes first.
-    """
-    chosen, num, _ = decide(op, backend, parallel_num, x, weight, bias, flag, group, world, quant)
+    """``(backend, parallel_num)`` to run ``op`` with; ``x`` is the 2-D input as the op sees it."""
+    chosen, num, _ = decide(op, backend, parallel_num, x, weight, group, world)
     return chosen, num

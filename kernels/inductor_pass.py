@@ -118,8 +118,12 @@ def _weight(graph: fx.Graph, b: fx.Node, new: list[fx.Node]) -> fx.Node:
     return w
 
 
-def _decide(op: str, x2d: torch.Tensor, ws: list[torch.Tensor], bias: Any, flag: bool, g: Any, dim: int) -> tuple:
-    """``(backend, parallel_num)`` from the COC_* environment, as the eager op would choose."""
+def _decide(op: str, x2d: torch.Tensor, ws: list[torch.Tensor], g: Any) -> tuple:
+    """``(backend, parallel_num)`` from the COC_* environment, as the eager op would choose.
+
+    The ranks' calls are not compared here (kernels.callcheck): a rank whose compiled graph comes from
+    Inductor's cache runs no pass, so a collective here could wait forever. The fused kernels still
+    compare every call."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def stand_in(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -128,9 +132,8 @@ def _decide(op: str, x2d: torch.Tensor, ws: list[torch.Tensor], bias: Any, flag:
     with unset_fake_temporarily():
         x = stand_in(x2d, tuple(x2d.shape))
         w = stand_in(ws[0], (ws[0].shape[1], ws[0].shape[0]))
-        b = None if bias is None else stand_in(bias.meta["val"], (w.shape[0],))
         n = sum(t.shape[1] for t in ws)
-        backend, num, _ = dispatch.decide(op, None, None, x, w, b, flag, g.group, g.world, comm_dim=dim, n=n)
+        backend, num, _ = dispatch.decide(op, None, None, x, w, g.group, g.world, n=n)
     return backend, num
 
 
@@ -168,13 +171,7 @@ def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul]) -> str:
         biases = [mm.bias_in for mm in mms]
         xv = meta_val(g.shard)
         backend, num = _decide(
-            "all_gather_matmul",
-            xv.flatten(0, -2) if xv.dim() > 2 else xv,
-            [meta_val(mm.b) for mm in mms],
-            biases[0],
-            need_gathered,
-            g,
-            g.dim,
+            "all_gather_matmul", xv.flatten(0, -2) if xv.dim() > 2 else xv, [meta_val(mm.b) for mm in mms], g
         )
         common = (g.group_name, g.world, backend, num, g.dim)
         if len(mms) == 1:
@@ -241,7 +238,7 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
         if r.op == "matmul_reduce_scatter" and mm.post is not None:
             x = _call(graph, aten.reshape.default, x2d, [*lead, xv.shape[1]])
             new.append(x)
-        backend, num = _decide(r.op, xv, [meta_val(b)], bias, False, r, r.dim)
+        backend, num = _decide(r.op, xv, [meta_val(b)], r)
         if r.op == "matmul_reduce_scatter":
             y = _call(
                 graph, library.matmul_reduce_scatter, x, w, bias, r.group_name, r.world, backend, num, False, r.dim

@@ -78,9 +78,15 @@ def expected_shapes(mode: str, m: int, k: int, n: int) -> tuple[tuple[int, ...],
     return (m, ceil_div(k, BLOCK)), (ceil_div(n, BLOCK), ceil_div(k, BLOCK))
 
 
+def _one_value(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # A tensorwise scale may be given as [1] (torch._scaled_mm takes both): the same one value as [].
+    return () if shape == (1,) else shape
+
+
 def infer_mode(m: int, k: int, n: int, x_scale: torch.Tensor, w_scale: torch.Tensor) -> str:
-    """The scaling mode the two scale shapes describe, or ``ValueError`` listing the accepted ones."""
-    got = (tuple(x_scale.shape), tuple(w_scale.shape))
+    """The scaling mode the two scale shapes describe, or ``ValueError`` listing the accepted ones
+    (a tensorwise scale may be ``[]`` or ``[1]``)."""
+    got = (_one_value(tuple(x_scale.shape)), _one_value(tuple(w_scale.shape)))
     for mode in MODES:
         if got == expected_shapes(mode, m, k, n):
             return mode
@@ -90,7 +96,7 @@ def infer_mode(m: int, k: int, n: int, x_scale: torch.Tensor, w_scale: torch.Ten
     )
     raise ValueError(
         f"x_scale shape {list(got[0])} with w_scale shape {list(got[1])} fit no scaling mode for x [m={m}, k={k}] "
-        f"and weight [n={n}, k={k}]; accepted ({BLOCK}-wide blocks): {accepted}"
+        f"and weight [n={n}, k={k}]; accepted ({BLOCK}-wide blocks; a tensor scale may also be [1]): {accepted}"
     )
 
 
@@ -99,6 +105,16 @@ def flatten_x_scale(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
     if x_scale.dim() == x.dim() and x.dim() > 2 and tuple(x_scale.shape[:-1]) == tuple(x.shape[:-1]):
         return x_scale.reshape(-1, x_scale.shape[-1])
     return x_scale
+
+
+def kernel_scale(scale: torch.Tensor, mode: str, rows: int | None = None) -> torch.Tensor:
+    """A validated scale in the kernels' layout: 0-dim in tensor mode, an activation's ``[..., G]`` as
+    ``[rows, G]`` (``rows`` given), else unchanged."""
+    if mode == "tensor":
+        return scale.reshape(())
+    if rows is not None:
+        return scale.reshape(rows, scale.shape[-1])
+    return scale
 
 
 def check_operands(

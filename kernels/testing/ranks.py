@@ -40,6 +40,7 @@ import multiprocessing.util as mp_util
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -119,6 +120,14 @@ _worker(*worker_args)
 """
 
 
+def _fresh_program() -> None:
+    """Start a task as a new program would: no call signature seen yet by the call check
+    (kernels.callcheck), so a task's first calls are compared across ranks whatever ran before on the pool."""
+    callcheck = sys.modules.get("kernels.callcheck")
+    if callcheck is not None:
+        callcheck.reset()
+
+
 def _worker(rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any) -> None:
     _private_pymp_dir(os.path.dirname(store_path))
     import datetime
@@ -144,6 +153,7 @@ def _worker(rank: int, world_size: int, backend: str, store_path: str, tasks: An
         try:
             # Set by the call's env or inherited by the pool: read per call, like every other variable.
             program_order.install_if_requested()
+            _fresh_program()
             value = fn(rank, world_size, *args, **kwargs)
             outcome = _Outcome(rank, True, value)
         except BaseException:

@@ -107,7 +107,11 @@ def test_empty_env_values_mean_unset(monkeypatch, tmp_path, value):
 
 
 def test_coc_check_switch(monkeypatch):
-    assert kernels.get_config().check is False
+    """Unset (or empty): None, the first call of each signature is checked; 1: every call; 0: never."""
+    monkeypatch.delenv("COC_CHECK", raising=False)
+    assert kernels.get_config().check is None
+    monkeypatch.setenv("COC_CHECK", "")
+    assert kernels.get_config().check is None
     monkeypatch.setenv("COC_CHECK", "1")
     assert kernels.get_config().check is True
     monkeypatch.setenv("COC_CHECK", " 0 ")

@@ -50,8 +50,8 @@ def test_fp8_reductions_are_deterministic_and_ranks_agree():
 @pytest.mark.parametrize(
     ("field", "named"),
     [
-        ("quant_mode", "quant_mode=block"),
-        ("out_dtype", "weight_dtype/out_dtype="),
+        ("quant_mode", "scaling mode (from the scale shapes)=block"),
+        ("out_dtype", "out_dtype=torch.bfloat16"),
         ("weight_dtype", "torch.float8_e5m2"),
     ],
 )
