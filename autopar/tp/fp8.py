@@ -206,7 +206,7 @@ class Fp8ColumnParallelLinearSPFunction(torch.autograd.Function):
             grad_x = kernels.scaled_matmul_reduce_scatter(gq, gs, wtq, wts, out_dtype=grad_y.dtype, group=ctx.group)
             grad_x = grad_x.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            x_full = kernels.dequantize_fp8(xg, xsg, "block" if xsg.dim() else "tensor")
+            x_full = kernels.dequantize_fp8(xg, xsg, "block")
             grad_w = _wgrad(grad_y2d, _cols(x_full, recipe.activation_dtype), recipe, weight)
         grad_b = _bias_grad(grad_y2d, ctx.bias) if ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None

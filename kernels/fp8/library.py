@@ -4,6 +4,7 @@
                                   str mode, ScalarType out_dtype, str group_name, int world, str backend,
                                   int parallel_num, int comm_dim, int outer) -> Tensor
     coc::all_gather_scaled_matmul_gathered(... same ...) -> (Tensor y, Tensor x_gathered, Tensor x_scale_gathered)
+                                  (x_scale_gathered: [W * m_local, G] per row; G = 1 in tensor mode)
     coc::scaled_matmul_reduce_scatter(... same ..., bool deterministic) -> Tensor
     coc::scaled_matmul_all_reduce(... same ..., bool deterministic) -> Tensor
     coc::scaled_matmul(Tensor x, Tensor x_scale, Tensor weight, Tensor w_scale, Tensor? bias, str mode,
@@ -129,7 +130,7 @@ def _comm_op(op: str, gathered: bool = False) -> tuple[Callable[..., Any], Calla
         if not gathered:
             return y
         rows_gathered = x.shape[0] * world
-        scale = x_scale.new_empty(()) if mode == "tensor" else x_scale.new_empty((rows_gathered, x_scale.shape[1]))
+        scale = x_scale.new_empty((rows_gathered, 1 if mode == "tensor" else x_scale.shape[1]))
         return y, x.new_empty((rows_gathered, x.shape[1])), scale
 
     return impl, fake

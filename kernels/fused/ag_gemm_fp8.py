@@ -8,16 +8,15 @@ GEMM that reads its own rows from ``x`` and waits for the peers' chunks, finish)
   ``S [W * m_local, sk]`` fp32 (``sk = ceil(k / 128)`` in block mode, else 1). The push kernel
   copies a chunk's payload rows *and* their scale rows before it raises the chunk's flag, so one
   flag covers both: a GEMM program never reads a scale row that has not arrived. A tensorwise
-  scale is one global scalar (every rank passes the same, as the public op states); it still
-  travels as each rank's scalar in every row of its shard, so each shard is dequantized with the
-  scale its rank passed;
+  scale is the scale of its rank's rows: it travels as that scalar in every row of the shard, so
+  each shard is dequantized with the scale its rank passed;
 * the GEMM is :func:`gemm_fp8.scaled_tile` (FP8 tensor cores, scales applied to the fp32
   accumulator per 128-deep k block), rounding once to ``out_dtype`` after adding bias in fp32.
 
 With ``return_gathered`` a copy kernel launched after the GEMM (whose programs acquired every
 chunk's flag, so it waits for nothing) copies the gathered FP8 rows and scale rows out, so the
-caller gets the gathered payload bit for bit and its scales as ``[W * m_local, sk]``
-(tensor mode: the global scalar, a copy of ``x_scale``, as the sequential reference returns).
+caller gets the gathered payload bit for bit and its scales as ``[W * m_local, sk]`` (tensor mode:
+``sk = 1``, each row its rank's scalar, as the sequential reference returns).
 """
 
 from __future__ import annotations
@@ -342,11 +341,7 @@ def _gemm(
     sk = scale_cols(mode, k)
     y = torch.empty((w * m_local, n), dtype=out_dtype, device=x.device)
     x_gathered = torch.empty((w * m_local, k), dtype=x.dtype, device=x.device) if return_gathered else y
-    store_s = return_gathered and mode != "tensor"
-    if store_s:
-        s_gathered = torch.empty((w * m_local, sk), dtype=torch.float32, device=x.device)
-    else:
-        s_gathered = x_scale.clone() if return_gathered else y
+    s_gathered = torch.empty((w * m_local, sk), dtype=torch.float32, device=x.device) if return_gathered else y
     # A failed call fills these with NaN (at most two outputs): the gathered payload is left as it
     # is, but its scales are NaN, so the gathered pair never dequantizes to a result.
     call.outputs = (y, s_gathered) if return_gathered else (y,)
@@ -409,7 +404,7 @@ def _gemm(
             s_gathered,
             m_local,
             k,
-            sk if store_s else 0,
+            sk,
             scale_base(w, m_local, k),
             x.stride(0),
             x.stride(1),
@@ -446,14 +441,14 @@ def all_gather_scaled_matmul(
     scales for ``mode`` (validated by the caller), bias ``[n]`` in ``out_dtype`` -> y ``[W * m_local, n]``
     ``out_dtype``; with ``return_gathered`` also the gathered payload ``[W * m_local, k]`` (x's dtype,
     bit-exact) and its scales: ``[W * m_local, sk]`` fp32 (``sk``: ``ceil(k / 128)`` for block, 1 for
-    row), or the global tensorwise scalar copied.
+    row and tensor: each row its rank's scale).
 
     Reference semantics::
 
         xd_r = x_r.double() * x_scale_r (broadcast per mode) on every rank r
         y = (cat([xd_0, ..., xd_{W-1}]) @ dequant(weight).T + bias).to(out_dtype)
         x_gathered = cat([x_0, ..., x_{W-1}])
-        scale_gathered = cat([x_scale_0, ..., x_scale_{W-1}])   # tensor mode: x_scale (the same on every rank)
+        scale_gathered = cat([x_scale_0, ..., x_scale_{W-1}])   # tensor mode: x_scale_r on each row of rank r
 
     Nothing is reduced across ranks. Raises RuntimeError naming the peer if a wait exceeds
     ``COC_TIMEOUT`` and on every rank when the ranks' calls differ (shapes, mode, dtypes, flags).
@@ -465,7 +460,12 @@ def all_gather_scaled_matmul(
     if w == 1:
         y = scaled_matmul(x, x_scale, weight, w_scale, bias, mode, out_dtype)
         if return_gathered:
-            return y, x.clone(memory_format=torch.contiguous_format), x_scale.clone()
+            scales = x_scale.reshape(1, 1).expand(x.shape[0], 1) if mode == "tensor" else x_scale
+            return (
+                y,
+                x.clone(memory_format=torch.contiguous_format),
+                scales.clone(memory_format=torch.contiguous_format),
+            )
         return y
     m_local, k = x.shape
     n = weight.shape[0]

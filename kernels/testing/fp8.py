@@ -75,14 +75,8 @@ def make_inputs(
     def rand(r: int, c: int) -> torch.Tensor:
         return torch.randn(r, c, generator=g) * torch.exp2(torch.randint(-3, 4, (r, 1), generator=g).float())
 
-    raw = [rand(rows, k) for _ in range(world)]
-    if mode == "tensor" and op.startswith("ag"):
-        # The all-gather's tensorwise x_scale is one global scale: every rank passes the same.
-        top = max(float(t.abs().amax()) for t in raw)
-        scale = torch.tensor(top / FP8_MAX[torch.float8_e4m3fn])
-        xs = [((t / scale).to(torch.float8_e4m3fn), scale) for t in raw]
-    else:
-        xs = [quantize(t, mode, False) for t in raw]
+    # Each rank quantizes its own x, as callers do: in tensor mode every rank has its own scale.
+    xs = [quantize(rand(rows, k), mode, False) for _ in range(world)]
     w_one = quantize(rand(n, k), mode, True)
     ws = [w_one] * world if op.startswith("ag") else [quantize(rand(n, k), mode, True) for _ in range(world)]
     b = torch.randn(n, generator=g).to(out_dtype) if bias else None

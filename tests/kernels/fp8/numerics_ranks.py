@@ -44,16 +44,14 @@ def numerics_rank(rank: int, world: int, backends: tuple[str, ...], repeats: boo
     for mode in MODES:
         for out_dtype in (torch.float32, torch.bfloat16):
             bias = _data(7, 1, N)[0].to(out_dtype) if out_dtype != torch.float32 else _data(7, 1, N)[0]
-            # all-gather: one global x (tensor mode needs the one global scale), each rank its rows.
-            xq, xs = _quant(_data(1, M_LOCAL * world, K), mode, False)
+            # all-gather: each rank quantizes its own rows (in tensor mode each rank has its own scale).
+            x_full = _data(1, M_LOCAL * world, K)
+            ag_x = [_quant(x_full[r * M_LOCAL : (r + 1) * M_LOCAL], mode, False) for r in range(world)]
+            xq = torch.cat([p for p, _ in ag_x])
+            xs = torch.cat([s.reshape(1, 1).expand(M_LOCAL, 1) if mode == "tensor" else s for _, s in ag_x])
             wq, ws = _quant(_data(2, N, K), mode, True)
-
-            def rows_of(r: int) -> slice:
-                return slice(r * M_LOCAL, (r + 1) * M_LOCAL)
-
-            rows = rows_of(rank)
-            xs_local = xs if mode == "tensor" else xs[rows]
-            ag_x = [(xq[rows_of(r)], xs if mode == "tensor" else xs[rows_of(r)]) for r in range(world)]
+            rows = slice(rank * M_LOCAL, (rank + 1) * M_LOCAL)
+            xs_local = ag_x[rank][1]
             # reducing ops: each rank its own x and weight shard.
             red = [
                 (_quant(_data(10 + r, M_LOCAL * world, K), mode, False), _quant(_data(20 + r, N, K), mode, True))

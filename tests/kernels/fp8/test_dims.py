@@ -45,7 +45,9 @@ def _dims_rank(rank: int, world: int, backend: str, modes: tuple[str, ...]) -> l
         )
         if not torch.equal(y, y0.movedim(0, 1)):
             failures.append(f"{mode}: all-gather on dim 1 differs from dim 0 on the moved data")
-        if not torch.equal(xg.view(torch.uint8), xq_full.view(torch.uint8)) or not torch.equal(xsg, xs_full):
+        # Tensor mode: the gathered scales are per row (each row its rank's scale), here all the one scale.
+        xs_rows = xs_full.reshape(1, 1, 1).expand(B, S_LOCAL * world, 1) if mode == "tensor" else xs_full
+        if not torch.equal(xg.view(torch.uint8), xq_full.view(torch.uint8)) or not torch.equal(xsg, xs_rows):
             failures.append(f"{mode}: gathered FP8 bytes or scales are not x's in its layout")
         if mode != "tensor":
             y_flat = kernels.all_gather_scaled_matmul(xq, xs.reshape(-1, xs.shape[-1]), wq, ws, gather_dim=-2, **opts)

@@ -92,18 +92,32 @@ def test_errors_before_communication_on_every_rank() -> None:
         assert "x.shape[0]=5" in messages[-1] and "W=2" in messages[-1]
 
 
-def _ranks_disagree(rank: int, world: int) -> str:
-    x = torch.full((2, K), 1.0 + rank)
-    xq, xs = kernels.quantize_fp8(x, "tensor")  # per-rank tensor scales: not one global scale
-    w, ws = kernels.quantize_fp8(torch.randn(N, K), "tensor")
-    try:
-        kernels.all_gather_scaled_matmul(xq, xs, w, ws)
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+def _per_rank_tensor_scales(rank: int, world: int, backend: str) -> list[str]:
+    """Each rank quantizes its own rows in tensor mode (the natural call): every backend gathers each rank's
+    scale with its rows, so the result is the reference of every rank's dequantized rows, and the gathered
+    scales come back one per row. Shapes accepted as ``[]`` and ``[1]`` (as torch._scaled_mm takes them)."""
+    from kernels.testing.fp8 import dequant
+
+    failures = []
+    x_all = [torch.full((2, K), 1.0 + r) * torch.linspace(-1, 1, K) for r in range(world)]
+    parts = [kernels.quantize_fp8(x, "tensor") for x in x_all]
+    xq, xs = parts[rank]
+    w, ws = kernels.quantize_fp8(torch.randn(N, K, generator=torch.Generator().manual_seed(0)), "tensor")
+    want = torch.cat([dequant(p, s, "tensor", False) for p, s in parts]) @ dequant(w, ws, "tensor", True).T
+    for scales in ((xs, ws), (xs.reshape(1), ws.reshape(1))):
+        y, xg, xsg = kernels.all_gather_scaled_matmul(
+            xq, *scales[:1], w, *scales[1:], out_dtype=torch.float32, backend=backend, return_gathered=True
+        )
+        error = float((y.double() - want).abs().max() / want.abs().max())
+        if error > 1e-6:
+            failures.append(f"{backend} {tuple(scales[0].shape)}: relative error {error:.3g}")
+        rows = torch.cat([s.reshape(1, 1).expand(2, 1) for _, s in parts])
+        if xsg.shape != (2 * world, 1) or not torch.equal(xsg, rows):
+            failures.append(f"{backend}: gathered scales {xsg.tolist()}, want each row its rank's {rows.tolist()}")
+    return failures
 
 
-def test_tensor_mode_all_gather_needs_one_global_scale_under_check() -> None:
-    results = run_ranks(_ranks_disagree, 2, env={"COC_CHECK": "1"}, timeout=180)
-    for message in results:
-        assert "tensor-mode x_scale bits" in message, message
+@pytest.mark.parametrize("backend", ["sequential", "chunked", "fused"])
+def test_tensor_mode_all_gather_with_each_ranks_own_scale(backend: str) -> None:
+    for failures in run_ranks(_per_rank_tensor_scales, 2, backend, env={"COC_CHECK": "1"}, timeout=300):
+        assert failures == [], failures

@@ -29,9 +29,12 @@ def run_op(op: str, mode: str, x, xs, w, ws, b, out_dtype, group):
     return scaled_matmul_all_reduce(x, xs, w, ws, b, mode, out_dtype, group, True, algorithm)
 
 
-def gathered_scales(mode: str, xs, rank: int) -> torch.Tensor:
-    """What the gathered scale output must hold: every rank's scale rows (tensor: this rank's scalar)."""
-    return xs[rank][1] if mode == "tensor" else torch.cat([s for _, s in xs])
+def gathered_scales(mode: str, xs) -> torch.Tensor:
+    """What the gathered scale output must hold: every rank's scale rows (tensor: each rank's scalar on
+    each of its rows)."""
+    if mode == "tensor":
+        return torch.cat([s.reshape(1, 1).expand(p.shape[0], 1) for p, s in xs])
+    return torch.cat([s for _, s in xs])
 
 
 def check_case(rank, world, group, op, mode, m, k, n, bias, out_dtype, seed) -> None:
@@ -44,7 +47,7 @@ def check_case(rank, world, group, op, mode, m, k, n, bias, out_dtype, seed) -> 
         payload = torch.cat([p for p, _ in xs])
         assert x_gathered.dtype == payload.dtype, f"{what}: gathered dtype {x_gathered.dtype}"
         assert torch.equal(x_gathered.view(torch.uint8), payload.view(torch.uint8)), f"{what}: gathered bytes differ"
-        want_s = gathered_scales(mode, xs, rank)
+        want_s = gathered_scales(mode, xs)
         assert s_gathered.dtype == torch.float32 and torch.equal(s_gathered, want_s), f"{what}: gathered scales differ"
     assert_close(what, got, *reference(op, mode, xs, ws, b, rank, out_dtype), out_dtype)
 
