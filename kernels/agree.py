@@ -34,6 +34,8 @@ OPS = (
     "all_gather_scaled_matmul",
     "scaled_matmul_reduce_scatter",
     "scaled_matmul_all_reduce",
+    "quantized_all_gather_matmul",
+    "quantized_matmul_reduce_scatter",
 )
 FIELDS = (
     "version",
@@ -89,8 +91,11 @@ _MUST_AGREE = {
     + ("m", "k", "return_gathered", "comm_dim", "outer", "quant_mode", "fp8_dtypes"),
     "scaled_matmul_reduce_scatter": _REDUCING + ("comm_dim", "outer", "quant_mode", "fp8_dtypes"),
     "scaled_matmul_all_reduce": _REDUCING + ("quant_mode", "fp8_dtypes"),
+    "quantized_all_gather_matmul": _COMMON
+    + ("m", "k", "return_gathered", "comm_dim", "outer", "quant_mode", "group_size"),
+    "quantized_matmul_reduce_scatter": _REDUCING + ("comm_dim", "outer", "quant_mode", "group_size"),
 }
-_GATHERING = ("all_gather_matmul", "all_gather_scaled_matmul")
+_GATHERING = ("all_gather_matmul", "all_gather_scaled_matmul", "quantized_all_gather_matmul")
 
 Descriptor = tuple[int, ...]
 
@@ -130,7 +135,11 @@ def describe_call(
         raise ValueError(f"op={op!r} is not accepted; use one of {OPS}")
     m, k, n, outer = _known(m), _known(k), _known(n), None if outer is None else _known(outer)
     gathers = op in _GATHERING
-    has_dim = op in _GATHERING + ("matmul_reduce_scatter", "scaled_matmul_reduce_scatter")
+    has_dim = op in _GATHERING + (
+        "matmul_reduce_scatter",
+        "scaled_matmul_reduce_scatter",
+        "quantized_matmul_reduce_scatter",
+    )
     if parallel_num == "auto":
         num = _AUTO
     elif parallel_num is None:
