@@ -1,4 +1,4 @@
-"""Distributed tensors: ``ProcessMesh``, placements, ``DistTensor`` (a ``torch.Tensor``), SPMD
+"""Distributed tensors: ``ProcessMesh``, placements (torch's own), ``DistTensor`` (a ``torch.Tensor``), SPMD
 rules, ``reshard``, gradient sync and pipeline stages. See docs/dtensor.md.
 
 Module layout (imports go downwards only): ``placements``, ``mesh`` -> ``redistribute`` (local

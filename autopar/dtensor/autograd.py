@@ -295,7 +295,7 @@ def reshard(dt: DistTensor, mesh: ProcessMesh, placements: Sequence[Placement]) 
 
 
 def _sum_placement(pa: Placement, pb: Placement) -> Placement:
-    if any(type(p) is Partial and p.reduce_type in ("max", "min") for p in (pa, pb)):
+    if any(type(p) is Partial and p.reduce_op in ("max", "min") for p in (pa, pb)):
         return REPLICATE  # max(a) + max(b) is not max(a + b): reduce first
     if pa == pb:
         return pa

@@ -56,7 +56,7 @@ def sync_gradients(module_or_params: torch.nn.Module | Iterable | DistTensor) ->
         reduced.append(tuple(p.process_mesh.dim_names[m] for m in diff if isinstance(g.placements[m], Partial)))
         all_reduce_only = all(
             isinstance(g.placements[m], Partial)
-            and g.placements[m].reduce_type == "sum"
+            and g.placements[m].reduce_op == "sum"
             and isinstance(p.placements[m], Replicate)
             for m in diff
         )

@@ -1,10 +1,12 @@
 """Conversion to and from PyTorch DTensor, sharing the local piece (no copy).
 
 ``ProcessMesh`` <-> ``DeviceMesh``: the same ranks in the same N-D layout and the same dim names.
-Placements map one to one: ``Shard(d)``, ``Replicate()``, ``Partial(op)`` for op in
-sum/avg/max/min (DTensor's other reduce ops, such as ``product``, have no autopar counterpart and
-raise). Both libraries split uneven shards like ``torch.chunk``, so the local pieces mean the same
-thing and are handed over as they are.
+Placements are handed over as they are: a DistTensor's placements are torch's own ``Shard``,
+``Replicate`` and ``Partial`` objects (autopar has no classes of its own), so only what one side
+cannot hold raises: DTensor's other reduce ops (``product``, bitwise) and its internal placements
+(``_StridedShard``, ``_MaskPartial``) in ``from_dtensor``, mixed Partial reduce ops in
+``to_dtensor``. Both libraries split uneven shards like ``torch.chunk``, so the local pieces mean
+the same thing and are handed over as they are too.
 
 Building a mesh for the first time is collective over the default group (both libraries create
 process groups for it), so every rank must convert in the same order; later conversions on the
@@ -19,7 +21,7 @@ import torch
 
 from .autograd import grad_placements_of, requires_grad, reshard_backward, reshard_nograd
 from .mesh import ProcessMesh
-from .placements import Partial, Placement, Replicate, Shard
+from .placements import REDUCE_TYPES, Partial, Placement, check_placement
 from .tensor import DistTensor, make, uninit
 
 _DEVICE_MESHES: dict[tuple, Any] = {}
@@ -29,11 +31,8 @@ _PROCESS_MESHES: dict[tuple, ProcessMesh] = {}
 def _dtensor_api():
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Partial as DPartial
-    from torch.distributed.tensor import Replicate as DReplicate
-    from torch.distributed.tensor import Shard as DShard
 
-    return DeviceMesh, DTensor, DShard, DReplicate, DPartial
+    return DeviceMesh, DTensor
 
 
 def device_mesh_of(mesh: ProcessMesh, device_type: str = "cpu") -> Any:
@@ -58,36 +57,24 @@ def process_mesh_of(device_mesh: Any) -> ProcessMesh:
     return mesh
 
 
-def _to_dtensor_placement(p: Placement) -> Any:
-    _, _, DShard, DReplicate, DPartial = _dtensor_api()
-    if type(p) is Shard:
-        return DShard(p.dim)
-    if type(p) is Replicate:
-        return DReplicate()
-    # Older DTensor releases do not list their reduce ops; they pass any to the collective.
-    supported = getattr(DPartial, "ALL_REDUCE_OPS", ("sum", "avg", "max", "min"))
-    if p.reduce_type not in supported:
-        raise ValueError(
-            f"to_dtensor: this torch's DTensor has no Partial({p.reduce_type!r}) "
-            f"(it supports {list(supported)}); reshard to Replicate first"
-        )
-    return DPartial(p.reduce_type)
-
-
-def _from_dtensor_placement(p: Any) -> Placement:
-    if p.is_shard():
-        return Shard(p.dim)
-    if p.is_replicate():
-        return Replicate()
-    if p.is_partial():
-        op = getattr(p, "reduce_op", "sum")
-        if op not in ("sum", "avg", "max", "min"):
+def _to_dtensor_placements(placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """A DistTensor's placements are torch's own objects; only what this torch's DTensor lacks is
+    refused (older releases do not list their reduce ops and pass any to the collective)."""
+    supported = getattr(Partial, "ALL_REDUCE_OPS", REDUCE_TYPES)
+    for p in placements:
+        if type(p) is Partial and p.reduce_op not in supported:
             raise ValueError(
-                f"from_dtensor: DTensor placement Partial({op!r}) has no autopar "
-                f"counterpart (sum, avg, max, min); redistribute it first"
+                f"to_dtensor: this torch's DTensor has no {p!r} (it supports {list(supported)}); "
+                f"reshard to Replicate first"
             )
-        return Partial(op)
-    raise ValueError(f"from_dtensor: unsupported DTensor placement {p!r}")
+    return placements
+
+
+def _from_dtensor_placements(placements: Any) -> tuple[Placement, ...]:
+    placements = tuple(placements)
+    for m, p in enumerate(placements):
+        check_placement(p, f"from_dtensor: the DTensor's placements[{m}]")
+    return placements
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -100,8 +87,8 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 def _as_dtensor(t: DistTensor) -> Any:
     """The DTensor viewing ``t``'s piece (no copy, not tracked)."""
-    _, DTensor, _, _, _ = _dtensor_api()
-    mixed = {p.reduce_type for p in t._placements if type(p) is Partial}
+    DTensor = _dtensor_api()[1]
+    mixed = {p.reduce_op for p in t._placements if type(p) is Partial}
     if len(mixed) > 1:
         raise ValueError(
             f"to_dtensor: placements {list(t._placements)} mix Partial reduce types "
@@ -109,7 +96,7 @@ def _as_dtensor(t: DistTensor) -> Any:
         )
     local = t._local
     dm = device_mesh_of(t._mesh, local.device.type)
-    placements = [_to_dtensor_placement(p) for p in t._placements]
+    placements = _to_dtensor_placements(t._placements)
     return DTensor.from_local(
         local.detach(), dm, placements, run_check=False, shape=t._shape, stride=_contiguous_stride(t._shape)
     )
@@ -118,7 +105,7 @@ def _as_dtensor(t: DistTensor) -> Any:
 def _as_dist_tensor(t: Any) -> DistTensor:
     """The DistTensor around DTensor ``t``'s piece (no copy, not tracked)."""
     mesh = process_mesh_of(t.device_mesh)
-    placements = tuple(_from_dtensor_placement(p) for p in t.placements)
+    placements = _from_dtensor_placements(t.placements)
     local = t._local_tensor.detach()
     shape = torch.Size(t.shape)
     if mesh.my_coordinate is None:
@@ -185,7 +172,7 @@ def from_dtensor(t: Any) -> DistTensor:
     Differentiable (with grad mode on and ``t`` requiring grad): the DistTensor's gradient flows
     back to the DTensor.
     """
-    _, DTensor, _, _, _ = _dtensor_api()
+    DTensor = _dtensor_api()[1]
     if not isinstance(t, DTensor):
         raise TypeError(f"from_dtensor(t): expected a torch DTensor, got {type(t).__name__}")
     if torch.is_grad_enabled() and t.requires_grad:

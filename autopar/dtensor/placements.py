@@ -1,8 +1,16 @@
-"""Placements of a distributed tensor along one mesh dim: ``Shard(dim)``, ``Replicate()``, ``Partial()``.
+"""Placements of a distributed tensor along one mesh dim: PyTorch's own ``Shard(dim)``,
+``Replicate()`` and ``Partial(reduce_op)`` from ``torch.distributed.tensor``.
+
+autopar defines no placement classes: ``autopar.Shard is torch.distributed.tensor.Shard`` (and so
+for ``Replicate``, ``Partial``, ``Placement``), so one set of values describes a DistTensor and a
+DTensor and nothing converts between two vocabularies of the same names. A DistTensor accepts
+exactly those three types (not torch's internal subclasses such as ``_StridedShard`` or
+``_MaskPartial``, which encode layouts ``dims_mapping`` cannot express), and ``Partial`` with the
+reduce ops in ``REDUCE_TYPES``.
 
 A DistTensor carries one placement per mesh dim. The Paddle-style views are derived from them:
 ``dims_mapping[tensor_dim]`` is the mesh dim sharding that tensor dim (-1 when none) and
-``partial_status`` maps a mesh dim to its pending reduce type. A tensor dim may be sharded by at most
+``partial_status`` maps a mesh dim to its pending reduce op. A tensor dim may be sharded by at most
 one mesh dim (what ``dims_mapping`` can express); uneven shards follow ``torch.chunk``.
 """
 
@@ -10,107 +18,37 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = ["Partial", "Placement", "Replicate", "Shard"]
+
+# The reduce ops a DistTensor implements (torch's Partial also takes "product" and bitwise ones).
 REDUCE_TYPES = ("sum", "avg", "max", "min")
-
-
-class Placement:
-    """Base class; placements are immutable, hashable values (they key the rule cache)."""
-
-    __slots__ = ()
-
-    def is_shard(self, dim: int | None = None) -> bool:
-        return False
-
-    def is_replicate(self) -> bool:
-        return False
-
-    def is_partial(self) -> bool:
-        return False
-
-
-class Shard(Placement):
-    """The tensor dim ``dim`` is split over the mesh dim in ``torch.chunk`` order."""
-
-    __slots__ = ("dim",)
-
-    def __init__(self, dim: int):
-        if not isinstance(dim, int) or isinstance(dim, bool):
-            raise TypeError(f"Shard(dim): dim must be an int, got {dim!r}")
-        object.__setattr__(self, "dim", dim)
-
-    def __setattr__(self, name, value):
-        raise AttributeError("Shard is immutable")
-
-    def is_shard(self, dim: int | None = None) -> bool:
-        return dim is None or dim == self.dim
-
-    def __reduce__(self):
-        return (Shard, (self.dim,))
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is Shard and other.dim == self.dim
-
-    def __hash__(self) -> int:
-        return hash(("S", self.dim))
-
-    def __repr__(self) -> str:
-        return f"Shard({self.dim})"
-
-
-class Replicate(Placement):
-    """Every rank along the mesh dim holds the whole (along this mesh dim) tensor."""
-
-    __slots__ = ()
-
-    def is_replicate(self) -> bool:
-        return True
-
-    def __reduce__(self):
-        return (Replicate, ())
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is Replicate
-
-    def __hash__(self) -> int:
-        return hash("R")
-
-    def __repr__(self) -> str:
-        return "Replicate()"
-
-
-class Partial(Placement):
-    """The value is the reduction (``reduce_type``) of the local tensors along the mesh dim."""
-
-    __slots__ = ("reduce_type",)
-
-    def __init__(self, reduce_type: str = "sum"):
-        if reduce_type not in REDUCE_TYPES:
-            raise ValueError(f"Partial(reduce_type): reduce_type must be one of {REDUCE_TYPES}, got {reduce_type!r}")
-        object.__setattr__(self, "reduce_type", reduce_type)
-
-    def __setattr__(self, name, value):
-        raise AttributeError("Partial is immutable")
-
-    def is_partial(self) -> bool:
-        return True
-
-    def __reduce__(self):
-        return (Partial, (self.reduce_type,))
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is Partial and other.reduce_type == self.reduce_type
-
-    def __hash__(self) -> int:
-        return hash(("P", self.reduce_type))
-
-    def __repr__(self) -> str:
-        return f"Partial({self.reduce_type!r})" if self.reduce_type != "sum" else "Partial()"
-
 
 REPLICATE = Replicate()
 PARTIAL_SUM = Partial("sum")
 
 PlacementsLike = Sequence[Placement]
+
+
+def check_placement(p: object, where: str) -> None:
+    """Refuse what a DistTensor cannot hold, naming ``where`` (e.g. ``placements[1]``)."""
+    t = type(p)
+    if t is Shard or t is Replicate:
+        return
+    if t is Partial:
+        if p.reduce_op not in REDUCE_TYPES:
+            raise ValueError(
+                f"{where}={p!r}: a DistTensor's Partial reduce op must be one of {list(REDUCE_TYPES)}, "
+                f"got {p.reduce_op!r}"
+            )
+        return
+    if isinstance(p, Placement):
+        raise ValueError(
+            f"{where}={p!r}: a DistTensor takes torch.distributed.tensor's Shard, Replicate and Partial, "
+            f"not {t.__name__}"
+        )
+    raise TypeError(f"{where} must be a torch.distributed.tensor Shard/Replicate/Partial, got {p!r}")
 
 
 def normalize_placements(
@@ -130,8 +68,7 @@ def normalize_placements(
     out = []
     sharded: dict[int, int] = {}
     for mesh_dim, p in enumerate(placements):
-        if not isinstance(p, Placement):
-            raise TypeError(f"placements[{mesh_dim}] must be Shard/Replicate/Partial, got {p!r}")
+        check_placement(p, f"placements[{mesh_dim}]")
         if type(p) is Shard:
             d = p.dim + tensor_ndim if p.dim < 0 else p.dim
             if not 0 <= d < tensor_ndim:
@@ -157,7 +94,7 @@ def to_dims_mapping(placements: Sequence[Placement], tensor_ndim: int) -> list[i
 
 
 def to_partial_status(placements: Sequence[Placement]) -> dict[int, str]:
-    return {m: p.reduce_type for m, p in enumerate(placements) if type(p) is Partial}
+    return {m: p.reduce_op for m, p in enumerate(placements) if type(p) is Partial}
 
 
 def from_dims_mapping(
@@ -174,6 +111,7 @@ def from_dims_mapping(
         if out[mesh_dim] != REPLICATE:
             raise ValueError(f"mesh dim {mesh_dim} is both sharding a tensor dim and Partial")
         out[mesh_dim] = Partial(rt)
+        check_placement(out[mesh_dim], f"partial_status[{mesh_dim}]")
     return tuple(out)
 
 

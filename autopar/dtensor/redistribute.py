@@ -144,14 +144,14 @@ def _step(
     if ts is Shard and td is Shard:
         return all_to_all(x, src.dim, dst.dim, global_shape[src.dim], group, world, index)
     if ts is Partial and td is Replicate:
-        return all_reduce(x, src.reduce_type, group, world)
+        return all_reduce(x, src.reduce_op, group, world)
     if ts is Partial and td is Shard:
-        return reduce_scatter(x, dst.dim, src.reduce_type, group, world, index)
+        return reduce_scatter(x, dst.dim, src.reduce_op, group, world, index)
     if ts is Replicate and td is Shard:
         return local_slice(x, dst.dim, world, index)
     if ts is Replicate and td is Partial:
-        return replicate_to_partial(x, dst.reduce_type, index)
-    raise ValueError(f"cannot reshard {src} -> {dst} on mesh dim {m}")
+        return replicate_to_partial(x, dst.reduce_op, index)
+    raise ValueError(f"cannot reshard {src!r} -> {dst!r} on mesh dim {m}")
 
 
 def plan(src: Sequence[Placement], dst: Sequence[Placement]) -> list[tuple[int, Placement, Placement]]:
@@ -193,16 +193,11 @@ def redistribute_local(
 
 def check_placements_reachable(src: Sequence[Placement], dst: Sequence[Placement]) -> None:
     for m, (s, d) in enumerate(zip(src, dst, strict=False)):
-        if (
-            type(d) is Partial
-            and type(s) is Partial
-            and s.reduce_type != d.reduce_type
-            and s.reduce_type in ("max", "min")
-        ):
+        if type(d) is Partial and type(s) is Partial and s.reduce_op != d.reduce_op and s.reduce_op in ("max", "min"):
             raise ValueError(
                 f"cannot reshard {list(src)} -> {list(dst)}: mesh dim {m} would turn "
-                f"{s} into {d}, which needs the reduced value first; reshard to "
-                f"Replicate() and then to {d}"
+                f"{s!r} into {d!r}, which needs the reduced value first; reshard to "
+                f"Replicate() and then to {d!r}"
             )
 
 

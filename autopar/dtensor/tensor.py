@@ -473,7 +473,7 @@ def local_piece(data: torch.Tensor, mesh: ProcessMesh, placements: tuple) -> tor
             s, e = chunk_bounds(data.shape[p.dim], mesh.shape[m], coord[m])
             local = local.narrow(p.dim, s, e - s)
         elif type(p) is Partial:
-            local = _rd.replicate_to_partial(local, p.reduce_type, coord[m])
+            local = _rd.replicate_to_partial(local, p.reduce_op, coord[m])
     return local
 
 
@@ -523,3 +523,8 @@ def _rebuild_dist_tensor(
 
 
 torch.serialization.add_safe_globals([_rebuild_dist_tensor, _rebuild_mesh, Shard, Replicate, Partial])
+# Files saved while autopar had placement classes of its own name them under this module; the
+# pickled calls (Shard(dim), Replicate(), Partial(reduce_type)) build torch's equal placements.
+torch.serialization.add_safe_globals(
+    [(c, f"autopar.dtensor.placements.{c.__name__}") for c in (Shard, Replicate, Partial)]
+)

@@ -103,7 +103,7 @@ def _matmul_like(
         partial = [m for m, p in enumerate(res.out_placements) if type(p) is Partial]
         pend_dim = (
             partial[0]
-            if len(partial) == 1 and b.ndim == 2 and a.ndim >= 2 and res.out_placements[partial[0]].reduce_type == "sum"
+            if len(partial) == 1 and b.ndim == 2 and a.ndim >= 2 and res.out_placements[partial[0]].reduce_op == "sum"
             else -1
         )
         entry = _MM_CACHE[key] = (

@@ -106,12 +106,12 @@ def einsum_rule(
         partial = [i for i in range(n_in) if type(placements[i][m]) is Partial]
         if not partial:
             continue
-        rt = placements[partial[0]][m].reduce_type
+        rt = placements[partial[0]][m].reduce_op
         keep: list[int] = []
         if rt in ("sum", "avg"):
             if kind == "linear":
                 keep = partial[:1]
-            elif kind == "add" and len(partial) == n_in and all(placements[i][m].reduce_type == rt for i in partial):
+            elif kind == "add" and len(partial) == n_in and all(placements[i][m].reduce_op == rt for i in partial):
                 keep = partial
             elif kind == "linear_first" and partial[0] == 0:
                 keep = [0]

@@ -156,7 +156,6 @@ def test_state_dict_save_load_deepcopy(tmp_path):
 
 def _dtensor_interop(rank, world, mesh_shape):
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Partial as DPartial
 
     from autopar import DistTensor, Partial, ProcessMesh, Replicate, Shard, from_dtensor, to_dtensor
 
@@ -177,7 +176,7 @@ def _dtensor_interop(rank, world, mesh_shape):
 
         local = shard_tensor(G, mesh, base).to_local().clone()
         x = DistTensor.from_local(local, mesh, pl, global_shape=G.shape)
-        if len({p.reduce_type for p in pl if isinstance(p, Partial)}) > 1:
+        if len({p.reduce_op for p in pl if isinstance(p, Partial)}) > 1:
             with pytest.raises(ValueError, match="mix Partial reduce types"):
                 to_dtensor(x)
             continue
@@ -186,23 +185,20 @@ def _dtensor_interop(rank, world, mesh_shape):
         assert d.to_local().data_ptr() == x.to_local().data_ptr()
         assert d.device_mesh.mesh.tolist() == mesh.tolist()
         assert tuple(d.device_mesh.mesh_dim_names) == mesh.dim_names
-        for p, q in zip(pl, d.placements, strict=False):
-            if isinstance(p, Partial):
-                assert isinstance(q, DPartial) and q.reduce_op == p.reduce_type
-            else:
-                assert (q.is_shard() and q.dim == p.dim) if isinstance(p, Shard) else q.is_replicate()
+        # The same placement objects on both sides: autopar's placements are torch's.
+        assert d.placements == x.placements and all(q is p for p, q in zip(x.placements, d.placements, strict=True))
         torch.testing.assert_close(d.full_tensor(), x.full_tensor())
         back = from_dtensor(d)
         assert isinstance(back, DistTensor) and back.placements == tuple(pl)
+        assert all(q is p for p, q in zip(d.placements, back.placements, strict=True))
         assert back.process_mesh == mesh and back.shape == G.shape
         assert back.to_local().data_ptr() == x.to_local().data_ptr()
         checked += 1
     # A DTensor made by DTensor itself.
-    from torch.distributed.tensor import Shard as DShard
     from torch.distributed.tensor import distribute_tensor
 
     dt = distribute_tensor(
-        G, to_dtensor(x).device_mesh, [DShard(1)] * len(mesh_shape) if len(mesh_shape) == 1 else [DShard(1), DShard(0)]
+        G, to_dtensor(x).device_mesh, [Shard(1)] * len(mesh_shape) if len(mesh_shape) == 1 else [Shard(1), Shard(0)]
     )
     y = from_dtensor(dt)
     assert y.to_local().data_ptr() == dt.to_local().data_ptr()
@@ -210,7 +206,7 @@ def _dtensor_interop(rank, world, mesh_shape):
     with pytest.raises(ValueError, match="product"):
         from_dtensor(
             DTensor.from_local(
-                torch.ones(5, 7), dt.device_mesh, [DPartial("product")] * len(mesh_shape), run_check=False
+                torch.ones(5, 7), dt.device_mesh, [Partial("product")] * len(mesh_shape), run_check=False
             )
         )
     # A rank outside the mesh: uninitialized both ways, no storage.

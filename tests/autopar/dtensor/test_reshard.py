@@ -48,9 +48,9 @@ def _make_source(G, mesh, placements, seed):
         gen = torch.Generator().manual_seed(seed + 31 * m)
         W = mesh.shape[m]
         noise = [torch.randn(local.shape, generator=gen) for _ in range(W)]
-        if p.reduce_type in ("sum", "avg"):
+        if p.reduce_op in ("sum", "avg"):
             mean = sum(noise) / W
-            local = (local if p.reduce_type == "avg" else local / W) + noise[coord[m]] - mean
+            local = (local if p.reduce_op == "avg" else local / W) + noise[coord[m]] - mean
         else:  # max: coordinate 0 holds the value, the others hold something smaller
             local = local if coord[m] == 0 else local - noise[coord[m]].abs() - 0.5
     return DistTensor.from_local(local, mesh, placements, global_shape=G.shape)
@@ -63,7 +63,7 @@ def _dtensor_reshard(x, y):
 
     d = to_dtensor(x)
     assert d.to_local().data_ptr() == x.to_local().data_ptr()
-    return from_dtensor(d.redistribute(d.device_mesh, to_dtensor(y).placements))
+    return from_dtensor(d.redistribute(d.device_mesh, y.placements))  # one vocabulary: torch's placements
 
 
 def _check_transitions(rank, world, mesh_shape):
@@ -80,7 +80,7 @@ def _check_transitions(rank, world, mesh_shape):
         cands = [c if isinstance(c, tuple) else (c,) for c in cands]
         for ci, (src, dst) in enumerate(itertools.product(cands, cands)):
             if any(
-                isinstance(s, Partial) and s.reduce_type == "max" and s != d and isinstance(d, Partial)
+                isinstance(s, Partial) and s.reduce_op == "max" and s != d and isinstance(d, Partial)
                 for s, d in zip(src, dst, strict=False)
             ):
                 continue  # max -> sum is not a transition (see test_impossible_transition)
@@ -95,12 +95,12 @@ def _check_transitions(rank, world, mesh_shape):
                 for m, d in enumerate(dst):
                     if (
                         isinstance(d, Partial)
-                        and d.reduce_type == "sum"
+                        and d.reduce_op == "sum"
                         and not isinstance(src[m], Partial)
                         and mesh.my_coordinate[m] != 0
                     ):
                         assert y.to_local().abs().sum() == 0, what
-            elif not any(isinstance(p, Partial) and p.reduce_type == "max" for p in src):
+            elif not any(isinstance(p, Partial) and p.reduce_op == "max" for p in src):
                 ref = _dtensor_reshard(x, y)
                 assert ref.placements == y.placements and ref.process_mesh == mesh, what
                 torch.testing.assert_close(y.to_local(), ref.to_local(), **TOL, msg=what)
@@ -132,7 +132,7 @@ def _impossible(rank, world):
 
 def test_impossible_transition_names_both_placements():
     msg = run_ranks(_impossible, 2)[0]
-    assert msg is not None and "Partial('max')" in msg and "Partial()" in msg
+    assert msg is not None and "Partial(max)" in msg and "Partial(sum)" in msg
 
 
 def _cross_mesh(rank, world):
