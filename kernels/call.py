@@ -10,9 +10,12 @@ graph compiled with dynamic shapes stays dynamic) and the backends receive ``(ca
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import agree
 from .format import PLAIN, OperandFormat
@@ -33,6 +36,10 @@ PUBLIC_NAMES = {
     ("matmul", "fp8"): "scaled_matmul",
     ("matmul", "int8"): "quantized_matmul",
 }
+# pattern -> {backend: implementation(call, operands, group)}: filled by the pattern modules of kernels.ops
+# (one entry each, at import), read by their registered operators and the tuner. A table here, below
+# everything that reads it, keeps the imports one way.
+IMPLEMENTATIONS: dict[str, dict[str, Callable[..., Any]]] = {}
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
 
@@ -115,6 +122,24 @@ class OpCall:
             tiles=tiles,
             outer=outer,
         )
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The name a call gives its group by (``ProcessGroup.group_name``, resolved inside the op as torch's
+    functional collectives do, so a traced graph holds a string); ``""`` for no group without
+    torch.distributed (W == 1)."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return ""
+        group = dist.group.WORLD
+    return group.group_name
+
+
+def resolve_group(name: str) -> dist.ProcessGroup | None:
+    """The process group a call names (``None`` for ``""``)."""
+    if not name:
+        return None
+    return dist.distributed_c10d._resolve_process_group(name)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from . import agree, capture, comm
+from .call import group_name, resolve_group
 from .config import get_config
 from .op_registration import assume_constant_result
 
@@ -71,12 +72,6 @@ def reset() -> None:
     _seen.clear()
     _seen_ops.clear()
     _warned_capture.clear()
-
-
-def group_name(group: dist.ProcessGroup | None) -> str:
-    if group is None:
-        return dist.group.WORLD.group_name
-    return group.group_name
 
 
 def _labels(group: dist.ProcessGroup | None, world: int) -> list[str]:
@@ -220,7 +215,7 @@ def check_compiled(
 @assume_constant_result
 def _admit_traced(op: str, name: str, world: int, device: str, descriptor: tuple[int, ...]) -> bool:
     """:func:`check_compiled` of a call Dynamo traces: run now, on constants only, kept out of the graph."""
-    check_compiled(op, dist.distributed_c10d._resolve_process_group(name), world, torch.device(device), descriptor)
+    check_compiled(op, resolve_group(name), world, torch.device(device), descriptor)
     return True
 
 

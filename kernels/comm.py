@@ -82,6 +82,23 @@ def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def split_rows(rows: int, parallel_num: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of up to ``parallel_num`` non-empty pieces covering ``rows`` (the scripted path's
+    pieces: each piece's collective overlaps the next piece's GEMM).
+
+    Sizes differ by at most one row (the first pieces take the remainder), so an uneven row
+    count costs one slightly larger piece, not a padded tail.
+    """
+    pieces = min(parallel_num, rows) if rows > 0 else 1
+    base, extra = divmod(rows, pieces)
+    bounds, start = [], 0
+    for i in range(pieces):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     """``t`` extended with zero rows to ``rows`` rows (adding zeros keeps sums exact)."""
     if t.shape[0] == rows:

@@ -17,13 +17,14 @@ Whether the ranks agree on the call is settled before, by :mod:`kernels.callchec
 
 from __future__ import annotations
 
+import math
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from . import library
-from .backends import fused_unavailable as _fused_unavailable
+from .call import OpCall, Operands, decode, resolve_group
 from .config import get_config
 from .op_registration import assume_constant_result
 from .tune import choose_parallel_num
@@ -47,6 +48,15 @@ def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     """A tensor of ``shape`` without its memory (one element, expanded): what the agreement check
     and the tuner's key read is the shape, dtype and device, never the values."""
     return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
+def _fused_unavailable(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
+    """None when the fused kernels can run on ``group`` and ``device``, else why not."""
+    try:
+        from . import fused
+    except ImportError as e:
+        return f"the fused backend is not available in this build ({e})"
+    return fused.unavailable_reason(group, device)
 
 
 @assume_constant_result
@@ -75,20 +85,21 @@ def _matching_key(keys: tuple, m: int, k: int, n: int) -> tuple[int, int, int]:
 
 @assume_constant_result
 def _decide(
-    op: str,
-    backend: str | None,
-    parallel_num: int | None,
+    call_text: str,
     m: int,
     k: int,
     n: int,
     dtype: torch.dtype,
     weight_dtype: torch.dtype,
     device: torch.device,
-    group_name: str,
-    world: int,
 ) -> tuple[str, int]:
+    """``(backend, parallel_num)`` of the call encoded in ``call_text`` (with its requested ones) for an op of
+    ``[m, k, n]``. The call travels as its string: Dynamo hands a function it keeps out of the graph
+    constants, and a string is one (a dataclass instance is not rebuilt faithfully)."""
+    call = decode(call_text)
     config = get_config()
-    group = library.resolve_group(group_name)
+    group = resolve_group(call.group_name)
+    backend = call.backend
     if backend == "sequential":
         return backend, 1
     if backend is None and config.use_fused:
@@ -97,18 +108,17 @@ def _decide(
         reason = _fused_unavailable(group, device)
         if reason is None:
             return backend, 1
-        _warn_fallback(op, reason)
+        _warn_fallback(call.op_name, reason)
         backend = "chunked"
-    num: int | str = parallel_num if parallel_num is not None else config.parallel_num_for(m, k, n)
+    num: int | str = call.parallel_num if call.parallel_num is not None else config.parallel_num_for(m, k, n)
     if num == "auto":
         # Fused is a candidate only when nothing forced a backend (an unavailable fused request
         # has become "chunked" above).
         num = choose_parallel_num(
-            op,
+            call,
             _stand_in((m, k), dtype, device),
             _stand_in((n, k), weight_dtype, device),
             group,
-            world,
             allow_fused=backend is None,
         )
         if num == "fused":
@@ -119,46 +129,23 @@ def _decide(
     return backend, num
 
 
-def decide(
-    op: str,
-    backend: str | None,
-    parallel_num: int | None,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    world: int,
-    *,
-    n: int | None = None,
-) -> tuple[str, int, str]:
-    """``(backend, parallel_num, group name)`` for a call of ``op`` on 2-D ``x`` (already admitted by
-    :mod:`kernels.callcheck`: resolving may tune, which communicates); ``n`` overrides
-    ``weight.shape[0]`` (the total ``n`` of an all-gather feeding several weights)."""
-    name = library.group_name(group)
+def decide(call: OpCall, ops: Operands) -> OpCall:
+    """``call`` with its backend and split count resolved (it was admitted by :mod:`kernels.callcheck`
+    already: resolving may tune, which communicates)."""
     # _decide and shape_keys are assume_constant_result: while tracing, dynamo calls them with the
     # constant arguments and keeps the result, instead of tracing the environment reads, caches and
     # collectives inside. A shape is passed only as far as the choice depends on it, so a graph
     # compiled with dynamic shapes stays dynamic (auto needs the exact shape: static).
-    m, k = x.shape[0], x.shape[1]
-    n = weight.shape[0] if n is None else n
+    x = ops.x
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    n = sum(w.shape[0] for w in ops.weights)
     if torch.compiler.is_compiling():
-        keys = shape_keys(backend, parallel_num)
+        keys = shape_keys(call.backend, call.parallel_num)
         if keys is None:
             m = k = n = 0
         elif keys != "exact":
             m, k, n = _matching_key(keys, m, k, n)
-    chosen, num = _decide(op, backend, parallel_num, m, k, n, x.dtype, weight.dtype, x.device, name, world)
-    return chosen, num, name
-
-
-def resolve(
-    op: str,
-    backend: str | None,
-    parallel_num: int | None,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    world: int,
-) -> tuple[str, int]:
-    """``(backend, parallel_num)`` to run ``op`` with; ``x`` is the 2-D input as the op sees it."""
-    chosen, num, _ = decide(op, backend, parallel_num, x, weight, group, world)
-    return chosen, num
+    dtype = call.out_dtype or x.dtype  # an FP8 call's split count is timed on stand-ins of its output dtype
+    weight_dtype = dtype if call.fmt.kind == "fp8" else ops.weights[0].dtype
+    backend, num = _decide(call.encode(), m, k, n, dtype, weight_dtype, x.device)
+    return replace(call, backend=backend, parallel_num=num)

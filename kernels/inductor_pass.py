@@ -46,7 +46,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import dispatch, library
+from . import dispatch
+from .call import OpCall, Operands
 from .inductor_patterns import (
     Gather,
     LeftAlone,
@@ -58,6 +59,7 @@ from .inductor_patterns import (
     meta_val,
     reduce_bias,
 )
+from .ops import all_gather, all_reduce, reduce_scatter
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +120,16 @@ def _weight(graph: fx.Graph, b: fx.Node, new: list[fx.Node]) -> fx.Node:
     return w
 
 
-def _decide(op: str, x2d: torch.Tensor, ws: list[torch.Tensor], g: Any) -> tuple:
-    """``(backend, parallel_num)`` from the COC_* environment, as the eager op would choose.
+_PATTERNS = {
+    "all_gather_matmul": "all_gather",
+    "matmul_reduce_scatter": "reduce_scatter",
+    "matmul_all_reduce": "all_reduce",
+}
+
+
+def _decide(op: str, x2d: torch.Tensor, ws: list[torch.Tensor], g: Any, return_gathered: bool = False) -> OpCall:
+    """The call of the coc op replacing ``op``'s pattern, its backend and split count from the COC_*
+    environment, as the eager op would choose.
 
     The ranks' calls are not compared here (kernels.callcheck): a rank whose compiled graph comes from
     Inductor's cache runs no pass, so a collective here could wait forever. The fused kernels still
@@ -129,12 +139,14 @@ def _decide(op: str, x2d: torch.Tensor, ws: list[torch.Tensor], g: Any) -> tuple
     def stand_in(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty((), dtype=t.dtype, device=t.device).expand(shape)
 
+    dim = g.dim if op != "matmul_all_reduce" else 0
+    call = OpCall(
+        pattern=_PATTERNS[op], return_gathered=return_gathered, comm_dim=dim, group_name=g.group_name, world=g.world
+    )
     with unset_fake_temporarily():
         x = stand_in(x2d, tuple(x2d.shape))
-        w = stand_in(ws[0], (ws[0].shape[1], ws[0].shape[0]))
-        n = sum(t.shape[1] for t in ws)
-        backend, num, _ = dispatch.decide(op, None, None, x, w, g.group, g.world, n=n)
-    return backend, num
+        weights = tuple(stand_in(w, (w.shape[1], w.shape[0])) for w in ws)
+        return dispatch.decide(call, Operands(x=x, weights=weights, biases=(None,) * len(weights)))
 
 
 def _check_same(new: fx.Node, old: fx.Node) -> None:
@@ -170,23 +182,21 @@ def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul]) -> str:
         ws = [_weight(graph, mm.b, new) for mm in mms]
         biases = [mm.bias_in for mm in mms]
         xv = meta_val(g.shard)
-        backend, num = _decide(
-            "all_gather_matmul", xv.flatten(0, -2) if xv.dim() > 2 else xv, [meta_val(mm.b) for mm in mms], g
+        call = _decide(
+            "all_gather_matmul",
+            xv.flatten(0, -2) if xv.dim() > 2 else xv,
+            [meta_val(mm.b) for mm in mms],
+            g,
+            need_gathered,
         )
-        common = (g.group_name, g.world, backend, num, g.dim)
-        if len(mms) == 1:
-            target = library.all_gather_matmul_gathered if need_gathered else library.all_gather_matmul
-            fused = _call(graph, target, g.shard, ws[0], biases[0], *common)
-            new.append(fused)
-            ys = [_call(graph, operator.getitem, fused, 0)] if need_gathered else [fused]
-            gathered = _call(graph, operator.getitem, fused, 1) if need_gathered else None
-        else:
-            fused = _call(graph, library.all_gather_matmul_multi, g.shard, ws, biases, *common, need_gathered)
-            new.append(fused)
-            y_list = _call(graph, operator.getitem, fused, 0)
-            new.append(y_list)
-            ys = [_call(graph, operator.getitem, y_list, i) for i in range(len(mms))]
-            gathered = _call(graph, operator.getitem, fused, 1) if need_gathered else None
+        backend, num = call.backend, call.parallel_num
+        nones = [None] * len(mms)
+        fused = _call(graph, all_gather.operator, g.shard, None, ws, nones, nones, biases, call.encode())
+        new.append(fused)
+        y_list = _call(graph, operator.getitem, fused, 0)
+        new.append(y_list)
+        ys = [_call(graph, operator.getitem, y_list, i) for i in range(len(mms))]
+        gathered = _call(graph, operator.getitem, fused, 1) if need_gathered else None
         new.extend(ys + ([gathered] if gathered is not None else []))
         try:
             if gathered is not None:
@@ -238,15 +248,12 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
         if r.op == "matmul_reduce_scatter" and mm.post is not None:
             x = _call(graph, aten.reshape.default, x2d, [*lead, xv.shape[1]])
             new.append(x)
-        backend, num = _decide(r.op, xv, [meta_val(b)], r)
-        if r.op == "matmul_reduce_scatter":
-            y = _call(
-                graph, library.matmul_reduce_scatter, x, w, bias, r.group_name, r.world, backend, num, False, r.dim
-            )
-            new.append(y)
-        else:
-            y = _call(graph, library.matmul_all_reduce, x, w, bias, r.group_name, r.world, backend, num, False)
-            new.append(y)
+        call = _decide(r.op, xv, [meta_val(b)], r)
+        backend, num = call.backend, call.parallel_num
+        target = reduce_scatter.operator if r.op == "matmul_reduce_scatter" else all_reduce.operator
+        y = _call(graph, target, x, None, w, None, None, bias, call.encode())
+        new.append(y)
+        if r.op == "matmul_all_reduce":
             if mm.post is not None:
                 y = _call(graph, aten.reshape.default, y, [*lead, mm.n])
                 new.append(y)

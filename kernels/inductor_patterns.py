@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import library
+from .call import resolve_group as resolve_group_name
 
 log = logging.getLogger("kernels.inductor_pass")
 
@@ -60,7 +60,7 @@ def resolve_group(name: Any, size: int | None) -> tuple[Any, int]:
     if not isinstance(name, str):
         raise LeftAlone(f"group name {name!r} is not a constant string")
     try:
-        group = library.resolve_group(name)
+        group = resolve_group_name(name)
     except Exception as e:  # an unknown name: the graph may come from another process's groups
         raise LeftAlone(f"group {name!r} cannot be resolved here ({e})") from None
     world = group.size() if group is not None else 1

@@ -1,4 +1,4 @@
-"""w8A16 weights: symmetric int8 quantization and the quantized ``matmul_all_reduce``.
+"""w8A16 weights: symmetric int8 quantization, the validation of quantized operands and their dequantization.
 
 Convention (one place, every backend follows it)::
 
@@ -14,9 +14,10 @@ divide k the last group is partial (docs/api.md's ``ceil``). The op needs ``grou
 the groups start: it is inferred as ``k // G`` only when ``G`` (the scale's group count) divides
 k exactly, otherwise it must be passed.
 
-Backends: ``sequential`` and ``chunked`` materialize the dequantized weight and run the float
-paths of ``kernels.sequential`` / ``kernels.chunked``; ``fused`` dequantizes tile by tile inside
-the Triton GEMM main loop (``kernels/fused/gemm_ar_w8a16.py``), never materializing it.
+The ops with int8 weights are the int8 format of the ops of ``kernels.ops`` (``kernels.format``): the
+``sequential`` and ``chunked`` backends materialize the dequantized weight (:func:`dequantize`) and run
+the plain arithmetic; ``fused`` dequantizes tile by tile inside the Triton GEMM main loop, never
+materializing it.
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-
-from . import chunked, sequential
 
 MODES = ("per_tensor", "per_channel", "per_group")
 QMAX = 127  # symmetric: -128 is never produced, so negation is exact and the range is balanced
@@ -198,35 +196,3 @@ def check_activation(x: torch.Tensor) -> None:
     allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if x.device.type == "cpu" else ())
     if x.dtype not in allowed:
         raise TypeError(f"x dtype {x.dtype} is not accepted on {x.device.type}; use one of {[str(d) for d in allowed]}")
-
-
-def matmul_all_reduce(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    spec: QuantSpec,
-    offset: torch.Tensor | None,
-    group: dist.ProcessGroup | None,
-    world: int,
-    deterministic: bool,
-    backend: str,
-    parallel_num: int,
-) -> torch.Tensor:
-    """Run the w8A16 op on 2-D ``x`` with a resolved backend.
-
-    Reference::
-
-        w = dequant(qweight, scale, offset)         # [n, k] in x.dtype
-        y = all_reduce(x @ w.T) + bias              # [m, n]
-    """
-    if backend == "fused":
-        from .fused.gemm_ar_w8a16 import matmul_all_reduce_w8a16
-
-        return matmul_all_reduce_w8a16(
-            x, qweight, scale, offset, spec.group_size, bias, group, deterministic=deterministic
-        )
-    weight = dequantize(qweight, scale, spec.group_size if spec.mode == "per_group" else None, offset, x.dtype)
-    if backend == "chunked":
-        return chunked.matmul_all_reduce(x, weight, bias, group, world, parallel_num, deterministic=deterministic)
-    return sequential.matmul_all_reduce(x, weight, bias, group, world, deterministic=deterministic)

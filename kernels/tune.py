@@ -15,10 +15,10 @@ do), and:
    timing, so nothing is re-tuned inside a training step after warm-up.
 
 The choice is logged once per key (logger ``kernels.tune``, INFO, on group rank 0). Tuning runs
-the registered op on random inputs of the call's shapes (seeded alike on every rank) with
-``deterministic=False`` and, for the w8A16 op, unit per-channel scales: the split count trades
-matmul efficiency against overlap, which neither the values nor the scale layout change. Under
-``torch.compile`` it runs while tracing, once, like every other part of the backend choice.
+the call's pattern (``kernels.call.IMPLEMENTATIONS``) on random plain operands of the call's shapes
+and output dtype (seeded alike on every rank) with ``deterministic=False``: the split count trades
+matmul efficiency against overlap, which neither the values nor the operand format change much.
+Under ``torch.compile`` it runs while tracing, once, like every other part of the backend choice.
 """
 
 from __future__ import annotations
@@ -31,13 +31,16 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import backends, capture, library
+from . import capture
+from .call import IMPLEMENTATIONS, OpCall, Operands
 from .config import ENV_TUNE_CACHE, PARALLEL_NUMS, get_config
+from .format import PLAIN
 
 Choice = int | str
 
@@ -152,7 +155,9 @@ def _src_global_rank(group: dist.ProcessGroup | None) -> int:
 
 def _fused_available(group: dist.ProcessGroup | None, device: torch.device, world: int) -> bool:
     try:
-        ok = backends.fused_unavailable(group, device) is None
+        from . import fused
+
+        ok = fused.unavailable_reason(group, device) is None
     except (NotImplementedError, ImportError, AttributeError):
         ok = False
     if world > 1:
@@ -164,22 +169,21 @@ def _fused_available(group: dist.ProcessGroup | None, device: torch.device, worl
 
 
 def _runner(
-    op: str, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None, world: int
+    call: OpCall, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None
 ) -> Callable[[str, int], Any]:
-    # Random operands of the call's shapes: the caller may pass stand-ins without memory (a
-    # compiled call decides while tracing, on fake tensors), and the timing does not depend on
-    # the values. The same seed on every rank keeps the operands, and so the work, identical.
+    """The call's pattern on random plain operands of its shapes, in its output dtype: the split count trades
+    the GEMM's efficiency on fewer rows against the overlap, which neither the values nor the operand
+    format change much (and random FP8 or int8 operands would need scales of their own)."""
+    # Random operands of the call's shapes: the caller may pass stand-ins without memory (a compiled
+    # call decides while tracing, on fake tensors), and the timing does not depend on the values. The
+    # same seed on every rank keeps the operands, and so the work, identical.
     gen = torch.Generator(device=x.device).manual_seed(0)
     x = torch.randn(tuple(x.shape), dtype=x.dtype, device=x.device, generator=gen)
-    name = library.group_name(group)
-    if op == "quantized_matmul_all_reduce":
-        qweight = torch.randint(-127, 128, tuple(weight.shape), dtype=torch.int8, device=x.device, generator=gen)
-        scale = torch.ones(weight.shape[0], dtype=x.dtype, device=x.device)
-        return lambda backend, num: library.quantized_matmul_all_reduce(
-            x, qweight, scale, None, None, "per_channel", qweight.shape[1], name, world, backend, num, False
-        )
     weight = torch.randn(tuple(weight.shape), dtype=x.dtype, device=x.device, generator=gen)
-    return lambda backend, num: library.call(op, backend, num, x, weight, None, name, world)
+    plain = replace(call, fmt=PLAIN, out_dtype=None, return_gathered=False, deterministic=False)
+    ops = Operands(x=x, weights=(weight,), biases=(None,))
+    impl = IMPLEMENTATIONS[call.pattern]
+    return lambda backend, num: impl[backend](replace(plain, backend=backend, parallel_num=num), ops, group)
 
 
 def _time(fn: Callable[[], Any], device: torch.device, group: dist.ProcessGroup | None, world: int) -> float:
@@ -200,14 +204,14 @@ def _time(fn: Callable[[], Any], device: torch.device, group: dist.ProcessGroup 
 
 
 def _measure(
-    op: str,
+    call: OpCall,
     x: torch.Tensor,
     weight: torch.Tensor,
     group: dist.ProcessGroup | None,
-    world: int,
     candidates: list[Choice],
 ) -> tuple[Choice, list[float]]:
-    run = _runner(op, x, weight, group, world)
+    world = call.world
+    run = _runner(call, x, weight, group)
     times = []
     with torch.no_grad():
         for c in candidates:
@@ -225,19 +229,20 @@ def _measure(
 
 
 def choose_parallel_num(
-    op: str,
+    call: OpCall,
     x: torch.Tensor,
     weight: torch.Tensor,
     group: dist.ProcessGroup | None,
-    world: int,
     allow_fused: bool = True,
 ) -> Choice:
-    """The agreed split count (1, 2, 4, 8) or ``"fused"`` for this op shape; tunes on first use.
+    """The agreed split count (1, 2, 4, 8) or ``"fused"`` for ``call`` of ``x [m, k]`` and ``weight [n, k]``
+    (stand-ins: only shapes, dtypes and the device are read); tunes on first use.
 
     Collective on the first call of a key (every rank of ``group`` must call it, as they do
     for the ops themselves); free afterwards.
     """
-    key = tuning_key(op, x.shape[0], x.shape[1], weight.shape[0], x.dtype, world, x.device.type, allow_fused)
+    world = call.world
+    key = tuning_key(call.op_name, x.shape[0], x.shape[1], weight.shape[0], x.dtype, world, x.device.type, allow_fused)
     mem_key = memory_key(key, group, world)
     choice = _memory.get(mem_key)
     if choice is not None:
@@ -270,7 +275,7 @@ def choose_parallel_num(
         candidates: list[Choice] = list(PARALLEL_NUMS)
         if allow_fused and _fused_available(group, x.device, world):
             candidates.append(_FUSED)
-        choice, agreed = _measure(op, x, weight, group, world, candidates)
+        choice, agreed = _measure(call, x, weight, group, candidates)
         if rank == 0:
             timings = ", ".join(f"{c}: {t * 1e3:.3f} ms" for c, t in zip(candidates, agreed, strict=False))
             log.info("COC_PARALLEL_NUM=auto: %s -> %s (tuned; %s)", key, choice, timings)

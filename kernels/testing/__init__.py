@@ -10,11 +10,14 @@
 * :mod:`~kernels.testing.heap`: heap presizing and scrambling before a checked call;
 * :mod:`~kernels.testing.program_order`: run an interpreted launch's programs in another order.
 * :mod:`~kernels.testing.compile`: a ``torch.compile`` backend with Inductor's graph passes and no code
-  generation (tests of graph rewrites).
+  generation (tests of graph rewrites);
+* :mod:`~kernels.testing.calls`: a counter of the backend runs behind the registered operators, and a
+  recorder of the registered-operator calls the public functions make.
 
 docs/testing.md describes how tests use it.
 """
 
+from kernels.testing.calls import backend_calls, operator_calls
 from kernels.testing.heap import heap_device, presize, scramble
 from kernels.testing.ranks import REPO_ROOT, RankFailure, assert_no_errors, close_pools, run_ranks
 from kernels.testing.reference import (
@@ -35,9 +38,11 @@ __all__ = [
     "RankFailure",
     "assert_close",
     "assert_no_errors",
+    "backend_calls",
     "close_pools",
     "heap_device",
     "make_inputs",
+    "operator_calls",
     "presize",
     "quantized_weights",
     "reference",

@@ -18,8 +18,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import library
-from kernels.testing import run_ranks
+from kernels.testing import operator_calls, run_ranks
 
 BACKENDS = [("sequential", None), ("chunked", 2), ("chunked", 4), ("fused", None)]
 # Odd sizes: m_local = 3 rows per rank (5 for the all-reduce), k = 5, n = 7; the reduce-scatter
@@ -32,6 +31,14 @@ SHAPES = {
     "quantized_matmul_all_reduce": 5,
 }
 K, N = 5, 7
+# The registered operator each public op calls: one per communication pattern, whatever the format.
+OPERATORS = {
+    "all_gather_matmul": "all_gather_matmul",
+    "all_gather_matmul_gathered": "all_gather_matmul",
+    "matmul_reduce_scatter": "matmul_reduce_scatter",
+    "matmul_all_reduce": "matmul_all_reduce",
+    "quantized_matmul_all_reduce": "matmul_all_reduce",
+}
 
 
 def _graph_counter() -> tuple[Callable, list]:
@@ -90,7 +97,7 @@ def _compile_rank(rank: int, world: int, backend: str, parallel_num: int | None)
             counter, graphs = _graph_counter()
             compiled = torch.compile(partial(fn, **kwargs), backend=counter, fullgraph=True)(*args)
         breaks = sum(counters["graph_break"].values())
-        expected = "quantized_matmul_all_reduce" if op.startswith("quantized") else op
+        expected = OPERATORS[op]
         calls = [c for g in graphs for c in g["coc"]]
         collectives = [t for g in graphs for t in g["other"] if "c10d" in t or "distributed" in t]
         if breaks:
@@ -110,35 +117,39 @@ def test_ops_compile_whole_and_match_eager_world2(backend: str, parallel_num: in
     assert results == [[], []], results
 
 
-def _fake_rank(rank: int, world: int) -> list[str]:
-    """Run each op for real and under FakeTensorMode; the outputs must agree in everything but values."""
+def _recorded(fn: Callable[..., Any], args: tuple, **kwargs: Any) -> tuple[Any, tuple]:
+    """The registered operator a public op call makes and its arguments."""
+    with torch.no_grad(), operator_calls() as calls:
+        fn(*args, **kwargs)
+    assert len(calls) == 1, calls
+    return calls[0]
+
+
+def _fake_matches(operator: Any, args: tuple) -> str | None:
+    """Run ``operator`` for real and under FakeTensorMode: None when the outputs agree in everything but values."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    real = operator(*args)
+    with FakeTensorMode() as mode:
+        fake = operator(*[_fake(mode, a) for a in args])
+    for r, f in zip(_flat(real), _flat(fake), strict=True):
+        got = (tuple(f.shape), f.dtype, f.device, f.stride())
+        want = (tuple(r.shape), r.dtype, r.device, r.stride())
+        if got != want:
+            return f"fake {got} != real {want}"
+    return None
+
+
+def _fake_rank(rank: int, world: int) -> list[str]:
+    """Run each op's operator for real and under FakeTensorMode; the outputs must agree in everything but values."""
     failures = []
-    name = library.group_name(None)
     for backend, num in BACKENDS:
-        num = num or 1
         for op in SHAPES:
-            _, args = _case(op, rank, world)
-            if op == "quantized_matmul_all_reduce":
-                x, q, s, b = args
-                op_args = (x, q, s, b, None, "per_channel", K, name, world, backend, num, False)
-            elif op == "all_gather_matmul" or op == "all_gather_matmul_gathered":
-                op_args = args + (name, world, backend, num)
-            else:
-                op_args = args + (name, world, backend, num, False)
-            operator = getattr(torch.ops.coc, op).default
-            real = operator(*op_args)
-            with FakeTensorMode() as mode:
-                fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in op_args)
-                fake = operator(*fake_args)
-            reals = real if isinstance(real, tuple) else (real,)
-            fakes = fake if isinstance(fake, tuple) else (fake,)
-            for r, f in zip(reals, fakes, strict=False):
-                got = (tuple(f.shape), f.dtype, f.device, f.stride())
-                want = (tuple(r.shape), r.dtype, r.device, r.stride())
-                if got != want:
-                    failures.append(f"{op} {backend}: fake {got} != real {want}")
+            fn, args = _case(op, rank, world)
+            operator, op_args = _recorded(fn, args, backend=backend, parallel_num=num)
+            problem = _fake_matches(operator, op_args)
+            if problem:
+                failures.append(f"{op} {backend}: {problem}")
     return failures
 
 
@@ -149,20 +160,11 @@ def test_fake_outputs_equal_real_outputs_world2() -> None:
 
 def _opcheck_rank(rank: int, world: int) -> dict[str, dict]:
     results = {}
-    name = library.group_name(None)
     for backend, num in (("sequential", 1), ("chunked", 2)):
-        x, w, b = _case("matmul_all_reduce", rank, world)[1]
-        q, s = kernels.quantize_weight(w)
-        xs = _case("matmul_reduce_scatter", rank, world)[1][0]
-        calls = {
-            "all_gather_matmul": (x, w, b, name, world, backend, num),
-            "all_gather_matmul_gathered": (x, w, None, name, world, backend, num),
-            "matmul_reduce_scatter": (xs, w, b, name, world, backend, num, True),
-            "matmul_all_reduce": (x, w, b, name, world, backend, num, False),
-            "quantized_matmul_all_reduce": (x, q, s, b, None, "per_channel", K, name, world, backend, num, False),
-        }
-        for op, args in calls.items():
-            results[f"{op} {backend}"] = torch.library.opcheck(getattr(torch.ops.coc, op).default, args)
+        for op in SHAPES:
+            fn, args = _case(op, rank, world)
+            operator, op_args = _recorded(fn, args, backend=backend, parallel_num=num)
+            results[f"{op} {backend}"] = torch.library.opcheck(operator, op_args)
     return results
 
 
@@ -177,20 +179,22 @@ def test_opcheck_world1_without_process_group(backend: str, parallel_num: int) -
     x, w, b = torch.randn(3, K), torch.randn(N, K), torch.randn(N)
     q, s = kernels.quantize_weight(w, "per_group", 2)
     calls = {
-        "all_gather_matmul": (x, w, b, "", 1, backend, parallel_num),
-        "all_gather_matmul_gathered": (x, w, b, "", 1, backend, parallel_num),
-        "matmul_reduce_scatter": (x, w, b, "", 1, backend, parallel_num, False),
-        "matmul_all_reduce": (x, w, None, "", 1, backend, parallel_num, True),
-        "quantized_matmul_all_reduce": (x, q, s, b, None, "per_group", 2, "", 1, backend, parallel_num, False),
+        "all_gather_matmul": partial(kernels.all_gather_matmul, x, w, b),
+        "all_gather_matmul_gathered": partial(kernels.all_gather_matmul, x, w, b, return_gathered=True),
+        "matmul_reduce_scatter": partial(kernels.matmul_reduce_scatter, x, w, b),
+        "matmul_all_reduce": partial(kernels.matmul_all_reduce, x, w, deterministic=True),
+        "quantized_matmul_all_reduce": partial(kernels.quantized_matmul_all_reduce, x, q, s, b, group_size=2),
     }
-    for op, args in calls.items():
-        result = torch.library.opcheck(getattr(torch.ops.coc, op).default, args)
+    for op, fn in calls.items():
+        operator, args = _recorded(fn, (), backend=backend, parallel_num=parallel_num)
+        result = torch.library.opcheck(operator, args)
         assert set(result.values()) == {"SUCCESS"}, (op, result)
 
 
 def test_gathered_output_never_aliases_the_input_world1() -> None:
     x, w = torch.randn(4, K), torch.randn(N, K)
-    y, x_gathered = torch.ops.coc.all_gather_matmul_gathered(x, w, None, "", 1, "sequential", 1)
+    with torch.no_grad():
+        y, x_gathered = kernels.all_gather_matmul(x, w, backend="sequential", return_gathered=True)
     assert torch.equal(x_gathered, x)
     assert x_gathered.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
@@ -467,7 +471,9 @@ def test_compiled_choice_follows_customized_coc_per_shape(tmp_path: Any, monkeyp
         for m in (4, 6):
             x = torch.randn(m, K)
             torch.testing.assert_close(fn(x), torch.nn.functional.linear(x, w))
-    chosen = [tuple(args[5:7]) for g in graphs for args in g["args"]]
+    from kernels.call import decode
+
+    chosen = [(call.backend, call.parallel_num) for g in graphs for call in (decode(args[-1]) for args in g["args"])]
     assert chosen == [("chunked", 4), ("sequential", 1)], chosen
 
 
@@ -488,17 +494,17 @@ def _dims_cases(rank: int, world: int) -> dict[str, tuple[Callable[..., Any], tu
         "gather_dim gathered": (
             lambda x, w, b, **kw: kernels.all_gather_matmul(x, w, b, gather_dim=-2, return_gathered=True, **kw),
             (x, w, b),
-            "coc::all_gather_matmul_gathered",
+            "coc::all_gather_matmul",
         ),
         "weights": (
             lambda x, w, w2, b, **kw: kernels.all_gather_matmul(x, [w, w2], [b, None], gather_dim=1, **kw),
             (x, w, w2, b),
-            "coc::all_gather_matmul_multi",
+            "coc::all_gather_matmul",
         ),
         "weights gathered": (
             lambda x, w, w2, b, **kw: kernels.all_gather_matmul(x, (w, w2), None, return_gathered=True, **kw),
             (x, w, w2, b),
-            "coc::all_gather_matmul_multi",
+            "coc::all_gather_matmul",
         ),
         "scatter_dim": (
             lambda x, w, b, **kw: kernels.matmul_reduce_scatter(x, w, b, scatter_dim=1, **kw),
@@ -546,32 +552,27 @@ def test_dims_and_weight_lists_compile_whole_world2(backend: str, parallel_num: 
 
 
 def _dims_fake_and_opcheck_rank(rank: int, world: int) -> list[str]:
-    """The new schemas' fake outputs equal the real ones (shape, dtype, stride), and opcheck passes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    """The operators' fake outputs equal the real ones (shape, dtype, stride) with dims and weight lists,
+    and opcheck passes."""
     failures = []
-    name = library.group_name(None)
     gen = torch.Generator().manual_seed(300 + rank)
     x = torch.randn(3, 2, 1, K, generator=gen)
     xs = torch.randn(3, 2 * world, 1, K, generator=gen)
     w, w2, b = torch.randn(N, K, generator=gen), torch.randn(2, K, generator=gen), torch.randn(N, generator=gen)
     for backend, num in (("sequential", 1), ("chunked", 2)):
         calls = {
-            "all_gather_matmul": (x, w, b, name, world, backend, num, 1),
-            "all_gather_matmul_gathered": (x, w, None, name, world, backend, num, -3),
-            "all_gather_matmul_multi": (x, [w, w2], [b, None], name, world, backend, num, 2, True),
-            "matmul_reduce_scatter": (xs, w, b, name, world, backend, num, False, 1),
+            "all_gather_matmul": partial(kernels.all_gather_matmul, x, w, b, gather_dim=1),
+            "all_gather_matmul_gathered": partial(kernels.all_gather_matmul, x, w, gather_dim=-3, return_gathered=True),
+            "all_gather_matmul_multi": partial(
+                kernels.all_gather_matmul, x, [w, w2], [b, None], gather_dim=2, return_gathered=True
+            ),
+            "matmul_reduce_scatter": partial(kernels.matmul_reduce_scatter, xs, w, b, scatter_dim=1),
         }
-        for op, args in calls.items():
-            operator = getattr(torch.ops.coc, op).default
-            real = operator(*args)
-            with FakeTensorMode() as mode:
-                fake = operator(*[_fake(mode, a) for a in args])
-            for r, f in zip(_flat(real), _flat(fake), strict=True):
-                got = (tuple(f.shape), f.dtype, f.stride())
-                want = (tuple(r.shape), r.dtype, r.stride())
-                if got != want:
-                    failures.append(f"{op} {backend}: fake {got} != real {want}")
+        for op, fn in calls.items():
+            operator, args = _recorded(fn, (), backend=backend, parallel_num=num)
+            problem = _fake_matches(operator, args)
+            if problem:
+                failures.append(f"{op} {backend}: {problem}")
             result = torch.library.opcheck(operator, args)
             if set(result.values()) != {"SUCCESS"}:
                 failures.append(f"{op} {backend}: opcheck {result}")

@@ -10,6 +10,7 @@ import yaml
 import kernels
 from kernels import config as cfg
 from kernels import dispatch
+from kernels.call import OpCall, Operands
 
 
 @pytest.fixture(autouse=True)
@@ -151,9 +152,9 @@ def test_empty_yaml_is_defaults(tmp_path, monkeypatch):
 
 
 def _resolve(backend=None, parallel_num=None, m=8, k=16, n=32):
-    x = torch.zeros(m, k)
-    w = torch.zeros(n, k)
-    return dispatch.resolve("matmul_all_reduce", backend, parallel_num, x, w, None, 1)
+    call = OpCall(pattern="all_reduce", backend=backend, parallel_num=parallel_num)
+    resolved = dispatch.decide(call, Operands(x=torch.zeros(m, k), weights=(torch.zeros(n, k),), biases=(None,)))
+    return resolved.backend, resolved.parallel_num
 
 
 def test_backend_choice_order(tmp_path, monkeypatch):

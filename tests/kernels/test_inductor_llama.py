@@ -13,7 +13,7 @@ same whatever the backend argument or model, and the real compile checks it.
 What is checked, per backend: logits, loss and every gradient of the first step and the parameters after three
 SGD steps against one process; logits against the same parallelized model run eagerly; the post-grad graphs (a spy
 pass chained after the coc pass) hold one coc op per rewrite the pass reported and only the collectives it reported
-as left alone; the compiled code called the coc backends (a spy on ``kernels.backends``) and nothing else.
+as left alone; the compiled code called the coc backends (a spy on ``kernels.call.IMPLEMENTATIONS``) and nothing else.
 
 Greedy ``generate()`` is not run compiled: the pass needs static shapes (``dynamic=False``; it leaves symbolic
 shapes alone) and every decode step has a new length, so each step would be a fresh CPU compile of the model.
@@ -27,13 +27,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from kernels.testing import run_ranks
+from kernels.testing import backend_calls, run_ranks
 
 SEQ = {"COC_PARALLEL_NUM": "1"}
 CHUNKED = {"COC_PARALLEL_NUM": "2"}
@@ -111,27 +110,9 @@ class _GraphSpy:
         self.pass_ = Pass()
 
 
-@contextlib.contextmanager
-def _backend_calls() -> Iterator[collections.Counter]:
+def _backend_calls() -> contextlib.AbstractContextManager[collections.Counter]:
     """Counts the coc backend runs by ``(op, backend)``: what the compiled code's coc ops executed."""
-    from kernels import backends
-
-    calls: collections.Counter = collections.Counter()
-    run, multi = backends.run, backends.run_all_gather_multi
-
-    def spy_run(op: str, backend: str, *args: Any, **kwargs: Any) -> Any:
-        calls[(op, backend)] += 1
-        return run(op, backend, *args, **kwargs)
-
-    def spy_multi(backend: str, *args: Any, **kwargs: Any) -> Any:
-        calls[("all_gather_matmul_multi", backend)] += 1
-        return multi(backend, *args, **kwargs)
-
-    backends.run, backends.run_all_gather_multi = spy_run, spy_multi
-    try:
-        yield calls
-    finally:
-        backends.run, backends.run_all_gather_multi = run, multi
+    return backend_calls()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """customized_coc overrides through the ops, and COC_PARALLEL_NUM=auto (agreement, caches, reuse).
 
-Spies wrap ``kernels.chunked`` / ``kernels.sequential`` functions inside the ranks (the dispatcher
-looks them up per call), so a test sees which path and split count an op really ran with.
+Spies wrap the op implementations of ``kernels.call.IMPLEMENTATIONS`` inside the ranks (the registered
+operators look them up per call), so a test sees which path and split count an op really ran with.
 """
 
 import json
@@ -13,35 +13,45 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from kernels import chunked, dispatch, sequential, tune
+from kernels import dispatch, tune
+from kernels.call import IMPLEMENTATIONS, PUBLIC_NAMES, OpCall, Operands
 from kernels.config import build_config
 from kernels.testing import assert_close, reference, run_ranks
 
 
 class _Spy:
-    """Records ``(module name, parallel_num)`` of every matmul_all_reduce the dispatcher runs."""
+    """Records ``(op, backend, parallel_num)`` of every op run the dispatcher chose (its implementations are
+    looked up per call in ``kernels.call.IMPLEMENTATIONS``)."""
 
     def __init__(self):
         self.calls = []
-        self._saved = []
+        self._saved = {}
 
     def __enter__(self):
-        for mod, name in ((chunked, "chunked"), (sequential, "sequential")):
-            for op in ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul"):
-                real = getattr(mod, op)
-                self._saved.append((mod, op, real))
+        for pattern, table in IMPLEMENTATIONS.items():
+            self._saved[pattern] = dict(table)
+            for backend, fn in list(table.items()):
 
-                def spy(*args, _real=real, _name=name, _op=op, **kwargs):
-                    # chunked takes parallel_num as its last positional argument (flags are keywords).
-                    self.calls.append((_op, _name, args[-1] if _name == "chunked" else 1))
-                    return _real(*args, **kwargs)
+                def spy(call, ops, group=None, _fn=fn, _pattern=pattern):
+                    self.calls.append((PUBLIC_NAMES[(_pattern, "plain")], call.backend, call.parallel_num))
+                    return _fn(call, ops, group)
 
-                setattr(mod, op, spy)
+                table[backend] = spy
         return self
 
     def __exit__(self, *exc):
-        for mod, op, real in self._saved:
-            setattr(mod, op, real)
+        for pattern, table in self._saved.items():
+            IMPLEMENTATIONS[pattern].update(table)
+
+
+def _call(group):
+    return OpCall(pattern="all_reduce", group_name=group.group_name, world=dist.get_world_size(group))
+
+
+def _resolve(x, w, world):
+    call = OpCall(pattern="all_reduce", group_name=dist.group.WORLD.group_name, world=world)
+    resolved = dispatch.decide(call, Operands(x=x, weights=(w,), biases=(None,)))
+    return resolved.backend, resolved.parallel_num
 
 
 def _write_yaml(path, text):
@@ -57,10 +67,10 @@ def _customized(rank, world):
     ref = reference("ar", xs, ws, None, rank)
     out = {}
     # [7, 12, 10] is customized to 4 (key written with odd spacing in the YAML).
-    out["resolve_hit"] = dispatch.resolve("matmul_all_reduce", None, None, xs[rank], ws[rank], None, world)
+    out["resolve_hit"] = _resolve(xs[rank], ws[rank], world)
     # [6, 12, 10] is customized to 1: no chunking although COC_PARALLEL_NUM=2.
-    out["resolve_one"] = dispatch.resolve("matmul_all_reduce", None, None, xs[rank][:6], ws[rank], None, world)
-    out["resolve_miss"] = dispatch.resolve("matmul_all_reduce", None, None, xs[rank][:5], ws[rank], None, world)
+    out["resolve_one"] = _resolve(xs[rank][:6], ws[rank], world)
+    out["resolve_miss"] = _resolve(xs[rank][:5], ws[rank], world)
     with _Spy() as spy:
         y = kernels.matmul_all_reduce(xs[rank], ws[rank])
         kernels.matmul_all_reduce(xs[rank][:6], ws[rank])
@@ -122,9 +132,9 @@ def _auto(rank, world, cache_path):
     measured = []
     real_measure = tune._measure
 
-    def counting_measure(*args):
-        measured.append(args[0])
-        return real_measure(*args)
+    def counting_measure(call, *args):
+        measured.append(call.op_name)
+        return real_measure(call, *args)
 
     tune._measure = counting_measure
     try:
@@ -235,11 +245,11 @@ def _choices_per_group(rank, world):
     # Each group "measures" a different winner, as timing noise can make it.
     winners = {(0, 1): 2, (2, 3): 4, (0, 2): 8, (1, 3): 1}
     real_measure = tune._measure
-    tune._measure = lambda op, x, w, group, world, candidates: (winners[tuple(dist.get_process_group_ranks(group))], [])
+    tune._measure = lambda call, x, w, group, candidates: (winners[tuple(dist.get_process_group_ranks(group))], [])
     try:
         x, w = torch.randn(6, 12), torch.randn(10, 12)
-        row = tune.choose_parallel_num("matmul_all_reduce", x, w, rows[rank // 2], 2, allow_fused=False)
-        col = tune.choose_parallel_num("matmul_all_reduce", x, w, cols[rank % 2], 2, allow_fused=False)
+        row = tune.choose_parallel_num(_call(rows[rank // 2]), x, w, rows[rank // 2], allow_fused=False)
+        col = tune.choose_parallel_num(_call(cols[rank % 2]), x, w, cols[rank % 2], allow_fused=False)
         return row, col
     finally:
         tune._measure = real_measure

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
+from kernels.testing import backend_calls
+
 TOL = 1e-5
 B, S = 2, 8
 STEPS, LR = 3, 0.1
 NEW_TOKENS = 3
-_OPS = ("all_gather_matmul", "all_gather_matmul_gathered", "all_gather_matmul_multi", "matmul_reduce_scatter")
-_OPS += ("matmul_all_reduce",)
 
 
 def build(model_name: str, seed: int = 0, layers: int = 2, **overrides: Any) -> torch.nn.Module:
@@ -63,30 +63,10 @@ def environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-@contextlib.contextmanager
-def coc_op_counter() -> Iterator[collections.Counter]:
-    """Counts calls of the registered ``torch.ops.coc`` operators by ``(op, backend)``: what the
-    kernels entry points dispatched to, after the backend choice (a fallback shows up as another
-    backend)."""
-    from kernels import library
-
-    calls: collections.Counter = collections.Counter()
-    saved = {name: getattr(library, name) for name in _OPS}
-
-    def spy(name: str, op: Any) -> Any:
-        def wrapped(*args: Any) -> Any:
-            calls[(name.removesuffix("_gathered"), args[5])] += 1
-            return op(*args)
-
-        return wrapped
-
-    for name, op in saved.items():
-        setattr(library, name, spy(name, op))
-    try:
-        yield calls
-    finally:
-        for name, op in saved.items():
-            setattr(library, name, op)
+def coc_op_counter() -> contextlib.AbstractContextManager[collections.Counter]:
+    """Counts the coc ops run by ``(op, backend)``: what the kernels entry points dispatched to, after the
+    backend choice (a fallback shows up as another backend)."""
+    return backend_calls()
 
 
 def _full(t: torch.Tensor | None) -> torch.Tensor | None:

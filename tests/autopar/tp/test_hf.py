@@ -37,10 +37,13 @@ def _check(rows: list[dict], fused: bool = False, model: str = "") -> None:
         ops = {op for op, _ in calls}
         if row["sp"]:
             # sequence parallel: column inputs gathered, row outputs scattered by the CoC ops
-            assert {"all_gather_matmul", "matmul_reduce_scatter"} <= ops, (tag, calls)
+            assert {"matmul_reduce_scatter"} <= ops and any(op.startswith("all_gather_matmul") for op in ops), (
+                tag,
+                calls,
+            )
             if model in ("llama", "qwen2"):
                 # q/k/v and gate/up share one gather per layer (autopar.tp.shared_gather)
-                assert "all_gather_matmul_multi" in ops, (tag, calls)
+                assert {"all_gather_matmul[3 weights]", "all_gather_matmul[2 weights]"} <= ops, (tag, calls)
             assert row["dtensor_params"] and row["grad_norm"] < TOL, (tag, row)
         else:
             assert "matmul_all_reduce" in ops, (tag, calls)

@@ -163,7 +163,7 @@ def _shared_gather_rank(rank: int, world: int) -> dict:
 def test_siblings_share_one_gather_and_other_inputs_compute_their_own() -> None:
     for res in run_ranks(_shared_gather_rank, 2):
         assert max(res["errors"].values()) < TOL, res
-        assert res["calls"] == {("all_gather_matmul_multi", "sequential"): 1, ("all_gather_matmul", "sequential"): 1}
+        assert res["calls"] == {("all_gather_matmul[2 weights]", "sequential"): 1, ("all_gather_matmul", "sequential"): 1}
         assert res["waiting"] == 0, res
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels
+from kernels.testing import operator_calls
 
 M, K, N = 3, 200, 130
 
@@ -50,10 +51,10 @@ def test_fp8_ops_compile_fullgraph(mode: str, backend: str) -> None:
         want = fn(x, xs, w, ws, b)
     assert sorted(seen) == sorted(
         [
-            "coc::all_gather_scaled_matmul_gathered",
-            "coc::scaled_matmul_reduce_scatter",
-            "coc::scaled_matmul_all_reduce",
-            "coc::scaled_matmul",
+            "coc::all_gather_matmul",
+            "coc::matmul_reduce_scatter",
+            "coc::matmul_all_reduce",
+            "coc::matmul",
         ]
     )
     for a, e in zip(got, want, strict=True):
@@ -63,21 +64,35 @@ def test_fp8_ops_compile_fullgraph(mode: str, backend: str) -> None:
         )
 
 
-@pytest.mark.parametrize("op", ["all_gather_scaled_matmul_gathered", "scaled_matmul_all_reduce", "scaled_matmul"])
+@pytest.mark.parametrize("op", ["all_gather_scaled_matmul", "scaled_matmul_all_reduce", "scaled_matmul"])
 def test_fake_impls_match_real_outputs(op: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x, xs, w, ws, b = _inputs("block")
-    extra = {
-        "all_gather_scaled_matmul_gathered": ("", 1, "sequential", 1, 0, 1),
-        "scaled_matmul_all_reduce": ("", 1, "sequential", 1, 0, 1, False),
-        "scaled_matmul": ("sequential",),
-    }[op]
-    fn = getattr(torch.ops.coc, op).default
-    real = fn(x, xs, w, ws, b, "block", torch.bfloat16, *extra)
+    kwargs = {"out_dtype": torch.bfloat16, "backend": "sequential"}
+    if op == "all_gather_scaled_matmul":
+        kwargs["return_gathered"] = True
+    with torch.no_grad(), operator_calls() as calls:
+        getattr(kernels, op)(x, xs, w, ws, b, **kwargs)
+    ((fn, args),) = calls
+    real = fn(*args)
     with FakeTensorMode() as mode:
-        fake = fn(*(mode.from_tensor(t) for t in (x, xs, w, ws, b)), "block", torch.bfloat16, *extra)
+        fake = fn(*(_fake(mode, a) for a in args))
     real = real if isinstance(real, tuple) else (real,)
     fake = fake if isinstance(fake, tuple) else (fake,)
-    for r, f in zip(real, fake, strict=True):
+    for r, f in zip(_flat(real), _flat(fake), strict=True):
         assert (r.shape, r.dtype, r.device) == (f.shape, f.dtype, f.device)
+
+
+def _flat(out: object) -> list[torch.Tensor]:
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _flat(o)]
+    return [] if out is None else [out]
+
+
+def _fake(mode: object, a: object) -> object:
+    if isinstance(a, torch.Tensor):
+        return mode.from_tensor(a)
+    if isinstance(a, list):
+        return [_fake(mode, t) for t in a]
+    return a

@@ -103,7 +103,7 @@ def mismatch_body(rank: int, world: int, field: str) -> str:
 def public_ops_body(rank: int, world: int, mode: str) -> int:
     """``kernels.fp8``'s public ops with ``backend="fused"`` reach these kernels and agree with
     ``backend="sequential"`` within the fused bound (payload and scales of the all-gather exactly)."""
-    from kernels import fp8
+    import kernels as fp8
     from kernels.fused import ag_gemm_fp8, gemm_ar_fp8, gemm_rs_fp8
 
     calls: list[str] = []

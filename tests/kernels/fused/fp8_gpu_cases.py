@@ -73,7 +73,7 @@ def check_case(rank: int, world: int, group, dev, op: str, mode: str, shape, see
 
 def public_case(rank: int, world: int, group, dev, op: str, mode: str, seed: int) -> None:
     """``kernels.fp8``'s public op with ``backend="fused"`` on the GPU: no fallback warning, within the bound."""
-    from kernels import fp8
+    import kernels as fp8
 
     m, k, n = 37, 272, 136
     xs, ws, b = fp8_reference.make_inputs(op, world, m, k, n, mode, True, torch.bfloat16, seed)

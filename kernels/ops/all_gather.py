@@ -1,0 +1,399 @@
+"""All-gather + GEMM for every operand format: ``y_i = all_gather(x, dim) @ dequant(weight_i).T + bias_i``.
+
+Public functions (docs/api.md): :func:`all_gather_matmul` (plain), :func:`all_gather_scaled_matmul` (FP8),
+:func:`quantized_all_gather_matmul` (int8 weights). Each takes one weight or a list of them (one gather
+feeding several GEMMs: q/k/v, gate/up) and ``return_gathered``. One registered operator serves them::
+
+    coc::all_gather_matmul(Tensor x, Tensor? x_scale, Tensor[] weights, Tensor?[] w_scales, Tensor?[] w_offsets,
+                           Tensor?[] biases, str call) -> (Tensor[] ys, Tensor? x_gathered, Tensor? x_scale_gathered)
+
+and one implementation per backend (:data:`IMPL`). ``gather_dim`` indexes x's dims (not the last): the
+rows of the flattened x are ``outer`` blocks (the product of the dims before it), each gathered on its
+own, which is ``torch.cat`` along ``gather_dim``. A row travels as one unit with its scale row
+(:func:`kernels.format.pack_rows`: FP8 bytes and fp32 scales in one ``uint8`` row; in tensor mode each
+rank's scalar on each of its rows), so every rank's rows are dequantized with their own scales.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, padding
+from ..call import IMPLEMENTATIONS, OpCall, Operands, decode, resolve_group
+from ..format import bias_of, compute, dequantize_weight, dequantize_x, pack_rows, unpack_rows
+from ..op_registration import define_op, unaliased
+from .entry import Request, dims_before, fp8_operands, fp8_values, int8_operands, plain_operands, rows_of, submit
+
+Result = torch.Tensor | list[torch.Tensor] | tuple[Any, ...]
+
+
+def all_gather_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor | list[torch.Tensor],
+    bias: torch.Tensor | None | list[torch.Tensor | None] = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+    return_gathered: bool = False,
+    gather_dim: int = 0,
+) -> Result:
+    """``y = all_gather(x, dim=gather_dim) @ weight.T + bias``.
+
+    Reference::
+
+        x_gathered = cat([x_of_rank_0, ..., x_of_rank_W-1], dim=gather_dim)
+        y = x_gathered @ weight.T + bias
+        return (y, x_gathered) if return_gathered else y
+
+    ``gather_dim`` indexes ``x``'s dims (negative allowed; not the last, ``k``): ``x [s_local, b, k]``
+    with 0 gives ``[s_local * W, b, n]``, ``x [b, s_local, k]`` with 1 (or -2) gives ``[b, s_local * W, n]``.
+
+    Several weights, one gather: ``weight`` a list / tuple ``[w_0, w_1, ...]`` (each ``[n_i, k]``,
+    ``n_i`` may differ) and ``bias`` None or a list of the same length holding tensors or None::
+
+        ys = [x_gathered @ w_i.T + b_i for each i]
+        return (ys, x_gathered) if return_gathered else ys          # ys is a list
+    """
+    request = _request("all_gather_matmul", group, backend, parallel_num, return_gathered, gather_dim, x)
+    call, ops = submit(request, lambda: plain_operands(x, weight, bias))
+    return _run(call, ops, isinstance(weight, (list, tuple)))
+
+
+def all_gather_scaled_matmul(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor | list[torch.Tensor],
+    w_scale: torch.Tensor | list[torch.Tensor],
+    bias: torch.Tensor | None | list[torch.Tensor | None] = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+    return_gathered: bool = False,
+    gather_dim: int = 0,
+) -> Result:
+    """FP8 ``y = all_gather(x, dim=gather_dim) @ weight.T + bias``, rounded once to ``out_dtype``.
+
+    Reference::
+
+        x_gathered = cat([x of rank 0, ..., x of rank W-1], dim=gather_dim)   # FP8 bytes
+        x_scale_gathered = cat([x_scale of each rank])      # per row; tensor mode: each rank's scalar per row
+        y = (dequant(x_gathered) @ dequant(weight).T + bias).to(out_dtype)     # fp32 inside
+        return (y, x_gathered, x_scale_gathered) if return_gathered else y
+
+    ``x [..., k]`` FP8, ``weight [n, k]`` FP8 (or a list of them with ``w_scale`` and ``bias`` lists, one
+    gather for all: ``ys`` a list), scales fp32 per mode (``kernels.fp8.scales``; ``x_scale`` may also be
+    ``[..., G]`` over x's leading dims), ``bias [n]`` in ``out_dtype`` or fp32. In tensor mode each rank's
+    ``x_scale`` scales its own rows. The gathered scales come back one row per gathered row:
+    ``[m_local * W, G]`` for ``gather_dim=0``, else ``[..., G]`` over the gathered x's leading dims.
+    """
+    request = _request(
+        "all_gather_scaled_matmul", group, backend, parallel_num, return_gathered, gather_dim, x, out_dtype
+    )
+    call, ops = submit(request, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype), fp8_values)
+    return _run(call, ops, isinstance(weight, (list, tuple)))
+
+
+def quantized_all_gather_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor | list[torch.Tensor],
+    scale: torch.Tensor | list[torch.Tensor],
+    bias: torch.Tensor | None | list[torch.Tensor | None] = None,
+    *,
+    group_size: int | None = None,
+    offset: torch.Tensor | None | list[torch.Tensor | None] = None,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+    return_gathered: bool = False,
+    gather_dim: int = 0,
+) -> Result:
+    """w8A16 ``y = all_gather(x, dim=gather_dim) @ dequant(qweight).T + bias``.
+
+    Reference::
+
+        w = (qweight - offset) * scale         # per mode of scale's shape, fp32, rounded to x.dtype
+        y = cat([x of rank r], dim=gather_dim) @ w.T + bias
+
+    Arguments as :func:`kernels.quantized_matmul_all_reduce`; weights (with their scales, offsets and
+    biases) and ``return_gathered`` / ``gather_dim`` as :func:`all_gather_matmul`.
+    """
+    request = _request("quantized_all_gather_matmul", group, backend, parallel_num, return_gathered, gather_dim, x)
+    call, ops = submit(request, lambda: int8_operands(x, qweight, scale, bias, group_size, offset))
+    return _run(call, ops, isinstance(qweight, (list, tuple)))
+
+
+def _request(
+    op_name: str,
+    group: dist.ProcessGroup | None,
+    backend: str | None,
+    parallel_num: int | None,
+    return_gathered: bool,
+    gather_dim: int,
+    x: object,
+    out_dtype: torch.dtype | None = None,
+) -> Request:
+    return Request(
+        pattern="all_gather",
+        op_name=op_name,
+        group=group,
+        backend=backend,
+        parallel_num=parallel_num,
+        out_dtype=out_dtype,
+        return_gathered=return_gathered,
+        dim=("gather_dim", gather_dim),
+        device=x.device if isinstance(x, torch.Tensor) else None,
+    )
+
+
+def _run(call: OpCall, ops: Operands, listed: bool) -> Result:
+    ys, x_gathered, x_scale_gathered = operator(
+        ops.x,
+        ops.x_scale,
+        list(ops.weights),
+        list(ops.w_scales) if ops.w_scales else [None] * len(ops.weights),
+        list(ops.w_offsets) if ops.w_offsets else [None] * len(ops.weights),
+        list(ops.biases),
+        call.encode(),
+    )
+    y = ys if listed else ys[0]
+    if not call.return_gathered:
+        return y
+    if call.fmt.scaled_rows:
+        return y, x_gathered, x_scale_gathered
+    return y, x_gathered
+
+
+def gather_rows(rows: torch.Tensor, group: dist.ProcessGroup | None, world: int, outer: int = 1) -> torch.Tensor:
+    """Reference::
+
+        blocks = rows.view(outer, L, c)                        # L = m_local / outer
+        gathered = cat([blocks of rank 0, ..., blocks of rank W-1], dim=1).view(outer * W * L, c)
+
+    ``outer`` is the product of ``x``'s dims before ``gather_dim`` (1 for ``gather_dim=0``): each of the
+    ``outer`` row blocks is gathered on its own, which is ``torch.cat`` along ``gather_dim`` of the
+    un-flattened tensors. ``rows`` may be packed rows (:func:`kernels.format.pack_rows`).
+    """
+    if world == 1:
+        return rows
+    m_local, c = rows.shape
+    buf = rows.new_empty((world * m_local, c))
+    comm.all_gather(buf, rows.contiguous(), group)
+    if outer == 1:
+        return buf
+    return buf.view(world, outer, m_local // outer, c).transpose(0, 1).reshape(world * m_local, c)
+
+
+def _weights(call: OpCall, ops: Operands, x_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every weight and bias as the reference multiplies and adds them."""
+    return [
+        (dequantize_weight(call.fmt, w, ops.scale_of(i), ops.offset_of(i), x_dtype), bias_of(call.fmt, b))
+        for i, (w, b) in enumerate(zip(ops.weights, ops.biases, strict=True))
+    ]
+
+
+Gathered = tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]
+
+
+def reference(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> Gathered:
+    """Reference::
+
+    x_gathered, x_scale_gathered = unpack(gather_rows(pack(x, x_scale), outer))     # [W * m_local, k]
+    ys = [dequant(x_gathered) @ dequant(w_i).T + b_i for each weight]
+    """
+    x2d = rows_of(ops.x)
+    k = x2d.shape[1]
+    gathered = gather_rows(pack_rows(call.fmt, x2d, ops.x_scale), group, call.world, dims_before(ops.x, call.comm_dim))
+    xg, xsg = unpack_rows(call.fmt, gathered, k, x2d.dtype)
+    xd = dequantize_x(call.fmt, xg, xsg, per_row=True)
+    with compute(call.fmt):
+        ys = [padding.linear(xd, w, b) for w, b in _weights(call, ops, x2d.dtype)]
+    return ys, xg, xsg
+
+
+def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> Gathered:
+    """Same result as :func:`reference`; gathers piece by piece, comm-first, and multiplies each gathered
+    piece by every weight (one gather for all of them).
+
+    Pieces split the rows of the gathered dim: x ``[outer * L, k]`` is ``outer`` blocks of ``L`` rows, and
+    piece ``i`` is rows ``[start, stop)`` of every block of every rank; each row travels packed with its
+    scale row. The gathered x is kept only with ``return_gathered``.
+    """
+    x2d = rows_of(ops.x)
+    m_local, k = x2d.shape
+    world, fmt = call.world, call.fmt
+    outer = dims_before(ops.x, call.comm_dim)
+    packed = pack_rows(fmt, x2d, ops.x_scale)
+    c = packed.shape[1]
+    rows = m_local // outer if outer else 0
+    pieces = comm.split_rows(rows, call.parallel_num)
+    blocks = packed.reshape(outer, rows, c)
+    bufs, works = [], []
+    for start, stop in pieces:
+        buf = packed.new_empty((world * outer * (stop - start), c))
+        # A copy only when the piece is strided (several pieces of several blocks).
+        src = blocks[:, start:stop].contiguous().view(outer * (stop - start), c)
+        works.append(comm.all_gather(buf, src, group, async_op=True))
+        bufs.append(buf)
+    weights = _weights(call, ops, x2d.dtype)
+    if len(pieces) == 1 and outer == 1:
+        works[0].wait()
+        xg, xsg = unpack_rows(fmt, bufs[0], k, x2d.dtype)
+        xd = dequantize_x(fmt, xg, xsg, per_row=True)
+        with compute(fmt):
+            return [padding.linear(xd, w, b) for w, b in weights], xg, xsg
+    # Rank r's rows of piece i land at rows [start, stop) of block (o, r) of the gathered x.
+    ys: list[torch.Tensor] = []
+    gathered = packed.new_empty((outer, world, rows, c)) if call.return_gathered else None
+    for (start, stop), buf, work in zip(pieces, bufs, works, strict=True):
+        work.wait()
+        shape = (world, outer, stop - start)
+        xg, xsg = unpack_rows(fmt, buf, k, x2d.dtype)
+        xd = dequantize_x(fmt, xg, xsg, per_row=True)
+        with compute(fmt):
+            parts = [padding.linear(xd, w, b) for w, b in weights]
+        if not ys:
+            ys = [part.new_empty((outer, world, rows, part.shape[1])) for part in parts]
+        for y, part in zip(ys, parts, strict=True):
+            y[:, :, start:stop] = part.view(shape + (part.shape[1],)).transpose(0, 1)
+        if gathered is not None:
+            gathered[:, :, start:stop] = buf.view(shape + (c,)).transpose(0, 1)
+    out = [y.view(world * m_local, y.shape[-1]) for y in ys]
+    if gathered is None:
+        return out, None, None
+    xg, xsg = unpack_rows(fmt, gathered.view(world * m_local, c), k, x2d.dtype)
+    return out, xg, xsg
+
+
+def fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> Gathered:
+    """The fused kernels (kernels/fused): every rank pushes its rows into its peers' gather buffers chunk by
+    chunk while the GEMM starts on the rows already there."""
+    from .. import fused as kernels_fused
+
+    x2d, fmt, d = rows_of(ops.x), call.fmt, call.comm_dim
+    outer = dims_before(ops.x, d)
+    if fmt.kind == "fp8":
+        from ..fused.ag_gemm_fp8 import all_gather_scaled_matmul as fused_fp8
+        from ..fused.gemm_fp8 import scaled_matmul
+
+        xs = ops.x_scale
+        xm = ops.x.movedim(d, 0).contiguous() if d else ops.x
+        if d and fmt.mode != "tensor":
+            xs = xs.reshape(tuple(ops.x.shape[:-1]) + (xs.shape[-1],)).movedim(d, 0).contiguous()
+        xs2 = rows_of(xs) if xs.dim() > 1 else xs
+        y0, xg, xsg = fused_fp8(
+            rows_of(xm),
+            xs2,
+            ops.weights[0],
+            ops.scale_of(0),
+            ops.biases[0],
+            fmt.mode,
+            call.out_dtype,
+            group,
+            True,
+            d,
+            outer,
+        )
+        # The gathered rows' scales are per row in every mode (each rank's own in tensor mode).
+        mode = "row" if fmt.mode == "tensor" else fmt.mode
+        rest = []
+        for i, (w, b) in enumerate(zip(ops.weights[1:], ops.biases[1:], strict=True)):
+            ws = ops.scale_of(i + 1)
+            ws = ws.reshape(1, 1).expand(w.shape[0], 1) if fmt.mode == "tensor" else ws
+            rest.append(scaled_matmul(xg, xsg, w, ws, b, mode, call.out_dtype))
+        ys = [y0] + rest
+        if d:
+            lead = (xm.shape[0] * call.world,) + tuple(xm.shape[1:-1])
+
+            def back(t: torch.Tensor) -> torch.Tensor:
+                return rows_of(t.view(lead + (t.shape[-1],)).movedim(0, d).contiguous())
+
+            ys, xg, xsg = [back(y) for y in ys], back(xg), back(xsg)
+        return ys, xg, xsg
+    weights = list(ops.weights)
+    if fmt.kind == "int8":
+        weights = [w for w, _ in _weights(call, ops, x2d.dtype)]
+    ys, xg = kernels_fused.all_gather_matmul_multi(
+        x2d, weights, list(ops.biases), group, return_gathered=call.return_gathered, outer=outer, comm_dim=d
+    )
+    return ys, xg, None
+
+
+IMPL = IMPLEMENTATIONS["all_gather"] = {"sequential": reference, "chunked": chunked, "fused": fused}
+
+
+def _gathered_shape(x: torch.Tensor, d: int, world: int, last: int) -> tuple[int, ...]:
+    shape = list(x.shape)
+    shape[d] *= world
+    shape[-1] = last
+    return tuple(shape)
+
+
+def _impl(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    weights: list[torch.Tensor],
+    w_scales: list[torch.Tensor | None],
+    w_offsets: list[torch.Tensor | None],
+    biases: list[torch.Tensor | None],
+    call_text: str,
+) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+    call = decode(call_text)
+    ops = Operands(
+        x=x,
+        weights=tuple(weights),
+        biases=tuple(biases),
+        x_scale=x_scale,
+        w_scales=tuple(w_scales) if call.fmt.kind != "plain" else (),
+        w_offsets=tuple(w_offsets) if call.fmt.kind == "int8" else (),
+    )
+    ys, xg, xsg = IMPL[call.backend](call, ops, resolve_group(call.group_name))
+    d, world = call.comm_dim, call.world
+    ys = [
+        (y.to(call.out_dtype) if call.out_dtype is not None else y).view(_gathered_shape(x, d, world, w.shape[0]))
+        for y, w in zip(ys, weights, strict=True)
+    ]
+    if not call.return_gathered:
+        return ys, None, None
+    xg = unaliased(xg, x).view(_gathered_shape(x, d, world, x.shape[-1]))
+    if xsg is not None:
+        xsg = unaliased(xsg, x_scale) if x_scale is not None else xsg
+        if d:
+            xsg = xsg.view(_gathered_shape(x, d, world, xsg.shape[-1]))
+    return ys, xg, xsg
+
+
+def _fake(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    weights: list[torch.Tensor],
+    w_scales: Any,
+    w_offsets: Any,
+    biases: Any,
+    call_text: str,
+) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+    call = decode(call_text)
+    d, world = call.comm_dim, call.world
+    ys = [x.new_empty(_gathered_shape(x, d, world, w.shape[0]), dtype=call.out_dtype or x.dtype) for w in weights]
+    if not call.return_gathered:
+        return ys, None, None
+    xg = x.new_empty(_gathered_shape(x, d, world, x.shape[-1]))
+    if not call.fmt.scaled_rows:
+        return ys, xg, None
+    cols = call.fmt.scale_cols(x.shape[-1])
+    rows = x.shape[:-1].numel() * world
+    xsg = x.new_empty(_gathered_shape(x, d, world, cols) if d else (rows, cols), dtype=torch.float32)
+    return ys, xg, xsg
+
+
+operator = define_op(
+    "all_gather_matmul(Tensor x, Tensor? x_scale, Tensor[] weights, Tensor?[] w_scales, Tensor?[] w_offsets, "
+    "Tensor?[] biases, str call) -> (Tensor[], Tensor?, Tensor?)",
+    _impl,
+    _fake,
+)

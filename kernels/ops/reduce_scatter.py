@@ -1,0 +1,302 @@
+"""GEMM + reduce-scatter for every operand format: ``y = reduce_scatter(dequant(x) @ dequant(weight).T, dim) + bias``.
+
+Public functions (docs/api.md): :func:`matmul_reduce_scatter` (plain), :func:`scaled_matmul_reduce_scatter`
+(FP8), :func:`quantized_matmul_reduce_scatter` (int8 weights). One registered operator serves the three::
+
+    coc::matmul_reduce_scatter(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset,
+                               Tensor? bias, str call) -> Tensor       # call: kernels.call.OpCall.encode()
+
+and one implementation per backend (:data:`IMPL`). ``scatter_dim`` indexes x's dims (not the last);
+``x.shape[scatter_dim]`` must divide by W. The rows of the flattened x are ``outer`` blocks (the
+product of the dims before ``scatter_dim``), each of W owner blocks: rank r gets block r of every
+outer block, read in place (no transposing copy). Arithmetic per format as in :mod:`kernels.ops.all_reduce`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, padding
+from ..call import IMPLEMENTATIONS, OpCall, Operands, decode, resolve_group
+from ..format import bias_of, compute, dequantize_weight, dequantize_x
+from ..op_registration import define_op
+from .entry import Request, dims_before, fp8_operands, fp8_values, int8_operands, plain_operands, rows_of, submit
+
+
+def matmul_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+    deterministic: bool = False,
+    scatter_dim: int = 0,
+) -> torch.Tensor:
+    """``y = reduce_scatter(x @ weight.T, dim=scatter_dim) + bias``; bias is added once, after the reduction.
+
+    Reference::
+
+        partial = x @ weight.T                                   # [..., n] on every rank
+        y = chunk(sum(partial_of_rank_r for r in range(W)), W, dim=scatter_dim)[rank] + bias
+
+    ``scatter_dim`` indexes ``x``'s dims (negative allowed; not the last, ``k``) and
+    ``x.shape[scatter_dim]`` must divide by W: ``x [s, b, k]`` with 0 gives ``[s / W, b, n]``,
+    ``x [b, s, k]`` with 1 (or -2) gives ``[b, s / W, n]``. ``deterministic=True`` sums the
+    partials in rank order, so repeated calls give identical bits.
+    """
+    request = _request("matmul_reduce_scatter", group, backend, parallel_num, deterministic, scatter_dim, x)
+    call, ops = submit(request, lambda: plain_operands(x, weight, bias))
+    return _op(ops, call)
+
+
+def scaled_matmul_reduce_scatter(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+    deterministic: bool = False,
+    scatter_dim: int = 0,
+) -> torch.Tensor:
+    """FP8 ``y = reduce_scatter(x @ weight.T, dim=scatter_dim) + bias``, rounded once to ``out_dtype``.
+
+    Reference::
+
+        partial = dequant(x) @ dequant(weight).T                     # fp32 [..., n] on every rank
+        y = (reduce_scatter(partial, scatter_dim) + bias).to(out_dtype)   # fp32 sum
+
+    ``x [..., k_local]`` FP8 with ``x_scale`` per row (``[..., G]`` over x's leading dims or ``[m, G]`` in
+    x's row order) or tensorwise; an empty ``k_local`` shard contributes zeros, as in the bf16 op.
+    ``deterministic=True`` sums the partials in rank order: repeated calls give identical bits.
+    """
+    request = _request(
+        "scaled_matmul_reduce_scatter", group, backend, parallel_num, deterministic, scatter_dim, x, out_dtype
+    )
+    call, ops = submit(request, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype), fp8_values)
+    return _op(ops, call)
+
+
+def quantized_matmul_reduce_scatter(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group_size: int | None = None,
+    offset: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+    deterministic: bool = False,
+    scatter_dim: int = 0,
+) -> torch.Tensor:
+    """w8A16 ``y = reduce_scatter(x @ dequant(qweight).T, dim=scatter_dim) + bias``.
+
+    Reference::
+
+        w = (qweight - offset) * scale         # per mode of scale's shape, fp32, rounded to x.dtype
+        y = chunk(sum(x_of_rank_r @ w_of_rank_r.T), W, dim=scatter_dim)[rank] + bias
+
+    Arguments as :func:`quantized_matmul_all_reduce` and ``scatter_dim`` as :func:`matmul_reduce_scatter`.
+    """
+    request = _request("quantized_matmul_reduce_scatter", group, backend, parallel_num, deterministic, scatter_dim, x)
+    call, ops = submit(request, lambda: int8_operands(x, qweight, scale, bias, group_size, offset))
+    return _op(ops, call)
+
+
+def _request(
+    op_name: str,
+    group: dist.ProcessGroup | None,
+    backend: str | None,
+    parallel_num: int | None,
+    deterministic: bool,
+    scatter_dim: int,
+    x: object,
+    out_dtype: torch.dtype | None = None,
+) -> Request:
+    return Request(
+        pattern="reduce_scatter",
+        op_name=op_name,
+        group=group,
+        backend=backend,
+        parallel_num=parallel_num,
+        out_dtype=out_dtype,
+        deterministic=deterministic,
+        dim=("scatter_dim", scatter_dim),
+        device=x.device if isinstance(x, torch.Tensor) else None,
+    )
+
+
+def _op(ops: Operands, call: OpCall) -> torch.Tensor:
+    return operator(ops.x, ops.x_scale, ops.weights[0], ops.scale_of(0), ops.offset_of(0), ops.biases[0], call.encode())
+
+
+def owner_major(partial: torch.Tensor, world: int, outer: int) -> torch.Tensor:
+    """``partial [outer * W * R, n]`` reordered to ``[W * outer * R, n]`` (owner blocks first), the
+    order a dim-0 reduce-scatter hands out: owner ``r`` gets row block ``r`` of every outer block."""
+    if outer == 1:
+        return partial
+    m, n = partial.shape
+    return partial.view(outer, world, m // (outer * world), n).transpose(0, 1).reshape(m, n)
+
+
+def _dequantized(call: OpCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """The reference's operands (x rows, weight, bias as multiplied and added) and ``outer``."""
+    x2d = rows_of(ops.x)
+    xd = dequantize_x(call.fmt, x2d, ops.x_scale, per_row=False)
+    wd = dequantize_weight(call.fmt, ops.weights[0], ops.scale_of(0), ops.offset_of(0), x2d.dtype)
+    return xd, wd, bias_of(call.fmt, ops.biases[0]), dims_before(ops.x, call.comm_dim)
+
+
+def reference(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Reference::
+
+    partial = dequant(x) @ dequant(weight).T     # [m, n] on every rank (module docstring: dtypes)
+    y = reduce_scatter_dim0(owner_major(partial)) + bias      # [m / W, n]; rank order sum if deterministic
+    """
+    xd, wd, bias, outer = _dequantized(call, ops)
+    world = call.world
+    with compute(call.fmt):
+        partial = padding.linear(xd, wd)
+    if world > 1:
+        partial = owner_major(partial, world, outer)
+        rows = partial.shape[0] // world
+        if call.deterministic:
+            parts = partial.new_empty((world, rows, partial.shape[1]))
+            comm.all_to_all(parts, partial, group)
+            partial = comm.sum_in_rank_order(parts)
+        else:
+            out = partial.new_empty((rows, partial.shape[1]))
+            comm.reduce_scatter(out, partial, group)
+            partial = out
+    return partial if bias is None else partial.add_(bias)
+
+
+def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Same result as :func:`reference`; compute-first pieces.
+
+    ``x [outer * W * R, k]`` is ``outer`` blocks, each of W owner blocks of ``R`` rows. Piece i
+    covers rows [start, stop) of every owner block of every outer block, so each piece is itself a
+    reduce-scatter whose result lands in rows [start, stop) of every outer block of the output.
+    """
+    xd, wd, bias, outer = _dequantized(call, ops)
+    world = call.world
+    m, k = xd.shape
+    n = wd.shape[0]
+    rows = m // (world * outer) if outer else 0
+    x_blocks = xd.reshape(outer, world, rows, k)
+    out = xd.new_empty((outer, rows, n))
+    pending = []
+    for start, stop in comm.split_rows(rows, call.parallel_num):
+        p = stop - start
+        # [W, outer, p, n]: owner-major, the order a dim-0 reduce-scatter hands out.
+        with compute(call.fmt):
+            partial = padding.linear(x_blocks[:, :, start:stop].transpose(0, 1), wd).reshape(world * outer * p, n)
+        if call.deterministic:
+            parts = partial.new_empty((world, outer * p, n))
+            work = comm.all_to_all(parts, partial, group, async_op=True)
+            pending.append((work, start, stop, parts))
+        else:
+            # Rows of one piece are contiguous in out only with one outer block.
+            dst = out[0, start:stop] if outer == 1 else partial.new_empty((outer * p, n))
+            work = comm.reduce_scatter(dst, partial, group, async_op=True)
+            pending.append((work, start, stop, None if outer == 1 else dst))
+    for work, start, stop, parts in pending:
+        work.wait()
+        if parts is None:
+            continue
+        reduced = comm.sum_in_rank_order(parts) if call.deterministic else parts
+        out[:, start:stop] = reduced.view(outer, stop - start, n)
+    out = out.view(outer * rows, n)
+    return out if bias is None else out.add_(bias)
+
+
+def fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The fused kernels (kernels/fused): GEMM tiles pushed into their owners' slots, fixed-order reduce."""
+    from .. import fused as kernels_fused
+
+    x2d, weight, bias, fmt = rows_of(ops.x), ops.weights[0], ops.biases[0], call.fmt
+    d, outer = call.comm_dim, dims_before(ops.x, call.comm_dim)
+    if fmt.kind == "fp8":
+        from ..fused.gemm_rs_fp8 import scaled_matmul_reduce_scatter as fused_fp8
+
+        xs = ops.x_scale
+        xm = ops.x.movedim(d, 0).contiguous() if d else ops.x
+        if d and fmt.mode != "tensor":
+            xs = xs.reshape(tuple(ops.x.shape[:-1]) + (xs.shape[-1],)).movedim(d, 0).contiguous()
+        y = fused_fp8(
+            rows_of(xm),
+            rows_of(xs) if xs.dim() > 1 else xs,
+            weight,
+            ops.scale_of(0),
+            bias,
+            fmt.mode,
+            call.out_dtype,
+            group,
+            call.deterministic,
+            d,
+            outer,
+        )
+        if not d:
+            return y
+        lead = (xm.shape[0] // call.world,) + tuple(xm.shape[1:-1])
+        return rows_of(y.view(lead + (weight.shape[0],)).movedim(0, d).contiguous())
+    if fmt.kind == "int8":
+        weight = dequantize_weight(fmt, weight, ops.scale_of(0), ops.offset_of(0), x2d.dtype)
+    return kernels_fused.matmul_reduce_scatter(x2d, weight, bias, group, call.deterministic, outer=outer, comm_dim=d)
+
+
+IMPL = IMPLEMENTATIONS["reduce_scatter"] = {"sequential": reference, "chunked": chunked, "fused": fused}
+
+
+def _scattered_shape(x: torch.Tensor, d: int, world: int, n: int) -> tuple[int, ...]:
+    shape = list(x.shape)
+    shape[d] //= world
+    shape[-1] = n
+    return tuple(shape)
+
+
+def _impl(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    w_offset: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    call_text: str,
+) -> torch.Tensor:
+    call = decode(call_text)
+    ops = Operands(
+        x=x,
+        weights=(weight,),
+        biases=(bias,),
+        x_scale=x_scale,
+        w_scales=() if w_scale is None else (w_scale,),
+        w_offsets=() if w_offset is None else (w_offset,),
+    )
+    out = IMPL[call.backend](call, ops, resolve_group(call.group_name))
+    out = out.to(call.out_dtype) if call.out_dtype is not None else out
+    return out.view(_scattered_shape(x, call.comm_dim, call.world, weight.shape[0]))
+
+
+def _fake(x: torch.Tensor, x_scale: Any, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    call = decode(args[-1])
+    return x.new_empty(_scattered_shape(x, call.comm_dim, call.world, weight.shape[0]), dtype=call.out_dtype or x.dtype)
+
+
+operator = define_op(
+    "matmul_reduce_scatter(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset, "
+    "Tensor? bias, str call) -> Tensor",
+    _impl,
+    _fake,
+)
