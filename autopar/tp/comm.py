@@ -73,15 +73,20 @@ def _dim_kw(name: str, dim: int) -> dict[str, int]:
 
 def all_gather_matmul(
     x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    weight: Any,
+    bias: Any,
     group: Group,
+    *,
     return_gathered: bool,
     gather_dim: int = 0,
 ) -> Any:
-    """``all_gather(x, dim=gather_dim) @ weight.T + bias`` (and the gathered ``x``); ``group=None``: local."""
+    """``all_gather(x, dim=gather_dim) @ weight.T + bias`` (and the gathered ``x``); ``group=None``: local.
+    ``weight`` / ``bias`` may be lists (one gather, one output each), as ``kernels.all_gather_matmul`` takes."""
     if group is None:
-        y = torch.nn.functional.linear(x, weight, bias)
+        if isinstance(weight, (list, tuple)):
+            y = [torch.nn.functional.linear(x, w, b) for w, b in zip(weight, bias, strict=True)]
+        else:
+            y = torch.nn.functional.linear(x, weight, bias)
         return (y, x) if return_gathered else y
     return kernels.all_gather_matmul(
         x, weight, bias, group=group, return_gathered=return_gathered, **_dim_kw("gather_dim", gather_dim)

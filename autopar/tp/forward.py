@@ -1,8 +1,10 @@
 """The forwards of the column- and row-parallel linears, shared with patched Megatron modules.
 
 :func:`column_parallel_forward` and :func:`row_parallel_forward` read only attributes that
-Megatron's own modules also have, which is what lets :func:`autopar.patch_megatron` route
-Megatron modules (already built ones included) through them.
+Megatron's own modules also have (plus ``fp8`` / ``fp8_cache``, which autopar's linears have and
+Megatron's lack: those run plain), which is what lets :func:`autopar.patch_megatron` route
+Megatron modules (already built ones included) through them. The module's settings become one
+:class:`~autopar.tp.options.LinearOptions` for the Functions.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from kernels.config import get_config
 from kernels.op_registration import assume_constant_result
 
 from .comm import GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
+from .fp8 import Fp8Recipe, Fp8WeightCache
 from .functions import (
     ColumnParallelLinearFunction,
     ColumnParallelLinearSPFunction,
     RowParallelLinearFunction,
     RowParallelLinearSPFunction,
 )
+from .options import LinearOptions
 from .wgrad import WgradOptions
 
 
@@ -41,6 +45,27 @@ def _wgrad_options(module: torch.nn.Module, column: bool) -> WgradOptions:
         grad_output_buffer=module.grad_output_buffer if defer else None,
         wgrad_deferral_limit=getattr(config, "wgrad_deferral_limit", 0) if defer else 0,
     )
+
+
+def _refuse_fp8_unsupported(module: torch.nn.Module, explicit_expert_comm: bool) -> None:
+    """Module settings the FP8 recipe does not run, named before anything is computed (the options refuse
+    gradient accumulation fusion; deferral is refused here too, since the forward already acts on it)."""
+    for name, on in (
+        ("defer_embedding_wgrad_compute", bool(getattr(module.config, "defer_embedding_wgrad_compute", False))),
+        ("explicit expert communication", explicit_expert_comm),
+    ):
+        if on:
+            raise NotImplementedError(f"{type(module).__name__} with fp8: {name} is not supported with the FP8 recipe")
+
+
+def _fp8(module: torch.nn.Module) -> tuple[Fp8Recipe | None, Fp8WeightCache | None]:
+    """``(recipe, cache)``: the module's FP8 recipe and weight cache; ``(None, None)`` for plain operands
+    (Megatron's own modules have neither)."""
+    recipe = getattr(module, "fp8", None)
+    if recipe is None:
+        return None, None
+    _refuse_fp8_unsupported(module, bool(getattr(module, "explicit_expert_comm", False)))
+    return recipe, module.fp8_cache
 
 
 def _mark_offloading(config: Any, input_parallel: torch.Tensor) -> None:
@@ -76,6 +101,7 @@ def column_parallel_forward(
     group = module.tp_group
     bias = module.bias if not module.skip_bias_add else None
     config = module.config
+    recipe, cache = _fp8(module)
     if getattr(config, "defer_embedding_wgrad_compute", False):
         buf = module.embedding_activation_buffer
         limit = getattr(config, "wgrad_deferral_limit", 0)
@@ -84,17 +110,20 @@ def column_parallel_forward(
     _mark_offloading(config, input_)
 
     recompute_all_gather, coc_in_backward = _column_settings()
-    wgrad_opts = _wgrad_options(module, column=True)
     explicit_expert_comm = getattr(module, "explicit_expert_comm", False)
+    opts = LinearOptions(
+        group=group,
+        allreduce_dgrad=bool(module.allreduce_dgrad and not explicit_expert_comm),
+        coc_in_backward=coc_in_backward,
+        recompute_all_gather=recompute_all_gather,
+        wgrad=_wgrad_options(module, column=True),
+        recipe=recipe,
+        cache=cache,
+    )
     if module.sequence_parallel and not explicit_expert_comm:
-        output_parallel = ColumnParallelLinearSPFunction.apply(
-            input_, weight, bias, group, recompute_all_gather, coc_in_backward, wgrad_opts, 0
-        )
+        output_parallel = ColumnParallelLinearSPFunction.apply(input_, weight, bias, opts)
     else:
-        allreduce_dgrad = module.allreduce_dgrad and not explicit_expert_comm
-        output_parallel = ColumnParallelLinearFunction.apply(
-            input_, weight, bias, group, allreduce_dgrad, coc_in_backward, wgrad_opts
-        )
+        output_parallel = ColumnParallelLinearFunction.apply(input_, weight, bias, opts)
 
     gather_output = module.gather_output if runtime_gather_output is None else runtime_gather_output
     output = GatherFromTensorParallelRegion.apply(output_parallel, group) if gather_output else output_parallel
@@ -108,6 +137,7 @@ def row_parallel_forward(module: torch.nn.Module, input_: torch.Tensor) -> tuple
     parallelism); ``output_bias`` is the bias when ``skip_bias_add``, else None.
     """
     group = module.tp_group
+    recipe, cache = _fp8(module)
     k_local = module.weight.shape[1]
     if module.input_is_parallel:
         checks.check_input_k(
@@ -135,11 +165,14 @@ def row_parallel_forward(module: torch.nn.Module, input_: torch.Tensor) -> tuple
             "needs skip_bias_add=True (its output is not reduced here)"
         )
     bias = None if module.skip_bias_add else module.bias
-    wgrad_opts = _wgrad_options(module, column=False)
-    if explicit_expert_comm:
-        output = RowParallelLinearFunction.apply(input_parallel, module.weight, None, None, wgrad_opts)
-    elif module.sequence_parallel:
-        output = RowParallelLinearSPFunction.apply(input_parallel, module.weight, bias, group, wgrad_opts, 0)
+    opts = LinearOptions(
+        group=None if explicit_expert_comm else group,
+        wgrad=_wgrad_options(module, column=False),
+        recipe=recipe,
+        cache=cache,
+    )
+    if module.sequence_parallel and not explicit_expert_comm:
+        output = RowParallelLinearSPFunction.apply(input_parallel, module.weight, bias, opts)
     else:
-        output = RowParallelLinearFunction.apply(input_parallel, module.weight, bias, group, wgrad_opts)
+        output = RowParallelLinearFunction.apply(input_parallel, module.weight, bias, opts)
     return output, (module.bias if module.skip_bias_add else None)

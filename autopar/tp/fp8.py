@@ -1,7 +1,10 @@
 """The FP8 recipe of the tensor-parallel linears: forward, dgrad and wgrad GEMMs in FP8.
 
 Switched on per layer with ``fp8=autopar.Fp8Recipe()`` on :class:`autopar.ColumnParallelLinear` /
-:class:`autopar.RowParallelLinear`, or for every layer built while ``COC_FP8=1`` (the default recipe).
+:class:`autopar.RowParallelLinear`, :class:`autopar.CocColwiseParallel` / :class:`autopar.CocRowwiseParallel`
+and ``autopar.parallelize_hf``, or for every one built while ``COC_FP8=1`` (the default recipe). The recipe
+is an operand format (:class:`Fp8Operands`) of the one set of linear Functions (:mod:`autopar.tp.functions`):
+the same Functions run plain or FP8 GEMMs.
 Scaling is DeepSeek-V3's: activations and gradients one fp32 scale per row per 128 columns
 (``quantize_fp8(mode="block")``), weights one per 128 x 128 block (``"block2d"``). The weight is
 quantized once per change: the quantized copy is keyed on the parameter's version counter (bumped
@@ -17,22 +20,20 @@ the token dim: ``grad_y.T`` 1 x 128 (a gradient, the finer scales) and ``x.T`` i
 operand exists (the gathered input of a sequence-parallel column layer, the gathered gradient of a
 sequence-parallel row layer), it is dequantized and requantized along the token dim: a second
 rounding of at most the FP8 unit roundoff. Not supported with FP8 (refused by name):
-``gradient_accumulation_fusion``, ``defer_embedding_wgrad_compute``, explicit expert communication.
+``gradient_accumulation_fusion``, ``defer_embedding_wgrad_compute`` (:class:`autopar.tp.options.LinearOptions`),
+explicit expert communication (the linears' forward).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 import kernels
-from kernels import checks
 from kernels.fp8.scales import FP8_DTYPES, OUT_DTYPES
 
-from . import comm
-from .comm import GatherFromTensorParallelRegion, Group, ScatterToTensorParallelRegion, rows
+from .comm import Group, rows
 
 ENV_FP8 = "COC_FP8"
 
@@ -93,271 +94,143 @@ class Fp8WeightCache:
         return self._t
 
 
-def _act(t2d: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    return kernels.quantize_fp8(t2d, "block", dtype=dtype)
-
-
 def _cols(t2d: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``t2d.T`` quantized in 128 x 128 blocks (the wgrad's weight operand)."""
     q, s = kernels.quantize_fp8(t2d, "block2d", dtype=dtype)
     return q.t().contiguous(), s.t().contiguous()
 
 
-def _bias(bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if bias is None:
-        return None
-    b = bias.detach()
-    return b if b.dtype in (dtype, torch.float32) else b.float()
+Quantized = tuple[torch.Tensor, torch.Tensor]  # FP8 bytes and their fp32 scales
 
 
-def _wgrad(
-    grad_y2d: torch.Tensor, x_cols: tuple[torch.Tensor, torch.Tensor], recipe: Fp8Recipe, weight: torch.Tensor
-) -> torch.Tensor:
-    """``grad_w [n, k] = grad_y.T @ x``: ``grad_y.T`` 1 x 128 along the tokens, ``x.T`` 128 x 128."""
-    gq, gs = _act(grad_y2d.t(), recipe.grad_dtype)
-    out = weight.dtype if weight.dtype in OUT_DTYPES else torch.float32
-    return kernels.scaled_matmul(gq, gs, x_cols[0], x_cols[1], out_dtype=out).to(weight.dtype)
+def _no_autocast(t: torch.Tensor) -> torch.autocast:
+    """The FP8 GEMMs' own precision: FP8 products are exact in fp32 and the ops sum in fp32, but an enclosing
+    autocast (the linears' backward runs under the forward's) would round the fp32 matmuls of the sequential
+    and chunked backends to bf16."""
+    return torch.autocast(t.device.type, enabled=False)
 
 
-def _bias_grad(grad_y2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bias is None else grad_y2d.sum(0).to(bias.dtype)
+class Fp8Operands:
+    """The FP8 recipe as an operand format (:class:`autopar.tp.operands.Operands`).
 
-
-class Fp8ColumnParallelLinearFunction(torch.autograd.Function):
-    """FP8 column-parallel linear, no sequence parallelism. ``q(.)`` is FP8 quantization.
-
-    - forward (local): ``y_shard_n = q(x) @ q(w_shard_n).T + bias_shard_n``
-    - dgrad: ``grad_x = all_reduce(q(grad_y_shard_n) @ q(w_shard_n.T).T)`` (``kernels.scaled_matmul_all_reduce``;
-      local when ``allreduce_dgrad`` is False)
-    - wgrad (local): ``grad_w_shard_n = q(grad_y_shard_n.T) @ q(x.T).T``, ``grad_bias = grad_y_shard_n.sum(rows)``
+    Activations (``recipe.activation_dtype``) and gradients (``recipe.grad_dtype``) are quantized in 1 x 128
+    blocks along their last dim, the weight in 128 x 128 blocks once per change (``cache``); the GEMMs are
+    the FP8 ops of ``kernels`` (``kernels.scaled_matmul`` for the local ones) with fp32 sums, rounded once to
+    ``out_dtype``. ``group=None``: one process, the local GEMM.
     """
 
-    @staticmethod
-    def forward(ctx: Any, x, weight, bias, group, allreduce_dgrad, recipe, cache) -> torch.Tensor:
-        x2d = rows(x)
-        xq, xs = _act(x2d, recipe.activation_dtype)
-        wq, ws = cache.get(weight, recipe.weight_dtype)
-        y = kernels.scaled_matmul(xq, xs, wq, ws, _bias(bias, x.dtype), out_dtype=x.dtype)
-        ctx.save_for_backward(*(_cols(x2d, recipe.activation_dtype) if ctx.needs_input_grad[1] else (None, None)))
-        ctx.weight, ctx.bias, ctx.group, ctx.recipe, ctx.cache, ctx.x_shape = (
-            weight,
-            bias,
-            group,
-            recipe,
-            cache,
-            x.shape,
-        )
-        ctx.allreduce_dgrad = allreduce_dgrad and comm.world_size(group) > 1
-        return y.view(*x.shape[:-1], weight.shape[0])
+    # The FP8 ops sum the ranks' partials in fp32 and round once; a separate collective after an FP8 GEMM
+    # would sum rounded partials. The gathered FP8 input is kept (half the bytes of a bf16 one).
+    fused_dgrad = True
+    recompute_all_gather = False
 
-    @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
-        x_cols = ctx.saved_tensors
-        recipe, weight = ctx.recipe, ctx.weight
-        grad_y2d = rows(grad_y.contiguous())
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            gq, gs = _act(grad_y2d, recipe.grad_dtype)
-            wtq, wts = ctx.cache.transposed(weight, recipe.weight_dtype)
-            if ctx.allreduce_dgrad:
-                grad_x = kernels.scaled_matmul_all_reduce(gq, gs, wtq, wts, out_dtype=grad_y.dtype, group=ctx.group)
-            else:
-                grad_x = kernels.scaled_matmul(gq, gs, wtq, wts, out_dtype=grad_y.dtype)
-            grad_x = grad_x.view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = _wgrad(grad_y2d, x_cols, recipe, weight)
-        grad_b = _bias_grad(grad_y2d, ctx.bias) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None, None
+    def __init__(self, recipe: Fp8Recipe, cache: Fp8WeightCache) -> None:
+        self.recipe = recipe
+        self.cache = cache
 
+    def check(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        if x.dtype not in OUT_DTYPES:
+            raise TypeError(f"input_ dtype {x.dtype} is not accepted by the FP8 linears; use one of {OUT_DTYPES}")
+        if bias is not None and bias.dtype not in (x.dtype, torch.float32):
+            bias = bias.float()  # the ops take a bias in the output dtype or fp32, added in fp32 either way
+        return x, weight, bias
 
-class Fp8ColumnParallelLinearSPFunction(torch.autograd.Function):
-    """FP8 column-parallel linear with sequence parallelism.
+    def input(self, x: torch.Tensor) -> Quantized:
+        return kernels.quantize_fp8(x, "block", dtype=self.recipe.activation_dtype)
 
-    - forward: ``y_shard_n = all_gather_s(q(x_shard_s)) @ q(w_shard_n).T + bias_shard_n``
-      (``kernels.all_gather_scaled_matmul``; the FP8 rows travel with their scales, and the gathered FP8
-      input is kept for the wgrad: half the bytes of the bf16 one)
-    - dgrad: ``grad_x_shard_s = reduce_scatter_s(q(grad_y_shard_n) @ q(w_shard_n.T).T)``
-      (``kernels.scaled_matmul_reduce_scatter``)
-    - wgrad: ``grad_w_shard_n = q(grad_y_shard_n.T) @ q(dequant(x_gathered).T).T``, ``grad_bias = grad_y.sum(rows)``
-    """
+    def grad(self, g: torch.Tensor) -> Quantized:
+        return kernels.quantize_fp8(g, "block", dtype=self.recipe.grad_dtype)
 
-    @staticmethod
-    def forward(ctx: Any, x_shard_s, weight, bias, group, recipe, cache) -> torch.Tensor:
-        world = comm.world_size(group)
-        xq, xs = _act(rows(x_shard_s), recipe.activation_dtype)
-        wq, ws = cache.get(weight, recipe.weight_dtype)
-        y, xg, xsg = kernels.all_gather_scaled_matmul(
-            xq, xs, wq, ws, _bias(bias, x_shard_s.dtype), out_dtype=x_shard_s.dtype, group=group, return_gathered=True
-        )
-        ctx.save_for_backward(xg if ctx.needs_input_grad[1] else None, xsg if ctx.needs_input_grad[1] else None)
-        ctx.weight, ctx.bias, ctx.group, ctx.recipe, ctx.cache = weight, bias, group, recipe, cache
-        ctx.x_shape = x_shard_s.shape
-        return y.view(x_shard_s.shape[0] * world, *x_shard_s.shape[1:-1], weight.shape[0])
+    def weight(self, w: torch.Tensor) -> Quantized:
+        return self.cache.get(w, self.recipe.weight_dtype)
 
-    @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
-        xg, xsg = ctx.saved_tensors
-        recipe, weight = ctx.recipe, ctx.weight
-        grad_y2d = rows(grad_y.contiguous())
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            gq, gs = _act(grad_y2d, recipe.grad_dtype)
-            wtq, wts = ctx.cache.transposed(weight, recipe.weight_dtype)
-            grad_x = kernels.scaled_matmul_reduce_scatter(gq, gs, wtq, wts, out_dtype=grad_y.dtype, group=ctx.group)
-            grad_x = grad_x.view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            x_full = kernels.dequantize_fp8(xg, xsg, "block")
-            grad_w = _wgrad(grad_y2d, _cols(x_full, recipe.activation_dtype), recipe, weight)
-        grad_b = _bias_grad(grad_y2d, ctx.bias) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None
+    def weight_t(self, w: torch.Tensor) -> Quantized:
+        return self.cache.transposed(w, self.recipe.weight_dtype)
 
+    def dequant(self, a: Quantized) -> torch.Tensor:
+        q, s = a
+        return kernels.dequantize_fp8(rows(q), s.reshape(-1, s.shape[-1]), "block").view(q.shape)
 
-class Fp8RowParallelLinearFunction(torch.autograd.Function):
-    """FP8 row-parallel linear, no sequence parallelism.
+    def wgrad_input(self, x: torch.Tensor) -> Quantized:
+        # Along the tokens: x.T in 128 x 128 blocks, the wgrad GEMM's weight operand.
+        return _cols(rows(x), self.recipe.activation_dtype)
 
-    - forward: ``y = all_reduce(q(x_shard_k) @ q(w_shard_k).T) + bias`` (``kernels.scaled_matmul_all_reduce``)
-    - dgrad (local): ``grad_x_shard_k = q(grad_y) @ q(w_shard_k.T).T``
-    - wgrad (local): ``grad_w_shard_k = q(grad_y.T) @ q(x_shard_k.T).T``, ``grad_bias = grad_y.sum(rows)``
-    """
+    def pack(self, a: Quantized | None) -> tuple:
+        return (None, None) if a is None else tuple(a)
 
-    @staticmethod
-    def forward(ctx: Any, x_shard_k, weight, bias, group, recipe, cache) -> torch.Tensor:
-        x2d = rows(x_shard_k)
-        xq, xs = _act(x2d, recipe.activation_dtype)
-        wq, ws = cache.get(weight, recipe.weight_dtype)
-        y = kernels.scaled_matmul_all_reduce(
-            xq, xs, wq, ws, _bias(bias, x_shard_k.dtype), out_dtype=x_shard_k.dtype, group=group
-        )
-        ctx.save_for_backward(*(_cols(x2d, recipe.activation_dtype) if ctx.needs_input_grad[1] else (None, None)))
-        ctx.weight, ctx.bias, ctx.recipe, ctx.cache, ctx.x_shape = weight, bias, recipe, cache, x_shard_k.shape
-        return y.view(*x_shard_k.shape[:-1], weight.shape[0])
+    def unpack(self, tensors: tuple) -> Quantized | None:
+        return None if tensors[0] is None else (tensors[0], tensors[1])
 
-    @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
-        x_cols = ctx.saved_tensors
-        recipe, weight = ctx.recipe, ctx.weight
-        grad_y2d = rows(grad_y.contiguous())
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            gq, gs = _act(grad_y2d, recipe.grad_dtype)
-            wtq, wts = ctx.cache.transposed(weight, recipe.weight_dtype)
-            grad_x = kernels.scaled_matmul(gq, gs, wtq, wts, out_dtype=grad_y.dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = _wgrad(grad_y2d, x_cols, recipe, weight)
-        grad_b = _bias_grad(grad_y2d, ctx.bias) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None
+    def linear(self, a: Quantized, w: Quantized, bias: torch.Tensor | None, *, out_dtype: torch.dtype) -> torch.Tensor:
+        with _no_autocast(a[0]):
+            return kernels.scaled_matmul(*a, *w, bias, out_dtype=out_dtype)
 
+    def linear_all_reduce(
+        self, a: Quantized, w: Quantized, bias: torch.Tensor | None, *, group: Group, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        if group is None:
+            return self.linear(a, w, bias, out_dtype=out_dtype)
+        with _no_autocast(a[0]):
+            return kernels.scaled_matmul_all_reduce(*a, *w, bias, out_dtype=out_dtype, group=group)
 
-class Fp8RowParallelLinearSPFunction(torch.autograd.Function):
-    """FP8 row-parallel linear with sequence parallelism.
+    def linear_reduce_scatter(
+        self, a: Quantized, w: Quantized, bias: torch.Tensor | None, *, group: Group, dim: int, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        if group is None:
+            return self.linear(a, w, bias, out_dtype=out_dtype)
+        with _no_autocast(a[0]):
+            return kernels.scaled_matmul_reduce_scatter(*a, *w, bias, out_dtype=out_dtype, group=group, scatter_dim=dim)
 
-    - forward: ``y_shard_s = reduce_scatter_s(q(x_shard_k) @ q(w_shard_k).T) + bias``
-      (``kernels.scaled_matmul_reduce_scatter``)
-    - dgrad: ``grad_x_shard_k = all_gather_s(q(grad_y_shard_s)) @ q(w_shard_k.T).T``
-      (``kernels.all_gather_scaled_matmul`` with the gathered FP8 gradient returned)
-    - wgrad: ``grad_w_shard_k = q(dequant(grad_y_gathered).T) @ q(x_shard_k.T).T``;
-      ``grad_bias = grad_y_shard_s.sum(rows)`` (this rank's rows, as the bf16 layer)
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x_shard_k, weight, bias, group, recipe, cache) -> torch.Tensor:
-        world = comm.world_size(group)
-        if x_shard_k.dim() < 2 or x_shard_k.shape[0] % world != 0:
-            raise ValueError(
-                f"sequence-parallel RowParallelLinear needs the sequence dim (dim 0) of the input divisible by the "
-                f"tensor-parallel size W={world}, got input shape {tuple(x_shard_k.shape)}"
+    def all_gather_linear(
+        self,
+        a: Quantized,
+        w: Quantized,
+        bias: torch.Tensor | None,
+        *,
+        group: Group,
+        dim: int,
+        out_dtype: torch.dtype,
+        keep: bool,
+    ) -> tuple[torch.Tensor, Quantized | None]:
+        if group is None:
+            return self.linear(a, w, bias, out_dtype=out_dtype), (a if keep else None)
+        with _no_autocast(a[0]):
+            if not keep:
+                y = kernels.all_gather_scaled_matmul(*a, *w, bias, out_dtype=out_dtype, group=group, gather_dim=dim)
+                return y, None
+            y, xg, xsg = kernels.all_gather_scaled_matmul(
+                *a, *w, bias, out_dtype=out_dtype, group=group, gather_dim=dim, return_gathered=True
             )
-        x2d = rows(x_shard_k)
-        xq, xs = _act(x2d, recipe.activation_dtype)
-        wq, ws = cache.get(weight, recipe.weight_dtype)
-        y = kernels.scaled_matmul_reduce_scatter(
-            xq, xs, wq, ws, _bias(bias, x_shard_k.dtype), out_dtype=x_shard_k.dtype, group=group
-        )
-        ctx.save_for_backward(*(_cols(x2d, recipe.activation_dtype) if ctx.needs_input_grad[1] else (None, None)))
-        ctx.weight, ctx.bias, ctx.group, ctx.recipe, ctx.cache = weight, bias, group, recipe, cache
-        ctx.x_shape = x_shard_k.shape
-        return y.view(x_shard_k.shape[0] // world, *x_shard_k.shape[1:-1], weight.shape[0])
+        return y, (xg, xsg)
 
-    @staticmethod
-    def backward(ctx: Any, grad_y_shard_s: torch.Tensor) -> tuple:
-        x_cols = ctx.saved_tensors
-        recipe, weight = ctx.recipe, ctx.weight
-        g2d = rows(grad_y_shard_s.contiguous())
-        gq, gs = _act(g2d, recipe.grad_dtype)
-        wtq, wts = ctx.cache.transposed(weight, recipe.weight_dtype)
-        grad_x, ggq, ggs = kernels.all_gather_scaled_matmul(
-            gq, gs, wtq, wts, out_dtype=grad_y_shard_s.dtype, group=ctx.group, return_gathered=True
-        )
-        grad_x = grad_x.view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_y_full = kernels.dequantize_fp8(ggq, ggs, "block")
-            grad_w = _wgrad(grad_y_full, x_cols, recipe, weight)
-        grad_b = _bias_grad(g2d, ctx.bias) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None
-
-
-def _refuse_unsupported(module: torch.nn.Module) -> None:
-    config = module.config
-    for name, on in (
-        ("gradient_accumulation_fusion", bool(getattr(module, "gradient_accumulation_fusion", False))),
-        ("defer_embedding_wgrad_compute", bool(getattr(config, "defer_embedding_wgrad_compute", False))),
-        ("explicit expert communication", bool(getattr(module, "explicit_expert_comm", False))),
-    ):
-        if on:
-            raise NotImplementedError(f"{type(module).__name__} with fp8: {name} is not supported with the FP8 recipe")
-
-
-def _check_dtype(x: torch.Tensor) -> None:
-    if x.dtype not in OUT_DTYPES:
-        raise TypeError(f"input_ dtype {x.dtype} is not accepted by the FP8 linears; use one of {OUT_DTYPES}")
-
-
-def fp8_column_forward(
-    module: torch.nn.Module,
-    input_: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    runtime_gather_output: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``ColumnParallelLinear.forward`` with the FP8 recipe ``module.fp8``."""
-    _refuse_unsupported(module)
-    if weight is None:
-        if module.weight is None:
-            raise RuntimeError(
-                "weight was not supplied to ColumnParallelLinear forward pass and skip_weight_param_allocation is True."
+    def all_gather_linears(
+        self, a: Quantized, ws: list, bs: list, *, group: Group, dim: int, out_dtype: torch.dtype
+    ) -> tuple[list[torch.Tensor], Quantized]:
+        if group is None:
+            return [self.linear(a, w, b, out_dtype=out_dtype) for w, b in zip(ws, bs, strict=True)], a
+        with _no_autocast(a[0]):
+            ys, xg, xsg = kernels.all_gather_scaled_matmul(
+                *a,
+                [w[0] for w in ws],
+                [w[1] for w in ws],
+                list(bs),
+                out_dtype=out_dtype,
+                group=group,
+                gather_dim=dim,
+                return_gathered=True,
             )
-        weight = module.weight
-    checks.check_input_k(
-        input_, weight.shape[1], name="input_", expected=f"weight has k={weight.shape[1]} (shape {tuple(weight.shape)})"
-    )
-    _check_dtype(input_)
-    group = module.tp_group
-    bias = module.bias if not module.skip_bias_add else None
-    if module.sequence_parallel:
-        out = Fp8ColumnParallelLinearSPFunction.apply(input_, weight, bias, group, module.fp8, module.fp8_cache)
-    else:
-        out = Fp8ColumnParallelLinearFunction.apply(
-            input_, weight, bias, group, module.allreduce_dgrad, module.fp8, module.fp8_cache
-        )
-    gather_output = module.gather_output if runtime_gather_output is None else runtime_gather_output
-    if gather_output:
-        out = GatherFromTensorParallelRegion.apply(out, group)
-    return out, (module.bias if module.skip_bias_add else None)
+        return ys, (xg, xsg)
+
+    def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        # As inside the FP8 ops: partial products summed in fp32, rounded once at the end.
+        return torch.float32
+
+    def wgrad_gemm(self, grad_y2d: torch.Tensor, x_tokens: Quantized, dtype: torch.dtype) -> torch.Tensor:
+        # grad_y.T along the tokens in 1 x 128 blocks (a gradient: the finer scales), x.T in 128 x 128.
+        gq, gs = kernels.quantize_fp8(grad_y2d.t(), "block", dtype=self.recipe.grad_dtype)
+        out = dtype if dtype in OUT_DTYPES else torch.float32
+        with _no_autocast(gq):
+            return kernels.scaled_matmul(gq, gs, *x_tokens, out_dtype=out).to(dtype)
 
 
-def fp8_row_forward(module: torch.nn.Module, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``RowParallelLinear.forward`` with the FP8 recipe ``module.fp8``."""
-    _refuse_unsupported(module)
-    group: Group = module.tp_group
-    k_local = module.weight.shape[1]
-    expected = module.weight.shape[1] if module.input_is_parallel else module.input_size
-    checks.check_input_k(input_, expected, name="input_", expected=f"the layer takes k={expected} (weight k={k_local})")
-    _check_dtype(input_)
-    x = input_ if module.input_is_parallel else ScatterToTensorParallelRegion.apply(input_, group)
-    bias = None if module.skip_bias_add else module.bias
-    fn = Fp8RowParallelLinearSPFunction if module.sequence_parallel else Fp8RowParallelLinearFunction
-    out = fn.apply(x, module.weight, bias, group, module.fp8, module.fp8_cache)
-    return out, (module.bias if module.skip_bias_add else None)
-
-
-__all__ = ["ENV_FP8", "Fp8Recipe", "Fp8WeightCache", "fp8_column_forward", "fp8_row_forward", "resolve_recipe"]
+__all__ = ["ENV_FP8", "Fp8Operands", "Fp8Recipe", "Fp8WeightCache", "resolve_recipe"]

@@ -1,15 +1,20 @@
 """The four autograd Functions of the tensor-parallel linears, one per (layer, sequence parallel).
 
-Their communication is :mod:`kernels`' registered operators and torch's functional collectives
-(:mod:`autopar.tp.comm`), so the forward and the backward trace whole under
-``torch.compile(fullgraph=True)``. The backends are the ``kernels`` ones, chosen from the ``COC_*``
-environment at call time (at trace time under compile).
+Each takes ``(x, weight, bias, opts)``: ``opts`` is a :class:`~autopar.tp.options.LinearOptions` (process
+group, sequence dim, backward switches, operand format). The operand format is a parameter, not a copy:
+the same Functions run plain GEMMs (torch's and the bf16 ``kernels`` ops) or the FP8 recipe's
+(:class:`~autopar.tp.fp8.Fp8Operands`: block-scaled operands, the FP8 ``kernels`` ops). Their communication
+is :mod:`kernels`' registered operators and torch's functional collectives (:mod:`autopar.tp.comm`), so the
+plain forward and backward trace whole under ``torch.compile(fullgraph=True)``. The backends are the
+``kernels`` ones, chosen from the ``COC_*`` environment at call time (at trace time under compile).
 
 Notation in the docstrings: ``W`` is the tensor-parallel world size, ``s`` the sequence length,
 ``b`` the micro-batch, ``k`` the input and ``n`` the output features, ``x_shard_s`` a tensor
 sharded along ``s`` (sequence parallel), ``w_shard_n`` / ``w_shard_k`` a weight sharded along
-``n`` / ``k``. Inputs may have any number of leading dims; dim 0 is the sequence dim and the
-others are flattened into rows.
+``n`` / ``k``. ``q(.)`` is the operand format: the identity for plain operands, FP8 quantization for the
+recipe (activations and gradients 1 x 128 along their last dim, weights 128 x 128; the wgrad quantizes
+both operands along the tokens, docs/fp8.md). Inputs may have any number of leading dims; the sequence
+dim is ``opts.seq_dim`` (0 in the shapes below) and the others are flattened into rows.
 """
 
 from __future__ import annotations
@@ -19,8 +24,32 @@ from typing import Any
 import torch
 
 from . import comm
-from .comm import Group, rows
-from .wgrad import WgradOptions, custom_bwd, custom_fwd, defer_wgrad, save_for_wgrad, wgrad_and_bias_grad
+from .comm import rows
+from .options import LinearOptions
+from .wgrad import custom_bwd, custom_fwd, defer_wgrad, track_main_grad, wgrad_and_bias_grad
+
+
+def _begin(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: LinearOptions) -> tuple:
+    """The forward bookkeeping every Function shares; returns ``(x, weight, bias)`` as the format's ops
+    take them (plain: in the autocast dtype when autocast is on).
+
+    The Function saves its tensors itself: the input it keeps is read by the weight gradient
+    only, so a frozen weight (``ctx.needs_input_grad[1]`` False; a LoRA base, say) keeps none.
+    """
+    ctx.opts, ctx.ops = opts, opts.operands
+    track_main_grad(ctx, weight, opts.wgrad)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    x, weight, bias = opts.operands.check(x, weight, bias)
+    ctx.x_shape = x.shape
+    ctx.has_bias = bias is not None
+    ctx.weight_dtype = weight.dtype
+    return x, weight, bias
+
+
+def _saved(ctx: Any) -> tuple[torch.Tensor, Any]:
+    """``(weight, the operand kept for the weight gradient)`` of a Function that saved ``*pack(kept), weight``."""
+    *kept, weight = ctx.saved_tensors
+    return weight, ctx.ops.unpack(tuple(kept))
 
 
 def _finish_dgrad(ctx: Any, grad_x: torch.Tensor | None, in_flight: bool) -> torch.Tensor | None:
@@ -38,62 +67,58 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
 
     - forward (input copied to the TP region: identity)::
 
-        y_shard_n = x @ w_shard_n.T + bias_shard_n                     # [s, b, n/W]
+        y_shard_n = q(x) @ q(w_shard_n).T + bias_shard_n                 # [s, b, n/W]
 
     - dgrad: every rank holds a partial sum over its n/W columns::
 
-        grad_x = all_reduce(grad_y_shard_n @ w_shard_n)                 # [s, b, k]
+        grad_x = all_reduce(q(grad_y_shard_n) @ q(w_shard_n.T).T)        # [s, b, k]
 
-      the all-reduce runs asynchronously and overlaps the wgrad GEMM, or, with
-      ``enable_coc_in_column_backward``, is one ``kernels.matmul_all_reduce``.
+      plain: the all-reduce runs asynchronously and overlaps the wgrad GEMM, or, with
+      ``coc_in_backward``, is one ``kernels.matmul_all_reduce``; FP8: one ``kernels.scaled_matmul_all_reduce``.
       No all-reduce when ``allreduce_dgrad`` is False (Megatron's ``disable_grad_reduce``,
       explicit expert communication, W == 1).
 
     - wgrad (local)::
 
-        grad_w_shard_n = grad_y_shard_n.T @ x                           # [n/W, k]
-        grad_bias_shard_n = grad_y_shard_n.sum(rows)                    # [n/W]
+        grad_w_shard_n = q(grad_y_shard_n.T) @ q(x.T).T                  # [n/W, k]
+        grad_bias_shard_n = grad_y_shard_n.sum(rows)                     # [n/W]
     """
 
     @staticmethod
     @custom_fwd
     def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        group: Group,
-        allreduce_dgrad: bool,
-        coc_in_backward: bool,
-        wgrad_opts: WgradOptions,
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: LinearOptions
     ) -> torch.Tensor:
-        x, weight, bias = save_for_wgrad(ctx, x, weight, bias, wgrad_opts)
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
-        ctx.group = group
-        ctx.allreduce_dgrad = allreduce_dgrad and comm.world_size(group) > 1
-        ctx.coc_in_backward = coc_in_backward
-        return torch.nn.functional.linear(x, weight, bias)
+        x, weight, bias = _begin(ctx, x, weight, bias, opts)
+        ops = opts.operands
+        y = ops.linear(ops.input(x), ops.weight(weight), bias, out_dtype=x.dtype)
+        ctx.save_for_backward(*ops.pack(ops.wgrad_input(x) if ctx.needs_input_grad[1] else None), weight)
+        ctx.allreduce_dgrad = opts.allreduce_dgrad and comm.world_size(opts.group) > 1
+        return y
 
     @staticmethod
     @custom_bwd
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
-        x, weight = ctx.saved_tensors
+        weight, x_tokens = _saved(ctx)
+        ops, group = ctx.ops, ctx.opts.group
         need_x, need_w = ctx.needs_input_grad[:2]
-        grad_y2d = rows(grad_y.contiguous())
+        grad_y = grad_y.contiguous()
+        grad_y2d = rows(grad_y)
         grad_x = None
         reducing = False
         if need_x:
-            if ctx.allreduce_dgrad and ctx.coc_in_backward:
-                grad_x = comm.matmul_all_reduce(grad_y2d, weight.t(), None, ctx.group)
+            g, w_t = ops.grad(grad_y), ops.weight_t(weight)
+            if ctx.allreduce_dgrad and ops.fused_dgrad:
+                grad_x = ops.linear_all_reduce(g, w_t, None, group=group, out_dtype=grad_y.dtype)
             else:
-                grad_x = grad_y2d.matmul(weight)
+                grad_x = ops.linear(g, w_t, None, out_dtype=grad_y.dtype)
                 if ctx.allreduce_dgrad:
                     # Waited for after the weight gradient, which it overlaps.
-                    grad_x = comm.start_all_reduce(grad_x, ctx.group)
+                    grad_x = comm.start_all_reduce(grad_x, group)
                     reducing = True
         deferred = need_w and defer_wgrad(grad_y, ctx.wgrad_opts)
-        grad_w, grad_b = wgrad_and_bias_grad(ctx, None if deferred else grad_y2d, rows(x) if need_w else None, grad_y2d)
-        return _finish_dgrad(ctx, grad_x, reducing), grad_w, grad_b, None, None, None, None
+        grad_w, grad_b = wgrad_and_bias_grad(ctx, None if deferred else grad_y2d, x_tokens, grad_y2d)
+        return _finish_dgrad(ctx, grad_x, reducing), grad_w, grad_b, None
 
 
 class ColumnParallelLinearSPFunction(torch.autograd.Function):
@@ -103,89 +128,94 @@ class ColumnParallelLinearSPFunction(torch.autograd.Function):
     ``bias_shard_n [n/W]``; with ``seq_dim=1`` (Hugging Face, torchtitan) ``x_shard_s [b, s/W, k]``
     and every ``s`` below moves to dim 1 likewise.
 
-    - forward, one ``kernels.all_gather_matmul(..., gather_dim=seq_dim)``::
+    - forward, one ``kernels.all_gather_matmul(..., gather_dim=seq_dim)`` (FP8:
+      ``kernels.all_gather_scaled_matmul``, the FP8 rows travelling with their scales)::
 
-        x = all_gather(x_shard_s, dim=seq_dim)                           # [s, b, k]
-        y_shard_n = x @ w_shard_n.T + bias_shard_n                       # [s, b, n/W]
+        x = all_gather(q(x_shard_s), dim=seq_dim)                        # [s, b, k]
+        y_shard_n = x @ q(w_shard_n).T + bias_shard_n                    # [s, b, n/W]
 
-      ``recompute_all_gather=True`` keeps only ``x_shard_s`` and gathers again in the backward
-      (less memory); False keeps the gathered ``x`` (the op's ``return_gathered``).
+      plain: ``recompute_all_gather=True`` keeps only ``x_shard_s`` and gathers again in the backward
+      (less memory); False keeps the gathered ``x`` (the op's ``return_gathered``). FP8 keeps the
+      gathered FP8 ``x`` (half the bytes of a bf16 one).
 
     - dgrad::
 
-        grad_x_shard_s = reduce_scatter(grad_y_shard_n @ w_shard_n, dim=seq_dim)   # [s/W, b, k]
+        grad_x_shard_s = reduce_scatter(q(grad_y_shard_n) @ q(w_shard_n.T).T, dim=seq_dim)   # [s/W, b, k]
 
-      the reduce-scatter runs asynchronously and overlaps the wgrad GEMM, or, with
-      ``enable_coc_in_column_backward``, is one ``kernels.matmul_reduce_scatter(..., scatter_dim=seq_dim)``.
-      The recomputed all-gather of ``x`` is started first so it overlaps the dgrad GEMM.
+      plain: the reduce-scatter runs asynchronously and overlaps the wgrad GEMM, or, with
+      ``coc_in_backward``, is one ``kernels.matmul_reduce_scatter(..., scatter_dim=seq_dim)``; FP8: one
+      ``kernels.scaled_matmul_reduce_scatter``. The recomputed all-gather of ``x`` is started first so it
+      overlaps the dgrad GEMM.
 
-    - wgrad (rows: every dim but the last flattened, in the same order for both operands)::
+    - wgrad (rows: every dim but the last flattened, in the same order for both operands; FP8: the
+      gathered ``x`` dequantized and quantized again along the tokens)::
 
-        grad_w_shard_n = rows(grad_y_shard_n).T @ rows(x)                # [n/W, k]
+        grad_w_shard_n = q(rows(grad_y_shard_n).T) @ q(rows(x).T).T      # [n/W, k]
         grad_bias_shard_n = grad_y_shard_n.sum(rows)                     # [n/W]
     """
 
     @staticmethod
     @custom_fwd
     def forward(
-        ctx: Any,
-        x_shard_s: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        group: Group,
-        recompute_all_gather: bool,
-        coc_in_backward: bool,
-        wgrad_opts: WgradOptions,
-        seq_dim: int = 0,
+        ctx: Any, x_shard_s: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: LinearOptions
     ) -> torch.Tensor:
-        x_shard_s, weight, bias = save_for_wgrad(ctx, x_shard_s, weight, bias, wgrad_opts)
+        x_shard_s, weight, bias = _begin(ctx, x_shard_s, weight, bias, opts)
+        ops = opts.operands
         need_w = ctx.needs_input_grad[1]
-        if recompute_all_gather or not need_w:
-            # The input (shard or gathered) is read by the weight gradient only: a frozen weight
-            # keeps none, in particular not the W-times larger gathered input.
-            y = comm.all_gather_matmul(x_shard_s, weight, bias, group, False, seq_dim)
-            ctx.save_for_backward(x_shard_s if need_w else None, weight)
-        else:
-            y, x_full = comm.all_gather_matmul(x_shard_s, weight, bias, group, True, seq_dim)
-            ctx.save_for_backward(x_full, weight)
-        ctx.group = group
-        ctx.seq_dim = seq_dim
-        ctx.recompute_all_gather = recompute_all_gather
-        ctx.coc_in_backward = coc_in_backward
+        # The input (shard or gathered) is read by the weight gradient only: a frozen weight keeps
+        # none, in particular not the W-times larger gathered input.
+        keep_gathered = need_w and not ops.recompute_all_gather
+        y, gathered = ops.all_gather_linear(
+            ops.input(x_shard_s),
+            ops.weight(weight),
+            bias,
+            group=opts.group,
+            dim=opts.seq_dim,
+            out_dtype=x_shard_s.dtype,
+            keep=keep_gathered,
+        )
+        kept = gathered if keep_gathered else (x_shard_s if need_w else None)
+        ctx.save_for_backward(*ops.pack(kept), weight)
         return y
 
     @staticmethod
     @custom_bwd
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
-        saved_x, weight = ctx.saved_tensors
+        weight, kept = _saved(ctx)
+        ops, opts = ctx.ops, ctx.opts
+        group, dim = opts.group, opts.seq_dim
         need_x, need_w = ctx.needs_input_grad[:2]
-        group, dim = ctx.group, ctx.seq_dim
         world = comm.world_size(group)
         grad_y = grad_y.contiguous()
         grad_y2d = rows(grad_y)
         deferred = need_w and defer_wgrad(grad_y, ctx.wgrad_opts)
         compute_wgrad = need_w and not deferred
-        x_full = saved_x
-        if compute_wgrad and ctx.recompute_all_gather:
+        regather = compute_wgrad and ops.recompute_all_gather
+        if regather:
             # Started first, so the gather overlaps the dgrad GEMM.
-            x_full = comm.start_gather_rows(saved_x, group, dim)
+            x_full = comm.start_gather_rows(kept, group, dim)
 
         grad_x = None
         scatter = False
         if need_x:
-            if ctx.coc_in_backward:
-                grad_x = comm.matmul_reduce_scatter(grad_y, weight.t(), None, group, dim)
+            g, w_t = ops.grad(grad_y), ops.weight_t(weight)
+            if ops.fused_dgrad:
+                grad_x = ops.linear_reduce_scatter(g, w_t, None, group=group, dim=dim, out_dtype=grad_y.dtype)
             else:
-                grad_x = grad_y.matmul(weight)
+                grad_x = ops.linear(g, w_t, None, out_dtype=grad_y.dtype)
                 if world > 1:
                     # Waited for after the weight gradient, which it overlaps.
                     grad_x = comm.start_reduce_scatter(grad_x, group, dim)
                     scatter = True
-        if compute_wgrad and ctx.recompute_all_gather and world > 1:
-            x_full = comm.wait(x_full)
-        x_full2d = rows(x_full) if x_full is not None else None
-        grad_w, grad_b = wgrad_and_bias_grad(ctx, grad_y2d if compute_wgrad else None, x_full2d, grad_y2d)
-        return _finish_dgrad(ctx, grad_x, scatter), grad_w, grad_b, None, None, None, None, None
+        x_tokens = None
+        if compute_wgrad:
+            if not regather:
+                x_full = ops.dequant(kept)
+            elif world > 1:
+                x_full = comm.wait(x_full)
+            x_tokens = ops.wgrad_input(x_full)
+        grad_w, grad_b = wgrad_and_bias_grad(ctx, grad_y2d if compute_wgrad else None, x_tokens, grad_y2d)
+        return _finish_dgrad(ctx, grad_x, scatter), grad_w, grad_b, None
 
 
 class RowParallelLinearFunction(torch.autograd.Function):
@@ -193,14 +223,15 @@ class RowParallelLinearFunction(torch.autograd.Function):
 
     Shapes: ``x_shard_k [s, b, k/W]``, ``w_shard_k [n, k/W]``, ``bias [n]`` (whole).
 
-    - forward, one ``kernels.matmul_all_reduce`` (bias added once, after the reduction)::
+    - forward, one ``kernels.matmul_all_reduce`` (FP8: ``kernels.scaled_matmul_all_reduce``; bias
+      added once, after the reduction)::
 
-        y = all_reduce(x_shard_k @ w_shard_k.T) + bias                   # [s, b, n]
+        y = all_reduce(q(x_shard_k) @ q(w_shard_k).T) + bias             # [s, b, n]
 
     - dgrad and wgrad are local (``grad_y`` is the same on every rank)::
 
-        grad_x_shard_k = grad_y @ w_shard_k                              # [s, b, k/W]
-        grad_w_shard_k = grad_y.T @ x_shard_k                            # [n, k/W]
+        grad_x_shard_k = q(grad_y) @ q(w_shard_k.T).T                    # [s, b, k/W]
+        grad_w_shard_k = q(grad_y.T) @ q(x_shard_k.T).T                  # [n, k/W]
         grad_bias = grad_y.sum(rows)                                     # [n]
 
     ``group=None`` runs it without communication (single process, explicit expert comm).
@@ -209,28 +240,29 @@ class RowParallelLinearFunction(torch.autograd.Function):
     @staticmethod
     @custom_fwd
     def forward(
-        ctx: Any,
-        x_shard_k: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        group: Group,
-        wgrad_opts: WgradOptions,
+        ctx: Any, x_shard_k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: LinearOptions
     ) -> torch.Tensor:
-        x_shard_k, weight, bias = save_for_wgrad(ctx, x_shard_k, weight, bias, wgrad_opts)
-        ctx.save_for_backward(x_shard_k if ctx.needs_input_grad[1] else None, weight)
-        y2d = comm.matmul_all_reduce(rows(x_shard_k), weight, bias, group)
-        return y2d.view(*x_shard_k.shape[:-1], weight.shape[0])
+        x_shard_k, weight, bias = _begin(ctx, x_shard_k, weight, bias, opts)
+        ops = opts.operands
+        kept = ops.wgrad_input(x_shard_k) if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(*ops.pack(kept), weight)
+        return ops.linear_all_reduce(
+            ops.input(x_shard_k), ops.weight(weight), bias, group=opts.group, out_dtype=x_shard_k.dtype
+        )
 
     @staticmethod
     @custom_bwd
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
-        x_shard_k, weight = ctx.saved_tensors
-        grad_y2d = rows(grad_y.contiguous())
-        grad_x = grad_y2d.matmul(weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w, grad_b = wgrad_and_bias_grad(
-            ctx, grad_y2d, rows(x_shard_k) if x_shard_k is not None else None, grad_y2d
-        )
-        return grad_x, grad_w, grad_b, None, None
+        weight, x_tokens = _saved(ctx)
+        ops = ctx.ops
+        grad_y = grad_y.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = ops.linear(ops.grad(grad_y), ops.weight_t(weight), None, out_dtype=grad_y.dtype)
+            grad_x = grad_x.view(ctx.x_shape)
+        grad_y2d = rows(grad_y)
+        grad_w, grad_b = wgrad_and_bias_grad(ctx, grad_y2d, x_tokens, grad_y2d)
+        return grad_x, grad_w, grad_b, None
 
 
 class RowParallelLinearSPFunction(torch.autograd.Function):
@@ -239,19 +271,21 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
     Shapes (``seq_dim=0``, Megatron): ``x_shard_k [s, b, k/W]``, ``w_shard_k [n, k/W]``,
     ``bias [n]`` (whole); with ``seq_dim=1`` every ``s`` below moves to dim 1.
 
-    - forward, one ``kernels.matmul_reduce_scatter(..., scatter_dim=seq_dim)`` (bias added once,
-      after the reduction)::
+    - forward, one ``kernels.matmul_reduce_scatter(..., scatter_dim=seq_dim)`` (FP8:
+      ``kernels.scaled_matmul_reduce_scatter``; bias added once, after the reduction)::
 
-        y_shard_s = reduce_scatter(x_shard_k @ w_shard_k.T, dim=seq_dim) + bias   # [s/W, b, n]
+        y_shard_s = reduce_scatter(q(x_shard_k) @ q(w_shard_k).T, dim=seq_dim) + bias   # [s/W, b, n]
 
-    - dgrad, one ``kernels.all_gather_matmul(..., gather_dim=seq_dim, return_gathered=True)``::
+    - dgrad, one ``kernels.all_gather_matmul(..., gather_dim=seq_dim, return_gathered=True)`` (FP8:
+      ``kernels.all_gather_scaled_matmul``, the gathered FP8 gradient returned)::
 
-        grad_y = all_gather(grad_y_shard_s, dim=seq_dim)                 # [s, b, n]
-        grad_x_shard_k = grad_y @ w_shard_k                              # [s, b, k/W]
+        grad_y = all_gather(q(grad_y_shard_s), dim=seq_dim)              # [s, b, n]
+        grad_x_shard_k = grad_y @ q(w_shard_k.T).T                       # [s, b, k/W]
 
-    - wgrad, from the gathered ``grad_y`` the dgrad op returned::
+    - wgrad, from the gathered ``grad_y`` the dgrad op returned (FP8: dequantized and quantized
+      again along the tokens)::
 
-        grad_w_shard_k = rows(grad_y).T @ rows(x_shard_k)                # [n, k/W]
+        grad_w_shard_k = q(rows(grad_y).T) @ q(rows(x_shard_k).T).T      # [n, k/W]
         grad_bias = grad_y_shard_s.sum(rows)                             # [n], partial over ranks
 
       The bias gradient is this rank's rows only, as in Megatron, where such parameters carry
@@ -262,43 +296,56 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
     @staticmethod
     @custom_fwd
     def forward(
-        ctx: Any,
-        x_shard_k: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        group: Group,
-        wgrad_opts: WgradOptions,
-        seq_dim: int = 0,
+        ctx: Any, x_shard_k: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, opts: LinearOptions
     ) -> torch.Tensor:
-        world = comm.world_size(group)
-        if x_shard_k.dim() < 2 or x_shard_k.shape[seq_dim] % world != 0:
+        world, dim = comm.world_size(opts.group), opts.seq_dim
+        if x_shard_k.dim() < 2 or x_shard_k.shape[dim] % world != 0:
             raise ValueError(
-                f"sequence-parallel RowParallelLinear needs the sequence dim (dim {seq_dim}) of "
+                f"sequence-parallel RowParallelLinear needs the sequence dim (dim {dim}) of "
                 f"the input divisible by the tensor-parallel size W={world}, got input "
                 f"shape {tuple(x_shard_k.shape)}"
             )
-        x_shard_k, weight, bias = save_for_wgrad(ctx, x_shard_k, weight, bias, wgrad_opts)
-        ctx.save_for_backward(x_shard_k if ctx.needs_input_grad[1] else None, weight)
-        ctx.group = group
-        ctx.seq_dim = seq_dim
-        return comm.matmul_reduce_scatter(x_shard_k, weight, bias, group, seq_dim)
+        x_shard_k, weight, bias = _begin(ctx, x_shard_k, weight, bias, opts)
+        ops = opts.operands
+        kept = ops.wgrad_input(x_shard_k) if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(*ops.pack(kept), weight)
+        return ops.linear_reduce_scatter(
+            ops.input(x_shard_k), ops.weight(weight), bias, group=opts.group, dim=dim, out_dtype=x_shard_k.dtype
+        )
 
     @staticmethod
     @custom_bwd
     def backward(ctx: Any, grad_y_shard_s: torch.Tensor) -> tuple:
-        x_shard_k, weight = ctx.saved_tensors
+        weight, x_tokens = _saved(ctx)
+        ops, opts = ctx.ops, ctx.opts
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_y_shard_s = grad_y_shard_s.contiguous()
         grad_x = grad_y = None
         if need_x:
-            grad_x, grad_y = comm.all_gather_matmul(grad_y_shard_s, weight.t(), None, ctx.group, True, ctx.seq_dim)
+            grad_x, gathered = ops.all_gather_linear(
+                ops.grad(grad_y_shard_s),
+                ops.weight_t(weight),
+                None,
+                group=opts.group,
+                dim=opts.seq_dim,
+                out_dtype=grad_y_shard_s.dtype,
+                keep=need_w,
+            )
             grad_x = grad_x.view(ctx.x_shape)
+            grad_y = ops.dequant(gathered) if need_w else None
         elif need_w:
-            grad_y = comm.gather_rows(grad_y_shard_s, ctx.group, ctx.seq_dim)
+            # No dgrad (a frozen input): only the gradient is gathered. Quantizing rows in 1 x 128 blocks
+            # commutes with gathering rows, so this is the operand the FP8 dgrad op would have gathered.
+            grad_y = ops.dequant(ops.grad(comm.gather_rows(grad_y_shard_s, opts.group, opts.seq_dim)))
         grad_w, grad_b = wgrad_and_bias_grad(
-            ctx,
-            rows(grad_y) if grad_y is not None else None,
-            rows(x_shard_k) if need_w else None,
-            rows(grad_y_shard_s),
+            ctx, rows(grad_y) if grad_y is not None else None, x_tokens, rows(grad_y_shard_s)
         )
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None
+
+
+__all__ = [
+    "ColumnParallelLinearFunction",
+    "ColumnParallelLinearSPFunction",
+    "RowParallelLinearFunction",
+    "RowParallelLinearSPFunction",
+]

@@ -20,8 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from .hf_sizes import check_shardable
-from .shared_gather import share_input_gather
-from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel
+from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel, share_input_gather
 
 # Models whose transformers config declares no plan; the names are their module paths.
 _BUILTIN_PLANS: dict[str, dict[str, str]] = {

@@ -5,8 +5,9 @@ Megatron-core's signatures, on the overlapped ops.
 along the input dim) take the constructor and forward arguments of
 ``megatron.core.tensor_parallel`` and return ``(output, output_bias)`` as Megatron does. Their
 forward and backward are four autograd Functions (:mod:`autopar.tp.functions`), one per (layer,
-sequence parallel) case, whose communication runs through :mod:`kernels`, so the backend
-(sequential, chunked, fused) follows the ``COC_*`` environment at call time.
+sequence parallel) case, plain or with the FP8 recipe (``fp8=``) as their operand format, whose
+communication runs through :mod:`kernels`, so the backend (sequential, chunked, fused) follows the
+``COC_*`` environment at call time.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch.nn.parameter import Parameter
 from . import convert
 from .comm import Group, megatron_module, rank_of, resolve_tp_group, world_size
 from .forward import column_parallel_forward, row_parallel_forward
-from .fp8 import Fp8Recipe, Fp8WeightCache, fp8_column_forward, fp8_row_forward, resolve_recipe
+from .fp8 import Fp8Recipe, Fp8WeightCache, resolve_recipe
 
 
 def _set_tp_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
@@ -241,8 +242,6 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_ [s, b, input_size]`` (``[s/W, b, input_size]`` with sequence parallelism) ->
         ``(output [s, b, output_size / W] or [s, b, output_size] when gathering, output_bias)``."""
-        if self.fp8 is not None:
-            return fp8_column_forward(self, input_, weight, runtime_gather_output)
         return column_parallel_forward(self, input_, weight, runtime_gather_output)
 
     def backward_dw(self) -> None:
@@ -378,8 +377,6 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         """``input_ [s, b, input_size / W]`` (or ``[s, b, input_size]`` when not
         ``input_is_parallel``) -> ``(output [s, b, output_size] or [s/W, b, output_size] with
         sequence parallelism, output_bias)``."""
-        if self.fp8 is not None:
-            return fp8_row_forward(self, input_)
         return row_parallel_forward(self, input_)
 
     @classmethod

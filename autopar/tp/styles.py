@@ -42,15 +42,14 @@ from .functions import (
     RowParallelLinearFunction,
     RowParallelLinearSPFunction,
 )
-from .shared_gather import sharing_applies
-from .wgrad import WgradOptions
+from .options import LinearOptions
+from .shared_gather import SharedGather, sharing_applies
 
 try:  # torch's layout for weights packed along a sharded dim (q/k/v in one GEMM); private, stable since 2.5
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover
     _StridedShard = None
 
-_PLAIN = WgradOptions()
 _warned: set[str] = set()
 
 
@@ -186,6 +185,11 @@ def _install(module: nn.Module, forward: Any) -> nn.Module:
     return module
 
 
+def _options(group: dist.ProcessGroup, seq_dim: int) -> LinearOptions:
+    recompute, coc_in_backward = _column_settings()
+    return LinearOptions(group=group, seq_dim=seq_dim, coc_in_backward=coc_in_backward, recompute_all_gather=recompute)
+
+
 class CocColwiseParallel(ParallelStyle):
     """torch's ``ColwiseParallel`` (same arguments and parameter layouts) on the CoC ops.
 
@@ -256,22 +260,22 @@ class CocColwiseParallel(ParallelStyle):
             layout = self.input_layouts[0]
         weight = _linear_weight(module)
         bias = _local(module.bias) if module.bias is not None else None
-        recompute, coc_in_backward = _column_settings()
         d = _dim(layout, x.dim())
         if link is not None and link.idle and d is not None and d != x.dim() - 1:
-            weights = [_linear_weight(m) for m in link.members]
-            biases = [_local(m.bias) if m.bias is not None else None for m in link.members]
-            y = link.compute(module, source, x, weights, biases, group, d, recompute)
+            params = [_linear_weight(m) for m in link.members]
+            params += [_local(m.bias) if m.bias is not None else None for m in link.members]
+            members = (_options(group, d),) * len(link.members)
+            y = link.compute(module, source, x, params, members)
             return _wrap(y, mesh, self.output_layouts[0], self.use_local_output)
         if d is None:
-            y = ColumnParallelLinearFunction.apply(x, weight, bias, group, True, coc_in_backward, _PLAIN)
+            y = ColumnParallelLinearFunction.apply(x, weight, bias, _options(group, 0))
         elif d == x.dim() - 1:
             raise ValueError(
                 f"CocColwiseParallel: input layout {layout} shards the features (last dim); a column-parallel "
                 "linear takes a replicated or sequence-sharded input"
             )
         else:
-            y = ColumnParallelLinearSPFunction.apply(x, weight, bias, group, recompute, coc_in_backward, _PLAIN, d)
+            y = ColumnParallelLinearSPFunction.apply(x, weight, bias, _options(group, d))
         out = self.output_layouts[0]
         if isinstance(out, Replicate):
             y = GatherFromTensorParallelRegion.apply(y, group)
@@ -356,11 +360,11 @@ class CocRowwiseParallel(ParallelStyle):
         elif d is not None:
             raise ValueError(f"CocRowwiseParallel: output_layouts {out} shards the output features; use Replicate()")
         if d is None:
-            y = RowParallelLinearFunction.apply(x, weight, bias, group, _PLAIN)
+            y = RowParallelLinearFunction.apply(x, weight, bias, _options(group, 0))
         else:
             if bias is not None:
                 bias = _AllReduceGrad.apply(bias, group)
-            y = RowParallelLinearSPFunction.apply(x, weight, bias, group, _PLAIN, d)
+            y = RowParallelLinearSPFunction.apply(x, weight, bias, _options(group, d))
         return _wrap(y, mesh, out, self.use_local_output)
 
     def _embedding_forward(self, mesh: DeviceMesh, module: nn.Embedding, ids: torch.Tensor) -> Any:
@@ -447,3 +451,25 @@ class CocSequenceParallel(ParallelStyle):
             f"{type(self).__name__}(sequence_dim={self.sequence_sharding[0].dim}, "
             f"use_local_output={self.use_local_output})"
         )
+
+
+def share_input_gather(modules: list[nn.Module]) -> SharedGather:
+    """Link column-parallel ``modules`` that always read the same input so that, with a sequence-sharded
+    input, they share one all-gather (:mod:`autopar.tp.shared_gather`). Each must have been parallelized with
+    ``CocColwiseParallel`` with the same layouts (output sharded on the features, not packed)."""
+    if len(modules) < 2:
+        raise ValueError(f"share_input_gather links two or more modules, got {len(modules)}")
+    styles = [getattr(m, "_coc_style", None) for m in modules]
+    if not all(isinstance(s, CocColwiseParallel) for s in styles):
+        raise ValueError("share_input_gather: every module must be parallelized with CocColwiseParallel first")
+    first = styles[0]
+    for s in styles:
+        if s.packed != 1 or repr(s) != repr(first):
+            raise ValueError(f"share_input_gather: the modules' styles differ or are packed: {s!r} vs {first!r}")
+    out = first.output_layouts[0]
+    if not (isinstance(out, Shard) and out.dim == -1):
+        raise ValueError(f"share_input_gather: the outputs must stay sharded on the features (Shard(-1)), got {out}")
+    link = SharedGather(list(modules))
+    for m in modules:
+        m._coc_shared_gather = link
+    return link

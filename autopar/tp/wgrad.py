@@ -1,4 +1,5 @@
-"""The weight gradient and the forward bookkeeping shared by the four autograd Functions."""
+"""The weight gradient of the linear Functions: plain, into ``main_grad`` (gradient accumulation fusion) or
+deferred (Megatron's deferred embedding wgrad)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from kernels import checks
 
 try:  # Apex's fused wgrad GEMM; Megatron uses it for gradient_accumulation_fusion on CUDA.
     import fused_weight_gradient_mlp_cuda  # type: ignore[import-not-found]
@@ -46,21 +45,20 @@ def defer_wgrad(grad_y: torch.Tensor, opts: WgradOptions) -> bool:
     return False
 
 
-def weight_grad(
-    weight: torch.Tensor,
-    main_grad: torch.Tensor | None,
-    opts: WgradOptions,
-    grad_y2d: torch.Tensor | None,
-    x2d: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """``grad_w = grad_y2d.T @ x2d`` returned, or added into ``weight.main_grad``.
+def weight_grad(ctx: Any, grad_y2d: torch.Tensor | None, x_tokens: Any) -> torch.Tensor | None:
+    """``grad_w = grad_y2d.T @ x`` returned (the operand format's GEMM, ``ctx.ops``), or added into
+    ``weight.main_grad``.
 
-    ``grad_y2d`` is None when the GEMM was deferred (the caller computes it later).
+    ``grad_y2d`` is None when the GEMM was deferred (the caller computes it later); ``x_tokens`` is what the
+    format's ``wgrad_input`` made of the input.
     """
+    opts, main_grad, weight = ctx.wgrad_opts, ctx.main_grad, ctx.weight_param
     if not opts.gradient_accumulation_fusion:
         if grad_y2d is None:
             return None
-        return grad_y2d.t().matmul(x2d)
+        return ctx.ops.wgrad_gemm(grad_y2d, x_tokens, ctx.weight_dtype)
+    # Gradient accumulation fusion runs with plain operands only (LinearOptions refuses it with FP8).
+    x2d = x_tokens.reshape(-1, x_tokens.shape[-1]) if x_tokens is not None else None
     if main_grad is None:
         raise RuntimeError(
             "gradient_accumulation_fusion=True needs weight.main_grad (the buffer the "
@@ -106,31 +104,19 @@ def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return (x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None)
 
 
-def save_for_wgrad(
-    ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, wgrad_opts: WgradOptions
-) -> tuple:
-    """The forward bookkeeping every Function shares; returns the autocast ``(x, weight, bias)``.
-
-    The Function saves its tensors itself: the input it keeps is read by the weight gradient
-    only, so a frozen weight (``ctx.needs_input_grad[1]`` False; a LoRA base, say) keeps none.
-    """
-    # The parameter itself: main_grad and Megatron's DDP flags live on it, not on a cast copy.
+def track_main_grad(ctx: Any, weight: torch.Tensor, wgrad_opts: WgradOptions) -> None:
+    """What the weight gradient needs of the forward: the options and, with gradient accumulation fusion,
+    the parameter itself (main_grad and Megatron's DDP flags live on it, not on a cast copy)."""
     ctx.weight_param = weight if wgrad_opts.gradient_accumulation_fusion else None
     ctx.main_grad = main_grad_for(weight, wgrad_opts)
-    x, weight, bias = autocast_operands(x, weight, bias)
-    # Named errors on every path, W = 1 and group=None included (where no kernels op would check).
-    checks.check_matmul_operands(x, weight, bias)
-    ctx.x_shape = x.shape
-    ctx.has_bias = bias is not None
     ctx.wgrad_opts = wgrad_opts
-    return x, weight, bias
 
 
 def wgrad_and_bias_grad(
-    ctx: Any, grad_y2d: torch.Tensor | None, x2d: torch.Tensor | None, grad_b_rows: torch.Tensor
+    ctx: Any, grad_y2d: torch.Tensor | None, x_tokens: Any, grad_b_rows: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(grad_w, grad_b)`` as the Function's inputs need them; ``grad_b_rows`` is summed over rows."""
     need_w, need_b = ctx.needs_input_grad[1:3]
-    grad_w = weight_grad(ctx.weight_param, ctx.main_grad, ctx.wgrad_opts, grad_y2d, x2d) if need_w else None
-    grad_b = grad_b_rows.sum(dim=0) if (ctx.has_bias and need_b) else None
+    grad_w = weight_grad(ctx, grad_y2d, x_tokens) if need_w else None
+    grad_b = grad_b_rows.sum(dim=0).to(ctx.bias_dtype) if (ctx.has_bias and need_b) else None
     return grad_w, grad_b

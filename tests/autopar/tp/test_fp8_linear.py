@@ -123,6 +123,36 @@ def test_weight_requantized_only_when_changed() -> None:
     assert torch.equal(again.detach().view(-1, F), ref)
 
 
+def test_fp8_gemms_ignore_autocast() -> None:
+    """The FP8 GEMMs keep their fp32 sums under an enclosing autocast (the backward runs under the forward's
+    autocast state; the ops' reference backends would round their fp32 matmuls to bf16): the same bits with
+    and without it, output in the input's dtype."""
+    config = autopar.ParallelConfig(params_dtype=torch.float32, use_cpu_initialization=True)
+    torch.manual_seed(0)
+    layer = autopar.RowParallelLinear(
+        F,
+        H,
+        config=config,
+        init_method=torch.nn.init.xavier_normal_,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        fp8=autopar.Fp8Recipe(),
+    )
+    x = torch.randn(S, B, F)
+    runs = []
+    for autocast in (False, True):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y, _ = layer(xi)
+            y.sum().backward()
+        runs.append((y.detach(), xi.grad, layer.weight.grad))
+        layer.weight.grad = None
+    assert runs[1][0].dtype == torch.float32
+    for plain, cast in zip(*runs, strict=True):
+        assert torch.equal(plain, cast)
+
+
 def test_env_switch_and_recipe_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     config = autopar.ParallelConfig(params_dtype=torch.float32, use_cpu_initialization=True)
     monkeypatch.setenv("COC_FP8", "1")
@@ -142,6 +172,57 @@ def test_env_switch_and_recipe_validation(monkeypatch: pytest.MonkeyPatch) -> No
         autopar.Fp8Recipe(grad_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="fp8 must be an autopar.Fp8Recipe"):
         autopar.ColumnParallelLinear(H, F, config=config, init_method=torch.nn.init.zeros_, fp8="e4m3")
+
+
+def test_linear_options_are_validated_in_one_place() -> None:
+    from autopar.tp import LinearOptions
+    from autopar.tp.fp8 import Fp8WeightCache
+    from autopar.tp.wgrad import WgradOptions
+
+    recipe, cache = autopar.Fp8Recipe(), Fp8WeightCache()
+    assert not LinearOptions().operands.fused_dgrad  # plain: the dgrad collective overlaps the wgrad GEMM
+    assert LinearOptions(recipe=recipe, cache=cache).operands.fused_dgrad  # FP8: always one FP8 op
+    for kwargs, error, match in (
+        ({"group": "tp"}, TypeError, "group"),
+        ({"seq_dim": True}, TypeError, "seq_dim"),
+        ({"coc_in_backward": 1}, TypeError, "coc_in_backward"),
+        ({"wgrad": {}}, TypeError, "WgradOptions"),
+        ({"recipe": "e4m3", "cache": cache}, TypeError, "recipe"),
+        ({"recipe": recipe}, ValueError, "Fp8WeightCache"),
+        ({"cache": cache}, ValueError, "without an FP8 recipe"),
+        (
+            {"recipe": recipe, "cache": cache, "wgrad": WgradOptions(gradient_accumulation_fusion=True)},
+            NotImplementedError,
+            "gradient_accumulation_fusion",
+        ),
+        (
+            {"recipe": recipe, "cache": cache, "wgrad": WgradOptions(grad_output_buffer=[])},
+            NotImplementedError,
+            "defer_embedding_wgrad_compute",
+        ),
+    ):
+        with pytest.raises(error, match=match):
+            LinearOptions(**kwargs)
+
+
+def test_fp8_linears_refuse_what_the_recipe_does_not_run() -> None:
+    fp8 = autopar.Fp8Recipe()
+    init = torch.nn.init.xavier_normal_
+    x = torch.randn(S, B, H)
+    fused = autopar.ParallelConfig(use_cpu_initialization=True, gradient_accumulation_fusion=True)
+    with pytest.raises(NotImplementedError, match="gradient_accumulation_fusion is not supported with the FP8"):
+        autopar.ColumnParallelLinear(H, F, config=fused, init_method=init, fp8=fp8)(x)
+    deferred = autopar.ParallelConfig(
+        use_cpu_initialization=True, gradient_accumulation_fusion=True, defer_embedding_wgrad_compute=True
+    )
+    col = autopar.ColumnParallelLinear(
+        H, F, config=deferred, init_method=init, fp8=fp8, embedding_activation_buffer=[], grad_output_buffer=[]
+    )
+    with pytest.raises(NotImplementedError, match="defer_embedding_wgrad_compute is not supported"):
+        col(x)
+    expert = autopar.ParallelConfig(use_cpu_initialization=True, expert_model_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="explicit expert communication is not supported"):
+        autopar.ColumnParallelLinear(H, F, config=expert, init_method=init, fp8=fp8, is_expert=True)(x)
 
 
 def test_200_steps_within_2_percent_of_bf16() -> None:

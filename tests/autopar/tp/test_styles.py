@@ -127,7 +127,7 @@ def _shared_gather_rank(rank: int, world: int) -> dict:
     from torch.distributed.tensor.parallel import parallelize_module
 
     import autopar
-    from autopar.tp.shared_gather import share_input_gather
+    from autopar.tp import share_input_gather
 
     torch.manual_seed(0)
     block = nn.ModuleDict({"a": nn.Linear(H, FFN, dtype=torch.float64), "b": nn.Linear(H, 8, dtype=torch.float64)})
@@ -163,12 +163,50 @@ def _shared_gather_rank(rank: int, world: int) -> dict:
 def test_siblings_share_one_gather_and_other_inputs_compute_their_own() -> None:
     for res in run_ranks(_shared_gather_rank, 2):
         assert max(res["errors"].values()) < TOL, res
-        assert res["calls"] == {("all_gather_matmul[2 weights]", "sequential"): 1, ("all_gather_matmul", "sequential"): 1}
+        assert res["calls"] == {
+            ("all_gather_matmul[2 weights]", "sequential"): 1,
+            ("all_gather_matmul", "sequential"): 1,
+        }
         assert res["waiting"] == 0, res
 
 
+def _autocast_siblings_rank(rank: int, world: int) -> dict:
+    """Under autocast, linked siblings cast their operands as an unlinked module does (the Functions'
+    operand check): the same outputs, in the autocast dtype."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import autopar
+    from autopar.tp import share_input_gather
+
+    torch.manual_seed(0)
+    base = nn.ModuleDict({"a": nn.Linear(H, FFN), "b": nn.Linear(H, 8)})
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(2, 3 * world, H, generator=torch.Generator().manual_seed(1))[:, rank * 3 : (rank + 1) * 3]
+    outs = {}
+    for shared in (False, True):
+        block = copy.deepcopy(base)
+        style = autopar.CocColwiseParallel(input_layouts=Shard(1))
+        parallelize_module(block, mesh, {"a": style, "b": style})
+        if shared:
+            share_input_gather([block["a"], block["b"]])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[shared] = [block[m](x) for m in "ab"]
+    return {
+        "dtypes": {shared: [str(y.dtype) for y in ys] for shared, ys in outs.items()},
+        "diff": max((a.float() - b.float()).abs().max().item() for a, b in zip(outs[True], outs[False], strict=True)),
+    }
+
+
+def test_linked_siblings_cast_under_autocast_as_one_module() -> None:
+    for res in run_ranks(_autocast_siblings_rank, 2):
+        assert res["dtypes"] == {False: ["torch.bfloat16"] * 2, True: ["torch.bfloat16"] * 2}, res
+        assert res["diff"] == 0.0, res  # the same bf16 products, one gather for both or one each
+
+
 def test_share_input_gather_refuses_unparallelized_or_mismatched_modules() -> None:
-    from autopar.tp.shared_gather import share_input_gather
+    from autopar.tp import share_input_gather
 
     with pytest.raises(ValueError, match="two or more"):
         share_input_gather([nn.Linear(2, 2)])
