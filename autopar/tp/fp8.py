@@ -66,9 +66,15 @@ def resolve_recipe(fp8: Fp8Recipe | None) -> Fp8Recipe | None:
 
 
 class Fp8WeightCache:
-    """The quantized weight ``(q, scale)`` and its transpose, requantized when the weight changes."""
+    """The quantized weight ``(q, scale)`` and its transpose, requantized when the weight changes.
+
+    A change is a new version of the weight (every in-place update bumps it) or of the tensor given to
+    :meth:`track`: the CoC styles pass the local shard of a DTensor parameter, whose in-place updates
+    (optimizer steps, ``copy_``) bump the DTensor's version counter and leave the shard's at 0.
+    """
 
     def __init__(self) -> None:
+        self._source: torch.Tensor | None = None
         self.clear()
 
     def clear(self) -> None:
@@ -77,8 +83,14 @@ class Fp8WeightCache:
         self._t: tuple[torch.Tensor, torch.Tensor] | None = None
         self.quantizations = 0
 
+    def track(self, source: torch.Tensor) -> None:
+        """Key the copy on ``source``'s version too (the parameter the weight given to :meth:`get` is a
+        local view of)."""
+        self._source = source
+
     def get(self, weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype, dtype)
+        source = () if self._source is None else (id(self._source), self._source._version)
+        key = (weight._version, weight.data_ptr(), tuple(weight.shape), weight.dtype, dtype, *source)
         if key != self._key or self._fwd is None:
             self._fwd = kernels.quantize_fp8(weight.detach(), "block2d", dtype=dtype)
             self._t = None

@@ -4,7 +4,8 @@ transformers 5 declares a tensor-parallel plan per model (``model.tp_plan``: mod
 to style strings such as ``"colwise"``, ``"rowwise"``, ``"colwise_gather_output"``,
 ``"embedding_rowwise"``). :func:`hf_tp_plan` turns it into a plan of CoC styles for torch's
 ``parallelize_module``; :func:`parallelize_hf` applies it, with sequence parallelism if asked, and
-keeps a tied input embedding / output head tied (both vocabulary-parallel on one DTensor).
+keeps a tied input embedding / output head tied (both vocabulary-parallel on one DTensor). ``fp8=`` gives
+every linear of the plan the FP8 recipe's GEMMs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from .fp8 import Fp8Recipe, resolve_recipe
 from .hf_sizes import check_shardable
 from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel, share_input_gather
 
@@ -39,27 +41,28 @@ _SP_EXTRA: dict[str, dict[str, str]] = {"gpt2": {"transformer.wpe": "embedding_r
 SEQ_DIM = 1  # [batch, sequence, hidden], as transformers' models lay out activations
 
 
-def coc_style(name: str, *, sequence_parallel: bool = False) -> ParallelStyle:
+def coc_style(name: str, *, sequence_parallel: bool = False, fp8: Fp8Recipe | None = None) -> ParallelStyle:
     """The CoC style for one of transformers' tp_plan strings.
 
     With ``sequence_parallel`` the residual stream is sequence-sharded (``Shard(1)`` DTensors
     between the blocks): row outputs reduce-scatter, column inputs all-gather, embeddings
-    reduce-scatter their lookups.
+    reduce-scatter their lookups. ``fp8``: the FP8 recipe of the linear styles (None: the
+    default recipe when ``COC_FP8=1``, as for the styles); embeddings and norms have no GEMM.
     """
     seq = Shard(SEQ_DIM)
     out = seq if sequence_parallel else Replicate()
     local = not sequence_parallel
     if name == "colwise":
-        return CocColwiseParallel()
+        return CocColwiseParallel(fp8=fp8)
     if name in ("colwise_gather_output", "colwise_rep"):
-        return CocColwiseParallel(output_layouts=Replicate())
+        return CocColwiseParallel(output_layouts=Replicate(), fp8=fp8)
     if name.startswith("packed_colwise"):
         _, _, blocks = name.partition(":")
-        return CocColwiseParallel(packed=int(blocks or 2))
+        return CocColwiseParallel(packed=int(blocks or 2), fp8=fp8)
     if name == "rowwise":
-        return CocRowwiseParallel(output_layouts=out, use_local_output=local)
+        return CocRowwiseParallel(output_layouts=out, use_local_output=local, fp8=fp8)
     if name in ("rowwise_split_input", "rowwise_rep"):
-        return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), fp8=fp8)
     if name == "embedding_rowwise":
         return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=local)
     if name == "sequence_parallel":
@@ -102,12 +105,17 @@ def _matches(name: str, key: str) -> bool:
 
 
 def hf_tp_plan(
-    model: nn.Module, *, sequence_parallel: bool = False, plan: dict[str, str] | None = None
+    model: nn.Module,
+    *,
+    sequence_parallel: bool = False,
+    plan: dict[str, str] | None = None,
+    fp8: Fp8Recipe | None = None,
 ) -> dict[str, ParallelStyle]:
     """A ``parallelize_module`` plan of CoC styles for a transformers model (``plan``: tp_plan
-    strings to use instead of the model's own)."""
+    strings to use instead of the model's own; ``fp8``: the FP8 recipe of its linears)."""
     strings = dict(plan) if plan is not None else hf_plan_strings(model, sequence_parallel=sequence_parallel)
-    return {key: coc_style(s, sequence_parallel=sequence_parallel) for key, s in strings.items()}
+    recipe = resolve_recipe(fp8)
+    return {key: coc_style(s, sequence_parallel=sequence_parallel, fp8=recipe) for key, s in strings.items()}
 
 
 def _style_of(name: str, strings: dict[str, str]) -> str | None:
@@ -190,6 +198,7 @@ def parallelize_hf(
     *,
     sequence_parallel: bool = False,
     plan: dict[str, str] | None = None,
+    fp8: Fp8Recipe | None = None,
 ) -> nn.Module:
     """Parallelize a transformers model in place with CoC styles; returns it.
 
@@ -202,7 +211,11 @@ def parallelize_hf(
     With ``sequence_parallel=True`` activations between the blocks are ``Shard(1)`` DTensors and
     the model's inputs keep their full shape: every rank passes the same ``input_ids`` and gets the
     full logits. A forward whose sequence length does not divide by the mesh size runs replicated.
+
+    ``fp8``: an :class:`~autopar.Fp8Recipe`: every linear of the plan (the output head included) runs its
+    forward, dgrad and wgrad GEMMs in FP8; None: the default recipe when ``COC_FP8=1``, else none.
     """
+    recipe = resolve_recipe(fp8)
     if device_mesh is None:
         if not dist.is_initialized():
             raise RuntimeError("parallelize_hf: torch.distributed is not initialized and no device_mesh was given")
@@ -213,7 +226,7 @@ def parallelize_hf(
     check_shardable(model, _sharded_modules(model, strings), device_mesh.size())
     if _model_type(model) == "gpt2":
         _adjust_gpt2(model, device_mesh.size())
-    styles = {key: coc_style(s, sequence_parallel=sequence_parallel) for key, s in strings.items()}
+    styles = {key: coc_style(s, sequence_parallel=sequence_parallel, fp8=recipe) for key, s in strings.items()}
     parallelize_module(model, device_mesh, styles)
     if sequence_parallel:
         _share_gathers(model)

@@ -6,7 +6,8 @@ parameters exactly as they do (PyTorch DTensors: ``Shard(0)`` / ``Shard(1)`` / `
 so state dicts, distributed checkpoints, optimizers and ``clip_grad_norm_`` see what torch's styles
 give them. The forward and backward differ: they run on the local shards through the autograd
 Functions of :mod:`autopar.tp.functions`, whose communication is the overlapped ``kernels`` ops
-(backend from the ``COC_*`` environment):
+(backend from the ``COC_*`` environment); ``fp8=autopar.Fp8Recipe()`` (or ``COC_FP8=1``) makes their GEMMs
+the FP8 recipe's (the FP8 ops, same layouts):
 
 - column, input ``Shard(d)`` (sequence parallel): ``all_gather_matmul(gather_dim=d)``;
   backward ``reduce_scatter(dim=d)`` of the dgrad overlapped with the wgrad GEMM.
@@ -36,6 +37,7 @@ from torch.distributed.tensor.placement_types import Placement
 from . import comm
 from .comm import GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
 from .forward import _column_settings
+from .fp8 import Fp8Recipe, Fp8WeightCache, resolve_recipe
 from .functions import (
     ColumnParallelLinearFunction,
     ColumnParallelLinearSPFunction,
@@ -185,9 +187,28 @@ def _install(module: nn.Module, forward: Any) -> nn.Module:
     return module
 
 
-def _options(group: dist.ProcessGroup, seq_dim: int) -> LinearOptions:
+def _attach_fp8(module: nn.Module, recipe: Fp8Recipe | None) -> None:
+    """The module's quantized-weight cache (``module.fp8_cache``: one per module, the style may serve many)."""
+    if recipe is not None:
+        module.fp8_cache = Fp8WeightCache()
+
+
+def _options(module: nn.Module, recipe: Fp8Recipe | None, group: dist.ProcessGroup, seq_dim: int) -> LinearOptions:
+    cache = None
+    if recipe is not None:
+        cache = module.fp8_cache
+        # The Functions see the weight's local shard, which in-place updates of the DTensor leave at version
+        # 0; the cache must follow the parameter the module holds now (a re-tied head holds another).
+        cache.track(module.weight)
     recompute, coc_in_backward = _column_settings()
-    return LinearOptions(group=group, seq_dim=seq_dim, coc_in_backward=coc_in_backward, recompute_all_gather=recompute)
+    return LinearOptions(
+        group=group,
+        seq_dim=seq_dim,
+        coc_in_backward=coc_in_backward,
+        recompute_all_gather=recompute,
+        recipe=recipe,
+        cache=cache,
+    )
 
 
 class CocColwiseParallel(ParallelStyle):
@@ -199,7 +220,9 @@ class CocColwiseParallel(ParallelStyle):
     ``output_layouts`` (default ``Shard(-1)``): ``Replicate()`` gathers the output features.
     ``packed=p``: the output features are ``p`` equal blocks each sharded on its own (GPT-2's
     q/k/v in ``c_attn``, a fused gate/up): weight ``_StridedShard(split_factor=p)`` as transformers'
-    ``PackedColwiseParallel``, so each rank holds its slice of every block.
+    ``PackedColwiseParallel``, so each rank holds its slice of every block. ``fp8``: an
+    :class:`~autopar.Fp8Recipe` for FP8 forward, dgrad and wgrad GEMMs (None: the default recipe when
+    ``COC_FP8=1``, else the parameter dtype).
     """
 
     def __init__(
@@ -209,6 +232,7 @@ class CocColwiseParallel(ParallelStyle):
         output_layouts: Placement | None = None,
         use_local_output: bool = True,
         packed: int = 1,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         self.input_layouts = (_one(input_layouts, Replicate(), "input_layouts"),)
@@ -217,6 +241,7 @@ class CocColwiseParallel(ParallelStyle):
         if not isinstance(packed, int) or packed < 1:
             raise ValueError(f"packed must be an int >= 1 (blocks in the output features), got {packed!r}")
         self.packed = packed
+        self.fp8 = resolve_recipe(fp8)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not (isinstance(module, nn.Linear) or is_conv1d(module)):
@@ -240,6 +265,7 @@ class CocColwiseParallel(ParallelStyle):
         else:
             _distribute(module, "weight", device_mesh, Shard(wdim), self.src_data_rank)
             _distribute(module, "bias", device_mesh, Shard(0), self.src_data_rank)
+        _attach_fp8(module, self.fp8)
         module._coc_style = self
         return _install(module, functools.partial(self._forward, device_mesh))
 
@@ -264,18 +290,18 @@ class CocColwiseParallel(ParallelStyle):
         if link is not None and link.idle and d is not None and d != x.dim() - 1:
             params = [_linear_weight(m) for m in link.members]
             params += [_local(m.bias) if m.bias is not None else None for m in link.members]
-            members = (_options(group, d),) * len(link.members)
+            members = tuple(_options(m, m._coc_style.fp8, group, d) for m in link.members)
             y = link.compute(module, source, x, params, members)
             return _wrap(y, mesh, self.output_layouts[0], self.use_local_output)
         if d is None:
-            y = ColumnParallelLinearFunction.apply(x, weight, bias, _options(group, 0))
+            y = ColumnParallelLinearFunction.apply(x, weight, bias, _options(module, self.fp8, group, 0))
         elif d == x.dim() - 1:
             raise ValueError(
                 f"CocColwiseParallel: input layout {layout} shards the features (last dim); a column-parallel "
                 "linear takes a replicated or sequence-sharded input"
             )
         else:
-            y = ColumnParallelLinearSPFunction.apply(x, weight, bias, _options(group, d))
+            y = ColumnParallelLinearSPFunction.apply(x, weight, bias, _options(module, self.fp8, group, d))
         out = self.output_layouts[0]
         if isinstance(out, Replicate):
             y = GatherFromTensorParallelRegion.apply(y, group)
@@ -287,7 +313,7 @@ class CocColwiseParallel(ParallelStyle):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
-            f"use_local_output={self.use_local_output}, packed={self.packed})"
+            f"use_local_output={self.use_local_output}, packed={self.packed}, fp8={self.fp8})"
         )
 
 
@@ -301,9 +327,13 @@ class CocRowwiseParallel(ParallelStyle):
     ``Shard(-1)``; ``Replicate()`` slices this rank's input features (transformers'
     ``rowwise_split_input``).
 
+    ``fp8``: an :class:`~autopar.Fp8Recipe` for FP8 GEMMs (``kernels.scaled_matmul_all_reduce`` /
+    ``scaled_matmul_reduce_scatter``; None: the default recipe when ``COC_FP8=1``).
+
     On ``nn.Embedding`` (vocabulary-parallel, as torch's): weight ``Shard(0)``, token ids
     replicated; each rank looks up its rows and the partial sums are all-reduced (``Replicate``) or
-    reduce-scattered along the sequence (``Shard(d)``) with torch's collectives (no GEMM to fuse).
+    reduce-scattered along the sequence (``Shard(d)``) with torch's collectives (no GEMM to fuse,
+    so ``fp8`` does not apply: the lookup stays in the parameter dtype).
     """
 
     def __init__(
@@ -312,11 +342,13 @@ class CocRowwiseParallel(ParallelStyle):
         input_layouts: Placement | None = None,
         output_layouts: Placement | None = None,
         use_local_output: bool = True,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         self.input_layouts = (_one(input_layouts, Shard(-1), "input_layouts"),)
         self.output_layouts = (_one(output_layouts, Replicate(), "output_layouts"),)
         self.use_local_output = use_local_output
+        self.fp8 = resolve_recipe(fp8)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         world = device_mesh.size()
@@ -335,6 +367,7 @@ class CocRowwiseParallel(ParallelStyle):
             raise ValueError(f"CocRowwiseParallel: in_features={k} must divide by the mesh size W={world}")
         _distribute(module, "weight", device_mesh, Shard(0 if is_conv1d(module) else 1), self.src_data_rank)
         _distribute(module, "bias", device_mesh, Replicate(), self.src_data_rank)
+        _attach_fp8(module, self.fp8)
         return _install(module, functools.partial(self._forward, device_mesh))
 
     def _forward(self, mesh: DeviceMesh, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -360,11 +393,11 @@ class CocRowwiseParallel(ParallelStyle):
         elif d is not None:
             raise ValueError(f"CocRowwiseParallel: output_layouts {out} shards the output features; use Replicate()")
         if d is None:
-            y = RowParallelLinearFunction.apply(x, weight, bias, _options(group, 0))
+            y = RowParallelLinearFunction.apply(x, weight, bias, _options(module, self.fp8, group, 0))
         else:
             if bias is not None:
                 bias = _AllReduceGrad.apply(bias, group)
-            y = RowParallelLinearSPFunction.apply(x, weight, bias, _options(group, d))
+            y = RowParallelLinearSPFunction.apply(x, weight, bias, _options(module, self.fp8, group, d))
         return _wrap(y, mesh, out, self.use_local_output)
 
     def _embedding_forward(self, mesh: DeviceMesh, module: nn.Embedding, ids: torch.Tensor) -> Any:
@@ -390,7 +423,7 @@ class CocRowwiseParallel(ParallelStyle):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
-            f"use_local_output={self.use_local_output})"
+            f"use_local_output={self.use_local_output}, fp8={self.fp8})"
         )
 
 
@@ -456,7 +489,7 @@ class CocSequenceParallel(ParallelStyle):
 def share_input_gather(modules: list[nn.Module]) -> SharedGather:
     """Link column-parallel ``modules`` that always read the same input so that, with a sequence-sharded
     input, they share one all-gather (:mod:`autopar.tp.shared_gather`). Each must have been parallelized with
-    ``CocColwiseParallel`` with the same layouts (output sharded on the features, not packed)."""
+    ``CocColwiseParallel`` with the same layouts and recipe (output sharded on the features, not packed)."""
     if len(modules) < 2:
         raise ValueError(f"share_input_gather links two or more modules, got {len(modules)}")
     styles = [getattr(m, "_coc_style", None) for m in modules]

@@ -225,6 +225,21 @@ def test_fp8_linears_refuse_what_the_recipe_does_not_run() -> None:
         autopar.ColumnParallelLinear(H, F, config=expert, init_method=init, fp8=fp8, is_expert=True)(x)
 
 
+def test_styles_and_parallelize_hf_take_the_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COC_FP8", "1")
+    assert autopar.CocColwiseParallel().fp8 == autopar.Fp8Recipe() == autopar.CocRowwiseParallel().fp8
+    monkeypatch.setenv("COC_FP8", "0")
+    assert autopar.CocColwiseParallel().fp8 is None
+    hybrid = autopar.Fp8Recipe(grad_dtype=torch.float8_e5m2)
+    assert autopar.CocRowwiseParallel(fp8=hybrid).fp8 is hybrid
+    # The recipe is part of the style's repr: share_input_gather links only modules of one recipe.
+    assert repr(autopar.CocColwiseParallel(fp8=hybrid)) != repr(autopar.CocColwiseParallel())
+    with pytest.raises(TypeError, match="fp8 must be an autopar.Fp8Recipe"):
+        autopar.CocColwiseParallel(fp8="e4m3")
+    with pytest.raises(TypeError, match="fp8 must be an autopar.Fp8Recipe"):
+        autopar.parallelize_hf(torch.nn.Linear(2, 2), fp8=True)
+
+
 def test_200_steps_within_2_percent_of_bf16() -> None:
     bf16, fp8 = run_ranks(curves_rank, 2, 200, timeout=900)[0]
     assert len(bf16) == len(fp8) == 200

@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels.testing import run_ranks
 from tests.autopar.tp.hf_cases import coc_op_counter
+from tests.autopar.tp.spies import public_op_counter
 
 H, FFN = 16, 32
 TOL = 1e-12  # float64
@@ -168,6 +169,50 @@ def test_siblings_share_one_gather_and_other_inputs_compute_their_own() -> None:
             ("all_gather_matmul", "sequential"): 1,
         }
         assert res["waiting"] == 0, res
+
+
+def _fp8_shared_gather_rank(rank: int, world: int) -> dict:
+    """Linked siblings with the FP8 recipe (one FP8 gather for both weights) against the same modules unlinked
+    (one FP8 gather each): the same quantized operands, fp32 sums in another order."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import autopar
+    from autopar.tp import share_input_gather
+
+    torch.manual_seed(0)
+    base = nn.ModuleDict({"a": nn.Linear(H, FFN), "b": nn.Linear(H, 8)})
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3 * world, H, generator=gen)[:, rank * 3 : (rank + 1) * 3]
+    ga, gb = (
+        torch.randn(2, 3 * world, FFN // world, generator=gen),
+        torch.randn(2, 3 * world, 8 // world, generator=gen),
+    )
+    runs = {}
+    for shared in (False, True):
+        block = copy.deepcopy(base)
+        style = autopar.CocColwiseParallel(input_layouts=Shard(1), fp8=autopar.Fp8Recipe())
+        parallelize_module(block, mesh, {"a": style, "b": style})
+        if shared:
+            share_input_gather([block["a"], block["b"]])
+        x_local = x.clone().requires_grad_()
+        with public_op_counter() as calls:
+            ya, yb = block["a"](x_local), block["b"](x_local)
+        ((ya * ga).sum() + (yb * gb).sum()).backward()
+        grads = [block[m].weight.grad.to_local() for m in "ab"] + [block[m].bias.grad.to_local() for m in "ab"]
+        runs[shared] = ([ya.detach(), yb.detach(), x_local.grad, *grads], dict(calls))
+    (alone, alone_calls), (linked, linked_calls) = runs[False], runs[True]
+    errors = [((a - b).norm() / b.norm()).item() for a, b in zip(linked, alone, strict=True)]
+    return {"errors": errors, "alone": alone_calls, "linked": linked_calls}
+
+
+def test_fp8_siblings_share_one_gather() -> None:
+    for res in run_ranks(_fp8_shared_gather_rank, 2):
+        assert max(res["errors"]) < 1e-6, res  # fp32 sums of k <= 32 products in another order
+        assert res["alone"] == {"all_gather_scaled_matmul": 2}, res
+        assert res["linked"] == {"all_gather_scaled_matmul": 1}, res
 
 
 def _autocast_siblings_rank(rank: int, world: int) -> dict:
