@@ -194,6 +194,15 @@ def resolve_request(descriptor: Descriptor, config: CocConfig) -> Descriptor:
     return tuple(out)
 
 
+def signature(descriptor: Descriptor) -> Descriptor:
+    """The descriptor with only the fields its op needs equal on every rank (the others -1): what makes a
+    call new. A field that may differ between ranks (the reducing ops' k, the all-gather's n) must not,
+    or one rank's resharded weight would make its call new while its peers repeat theirs."""
+    op = descriptor[1]
+    needed = _MUST_AGREE[OPS[op]] if 0 <= op < len(OPS) else _COMMON
+    return tuple(v if name in needed else _NOT_APPLICABLE for name, v in zip(FIELDS, descriptor, strict=True))
+
+
 def requests_fused(descriptor: Descriptor) -> bool:
     """Whether the call asks for the fused backend (after :func:`resolve_request`)."""
     return _BACKENDS[descriptor[_BACKEND]] == "fused"

@@ -14,11 +14,12 @@ Every public op admits its call through :func:`admit` before choosing a backend:
     else: a local error raises on this rank only
 
 Only a checked call can tell the peers anything: a rank that raises alone leaves its peers in the
-op's next collective. The signature of a call is its descriptor (with the group and device), so in
-a program whose ranks call alike every rank sees a new signature at the same call and they all
-check it together; the first call of every shape is checked by default. What a signature cached on
-some ranks cannot show (one rank's call changes while the others repeat theirs) only ``COC_CHECK=1``
-catches.
+op's next collective. The signature of a call is its descriptor's fields the ranks must agree on
+(:func:`kernels.agree.signature`: not the reducing ops' k nor the all-gather's n, which may differ), with
+the group and device, so in a program whose ranks call alike every rank sees a new signature at the
+same call and they all check it together; the first call of every shape is checked by default. What
+a signature cached on some ranks cannot show (one rank's call changes while the others repeat theirs)
+only ``COC_CHECK=1`` catches.
 
 Fused calls are compared by the kernels themselves at every call once the group's heap exists (its
 first fused call creates it on every rank at once): a fused request is host-checked only before that,
@@ -205,7 +206,7 @@ def check_compiled(
         return
     descriptor = agree.resolve_request(descriptor, config)
     name = group_name(group)
-    key = (name, str(device), descriptor)
+    key = (name, str(device), agree.signature(descriptor))
     if check is None and key in _seen:
         return
     exchange(op, group, world, device, descriptor)
@@ -260,7 +261,7 @@ def admit(
             raise
         exchange(op, group, world, device, None, e)
         raise AssertionError("unreachable: the exchange raises this rank's error") from e
-    key = (name, str(device), descriptor)
+    key = (name, str(device), agree.signature(descriptor))
     wanted = check is True or (
         check is None and key not in _seen and not (agree.requests_fused(descriptor) and _fused_compares(group, device))
     )

@@ -74,10 +74,11 @@ def quantize_weight(
         raise ValueError(f"group_size={group_size!r} is only meaningful with mode='per_group', got mode={mode!r}")
     w = weight.detach().float()
     if mode == "per_tensor":
-        amax = w.abs().amax()
+        # An empty shard (a row-parallel weight split unevenly) has amax 0: scale 1, as a zero group.
+        amax = w.abs().amax() if w.numel() else w.new_zeros(())
         grouped = w
     elif mode == "per_channel":
-        amax = w.abs().amax(dim=1)
+        amax = w.abs().amax(dim=1) if k else w.new_zeros((n,))
         grouped = w
     else:
         groups = _ceil_div(k, group_size)
@@ -124,10 +125,11 @@ def quant_spec(qweight: torch.Tensor, scale: object, group_size: int | None, off
         spec = QuantSpec("per_tensor", k, 1)
     elif scale.dim() == 1 and scale.shape[0] == n:
         spec = QuantSpec("per_channel", k, 1)
-    elif scale.dim() == 2 and scale.shape[0] == n and scale.shape[1] >= 1:
+    elif scale.dim() == 2 and scale.shape[0] == n and (scale.shape[1] >= 1 or k == 0):
+        # k == 0 (an empty shard of a row-parallel weight): no group, and group_size must be given.
         groups = scale.shape[1]
         if group_size is None:
-            if k % groups != 0:
+            if groups == 0 or k % groups != 0:
                 raise ValueError(
                     f"group_size=None cannot be inferred: k={k} is not divisible by the "
                     f"{groups} groups of scale {tuple(scale.shape)}; pass the group_size "
