@@ -16,8 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .paths import config_path
-
 PARALLEL_NUMS = (1, 2, 4, 8)
 BACKENDS = ("sequential", "chunked", "fused")
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
@@ -41,14 +39,13 @@ _ENV_VARS = (
     ENV_FP8,
 )
 
-DEFAULT_CONFIG_FILE = str(config_path("coc.yaml"))
-
 ShapeKey = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
 class CocConfig:
-    """Resolved settings. Defaults are those of ``configs/coc.yaml`` and docs/api.md section 3."""
+    """Resolved settings: the defaults (the one place they are stated; docs/api.md section 3 lists them),
+    overridden by the COC_* environment and the YAML file ``COC_CONFIG`` names."""
 
     parallel_num: int | str = 1
     use_fused: bool = False

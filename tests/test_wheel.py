@@ -49,7 +49,7 @@ INSTALLED_SCRIPT = textwrap.dedent(
     import json, os, sys, warnings
     import torch
     import kernels
-    from kernels import config, paths
+    from kernels import paths
     from kernels.fused import tuned
 
     x, w = torch.randn(8, 16), torch.randn(12, 16)
@@ -67,7 +67,7 @@ INSTALLED_SCRIPT = textwrap.dedent(
         "sys_path": [os.path.realpath(p) for p in sys.path],
         "errors": errors,
         "configs_dir": str(paths.CONFIGS_DIR),
-        "coc_yaml": os.path.isfile(config.DEFAULT_CONFIG_FILE),
+        "coc_yaml": os.path.isfile(paths.config_path("coc.yaml")),
         "tuned_path": str(tuned.tuned_path(cuda)),
         "tuned_config": None if found is None else found.to_dict(),
     }))
