@@ -6,7 +6,7 @@ per local GEMM shape of the LLaMA-70B TP8 layers (:func:`cases`) this measures (
 flushed, median of the repeats; inputs already quantized):
 
 * ``torch._scaled_mm`` at that shape (the baseline's GEMM), where this torch supports the mode;
-* the fused backend's FP8 GEMM core (``kernels.fused.gemm_fp8.scaled_matmul``, the W == 1 kernel);
+* the fused backend's FP8 GEMM core (``kernels.fused.matmul.gemm`` with the FP8 format, the W == 1 kernel);
 * each FP8 op with ``backend="fused"`` at world 1 (the fused kernel without peers);
 
 and, labelled as a MODEL, the TP8 times the performance model (bench/model.py) predicts from the
@@ -153,7 +153,9 @@ def run_fp8_single(rank: int, world: int, device: torch.device, fp8_cases: list[
     import kernels
     from bench import model
     from bench.runner import fallback_reason
-    from kernels.fused.gemm_fp8 import scaled_matmul
+    from kernels.call import Operands
+    from kernels.format import fp8
+    from kernels.fused.matmul import gemm
 
     timer = Timer(device)
     link = None
@@ -165,7 +167,7 @@ def run_fp8_single(rank: int, world: int, device: torch.device, fp8_cases: list[
         xq, xs, wq, ws, ref = _inputs(c, device, opts.seed + i)
         rec: dict[str, Any] = {"case": c.label, "mode": c.mode, "gemm_shape": [c.m, c.k, c.n], "shape": c.shape}
         t_base = _baseline(rec, c, xq, xs, wq, ws, ref, timer, opts)
-        core = partial(scaled_matmul, xq, xs, wq, ws, None, c.mode, torch.bfloat16)
+        core = partial(gemm, fp8(c.mode), Operands(xq, (wq,), (None,), xs, (ws,)), out_dtype=torch.bfloat16)
         err = rel_error(core(), ref)
         t_core = None
         if err > CHECK_REL:

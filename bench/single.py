@@ -2,7 +2,7 @@
 
 For each local GEMM shape of the chosen cases:
 
-* the Triton GEMM core (``kernels.fused.gemm``) against ``torch.nn.functional.linear`` (cuBLAS);
+* the Triton GEMM core (``kernels.fused.matmul``) against ``torch.nn.functional.linear`` (cuBLAS);
 * each op with ``backend="fused"`` at world size 1 against the bare GEMM (the fusion's overhead);
 * each op with ``backend="chunked", parallel_num=4`` at world size 1 against ``"sequential"``
   (what splitting the GEMM costs);
@@ -26,20 +26,20 @@ from bench.runner import FUSED_FALLBACK, TORCH_DTYPES, Progress, RunOptions, agr
 from bench.suites import OP_SHORT, Case
 from bench.timing import Timer
 
-# The Triton GEMM core's launcher: kernels/fused/gemm.py matmul(x [m, k], weight [n, k], bias=None).
-_GEMM_CORE_NAME = "matmul"
+# The Triton GEMM core's launcher: kernels/fused/matmul.py linear(x [m, k], weight [n, k], bias=None).
+_GEMM_CORE_NAME = "linear"
 
 
 def gemm_core() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, str]:
     """The Triton GEMM core's launcher ``f(x [m, k], weight [n, k]) -> [m, n]``, or why there is none."""
     try:
-        from kernels.fused import gemm
+        from kernels.fused import matmul
     except ImportError as e:
-        return None, f"kernels.fused.gemm is not available ({e})"
-    fn = getattr(gemm, _GEMM_CORE_NAME, None)
+        return None, f"kernels.fused.matmul is not available ({e})"
+    fn = getattr(matmul, _GEMM_CORE_NAME, None)
     if not callable(fn):
-        return None, f"kernels.fused.gemm has no {_GEMM_CORE_NAME}()"
-    return fn, f"kernels.fused.gemm.{_GEMM_CORE_NAME}"
+        return None, f"kernels.fused.matmul has no {_GEMM_CORE_NAME}()"
+    return fn, f"kernels.fused.matmul.{_GEMM_CORE_NAME}"
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: str) -> bool:

@@ -157,7 +157,7 @@ def tune(
     ``checkpoint(entries, skipped)`` runs after every shape, so a run killed from outside (gpu-check's
     section deadline) leaves the winners found so far in the file.
     """
-    from kernels.fused import gemm, gemm_configs, tuned
+    from kernels.fused import gemm_configs, matmul, tuned
 
     start = clock()
     entries, rows, skipped = [], [], []
@@ -179,7 +179,7 @@ def tune(
             notes: dict[str, str] = {}
             for cfg in space:
                 try:
-                    got = gemm.matmul(x, w, config=cfg, fallback=False)
+                    got = matmul.linear(x, w, config=cfg, fallback=False)
                 except Exception as err:  # a config that cannot compile here is reported, not fatal
                     timings[cfg.label()], notes[cfg.label()] = None, f"failed: {type(err).__name__}"
                     continue
@@ -189,7 +189,7 @@ def tune(
                     timings[cfg.label()], notes[cfg.label()] = None, f"wrong result (max abs. error {err:.3g})"
                     continue
                 timings[cfg.label()] = timer(
-                    lambda x=x, w=w, cfg=cfg: gemm.matmul(x, w, config=cfg, fallback=False),
+                    lambda x=x, w=w, cfg=cfg: matmul.linear(x, w, config=cfg, fallback=False),
                     (shape.label, dname, cfg.label()),
                 )
             for op in shape.ops:

@@ -19,9 +19,11 @@ import triton
 import triton.language as tl
 
 from . import runtime, signals
-from .gemm import NARROW_BLOCK_K, BlockConfig, block_config, dot_acc, grouped_tile, load_a, local_launch, store_tile
+from .gemm import NARROW_BLOCK_K, BlockConfig, block_config, dot_acc, load_a
 from .gemm_ar import ONE_SHOT_MAX_BYTES, all_reduce_partials, tile_rows
 from .gemm_rs import group_and_size, push_tile, scatter_tile, slot_stride, tiles
+from .legacy import int8_format, operands
+from .matmul import gemm
 
 # Scale layouts (kernels.quant.QuantSpec.mode) as kernel constants. PER_GROUP_ALIGNED is
 # per_group with ``group_size % BLOCK_K == 0``: a k-tile lies inside one group, so one [BLOCK_N]
@@ -86,61 +88,6 @@ def _tile_matmul_w8a16(
         b = (b * s_tile).to(x_ptr.dtype.element_ty)
         acc = dot_acc(a, b, acc, "tf32", tl.float32)
     return acc
-
-
-@triton.jit
-def _matmul_w8a16_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    o_ptr,
-    bias_ptr,
-    c_ptr,
-    M,
-    N,
-    K,
-    GROUP_SIZE,
-    stride_xm,
-    stride_xk,
-    stride_qn,
-    stride_qk,
-    stride_sn,
-    stride_sg,
-    stride_cm,
-    stride_cn,
-    MODE: tl.constexpr,
-    HAS_OFFSET: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = _tile_matmul_w8a16(
-        x_ptr,
-        stride_xm,
-        stride_xk,
-        q_ptr,
-        stride_qn,
-        stride_qk,
-        s_ptr,
-        o_ptr,
-        stride_sn,
-        stride_sg,
-        offs_m,
-        mask_m,
-        offs_n,
-        mask_n,
-        K,
-        GROUP_SIZE,
-        MODE,
-        HAS_OFFSET,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-    )
-    store_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS, True)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
@@ -301,47 +248,9 @@ def matmul_w8a16(
     group_size: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Local ``x @ dequant(qweight).T + bias`` with the dequantizing GEMM core (the W == 1 path)."""
-    m, k = x.shape
-    n = qweight.shape[0]
-    out, cfg, grid = local_launch(x, n)
-    if grid[0] == 0:
-        return out
-    # Only block_k may change here: the grid stays valid.
-    cfg, mode = _quant_config(cfg, scale, group_size)
-    s, o, stride_sn, stride_sg = _quant_args(scale, offset)
-    # The kernel indexes bias with unit stride.
-    bias = bias.contiguous() if bias is not None else None
-    _matmul_w8a16_kernel[grid](
-        x,
-        qweight,
-        s,
-        o,
-        bias if bias is not None else out,
-        out,
-        m,
-        n,
-        k,
-        group_size,
-        x.stride(0),
-        x.stride(1),
-        qweight.stride(0),
-        qweight.stride(1),
-        stride_sn,
-        stride_sg,
-        out.stride(0),
-        out.stride(1),
-        MODE=mode,
-        HAS_OFFSET=offset is not None,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return out
+    """Local ``x @ dequant(qweight).T + bias`` (the W == 1 path): :func:`matmul.gemm` of the int8 format."""
+    ops = operands(x, [qweight], [bias], w_scales=[scale], w_offsets=[offset])
+    return gemm(int8_format(scale, group_size, offset), ops)
 
 
 def _quant_config(cfg: BlockConfig, scale: torch.Tensor, group_size: int) -> tuple[BlockConfig, int]:

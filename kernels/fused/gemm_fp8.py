@@ -1,4 +1,5 @@
-"""The scaled FP8 tile core of the fused FP8 ops, and a bare scaled matmul over it (the W == 1 path).
+"""The scaled FP8 tile core of the fused FP8 ops not yet on :mod:`tile` (all-gather, reduce-scatter), and the
+old entry point of the FP8 local GEMM (:func:`matmul.gemm` of the FP8 format).
 
 ``scaled_tile`` computes one ``[BLOCK_M, BLOCK_N]`` fp32 tile of ``dequant(a) @ dequant(b).T`` for FP8
 payloads ``a [m, k]`` and ``b`` in ``F.linear`` layout ``[n, k]`` with their fp32 scales, without
@@ -20,13 +21,15 @@ the kernels know two layouts only: per row (constant along k) and per block.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
 
-from .gemm import SMALL_M, BlockConfig, grouped_tile, tile_grid, tile_launch_options
+from ..format import fp8
+from . import blocks
+from .blocks import CPU_FP8_BLOCKS, GPU_FP8_BLOCKS, GPU_FP8_SMALL_M_BLOCKS, BlockConfig  # noqa: F401
+from .legacy import operands
+from .matmul import gemm
 from .runtime import triton_interpreted
 
 # Columns of k per scale, and rows of n per weight scale in block mode (DeepSeek-V3's 1x128 / 128x128).
@@ -47,32 +50,10 @@ _WIDEN_FP8_DOT = tl.constexpr(triton_interpreted())
 # compiled kernels and torch round, so interpreted kernels round the bits themselves first.
 _ROUND_BF16_BITS = tl.constexpr(triton_interpreted())
 
-# Tiles. BLOCK_N must divide 128 (a tile's columns share one weight scale row in block mode) and
-# BLOCK_K must divide 128 (a k step never straddles a scale block). On sm_90 a 128-deep FP8 k step
-# is 128 bytes per row, the same smem tile as a 64-deep bf16 step.
-CPU_FP8_BLOCKS = BlockConfig(block_m=16, block_n=16, block_k=64, num_warps=1, num_stages=1, ag_splits=2, group_m=2)
-GPU_FP8_BLOCKS = BlockConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, ag_splits=4, group_m=8)
-# Decode-size m (at most gemm.SMALL_M rows): 64-row tiles, as for the bf16 GEMM.
-GPU_FP8_SMALL_M_BLOCKS = replace(GPU_FP8_BLOCKS, block_m=64, num_warps=4, num_stages=4)
-# Operand rows that do not start 16-byte aligned (k % 16 != 0) are loaded a byte at a time (no
-# cp.async below 4 bytes): every k step of 32 or more spilled on sm_90 (48 to 600 bytes, even with
-# one stage), so such shapes take 16-deep steps through the fp16 dot (see ``fp8_dot``).
-NARROW_BLOCK_K = 16
-
 
 def fp8_block_config(device: torch.device, rows: int | None = None, k: int | None = None) -> BlockConfig:
-    """Tile configuration of an FP8 GEMM launch on ``device``.
-
-    ``rows`` (the rows a tile owner has) must come from shapes every rank agrees on: ``block_m`` and
-    ``block_n`` set the tile counts that become signal targets. ``k`` (which may differ between
-    ranks of the reducing ops) selects only ``block_k``, which no count depends on.
-    """
-    if device.type != "cuda":
-        return CPU_FP8_BLOCKS
-    cfg = GPU_FP8_SMALL_M_BLOCKS if rows is not None and rows <= SMALL_M else GPU_FP8_BLOCKS
-    if k is not None and k % 16:
-        cfg = replace(cfg, block_k=NARROW_BLOCK_K)
-    return cfg
+    """:func:`blocks.block_config` of the FP8 format (untuned)."""
+    return blocks.block_config(fp8("block"), device, rows, k)
 
 
 def scale_strides(mode: str, scale: torch.Tensor) -> tuple[int, int]:
@@ -274,61 +255,6 @@ def scaled_tile(
     return acc
 
 
-@triton.jit
-def _scaled_matmul_kernel(
-    a_ptr,
-    as_ptr,
-    b_ptr,
-    bs_ptr,
-    bias_ptr,
-    c_ptr,
-    M,
-    N,
-    K,
-    stride_am,
-    stride_ak,
-    stride_asm,
-    stride_ask,
-    stride_bn,
-    stride_bk,
-    stride_bsn,
-    stride_bsk,
-    stride_cm,
-    stride_cn,
-    PER_BLOCK: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    acc = scaled_tile(
-        a_ptr,
-        stride_am,
-        stride_ak,
-        as_ptr,
-        stride_asm,
-        stride_ask,
-        b_ptr,
-        stride_bn,
-        stride_bk,
-        bs_ptr,
-        stride_bsn,
-        stride_bsk,
-        offs_m,
-        mask_m,
-        offs_n,
-        mask_n,
-        K,
-        PER_BLOCK,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-    )
-    store_scaled_tile(c_ptr, acc, bias_ptr, offs_m, mask_m, offs_n, mask_n, stride_cm, stride_cn, HAS_BIAS)
-
-
 def scaled_matmul(
     x: torch.Tensor,
     x_scale: torch.Tensor,
@@ -339,49 +265,7 @@ def scaled_matmul(
     out_dtype: torch.dtype,
     cfg: BlockConfig | None = None,
 ) -> torch.Tensor:
-    """``dequant(x) @ dequant(weight).T + bias`` rounded once to ``out_dtype``: the W == 1 path.
-
-    x FP8 ``[m, k]``, weight FP8 ``[n, k]``, scales as validated by the public op for ``mode``,
-    bias ``[n]`` or None -> ``[m, n]`` ``out_dtype``. ``cfg`` overrides the tile configuration
-    (tests use it to run 128-deep and narrower k steps). Reference semantics::
-
-        xd = x.double() * x_scale broadcast (tensor: scalar, row: per row, block: per row per 128 columns)
-        wd = weight.double() * w_scale broadcast (block: per 128 x 128 block)
-        y = (xd @ wd.T + bias).to(out_dtype)     # the kernel: fp32 sums, scales per 128-deep k block
-    """
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    cfg = cfg if cfg is not None else fp8_block_config(x.device, m, k)
-    grid = tile_grid(m, n, cfg)
-    if grid[0] == 0:
-        return out
-    stride_xsm, stride_xsk = scale_strides(mode, x_scale)
-    stride_wsn, stride_wsk = scale_strides(mode, w_scale)
-    # The kernel indexes bias with unit stride.
-    bias = bias.contiguous() if bias is not None else None
-    _scaled_matmul_kernel[grid](
-        x,
-        x_scale,
-        weight,
-        w_scale,
-        bias if bias is not None else out,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        x.stride(1),
-        stride_xsm,
-        stride_xsk,
-        weight.stride(0),
-        weight.stride(1),
-        stride_wsn,
-        stride_wsk,
-        out.stride(0),
-        out.stride(1),
-        PER_BLOCK=mode == "block",
-        HAS_BIAS=bias is not None,
-        **tile_launch_options(cfg),
-    )
-    return out
+    """``dequant(x) @ dequant(weight).T + bias`` rounded once to ``out_dtype`` for 2-D FP8 operands:
+    :func:`matmul.gemm` of the FP8 format."""
+    ops = operands(x, [weight], [bias], x_scale=x_scale, w_scales=[w_scale])
+    return gemm(fp8(mode), ops, out_dtype=out_dtype, cfg=cfg)

@@ -2,7 +2,7 @@
 
 ``c = a @ b.T + bias`` for ``a [M, K]`` and ``b [N, K]`` (``F.linear`` layout). The grid is
 ``min(SM count, tiles)``; program ``p`` computes tiles ``p, p + grid, p + 2 * grid, ...`` of the
-grouped order (:func:`tile_coords`, the same bijection as :func:`gemm.grouped_tile`), so a wave of
+grouped order (:func:`tile_coords`, the same bijection as :func:`tile.grouped_tile`), so a wave of
 resident programs reads a few A row panels and B column panels out of L2, and no launch pays for
 more programs than the GPU holds (the prologue of tile ``i + 1`` overlaps the epilogue of tile ``i``
 within one program's instruction stream).
@@ -15,7 +15,7 @@ Two variants:
   read as zeros and are not written. Needs row-major operands whose rows start 16-byte aligned;
 * :func:`_pointer_kernel`: the same walk with masked pointer loads (cp.async), for any strides.
 
-``RECORD_WALK`` (tests only) adds 1 to ``walk[tile]`` for every tile a program computes, so a test
+A ``walk`` tensor (tests only) gets 1 added to ``walk[tile]`` for every tile a program computes, so a test
 can check that the walk covers every tile exactly once whatever order the programs run in.
 """
 
@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import dot_acc
 from .gemm_configs import GemmConfig
 from .runtime import triton_interpreted
+from .tile import dot_acc
 
 # Programs of an interpreted persistent launch: a few, so tests see several tiles per program.
 INTERPRETER_SMS = 3
@@ -46,87 +46,56 @@ def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _record(walk_ptr, tile_id, RECORD_WALK: tl.constexpr):
-    if RECORD_WALK:
+def _record(walk_ptr, tile_id):
+    if walk_ptr is not None:
         tl.atomic_add(walk_ptr + tile_id, 1)
 
 
 @triton.jit(do_not_specialize=["num_programs"])
-def _tma_kernel(
-    a_desc,
-    b_desc,
-    c_desc,
-    bias_ptr,
-    walk_ptr,
-    M,
-    N,
-    K,
-    num_programs,
-    HAS_BIAS: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    RECORD_WALK: tl.constexpr,
-):
+def _tma_kernel(a_desc, b_desc, c_desc, bias_ptr, walk_ptr, dims, num_programs, TILE: tl.constexpr, MATH: tl.constexpr):
+    M, N, K = dims
+    BLOCK_M: tl.constexpr = TILE[0]
+    BLOCK_N: tl.constexpr = TILE[1]
+    BLOCK_K: tl.constexpr = TILE[2]
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     for tile_id in range(tl.program_id(0), num_tiles, num_programs):
-        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, TILE[3])
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=MATH[0])
         for k0 in range(0, K, BLOCK_K):
             a = a_desc.load([off_m, k0])
             b = b_desc.load([off_n, k0])
-            acc = dot_acc(a, b.T, acc, DOT_PRECISION, ACC_DTYPE)
-        if HAS_BIAS:
+            acc = dot_acc(a, b.T, acc, MATH)
+        if bias_ptr is not None:
             offs_n = off_n + tl.arange(0, BLOCK_N)
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC_DTYPE)[None, :]
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(MATH[0])[None, :]
         c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
-        _record(walk_ptr, tile_id, RECORD_WALK)
+        _record(walk_ptr, tile_id)
 
 
 @triton.jit(do_not_specialize=["num_programs"])
-def _pointer_kernel(
-    a_ptr,
-    b_ptr,
-    bias_ptr,
-    c_ptr,
-    walk_ptr,
-    M,
-    N,
-    K,
-    stride_am,
-    stride_ak,
-    stride_bn,
-    stride_bk,
-    stride_cm,
-    stride_cn,
-    num_programs,
-    HAS_BIAS: tl.constexpr,
-    ACC_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    RECORD_WALK: tl.constexpr,
-):
+def _pointer_kernel(A, B, OUT, walk_ptr, dims, num_programs, TILE: tl.constexpr, MATH: tl.constexpr):
+    M, N, K = dims
+    a_ptr, stride_am, stride_ak = A
+    b_ptr, stride_bn, stride_bk = B
+    c_ptr, stride_cm, stride_cn, bias_ptr = OUT
+    BLOCK_M: tl.constexpr = TILE[0]
+    BLOCK_N: tl.constexpr = TILE[1]
+    BLOCK_K: tl.constexpr = TILE[2]
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     for tile_id in range(tl.program_id(0), num_tiles, num_programs):
-        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, TILE[3])
         # int64: offs * stride of a large (or transposed) operand may pass 2^31.
         offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC_DTYPE)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=MATH[0])
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
             mask_k = offs_k < K
@@ -140,15 +109,15 @@ def _pointer_kernel(
                 mask=mask_n[None, :] & mask_k[:, None],
                 other=0.0,
             )
-            acc = dot_acc(a, b, acc, DOT_PRECISION, ACC_DTYPE)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(ACC_DTYPE)[None, :]
+            acc = dot_acc(a, b, acc, MATH)
+        if bias_ptr is not None:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(MATH[0])[None, :]
         tl.store(
             c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
             acc.to(c_ptr.dtype.element_ty),
             mask=mask_m[:, None] & mask_n[None, :],
         )
-        _record(walk_ptr, tile_id, RECORD_WALK)
+        _record(walk_ptr, tile_id)
 
 
 @functools.cache
@@ -203,30 +172,24 @@ def launch(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     cfg: GemmConfig,
-    acc_dtype: tl.dtype,
-    dot_precision: str,
+    *,
+    math: tuple[tl.dtype, str],
     walk: torch.Tensor | None = None,
 ) -> None:
     """``out = x @ weight.T + bias`` with the persistent kernel of ``cfg.variant`` ("tma" or "persistent").
 
-    ``walk`` (tests): int32 ``[tiles]`` that every computed tile increments. The caller checks
+    ``math``: the kernels' ``(accumulator dtype, dot precision)`` (:func:`blocks.dot_math`). ``walk``
+    (tests): int32 ``[tiles]`` that every computed tile increments. The caller checks
     :func:`tma_usable` before asking for "tma".
     """
     m, k = x.shape
     n = weight.shape[0]
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     programs = num_programs(x.device, tiles)
-    bias_arg = bias.contiguous() if bias is not None else out
-    walk_arg = walk if walk is not None else out
+    bias = bias.contiguous() if bias is not None else None
     common = dict(
-        HAS_BIAS=bias is not None,
-        ACC_DTYPE=acc_dtype,
-        DOT_PRECISION=dot_precision,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        RECORD_WALK=walk is not None,
+        TILE=(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m),
+        MATH=math,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -236,23 +199,14 @@ def launch(
         a_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
         b_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.block_n, cfg.block_k])
         c_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [cfg.block_m, cfg.block_n])
-        _tma_kernel[(programs,)](a_desc, b_desc, c_desc, bias_arg, walk_arg, m, n, k, programs, **common)
+        _tma_kernel[(programs,)](a_desc, b_desc, c_desc, bias, walk, (m, n, k), programs, **common)
     elif cfg.variant == "persistent":
         _pointer_kernel[(programs,)](
-            x,
-            weight,
-            bias_arg,
-            out,
-            walk_arg,
-            m,
-            n,
-            k,
-            x.stride(0),
-            x.stride(1),
-            weight.stride(0),
-            weight.stride(1),
-            out.stride(0),
-            out.stride(1),
+            (x, x.stride(0), x.stride(1)),
+            (weight, weight.stride(0), weight.stride(1)),
+            (out, out.stride(0), out.stride(1), bias),
+            walk,
+            (m, n, k),
             programs,
             **common,
         )

@@ -27,9 +27,13 @@ File layout (``version: 1``)::
         config: {block_m: 128, block_n: 256, block_k: 64, num_warps: 8, num_stages: 3, group_m: 8, variant: tma}
         ms: 1.234                       # the config's time
         cublas_ms: 1.201                # torch.matmul on the same shape
+        format: fp8:block               # optional: the operand format (kernels.format), default plain
 
-Lookup (:func:`lookup`): the entry of the same op, dtype and shape family (:func:`gemm_configs.family`)
-nearest to the call's shape in ``|log2 m| + |log2 n| + |log2 k|`` (ties: the first in the file).
+Lookup (:func:`lookup`): the entry of the same op, dtype (x's: the FP8 payload's for FP8), operand
+format and shape family (:func:`gemm_configs.family`) nearest to the call's shape in
+``|log2 m| + |log2 n| + |log2 k|`` (ties: the first in the file). Entries of another format than plain
+run the fused tile core ("plain" variant); FP8 entries' ``block_n`` and ``block_k`` divide 128 (one
+scale row per tile and k step).
 For the fused ops ``k`` is left out of the distance: ranks may hold uneven ``k`` shards, and the tile
 counts that become signal targets must not depend on it.
 """
@@ -45,8 +49,10 @@ from pathlib import Path
 
 import torch
 
+from ..format import OperandFormat
 from ..paths import config_path
 from .gemm_configs import GemmConfig, family
+from .tile import SCALE_BLOCK
 
 ENV_TUNED_DIR = "COC_TUNED_DIR"
 FILE_VERSION = 1
@@ -65,9 +71,10 @@ class Entry:
     config: GemmConfig
     ms: float | None = None
     cublas_ms: float | None = None
+    format: str = "plain"
 
     def to_dict(self) -> dict:
-        return dict(
+        d = dict(
             op=self.op,
             dtype=self.dtype,
             m=self.m,
@@ -77,6 +84,7 @@ class Entry:
             ms=self.ms,
             cublas_ms=self.cublas_ms,
         )
+        return d if self.format == "plain" else {**d, "format": self.format}
 
 
 def gpu_name(device: torch.device) -> str:
@@ -150,8 +158,32 @@ def parse(doc: object, source: str) -> list[Entry]:
             raise ValueError(f"{where}.config: {err}") from err
         if e["op"] in FUSED_OPS and config.variant != "plain":
             raise ValueError(f"{where}.config.variant: {config.variant!r}; the fused ops' tile core is 'plain'")
-        entries.append(Entry(e["op"], e["dtype"], e["m"], e["n"], e["k"], config, e.get("ms"), e.get("cublas_ms")))
+        fmt = _format(e.get("format", "plain"), config, where)
+        entries.append(
+            Entry(e["op"], e["dtype"], e["m"], e["n"], e["k"], config, e.get("ms"), e.get("cublas_ms"), fmt.encode())
+        )
     return entries
+
+
+def _format(text: object, config: GemmConfig, where: str) -> OperandFormat:
+    """The ``format`` of an entry, checked against what its kernels can run."""
+    try:
+        fmt = OperandFormat.decode(str(text))
+    except (ValueError, IndexError, KeyError):
+        fmt = None
+    if fmt is None or fmt.encode() != text:
+        raise ValueError(
+            f"{where}.format: {text!r} is not an operand format as kernels.format.OperandFormat.encode writes it "
+            "(plain, fp8:block, int8:per_group:128, ...)"
+        )
+    if fmt.kind != "plain" and config.variant != "plain":
+        raise ValueError(f"{where}.config.variant: {config.variant!r}; {fmt.kind} operands run the tile core, 'plain'")
+    if fmt.kind == "fp8" and (SCALE_BLOCK % config.block_n or SCALE_BLOCK % config.block_k):
+        raise ValueError(
+            f"{where}.config: block_n {config.block_n} and block_k {config.block_k} must divide {SCALE_BLOCK} "
+            "for FP8 (one scale row per tile and k step)"
+        )
+    return fmt
 
 
 _files: dict[str, tuple[int, list[Entry]]] = {}
@@ -177,7 +209,7 @@ def load(path: Path | str) -> list[Entry]:
     return entries
 
 
-# (path, op, dtype, m, n, k) -> the lookup's answer for the file version in ``_files``.
+# (path, op, dtype, format, m, n, k) -> the lookup's answer for the file version in ``_files``.
 _memo: dict[tuple, GemmConfig | None] = {}
 
 
@@ -186,12 +218,14 @@ def _distance(e: Entry, m: int, n: int, k: int | None) -> float:
     return d if k is None else d + abs(math.log2(e.k / max(k, 1)))
 
 
-def nearest(entries: list[Entry], op: str, dtype: torch.dtype, m: int, n: int, k: int | None) -> Entry | None:
+def nearest(
+    entries: list[Entry], op: str, dtype: torch.dtype, m: int, n: int, *, k: int | None, fmt: str = "plain"
+) -> Entry | None:
     """The entry :func:`lookup` picks among ``entries`` (see the module docstring), or None."""
     fam = family(m)
     best, best_d = None, math.inf
     for e in entries:
-        if e.op != op or e.dtype != dtype_name(dtype) or family(e.m) != fam:
+        if e.op != op or e.dtype != dtype_name(dtype) or e.format != fmt or family(e.m) != fam:
             continue
         d = _distance(e, max(m, 1), n, k)
         if d < best_d:
@@ -200,9 +234,10 @@ def nearest(entries: list[Entry], op: str, dtype: torch.dtype, m: int, n: int, k
 
 
 def lookup(
-    op: str, device: torch.device, dtype: torch.dtype, m: int, n: int, k: int | None = None
+    op: str, device: torch.device, dtype: torch.dtype, m: int, n: int, *, k: int | None = None, fmt: str = "plain"
 ) -> GemmConfig | None:
-    """The tuned config of ``op`` for an ``m x n x k`` GEMM on ``device``, or None (use the defaults).
+    """The tuned config of ``op`` for an ``m x n x k`` GEMM of operand format ``fmt``
+    (:meth:`kernels.format.OperandFormat.encode`) on ``device``, or None (use the defaults).
 
     ``k`` is ignored for the fused ops (see the module docstring).
     """
@@ -215,9 +250,9 @@ def lookup(
     if not entries:
         return None
     k = None if op in FUSED_OPS else k
-    key = (path, op, dtype, m, n, k)
+    key = (path, op, dtype, fmt, m, n, k)
     if key not in _memo:
-        e = nearest(entries, op, dtype, m, n, k)
+        e = nearest(entries, op, dtype, m, n, k=k, fmt=fmt)
         _memo[key] = None if e is None else e.config
     return _memo[key]
 

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from bench import tune
-from kernels.fused import gemm, gemm_persistent, tuned
+from kernels.format import PLAIN
+from kernels.fused import blocks, gemm_persistent, tuned
+from kernels.fused import matmul as matmul_module
 from kernels.fused.gemm_configs import GemmConfig
 from kernels.testing import REPO_ROOT
 
@@ -55,19 +57,19 @@ def test_tune_picks_per_op_skips_wrong_configs_and_kernels_read_the_file(monkeyp
     core is plain); a config whose result is wrong is never timed nor chosen even when it would be
     fastest. Then the written file changes the config in use: matmul launches ``FAST``, the fused
     ops' block_config returns ``FAST_PLAIN``'s tiles."""
-    real_matmul = gemm.matmul
+    real_matmul = matmul_module.linear
 
-    def matmul(x, w, bias=None, *, config=None, fallback=True):
+    def fake_linear(x, w, bias=None, *, config=None, fallback=True):
         y = real_matmul(x, w, bias, config=config, fallback=fallback)
         return y + 1 if config == WRONG else y
 
-    monkeypatch.setattr(gemm, "matmul", matmul)
+    monkeypatch.setattr(matmul_module, "linear", fake_linear)
     calls = []
     timer = _fake_timer({FAST.label(): 0.1, FAST_PLAIN.label(): 0.2, WRONG.label(): 0.01}, calls)
     shape = tune.cpu_shapes()[0]
     logged = []
     entries, rows, skipped = tune.tune([shape], [torch.bfloat16], torch.device("cpu"), timer, log=logged.append)
-    monkeypatch.setattr(gemm, "matmul", real_matmul)
+    monkeypatch.setattr(matmul_module, "linear", real_matmul)
     assert skipped == []
     assert (shape.label, "bfloat16", WRONG.label()) not in calls
     assert (shape.label, "bfloat16", tune._CUBLAS) in calls
@@ -81,20 +83,24 @@ def test_tune_picks_per_op_skips_wrong_configs_and_kernels_read_the_file(monkeyp
     assert "wrong result" in matmul_row["failed"][WRONG.label()]
 
     x = torch.randn(shape.m, shape.k)
-    before = gemm.matmul_config(x, shape.n)
-    before_blocks = gemm.block_config(x.device, shape.m, shape.k, x.dtype, op="all_gather_matmul", n=shape.n)
+    before = matmul_module.matmul_config(x, shape.n)
+    before_blocks = blocks.block_config(
+        PLAIN, x.device, shape.m, shape.k, dtype=x.dtype, op="all_gather_matmul", n=shape.n
+    )
     tuned.write(tmp_path / "cpu.yaml", entries, {"gpu": "cpu"})
     monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(tmp_path))
     xb, wb = x.to(torch.bfloat16), torch.randn(shape.n, shape.k).to(torch.bfloat16)
-    assert before == gemm.default_config(xb) != FAST
-    assert gemm.matmul_config(xb, shape.n) == FAST
+    assert before == matmul_module.default_config(xb) != FAST
+    assert matmul_module.matmul_config(xb, shape.n) == FAST
     seen = []
     monkeypatch.setattr(gemm_persistent, "launch", lambda *a, **kw: (seen.append(a[4]), real_launch(*a, **kw)))
-    y = gemm.matmul(xb, wb)
+    y = matmul_module.linear(xb, wb)
     assert seen == [FAST]
-    assert torch.equal(y, real_matmul(xb, wb, config=gemm.default_config(xb)))  # same sums: fp32, k = 32 = 2 steps
-    after = gemm.block_config(xb.device, shape.m, shape.k, xb.dtype, op="all_gather_matmul", n=shape.n)
-    assert before_blocks == gemm.CPU_BLOCKS
+    assert torch.equal(
+        y, real_matmul(xb, wb, config=matmul_module.default_config(xb))
+    )  # same sums: fp32, k = 32 = 2 steps
+    after = blocks.block_config(PLAIN, xb.device, shape.m, shape.k, dtype=xb.dtype, op="all_gather_matmul", n=shape.n)
+    assert before_blocks == blocks.CPU_BLOCKS
     assert (after.block_m, after.block_n, after.group_m) == (FAST_PLAIN.block_m, FAST_PLAIN.block_n, FAST_PLAIN.group_m)
     assert after != before_blocks
 
@@ -146,9 +152,9 @@ def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monke
     for e in entries:
         x = torch.empty(e.m, e.k, dtype=getattr(torch, e.dtype))
         if e.op == "matmul":
-            assert gemm.matmul_config(x, e.n) == e.config
+            assert matmul_module.matmul_config(x, e.n) == e.config
         else:
-            b = gemm.block_config(x.device, e.m, e.k, x.dtype, op=e.op, n=e.n)
+            b = blocks.block_config(PLAIN, x.device, e.m, e.k, dtype=x.dtype, op=e.op, n=e.n)
             assert (b.block_m, b.block_n, b.num_warps, b.group_m) == (
                 e.config.block_m,
                 e.config.block_n,

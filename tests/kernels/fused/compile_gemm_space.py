@@ -1,7 +1,7 @@
 """Compile every config of the GEMM space (:mod:`kernels.fused.gemm_configs`) for sm_90a; run by
 ``test_compile_sm90.py`` in a subprocess per installed Triton (no ``TRITON_INTERPRET``).
 
-Each config is compiled in its variant's kernel, as :func:`kernels.fused.gemm.matmul` launches it on
+Each config is compiled in its variant's kernel, as :func:`kernels.fused.matmul.linear` launches it on
 an H100 (bf16 operands; fp16 for one TMA config: the same instructions with another type
 suffix), on a shape of its family with 16-byte aligned rows. The SASS must show
 
@@ -32,16 +32,14 @@ def _args(cfg, shape, dtype) -> tuple[object, dict]:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from kernels.fused import gemm, gemm_persistent
+    from kernels.fused import gemm_persistent, matmul, tile
 
     m, n, k = shape
 
     def t(dt=dtype):
         return torch.empty(64, dtype=dt)
 
-    blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m)
-    common = dict(HAS_BIAS=True, ACC_DTYPE=tl.float32, DOT_PRECISION="tf32", **blocks)
-    persistent = dict(num_programs=132, RECORD_WALK=False)
+    common = dict(dims=(m, n, k), TILE=(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m), MATH=(tl.float32, "tf32"))
     if cfg.variant == "tma":
         base = t()
         descs = dict(
@@ -49,15 +47,19 @@ def _args(cfg, shape, dtype) -> tuple[object, dict]:
             b_desc=TensorDescriptor(base, [n, k], [k, 1], [cfg.block_n, cfg.block_k]),
             c_desc=TensorDescriptor(base, [m, n], [n, 1], [cfg.block_m, cfg.block_n]),
         )
-        return gemm_persistent._tma_kernel, dict(
-            **descs, bias_ptr=t(), walk_ptr=t(torch.int32), M=m, N=n, K=k, **common, **persistent
-        )
-    ptrs = dict(M=m, N=n, K=k, stride_am=k, stride_ak=1, stride_bn=k, stride_bk=1, stride_cm=n, stride_cn=1, **common)
+        return gemm_persistent._tma_kernel, dict(**descs, bias_ptr=t(), walk_ptr=None, num_programs=132, **common)
     if cfg.variant == "persistent":
         return gemm_persistent._pointer_kernel, dict(
-            a_ptr=t(), b_ptr=t(), bias_ptr=t(), c_ptr=t(), walk_ptr=t(torch.int32), **ptrs, **persistent
+            A=(t(), k, 1), B=(t(), k, 1), OUT=(t(), n, 1, t()), walk_ptr=None, num_programs=132, **common
         )
-    return gemm._matmul_kernel, dict(a_ptr=t(), b_ptr=t(), bias_ptr=t(), c_ptr=t(), **ptrs)
+    return matmul._matmul_kernel, dict(
+        X=(t(), k, 1, None, 0, 0),
+        W=(t(), k, 1, None, None, 0, 0, 1),
+        OUT=(t(), n, 1, t()),
+        FMT=(tile.PLAIN, 0, False),
+        ROUND=tile.CAST,
+        **common,
+    )
 
 
 def cases():
@@ -88,7 +90,7 @@ def fused_cases():
     ``test_compile_sm90._cases`` built with each plain tile of the space instead of the default."""
     import torch
 
-    from kernels.fused import gemm, gemm_configs
+    from kernels.fused import blocks, gemm, gemm_configs
     from tests.kernels.fused import test_compile_sm90
 
     tiles = {c for fam in gemm_configs.FAMILIES for c in gemm_configs.tile_core_space(fam)}
@@ -96,11 +98,9 @@ def fused_cases():
     real = gemm.block_config
     try:
         for cfg in sorted(tiles, key=lambda c: c.label()):
-            blocks = gemm.BlockConfig(
-                cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, 4, cfg.group_m
-            )
+            tiled = blocks.as_blocks(cfg, 4)
             # _cases() asks block_config for its tiles; answer with this config's (no GPU here to tune on).
-            gemm.block_config = lambda device, rows=None, k=None, dtype=None, b=blocks, **kw: (
+            gemm.block_config = lambda device, rows=None, k=None, dtype=None, b=tiled, **kw: (
                 b if device.type == "cuda" else real(device, rows, k, dtype, **kw)
             )
             for label, fn, args, warps, stages, _ in test_compile_sm90._cases():

@@ -72,7 +72,7 @@ def _cases():
     import torch
     import triton.language as tl
 
-    from kernels.fused import ag_gemm, gemm, gemm_ar, gemm_ar_w8a16, gemm_rs, signals
+    from kernels.fused import ag_gemm, gemm, gemm_ar, gemm_ar_w8a16, gemm_rs, matmul, signals, tile
 
     def t(dtype=torch.float16):
         return torch.empty(64, dtype=dtype)
@@ -271,26 +271,16 @@ def _cases():
         cases.append(
             (
                 f"matmul {dtype} {precision} m={m}",
-                gemm._matmul_kernel,
+                matmul._matmul_kernel,
                 dict(
-                    a_ptr=t(dtype),
-                    b_ptr=t(dtype),
-                    bias_ptr=t(dtype),
-                    c_ptr=t(dtype),
-                    M=m,
-                    N=4096,
-                    K=4096,
-                    stride_am=4096,
-                    stride_ak=1,
-                    stride_bn=4096,
-                    stride_bk=1,
-                    stride_cm=4096,
-                    stride_cn=1,
-                    HAS_BIAS=True,
-                    ACC_DTYPE=tl.float32,
-                    DOT_PRECISION=precision,
-                    GROUP_M=cfg.group_m,
-                    **_blocks(cfg),
+                    X=(t(dtype), 4096, 1, None, 0, 0),
+                    W=(t(dtype), 4096, 1, None, None, 0, 0, 1),
+                    OUT=(t(dtype), 4096, 1, t(dtype)),
+                    dims=(m, 4096, 4096),
+                    FMT=(tile.PLAIN, 0, False),
+                    TILE=cfg.tile(),
+                    MATH=(tl.float32, precision),
+                    ROUND=tile.CAST,
                 ),
                 cfg.num_warps,
                 cfg.num_stages,

@@ -51,7 +51,7 @@ def _cases():
     import torch
     import triton.language as tl
 
-    from kernels.fused import ag_gemm_fp8, gemm_ar, gemm_fp8, gemm_rs, gemm_rs_fp8, signals
+    from kernels.fused import ag_gemm_fp8, gemm_ar, gemm_fp8, gemm_rs, gemm_rs_fp8, matmul, signals, tile
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -259,33 +259,16 @@ def _cases():
         cases.append(
             (
                 f"scaled_matmul {mode} x={x_dtype} m={m}",
-                gemm_fp8._scaled_matmul_kernel,
+                matmul._matmul_kernel,
                 dict(
-                    a_ptr=t(x_dtype),
-                    as_ptr=t(torch.float32),
-                    b_ptr=t(),
-                    bs_ptr=t(torch.float32),
-                    bias_ptr=t(torch.bfloat16),
-                    c_ptr=t(torch.bfloat16),
-                    M=m,
-                    N=n,
-                    K=k,
-                    stride_am=k,
-                    stride_ak=1,
-                    stride_asm=strides[0],
-                    stride_ask=strides[1],
-                    stride_bn=k,
-                    stride_bk=1,
-                    stride_bsn=strides[2],
-                    stride_bsk=strides[3],
-                    stride_cm=n,
-                    stride_cn=1,
-                    PER_BLOCK=mode == "block",
-                    HAS_BIAS=True,
-                    GROUP_M=cfg.group_m,
-                    BLOCK_M=cfg.block_m,
-                    BLOCK_N=cfg.block_n,
-                    BLOCK_K=cfg.block_k,
+                    X=(t(x_dtype), k, 1, t(torch.float32), strides[0], strides[1]),
+                    W=(t(), k, 1, t(torch.float32), None, strides[2], strides[3], 1),
+                    OUT=(t(torch.bfloat16), n, 1, t(torch.bfloat16)),
+                    dims=(m, n, k),
+                    FMT=(tile.FP8, tile.PER_BLOCK if mode == "block" else tile.PER_ROW, False),
+                    TILE=cfg.tile(),
+                    MATH=(tl.float32, "tf32"),
+                    ROUND=tile.ROUND_NEAREST,
                 ),
                 cfg.num_warps,
                 cfg.num_stages,

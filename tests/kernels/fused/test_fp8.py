@@ -9,6 +9,7 @@ bit-exact; repeated reducing calls bitwise identical; ranks that disagree refuse
 import pytest
 import torch
 
+from kernels.fused.blocks import CPU_FP8_BLOCKS
 from kernels.testing import fp8 as fp8_reference
 from kernels.testing import run_ranks
 from tests.kernels.fused import fp8_cases
@@ -61,13 +62,22 @@ def test_fp8_ranks_that_disagree_are_refused_by_name(field, named):
         assert "scaled_matmul_all_reduce: ranks disagree" in message and named in message, message
 
 
+def _scaled_matmul(fmt, tensors, out_dtype, cfg):
+    """The local GEMM (the tile core every FP8 op uses) of ``(x, x_scale, w, w_scale, bias)``."""
+    from kernels.call import Operands
+    from kernels.fused.matmul import gemm
+
+    x, xs, w, ws, b = tensors
+    return gemm(fmt, Operands(x, (w,), (b,), xs, (ws,)), out_dtype=out_dtype, cfg=cfg)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_scaled_tile_core_every_k_step(mode):
     """The W == 1 kernel (the tile core every FP8 op uses) at k steps of 16 (the fp16 path of
     unaligned rows), 32, 64 and 128, with partial scale blocks, odd m and an e5m2 x."""
     from dataclasses import replace
 
-    from kernels.fused.gemm_fp8 import CPU_FP8_BLOCKS, scaled_matmul
+    from kernels.format import fp8
 
     g = torch.Generator().manual_seed(1)
     for m, k, n, x_dtype, out_dtype in (
@@ -79,7 +89,7 @@ def test_scaled_tile_core_every_k_step(mode):
         b = torch.randn(n, generator=g).to(out_dtype)
         want, bound = fp8_reference.reference("ar", mode, [(x, xs)], [(w, ws)], b, 0, out_dtype)
         for block_k in (16, 32, 64, 128):
-            got = scaled_matmul(x, xs, w, ws, b, mode, out_dtype, replace(CPU_FP8_BLOCKS, block_k=block_k))
+            got = _scaled_matmul(fp8(mode), (x, xs, w, ws, b), out_dtype, replace(CPU_FP8_BLOCKS, block_k=block_k))
             fp8_reference.assert_close(f"{mode} m={m} k={k} block_k={block_k}", got, want, bound, out_dtype)
 
 
@@ -90,7 +100,7 @@ def test_scaled_tile_core_propagates_nan_and_inf_payloads():
     as 480 and e5m2 Inf as 57344 * 2 ** ...; the kernels restore them from the bits)."""
     from dataclasses import replace
 
-    from kernels.fused.gemm_fp8 import CPU_FP8_BLOCKS, scaled_matmul
+    from kernels.format import fp8
 
     one = torch.ones((), dtype=torch.float32)
     w = torch.ones(3, 40, dtype=torch.float8_e4m3fn)
@@ -102,7 +112,9 @@ def test_scaled_tile_core_propagates_nan_and_inf_payloads():
         x = torch.ones(2, 40, dtype=x_dtype)
         x.view(torch.uint8)[1, 5] = special
         for block_k in (16, 64):
-            y = scaled_matmul(x, one, w, one, None, "tensor", torch.float32, replace(CPU_FP8_BLOCKS, block_k=block_k))
+            y = _scaled_matmul(
+                fp8("tensor"), (x, one, w, one, None), torch.float32, replace(CPU_FP8_BLOCKS, block_k=block_k)
+            )
             assert torch.equal(y[0], torch.full((3,), 40.0)), (x_dtype, block_k, y)
             assert torch.equal(y[1], torch.full((3,), want)) or (want != want and bool(y[1].isnan().all())), (
                 x_dtype,

@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from kernels.fused import gemm, gemm_configs, gemm_persistent, tuned
+from kernels.format import PLAIN
+from kernels.fused import blocks, gemm_configs, gemm_persistent, matmul, tuned
 from kernels.fused.gemm_configs import GemmConfig
 
 try:
@@ -50,7 +51,7 @@ def test_persistent_variants_match_linear(variant, dtype):
     w = torch.randn(40, 48).to(dtype)
     bias = torch.randn(40).to(dtype)
     for b in (bias, None):
-        _assert_close(gemm.matmul(x, w, b, config=CPU_CFG[variant]), x, w, b)
+        _assert_close(matmul.linear(x, w, b, config=CPU_CFG[variant]), x, w, b)
 
 
 def test_tma_falls_back_to_pointer_loads_where_tma_cannot_address():
@@ -61,16 +62,16 @@ def test_tma_falls_back_to_pointer_loads_where_tma_cannot_address():
     w_odd = torch.randn(40, 23)
     assert not gemm_persistent.tma_usable(x, w_t, torch.empty(20, 40))
     assert not gemm_persistent.tma_usable(x_odd, w_odd, torch.empty(20, 40))
-    _assert_close(gemm.matmul(x, w_t, config=CPU_CFG["tma"]), x, w_t, None)
-    _assert_close(gemm.matmul(x_odd, w_odd, config=CPU_CFG["tma"]), x_odd, w_odd, None)
+    _assert_close(matmul.linear(x, w_t, config=CPU_CFG["tma"]), x, w_t, None)
+    _assert_close(matmul.linear(x_odd, w_odd, config=CPU_CFG["tma"]), x_odd, w_odd, None)
 
 
 def test_empty_and_k0():
     x = torch.randn(5, 0)
     w = torch.randn(7, 0)
     bias = torch.randn(7)
-    assert torch.equal(gemm.matmul(x, w, bias, config=CPU_CFG["tma"]), bias.expand(5, 7))
-    assert gemm.matmul(torch.randn(0, 8), torch.randn(3, 8), config=CPU_CFG["tma"]).shape == (0, 3)
+    assert torch.equal(matmul.linear(x, w, bias, config=CPU_CFG["tma"]), bias.expand(5, 7))
+    assert matmul.linear(torch.randn(0, 8), torch.randn(3, 8), config=CPU_CFG["tma"]).shape == (0, 3)
 
 
 @interpreted
@@ -89,7 +90,7 @@ def test_persistent_walk_covers_every_tile_once(monkeypatch, order, variant, m, 
     tiles = -(-m // 16) * -(-n // 16)
     walk = torch.zeros(tiles, dtype=torch.int32)
     out = torch.full((m, n), float("nan"))
-    gemm_persistent.launch(x, w, None, out, cfg, gemm.acc_dtype(x.dtype), "ieee", walk=walk)
+    gemm_persistent.launch(x, w, None, out, cfg, math=(blocks.acc_dtype(x.dtype), "ieee"), walk=walk)
     assert walk.tolist() == [1] * tiles
     _assert_close(out, x, w, None)
 
@@ -115,10 +116,10 @@ def test_space_fits_hopper():
 def test_no_tuned_file_keeps_todays_defaults(monkeypatch, tmp_path):
     monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(tmp_path))
     x = torch.randn(40, 32)
-    cfg = gemm.matmul_config(x, 24)
-    b = gemm.CPU_BLOCKS
+    cfg = matmul.matmul_config(x, 24)
+    b = blocks.CPU_BLOCKS
     assert cfg == GemmConfig(b.block_m, b.block_n, b.block_k, b.num_warps, b.num_stages, b.group_m, "plain")
-    assert gemm.block_config(x.device, 40, 32, x.dtype, op="all_gather_matmul", n=24) == b
+    assert blocks.block_config(PLAIN, x.device, 40, 32, dtype=x.dtype, op="all_gather_matmul", n=24) == b
     monkeypatch.delenv(tuned.ENV_TUNED_DIR)
     # CPU never reads the repository's configs/tuned: a CPU tuning run must not change CI's tiles.
     assert tuned.tuned_path(torch.device("cpu")) is None
@@ -134,8 +135,8 @@ def test_tuned_dir_that_is_no_directory_is_named(monkeypatch, tmp_path):
     for bad in (missing, a_file):
         monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(bad))
         for ask in (
-            lambda: gemm.matmul_config(x, 24),
-            lambda: gemm.block_config(x.device, 40, 32, x.dtype, op="matmul_reduce_scatter", n=24),
+            lambda: matmul.matmul_config(x, 24),
+            lambda: blocks.block_config(PLAIN, x.device, 40, 32, dtype=x.dtype, op="matmul_reduce_scatter", n=24),
             lambda: tuned.tuned_path(torch.device("cpu")),
         ):
             with pytest.raises(ValueError, match=f"COC_TUNED_DIR={str(bad)!r} is not accepted: no such directory"):
@@ -145,7 +146,7 @@ def test_tuned_dir_that_is_no_directory_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(missing))
     missing.mkdir()
     assert tuned.tuned_path(torch.device("cpu")) == missing / "cpu.yaml"
-    assert gemm.matmul_config(x, 24) == gemm.default_config(x)
+    assert matmul.matmul_config(x, 24) == matmul.default_config(x)
 
 
 def _write(path, entries):
@@ -167,14 +168,14 @@ def test_lookup_nearest_in_family_and_fused_ignores_k(monkeypatch, tmp_path):
         ],
     )
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    assert tuned.lookup("matmul", cpu, bf16, 2048, 8192, 1024) == c
-    assert tuned.lookup("matmul", cpu, bf16, 16, 8192, 1024) is None  # another family
-    assert tuned.lookup("matmul", cpu, torch.float16, 4096, 8192, 1024) is None  # another dtype
+    assert tuned.lookup("matmul", cpu, bf16, 2048, 8192, k=1024) == c
+    assert tuned.lookup("matmul", cpu, bf16, 16, 8192, k=1024) is None  # another family
+    assert tuned.lookup("matmul", cpu, torch.float16, 4096, 8192, k=1024) is None  # another dtype
     # Fused: k is not part of the distance, so uneven k shards get the same tiles (first entry wins a tie).
-    assert {tuned.lookup("all_gather_matmul", cpu, bf16, 2000, 1280, k) for k in (1024, 1025, 8192)} == {a}
-    assert tuned.lookup("all_gather_matmul", cpu, bf16, 8, 1280, 3) == b
-    blocks = {gemm.block_config(cpu, 2000, k, bf16, op="all_gather_matmul", n=1280) for k in (1024, 1025)}
-    assert {(c.block_m, c.block_n, c.ag_splits) for c in blocks} == {(32, 32, gemm.CPU_BLOCKS.ag_splits)}
+    assert {tuned.lookup("all_gather_matmul", cpu, bf16, 2000, 1280, k=k) for k in (1024, 1025, 8192)} == {a}
+    assert tuned.lookup("all_gather_matmul", cpu, bf16, 8, 1280, k=3) == b
+    found = {blocks.block_config(PLAIN, cpu, 2000, k, dtype=bf16, op="all_gather_matmul", n=1280) for k in (1024, 1025)}
+    assert {(c.block_m, c.block_n, c.ag_splits) for c in found} == {(32, 32, blocks.CPU_BLOCKS.ag_splits)}
 
 
 def test_tuned_matmul_config_runs_and_bad_files_are_named(monkeypatch, tmp_path):
@@ -182,21 +183,21 @@ def test_tuned_matmul_config_runs_and_bad_files_are_named(monkeypatch, tmp_path)
     cfg = GemmConfig(16, 32, 16, 1, 1, 1, "persistent")
     _write(tmp_path / "cpu.yaml", [tuned.Entry("matmul", "float32", 24, 40, 32, cfg)])
     x, w = torch.randn(24, 32), torch.randn(40, 32)
-    assert gemm.matmul_config(x, 40) == cfg
+    assert matmul.matmul_config(x, 40) == cfg
     seen = []
     real = gemm_persistent.launch
     monkeypatch.setattr(gemm_persistent, "launch", lambda *a, **kw: (seen.append(a[4]), real(*a, **kw)))
-    _assert_close(gemm.matmul(x, w), x, w, None)
+    _assert_close(matmul.linear(x, w), x, w, None)
     assert seen == [cfg]
     (tmp_path / "cpu.yaml").write_text("version: 1\nentries:\n- {op: matmul, dtype: float32, m: 0, n: 1, k: 1}\n")
     with pytest.raises(ValueError, match=r"cpu.yaml: entries\[0\].m: 0"):
-        gemm.matmul_config(x, 40)
+        matmul.matmul_config(x, 40)
     (tmp_path / "cpu.yaml").write_text(
         "version: 1\nentries:\n- {op: all_gather_matmul, dtype: float32, m: 1, n: 1, k: 1, config: "
         "{block_m: 16, block_n: 16, block_k: 16, num_warps: 1, num_stages: 1, group_m: 1, variant: tma}}\n"
     )
     with pytest.raises(ValueError, match="tile core is 'plain'"):
-        gemm.block_config(x.device, 24, 32, x.dtype, op="all_gather_matmul", n=40)
+        blocks.block_config(PLAIN, x.device, 24, 32, dtype=x.dtype, op="all_gather_matmul", n=40)
 
 
 def test_failing_variant_warns_and_falls_back(monkeypatch):
@@ -204,14 +205,14 @@ def test_failing_variant_warns_and_falls_back(monkeypatch):
         raise RuntimeError("out of resources")
 
     monkeypatch.setattr(gemm_persistent, "launch", broken)
-    monkeypatch.setattr(gemm, "_failed", set())
+    monkeypatch.setattr(matmul, "_failed", set())
     cfg = GemmConfig(16, 16, 16, 1, 1, 2, "persistent")
     x, w = torch.randn(20, 16), torch.randn(24, 16)
     with pytest.raises(RuntimeError, match="out of resources"):
-        gemm.matmul(x, w, config=cfg, fallback=False)
+        matmul.linear(x, w, config=cfg, fallback=False)
     with pytest.warns(RuntimeWarning, match="persistent:16x16x16.*running the default plain kernel"):
-        y = gemm.matmul(x, w, config=cfg)
+        y = matmul.linear(x, w, config=cfg)
     _assert_close(y, x, w, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per config: the second call goes straight to the default
-        _assert_close(gemm.matmul(x, w, config=cfg), x, w, None)
+        _assert_close(matmul.linear(x, w, config=cfg), x, w, None)

@@ -18,7 +18,7 @@ def test_fused_op_matches_torch(op, world):
 
 @pytest.mark.parametrize("op", fused_cases.OPS)
 def test_fused_op_bf16_matches_torch(op):
-    # The interpreter's own bf16 dot is off by ~1e10 (kernels.fused.gemm._WIDEN_BF16_DOT): every op,
+    # The interpreter's own bf16 dot is off by ~1e10 (kernels.fused.tile._WIDEN_BF16_DOT): every op,
     # and the w8A16 kernel below, must still give bf16 results within the bf16 bound.
     # One case (odd rows, bias, non-contiguous inputs): the fp32 test covers the index arithmetic.
     case = fused_cases.CORRECTNESS_CASES[2]
@@ -123,7 +123,7 @@ def test_fused_singleton_group_is_plain_gemm():
 
 
 def test_gemm_core_matches_torch():
-    from kernels.fused.gemm import matmul
+    from kernels.fused.matmul import linear
 
     g = torch.Generator().manual_seed(0)
     for m, k, n, bias, transposed in [(1, 1, 1, False, False), (37, 29, 19, True, False), (18, 33, 40, True, True)]:
@@ -131,14 +131,14 @@ def test_gemm_core_matches_torch():
         w = torch.randn(k, n, generator=g).t() if transposed else torch.randn(n, k, generator=g)
         b = torch.randn(n, generator=g) if bias else None
         want, bound, _ = fused_cases.reference("ag", [x], [w], b, 0)
-        got = matmul(x, w, b)
+        got = linear(x, w, b)
         assert float(((got.double() - want).abs() - bound).max()) <= 0, (m, k, n, bias, transposed)
-    assert matmul(torch.empty(0, 4), torch.empty(3, 4)).shape == (0, 3)
+    assert linear(torch.empty(0, 4), torch.empty(3, 4)).shape == (0, 3)
 
 
 def test_fp32_dot_precision_follows_torch_tf32_switch():
     """fp32 on CUDA is exact unless torch allows TF32 (as for the sequential path's cuBLAS GEMM)."""
-    from kernels.fused.gemm import dot_precision
+    from kernels.fused.blocks import dot_precision
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     saved = torch.backends.cuda.matmul.allow_tf32
