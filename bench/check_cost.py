@@ -63,7 +63,10 @@ def _measure(rank: int, world: int, device: torch.device, iters: int, repeats: i
     out: dict[str, float] = {}
     with torch.no_grad():
         out["exchange_us"] = _best(
-            lambda: callcheck.exchange(op, None, world, x.device, descriptor), iters, repeats, time.perf_counter
+            lambda: callcheck.exchange(op, None, world, x.device, descriptor=descriptor),
+            iters,
+            repeats,
+            time.perf_counter,
         )
         out["bare_all_gather_us"] = _best(lambda: comm.all_gather(table, row, None), iters, repeats, time.perf_counter)
         callcheck.reset()

@@ -116,6 +116,7 @@ def exchange(
     group: dist.ProcessGroup | None,
     world: int,
     device: torch.device | None,
+    *,
     descriptor: agree.Descriptor | None,
     error: BaseException | None = None,
 ) -> None:
@@ -209,7 +210,7 @@ def check_compiled(
     key = (name, str(device), agree.signature(descriptor))
     if check is None and key in _seen:
         return
-    exchange(op, group, world, device, descriptor)
+    exchange(op, group, world, device, descriptor=descriptor)
     _remember(key, name, op)
 
 
@@ -226,8 +227,8 @@ def admit(
     world: int,
     device: torch.device | None,
     validate: Callable[[], agree.Descriptor],
-    values: Callable[[], None] | None = None,
     *,
+    values: Callable[[], None] | None = None,
     backend: object = None,
 ) -> None:
     """Validate this rank's call and, when it is checked, compare it with every rank (module docstring).
@@ -259,7 +260,7 @@ def admit(
         )
         if not joins or _unchecked_in_capture(op, device, check is True):
             raise
-        exchange(op, group, world, device, None, e)
+        exchange(op, group, world, device, descriptor=None, error=e)
         raise AssertionError("unreachable: the exchange raises this rank's error") from e
     key = (name, str(device), agree.signature(descriptor))
     wanted = check is True or (
@@ -277,5 +278,5 @@ def admit(
         if error is not None:
             raise error
         return
-    exchange(op, group, world, device, descriptor, error)
+    exchange(op, group, world, device, descriptor=descriptor, error=error)
     _remember(key, name, op)

@@ -85,18 +85,15 @@ def _matching_key(keys: tuple, m: int, k: int, n: int) -> tuple[int, int, int]:
 
 @assume_constant_result
 def _decide(
-    call_text: str,
-    m: int,
-    k: int,
-    n: int,
-    dtype: torch.dtype,
-    weight_dtype: torch.dtype,
-    device: torch.device,
+    call_text: str, shape: tuple[int, int, int], dtypes: tuple[torch.dtype, torch.dtype], device: torch.device
 ) -> tuple[str, int]:
     """``(backend, parallel_num)`` of the call encoded in ``call_text`` (with its requested ones) for an op of
-    ``[m, k, n]``. The call travels as its string: Dynamo hands a function it keeps out of the graph
-    constants, and a string is one (a dataclass instance is not rebuilt faithfully)."""
+    ``shape`` ``(m, k, n)`` with operands of ``dtypes`` ``(x's, the weight's)``. The call travels as its
+    string: Dynamo hands a function it keeps out of the graph constants, and a string is one (a dataclass
+    instance is not rebuilt faithfully)."""
     call = decode(call_text)
+    m, k, n = shape
+    dtype, weight_dtype = dtypes
     config = get_config()
     group = resolve_group(call.group_name)
     backend = call.backend
@@ -147,5 +144,5 @@ def decide(call: OpCall, ops: Operands) -> OpCall:
             m, k, n = _matching_key(keys, m, k, n)
     dtype = call.out_dtype or x.dtype  # an FP8 call's split count is timed on stand-ins of its output dtype
     weight_dtype = dtype if call.fmt.kind == "fp8" else ops.weights[0].dtype
-    backend, num = _decide(call.encode(), m, k, n, dtype, weight_dtype, x.device)
+    backend, num = _decide(call.encode(), (m, k, n), (dtype, weight_dtype), x.device)
     return replace(call, backend=backend, parallel_num=num)

@@ -58,9 +58,10 @@ _file_cache: dict[tuple[str, int], dict[str, Choice]] = {}
 
 
 def tuning_key(
-    op: str, m: int, k: int, n: int, dtype: torch.dtype, world: int, device_type: str, allow_fused: bool
+    op: str, shape: tuple[int, int, int], dtype: torch.dtype, world: int, *, device_type: str, allow_fused: bool
 ) -> str:
     """The cache key: one line of text, readable in the JSON file."""
+    m, k, n = shape
     candidates = "fused+chunked" if allow_fused else "chunked"
     return f"{op} m={m} k={k} n={n} {str(dtype).replace('torch.', '')} W={world} {device_type} {candidates}"
 
@@ -242,7 +243,14 @@ def choose_parallel_num(
     for the ops themselves); free afterwards.
     """
     world = call.world
-    key = tuning_key(call.op_name, x.shape[0], x.shape[1], weight.shape[0], x.dtype, world, x.device.type, allow_fused)
+    key = tuning_key(
+        call.op_name,
+        (x.shape[0], x.shape[1], weight.shape[0]),
+        x.dtype,
+        world,
+        device_type=x.device.type,
+        allow_fused=allow_fused,
+    )
     mem_key = memory_key(key, group, world)
     choice = _memory.get(mem_key)
     if choice is not None:

@@ -81,6 +81,7 @@ def op_error_bound(
     abs_sum: torch.Tensor,
     k: int,
     world: int,
+    *,
     out_dtype: torch.dtype,
     accumulation: str,
     u_acc: float = U32,

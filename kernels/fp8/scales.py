@@ -123,6 +123,7 @@ def check_operands(
     weight: object,
     w_scale: object,
     bias: object,
+    *,
     out_dtype: object,
 ) -> str:
     """Validate one FP8 op call (metadata only) and return its mode."""

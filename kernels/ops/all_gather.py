@@ -25,7 +25,7 @@ from .. import comm, padding
 from ..call import IMPLEMENTATIONS, OpCall, Operands, decode, resolve_group
 from ..format import bias_of, compute, dequantize_weight, dequantize_x, pack_rows, unpack_rows
 from ..op_registration import define_op, unaliased
-from .entry import Request, dims_before, fp8_operands, fp8_values, int8_operands, plain_operands, rows_of, submit
+from .entry import dims_before, fp8_operands, fp8_values, int8_operands, plain_operands, request, rows_of, submit
 
 Result = torch.Tensor | list[torch.Tensor] | tuple[Any, ...]
 
@@ -58,8 +58,17 @@ def all_gather_matmul(
         ys = [x_gathered @ w_i.T + b_i for each i]
         return (ys, x_gathered) if return_gathered else ys          # ys is a list
     """
-    request = _request("all_gather_matmul", group, backend, parallel_num, return_gathered, gather_dim, x)
-    call, ops = submit(request, lambda: plain_operands(x, weight, bias))
+    req = request(
+        "all_gather",
+        "all_gather_matmul",
+        x,
+        group=group,
+        backend=backend,
+        parallel_num=parallel_num,
+        return_gathered=return_gathered,
+        dim=("gather_dim", gather_dim),
+    )
+    call, ops = submit(req, lambda: plain_operands(x, weight, bias))
     return _run(call, ops, isinstance(weight, (list, tuple)))
 
 
@@ -92,10 +101,18 @@ def all_gather_scaled_matmul(
     ``x_scale`` scales its own rows. The gathered scales come back one row per gathered row:
     ``[m_local * W, G]`` for ``gather_dim=0``, else ``[..., G]`` over the gathered x's leading dims.
     """
-    request = _request(
-        "all_gather_scaled_matmul", group, backend, parallel_num, return_gathered, gather_dim, x, out_dtype
+    req = request(
+        "all_gather",
+        "all_gather_scaled_matmul",
+        x,
+        group=group,
+        backend=backend,
+        parallel_num=parallel_num,
+        return_gathered=return_gathered,
+        dim=("gather_dim", gather_dim),
+        out_dtype=out_dtype,
     )
-    call, ops = submit(request, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype), fp8_values)
+    call, ops = submit(req, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype), fp8_values)
     return _run(call, ops, isinstance(weight, (list, tuple)))
 
 
@@ -123,32 +140,18 @@ def quantized_all_gather_matmul(
     Arguments as :func:`kernels.quantized_matmul_all_reduce`; weights (with their scales, offsets and
     biases) and ``return_gathered`` / ``gather_dim`` as :func:`all_gather_matmul`.
     """
-    request = _request("quantized_all_gather_matmul", group, backend, parallel_num, return_gathered, gather_dim, x)
-    call, ops = submit(request, lambda: int8_operands(x, qweight, scale, bias, group_size, offset))
-    return _run(call, ops, isinstance(qweight, (list, tuple)))
-
-
-def _request(
-    op_name: str,
-    group: dist.ProcessGroup | None,
-    backend: str | None,
-    parallel_num: int | None,
-    return_gathered: bool,
-    gather_dim: int,
-    x: object,
-    out_dtype: torch.dtype | None = None,
-) -> Request:
-    return Request(
-        pattern="all_gather",
-        op_name=op_name,
+    req = request(
+        "all_gather",
+        "quantized_all_gather_matmul",
+        x,
         group=group,
         backend=backend,
         parallel_num=parallel_num,
-        out_dtype=out_dtype,
         return_gathered=return_gathered,
         dim=("gather_dim", gather_dim),
-        device=x.device if isinstance(x, torch.Tensor) else None,
     )
+    call, ops = submit(req, lambda: int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset))
+    return _run(call, ops, isinstance(qweight, (list, tuple)))
 
 
 def _run(call: OpCall, ops: Operands, listed: bool) -> Result:
@@ -369,15 +372,9 @@ def _impl(
 
 
 def _fake(
-    x: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    weights: list[torch.Tensor],
-    w_scales: Any,
-    w_offsets: Any,
-    biases: Any,
-    call_text: str,
+    x: torch.Tensor, x_scale: torch.Tensor | None, weights: list[torch.Tensor], *args: Any
 ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
-    call = decode(call_text)
+    call = decode(args[-1])
     d, world = call.comm_dim, call.world
     ys = [x.new_empty(_gathered_shape(x, d, world, w.shape[0]), dtype=call.out_dtype or x.dtype) for w in weights]
     if not call.return_gathered:

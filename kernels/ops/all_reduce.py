@@ -26,7 +26,7 @@ from .. import comm, padding
 from ..call import IMPLEMENTATIONS, OpCall, Operands, decode, resolve_group
 from ..format import bias_of, compute, dequantize_weight, dequantize_x
 from ..op_registration import define_op
-from .entry import Request, fp8_operands, fp8_values, int8_operands, plain_operands, rows_of, submit
+from .entry import fp8_operands, fp8_values, int8_operands, plain_operands, request, rows_of, submit
 
 
 def matmul_all_reduce(
@@ -49,8 +49,16 @@ def matmul_all_reduce(
     ``deterministic=True`` sums the partials in rank order: repeated calls give identical bits and
     all ranks hold identical bits.
     """
-    request = _request("matmul_all_reduce", group, backend, parallel_num, deterministic, x)
-    call, ops = submit(request, lambda: plain_operands(x, weight, bias))
+    req = request(
+        "all_reduce",
+        "matmul_all_reduce",
+        x,
+        group=group,
+        backend=backend,
+        parallel_num=parallel_num,
+        deterministic=deterministic,
+    )
+    call, ops = submit(req, lambda: plain_operands(x, weight, bias))
     return _op(ops, call)
 
 
@@ -76,8 +84,17 @@ def scaled_matmul_all_reduce(
 
     ``deterministic=True`` sums in rank order: identical bits on every call and every rank.
     """
-    request = _request("scaled_matmul_all_reduce", group, backend, parallel_num, deterministic, x, out_dtype)
-    call, ops = submit(request, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype), fp8_values)
+    req = request(
+        "all_reduce",
+        "scaled_matmul_all_reduce",
+        x,
+        group=group,
+        backend=backend,
+        parallel_num=parallel_num,
+        deterministic=deterministic,
+        out_dtype=out_dtype,
+    )
+    call, ops = submit(req, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype), fp8_values)
     return _op(ops, call)
 
 
@@ -106,31 +123,17 @@ def quantized_matmul_all_reduce(
     :func:`kernels.quantize_weight`; ``x`` fp16 / bf16 (fp32 allowed on CPU). See ``kernels.quant`` for
     the group and offset conventions.
     """
-    request = _request("quantized_matmul_all_reduce", group, backend, parallel_num, deterministic, x)
-    call, ops = submit(request, lambda: int8_operands(x, qweight, scale, bias, group_size, offset))
-    return _op(ops, call)
-
-
-def _request(
-    op_name: str,
-    group: dist.ProcessGroup | None,
-    backend: str | None,
-    parallel_num: int | None,
-    deterministic: bool,
-    x: object,
-    out_dtype: torch.dtype | None = None,
-) -> Request:
-    device = x.device if isinstance(x, torch.Tensor) else None
-    return Request(
-        pattern="all_reduce",
-        op_name=op_name,
+    req = request(
+        "all_reduce",
+        "quantized_matmul_all_reduce",
+        x,
         group=group,
         backend=backend,
         parallel_num=parallel_num,
-        out_dtype=out_dtype,
         deterministic=deterministic,
-        device=device,
     )
+    call, ops = submit(req, lambda: int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset))
+    return _op(ops, call)
 
 
 def _op(ops: Operands, call: OpCall) -> torch.Tensor:
@@ -186,7 +189,7 @@ def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> tor
     m, n = xd.shape[0], wd.shape[0]
     out = xd.new_empty((m, n))
     if call.deterministic:
-        return _fixed_order_pieces(call, xd, wd, bias, group, out)
+        return _fixed_order_pieces(call, xd, wd, bias, group)
     works = []
     for start, stop in comm.split_rows(m, call.parallel_num):
         piece = out[start:stop]
@@ -199,12 +202,7 @@ def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> tor
 
 
 def _fixed_order_pieces(
-    call: OpCall,
-    xd: torch.Tensor,
-    wd: torch.Tensor,
-    bias: torch.Tensor | None,
-    group: dist.ProcessGroup | None,
-    out: torch.Tensor,
+    call: OpCall, xd: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """Deterministic all-reduce per piece: exchange, sum in rank order, gather.
 
@@ -213,6 +211,7 @@ def _fixed_order_pieces(
     are all-gathered while the next piece is summed.
     """
     world, n = call.world, wd.shape[0]
+    out = xd.new_empty((xd.shape[0], n))
     exchanges = []
     for start, stop in comm.split_rows(xd.shape[0], call.parallel_num):
         block = -(-(stop - start) // world)

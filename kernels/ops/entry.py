@@ -60,7 +60,7 @@ def plain_operands(x: object, weight: object, bias: object) -> tuple[OperandForm
 
 
 def fp8_operands(
-    x: object, x_scale: object, weight: object, w_scale: object, bias: object, out_dtype: object
+    x: object, x_scale: object, weight: object, w_scale: object, bias: object, *, out_dtype: object
 ) -> tuple[OperandFormat, Operands]:
     """FP8 payloads and their fp32 scales (modes of :mod:`kernels.fp8.scales`, inferred from the shapes; a
     tensorwise scale may be ``[]`` or ``[1]``); ``x_scale`` comes out in rows layout ``[m, G]`` (0-dim for
@@ -70,7 +70,8 @@ def fp8_operands(
     w_scales = _per_weight(w_scale, len(weights), "w_scale", listed)
     biases = _per_weight(bias, len(weights), "bias", listed)
     modes = {
-        scales.check_operands(x, x_scale, w, s, b, out_dtype) for w, s, b in zip(weights, w_scales, biases, strict=True)
+        scales.check_operands(x, x_scale, w, s, b, out_dtype=out_dtype)
+        for w, s, b in zip(weights, w_scales, biases, strict=True)
     }
     if len(modes) > 1:
         raise ValueError(f"w_scale: the weights' scales describe different scaling modes {sorted(modes)}; use one")
@@ -92,7 +93,7 @@ def fp8_values(ops: Operands) -> None:
 
 
 def int8_operands(
-    x: object, qweight: object, scale: object, bias: object, group_size: object, offset: object
+    x: object, qweight: object, scale: object, bias: object, *, group_size: object, offset: object
 ) -> tuple[OperandFormat, Operands]:
     """w8A16: ``x`` fp16 / bf16 (fp32 on CPU), int8 ``qweight [n, k]`` (or a list) with its scale and
     optional offset (:func:`kernels.quant.quant_spec` layouts)."""
@@ -134,6 +135,16 @@ class Request:
     dim: tuple[str, int] | None = None
     # x's device, where x is a tensor: the admission's messages travel there.
     device: torch.device | None = None
+
+
+def request(pattern: str, op_name: str, x: object, **fields: object) -> Request:
+    """The :class:`Request` of a public function's call on ``x`` (``fields``: the other Request fields)."""
+    return Request(
+        pattern=pattern,
+        op_name=op_name,
+        device=x.device if isinstance(x, torch.Tensor) else None,
+        **fields,  # type: ignore[arg-type]
+    )
 
 
 def submit(
@@ -180,7 +191,7 @@ def submit(
             values(built[0][1])
 
     callcheck.admit(
-        request.op_name, request.group, world, request.device, validate, check_values, backend=request.backend
+        request.op_name, request.group, world, request.device, validate, values=check_values, backend=request.backend
     )
     call, ops = built[0]
     return dispatch.decide(call, ops), ops

@@ -38,7 +38,7 @@ def scaled_matmul(
     Reference: ``(dequant(x) @ dequant(weight).T + bias).to(out_dtype)`` with fp32 inside. Runs the
     fused Triton FP8 GEMM when the backend resolves to ``"fused"`` on a CUDA tensor, else the reference.
     """
-    fmt, ops = fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype)
+    fmt, ops = fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype)
     checks.check_backend(backend)
     fp8_values(ops)
     use_fused = backend == "fused" or (backend is None and get_config().use_fused)

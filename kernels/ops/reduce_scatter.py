@@ -23,7 +23,7 @@ from .. import comm, padding
 from ..call import IMPLEMENTATIONS, OpCall, Operands, decode, resolve_group
 from ..format import bias_of, compute, dequantize_weight, dequantize_x
 from ..op_registration import define_op
-from .entry import Request, dims_before, fp8_operands, fp8_values, int8_operands, plain_operands, rows_of, submit
+from .entry import dims_before, fp8_operands, fp8_values, int8_operands, plain_operands, request, rows_of, submit
 
 
 def matmul_reduce_scatter(
@@ -49,8 +49,17 @@ def matmul_reduce_scatter(
     ``x [b, s, k]`` with 1 (or -2) gives ``[b, s / W, n]``. ``deterministic=True`` sums the
     partials in rank order, so repeated calls give identical bits.
     """
-    request = _request("matmul_reduce_scatter", group, backend, parallel_num, deterministic, scatter_dim, x)
-    call, ops = submit(request, lambda: plain_operands(x, weight, bias))
+    req = request(
+        "reduce_scatter",
+        "matmul_reduce_scatter",
+        x,
+        group=group,
+        backend=backend,
+        parallel_num=parallel_num,
+        deterministic=deterministic,
+        dim=("scatter_dim", scatter_dim),
+    )
+    call, ops = submit(req, lambda: plain_operands(x, weight, bias))
     return _op(ops, call)
 
 
@@ -79,10 +88,18 @@ def scaled_matmul_reduce_scatter(
     x's row order) or tensorwise; an empty ``k_local`` shard contributes zeros, as in the bf16 op.
     ``deterministic=True`` sums the partials in rank order: repeated calls give identical bits.
     """
-    request = _request(
-        "scaled_matmul_reduce_scatter", group, backend, parallel_num, deterministic, scatter_dim, x, out_dtype
+    req = request(
+        "reduce_scatter",
+        "scaled_matmul_reduce_scatter",
+        x,
+        group=group,
+        backend=backend,
+        parallel_num=parallel_num,
+        deterministic=deterministic,
+        dim=("scatter_dim", scatter_dim),
+        out_dtype=out_dtype,
     )
-    call, ops = submit(request, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype), fp8_values)
+    call, ops = submit(req, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype), fp8_values)
     return _op(ops, call)
 
 
@@ -109,32 +126,18 @@ def quantized_matmul_reduce_scatter(
 
     Arguments as :func:`quantized_matmul_all_reduce` and ``scatter_dim`` as :func:`matmul_reduce_scatter`.
     """
-    request = _request("quantized_matmul_reduce_scatter", group, backend, parallel_num, deterministic, scatter_dim, x)
-    call, ops = submit(request, lambda: int8_operands(x, qweight, scale, bias, group_size, offset))
-    return _op(ops, call)
-
-
-def _request(
-    op_name: str,
-    group: dist.ProcessGroup | None,
-    backend: str | None,
-    parallel_num: int | None,
-    deterministic: bool,
-    scatter_dim: int,
-    x: object,
-    out_dtype: torch.dtype | None = None,
-) -> Request:
-    return Request(
-        pattern="reduce_scatter",
-        op_name=op_name,
+    req = request(
+        "reduce_scatter",
+        "quantized_matmul_reduce_scatter",
+        x,
         group=group,
         backend=backend,
         parallel_num=parallel_num,
-        out_dtype=out_dtype,
         deterministic=deterministic,
         dim=("scatter_dim", scatter_dim),
-        device=x.device if isinstance(x, torch.Tensor) else None,
     )
+    call, ops = submit(req, lambda: int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset))
+    return _op(ops, call)
 
 
 def _op(ops: Operands, call: OpCall) -> torch.Tensor:

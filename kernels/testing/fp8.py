@@ -114,7 +114,9 @@ def reference(
             y, s = y[rank * rows : (rank + 1) * rows], s[rank * rows : (rank + 1) * rows]
     else:
         raise ValueError(f"op must be 'ag', 'ag_v2', 'rs' or 'ar*', got {op!r}")
-    bound = op_error_bound(y, s, k, world, out_dtype, accumulation, U32 if u_acc is None else u_acc)
+    bound = op_error_bound(
+        y, s, k, world, out_dtype=out_dtype, accumulation=accumulation, u_acc=U32 if u_acc is None else u_acc
+    )
     return y, bound
 
 

@@ -114,7 +114,7 @@ def _call(pattern: str, fmt: str, x_args: tuple, w_args: list[tuple], bias: Any,
 def _bound(fmt: str, backend: str, y: torch.Tensor, s: torch.Tensor, k: int, world: int) -> torch.Tensor:
     if fmt.startswith("fp8"):
         accumulation = numerics.accumulation_of(backend, fmt.split(":")[1])
-        return numerics.op_error_bound(y, s, k, world, torch.float32, accumulation)
+        return numerics.op_error_bound(y, s, k, world, out_dtype=torch.float32, accumulation=accumulation)
     return tolerance(torch.float32, k, world) * s
 
 

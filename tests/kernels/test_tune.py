@@ -148,7 +148,9 @@ def _auto(rank, world, cache_path):
                 results.append(kernels.matmul_all_reduce(xs[rank], ws[rank]))
         for i, y in enumerate(results):
             assert_close(f"auto call {i}", y, ref, torch.float32)
-        key = tune.tuning_key("matmul_all_reduce", 16, 12, 10, torch.float32, world, "cpu", True)
+        key = tune.tuning_key(
+            "matmul_all_reduce", (16, 12, 10), torch.float32, world, device_type="cpu", allow_fused=True
+        )
         first = tune._memory[tune.memory_key(key, None, world)]
         in_file = tune.read_cache_file(cache_path).get(key)
         # A fresh process (memory cleared) reads the file back instead of tuning again.
@@ -197,7 +199,7 @@ def test_auto_agrees_caches_and_is_reused(tmp_path, world):
 def _honour_cache(rank, world, cache_dir):
     """Rank 0's cache file wins: ranks whose files disagree still run rank 0's choice."""
     tune.clear_memory_cache()
-    key = tune.tuning_key("matmul_all_reduce", 9, 12, 10, torch.float32, world, "cpu", False)
+    key = tune.tuning_key("matmul_all_reduce", (9, 12, 10), torch.float32, world, device_type="cpu", allow_fused=False)
     path = os.path.join(cache_dir, f"rank{rank}.json")
     tune.write_cache_entry(path, key, 2 if rank == 0 else 8)
     os.environ["COC_TUNE_CACHE"] = path
@@ -225,7 +227,9 @@ def _auto_quantized(rank, world):
         x = torch.randn(5, 12)
         q, s = kernels.quantize_weight(torch.randn(10, 12), "per_group", 4)
         y = kernels.quantized_matmul_all_reduce(x, q, s, backend="chunked")
-        key = tune.tuning_key("quantized_matmul_all_reduce", 5, 12, 10, torch.float32, world, "cpu", False)
+        key = tune.tuning_key(
+            "quantized_matmul_all_reduce", (5, 12, 10), torch.float32, world, device_type="cpu", allow_fused=False
+        )
         return tune._memory[tune.memory_key(key, None, world)], y.shape
     finally:
         tune.clear_memory_cache()
