@@ -33,11 +33,6 @@ from bench.timing import Timer
 # bf16 output rounding is 2**-9 relative; a misread scale layout errs by orders of magnitude more.
 CHECK_REL = 1e-2
 QUANT_MODES = {"block": ("block", "block2d"), "row": ("row", "row"), "tensor": ("tensor", "tensor")}
-OP_FNS = {
-    "all_gather_matmul": "all_gather_scaled_matmul",
-    "matmul_reduce_scatter": "scaled_matmul_reduce_scatter",
-    "matmul_all_reduce": "scaled_matmul_all_reduce",
-}
 TP = 8  # the world size the model rows predict for
 
 
@@ -152,6 +147,12 @@ def run_fp8_single(rank: int, world: int, device: torch.device, fp8_cases: list[
     """Rank body for :func:`bench.launch.run_in_process`: one record per case (module docstring)."""
     import kernels
     from bench import model
+
+    functions = {
+        "all_gather_matmul": kernels.all_gather_scaled_matmul,
+        "matmul_reduce_scatter": kernels.scaled_matmul_reduce_scatter,
+        "matmul_all_reduce": kernels.scaled_matmul_all_reduce,
+    }
     from bench.runner import fallback_reason
     from kernels.call import Operands
     from kernels.format import fp8
@@ -181,7 +182,7 @@ def run_fp8_single(rank: int, world: int, device: torch.device, fp8_cases: list[
         rec["ops"] = []
         for op in c.ops:
             row: dict[str, Any] = {"op": op}
-            fn = partial(getattr(kernels, OP_FNS[op]), xq, xs, wq, ws, out_dtype=torch.bfloat16, backend="fused")
+            fn = partial(functions[op], xq, xs, wq, ws, out_dtype=torch.bfloat16, backend="fused")
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 out = fn()

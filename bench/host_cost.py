@@ -102,12 +102,17 @@ def _bench(
 ) -> list[dict]:
     import kernels
 
+    functions = {
+        "all_gather_matmul": kernels.all_gather_matmul,
+        "matmul_reduce_scatter": kernels.matmul_reduce_scatter,
+        "matmul_all_reduce": kernels.matmul_all_reduce,
+    }
     torch.manual_seed(rank)
     x, w = torch.randn(M, K), torch.randn(N, K)
     rows = []
     with torch.no_grad():
         for op in OPS:
-            fn_op = getattr(kernels, op)
+            fn_op = functions[op]
             ref = _reference(op, x, w, world)
             for label, backend, num in VARIANTS:
                 fused = backend == "fused"

@@ -27,7 +27,6 @@ from bench.suites import OP_SHORT, Case
 from bench.timing import Timer
 
 # The Triton GEMM core's launcher: kernels/fused/matmul.py linear(x [m, k], weight [n, k], bias=None).
-_GEMM_CORE_NAME = "linear"
 
 
 def gemm_core() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, str]:
@@ -36,10 +35,10 @@ def gemm_core() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
         from kernels.fused import matmul
     except ImportError as e:
         return None, f"kernels.fused.matmul is not available ({e})"
-    fn = getattr(matmul, _GEMM_CORE_NAME, None)
+    fn = getattr(matmul, "linear", None)
     if not callable(fn):
-        return None, f"kernels.fused.matmul has no {_GEMM_CORE_NAME}()"
-    return fn, f"kernels.fused.matmul.{_GEMM_CORE_NAME}"
+        return None, "kernels.fused.matmul has no linear()"
+    return fn, "kernels.fused.matmul.linear"
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dtype: str) -> bool:
@@ -116,8 +115,13 @@ def run_single(rank: int, world: int, device: torch.device, cases: list[Case], o
             chunk_ms += timer.run(partial(torch.nn.functional.linear, xc, w), opts.warmup, opts.repeats).median * 1e3
         rec["model_chunked4_over_gemm"] = chunk_ms / rec["torch_ms"]["median"]
         rec["ops"] = []
+        functions = {
+            "all_gather_matmul": kernels.all_gather_matmul,
+            "matmul_reduce_scatter": kernels.matmul_reduce_scatter,
+            "matmul_all_reduce": kernels.matmul_all_reduce,
+        }
         for op in ops:
-            fn = getattr(kernels, op)
+            fn = functions[op]
             row: dict[str, Any] = {"op": op}
             for label, kw in (
                 ("fused", {"backend": "fused"}),

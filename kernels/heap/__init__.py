@@ -17,12 +17,11 @@ from shapes all ranks share (which the fused ops do: their sizes depend only on 
 from __future__ import annotations
 
 import atexit
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .base import CallMismatch, SymmetricHeap, Verdict
+from .base import CallMismatch, SymmetricHeap, Verdict, cupy_install_hint, import_cupy
 
 __all__ = [
     "SymmetricHeap",
@@ -36,22 +35,6 @@ __all__ = [
     "cupy_install_hint",
     "import_cupy",
 ]
-
-
-def cupy_install_hint() -> str:
-    """How to install the CuPy wheel matching torch's CUDA (CuPy ships one wheel per CUDA major)."""
-    major = (torch.version.cuda or "12").split(".")[0]
-    extra = "cuda13" if major == "13" else "cuda12"
-    return f"pip install coc-overlap[{extra}] (CuPy for CUDA {major}: cupy-cuda{major}x)"
-
-
-def import_cupy() -> Any:
-    """``cupy`` from whichever wheel provides it (cupy-cuda12x or -13x); else an ImportError naming the wheel."""
-    try:
-        import cupy
-    except ImportError as e:
-        raise ImportError(f"CUDA IPC heaps need CuPy: {cupy_install_hint()}") from e
-    return cupy
 
 
 _HEAPS: dict[tuple[int, str], tuple[object, SymmetricHeap]] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -10,6 +11,22 @@ import torch.distributed as dist
 # Judges the descriptors every rank brought to a heap's creation: None when they agree, else the
 # error message (the same on every rank, since every rank judges the same gathered list).
 Verdict = Callable[[Sequence[object]], str | None]
+
+
+def cupy_install_hint() -> str:
+    """How to install the CuPy wheel matching torch's CUDA (CuPy ships one wheel per CUDA major)."""
+    major = (torch.version.cuda or "12").split(".")[0]
+    extra = "cuda13" if major == "13" else "cuda12"
+    return f"pip install coc-overlap[{extra}] (CuPy for CUDA {major}: cupy-cuda{major}x)"
+
+
+def import_cupy() -> Any:
+    """``cupy`` from whichever wheel provides it (cupy-cuda12x or -13x); else an ImportError naming the wheel."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError(f"CUDA IPC heaps need CuPy: {cupy_install_hint()}") from e
+    return cupy
 
 
 class CallMismatch(RuntimeError):

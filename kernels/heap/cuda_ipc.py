@@ -13,7 +13,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from .base import SymmetricHeap, Verdict
+from .base import SymmetricHeap, Verdict, import_cupy
 
 _LAZY_ENABLE_PEER_ACCESS = 1
 
@@ -59,8 +59,6 @@ class CudaIpcHeap(SymmetricHeap):
         descriptor: object = None,
         verdict: Verdict | None = None,
     ):
-        from . import import_cupy
-
         cupy = import_cupy()
 
         super().__init__(group, device, data_bytes, sig_words)
