@@ -8,11 +8,11 @@ once per reason.
 
 Under ``torch.compile`` the choice is made once, while tracing, and is a constant of the graph
 (``_decide`` is marked ``assume_constant_result``): the graph holds one registered operator call
-(``kernels.library``) with the backend and split count as arguments. A changed environment takes
-effect in a compiled function after ``torch._dynamo.reset()``. The choice depends on the shape only
-through ``customized_coc`` (a graph with dynamic shapes guards on whether its shape is one of the
-keys) and ``COC_PARALLEL_NUM=auto`` (which needs the exact shape: compile it with static shapes).
-Whether the ranks agree on the call is settled before, by :mod:`kernels.callcheck`.
+(``torch.ops.coc.*``, :mod:`kernels.ops`) with the backend and split count in its ``call`` string.
+A changed environment takes effect in a compiled function after ``torch._dynamo.reset()``. The
+choice depends on the shape only through ``customized_coc`` (a graph with dynamic shapes guards on
+whether its shape is one of the keys) and ``COC_PARALLEL_NUM=auto`` (which needs the exact shape:
+compile it with static shapes). Whether the ranks agree on the call is settled before, by :mod:`kernels.callcheck`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Registering a ``coc`` torch operator by hand: its schema, its implementation for every device and its
 fake (meta) implementation in one call, and the copy that keeps an operator's outputs fresh.
 
-Shared by :mod:`kernels.library` (the bf16 / fp32 ops) and :mod:`kernels.fp8.library`; why the
-schema is written by hand rather than inferred by ``torch.library.custom_op`` (about 6 µs less per
-call) is in :mod:`kernels.library`.
+Used by the pattern modules of :mod:`kernels.ops`, one operator each. The schema is written by hand
+rather than inferred by ``torch.library.custom_op``: inference and its wrapper cost host time on
+every call, and an op called per layer per step is host-bound at small shapes.
 """
 
 from __future__ import annotations

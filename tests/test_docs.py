@@ -1,0 +1,131 @@
+"""docs/api.md section 1 matches the code: the signatures it shows, the registered operators' schemas and
+the table of where each op lives. A signature, schema or file that changes without its contract fails
+here."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+API = (ROOT / "docs" / "api.md").read_text()
+SECTION_1 = API[API.index("## 1. `kernels`") : API.index("## 2. `autopar`")]
+PUBLIC_OPS = {
+    name
+    for name in kernels.__all__
+    if name.endswith("matmul") or "matmul_" in name or name.startswith(("quantize_", "dequantize_"))
+}
+
+
+def _code_blocks(text: str, lang: str) -> list[str]:
+    """The fenced blocks opened with ```` ```lang ```` (``""``: a bare fence)."""
+    blocks: list[str] = []
+    current: list[str] | None = None
+    opened = ""
+    for line in text.splitlines():
+        if not line.startswith("```"):
+            if current is not None:
+                current.append(line)
+        elif current is None:
+            current, opened = [], line[3:].strip()
+        else:
+            if opened == lang:
+                blocks.append("\n".join(current) + "\n")
+            current = None
+    return blocks
+
+
+def _documented_calls(text: str) -> dict[str, list[str]]:
+    """``kernels.<name>(...)`` in the section's Python blocks -> the argument text of each, balanced parens."""
+    calls: dict[str, list[str]] = {}
+    for block in _code_blocks(text, "python"):
+        for match in re.finditer(r"kernels\.(\w+)\(", block):
+            depth, i = 1, match.end()
+            while depth:
+                depth += {"(": 1, ")": -1}.get(block[i], 0)
+                i += 1
+            calls.setdefault(match.group(1), []).append(block[match.end() : i - 1])
+    return calls
+
+
+def _parameters(args: str) -> list[tuple[str, str, str | None]]:
+    """(name, kind, default source) of a documented argument list read as a ``def``."""
+    fn = ast.parse(f"def f({args}): pass").body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    a = fn.args
+    out: list[tuple[str, str, str | None]] = []
+    positional = a.posonlyargs + a.args
+    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    for arg, default in zip(positional, defaults, strict=True):
+        out.append((arg.arg, "POSITIONAL_OR_KEYWORD", None if default is None else ast.unparse(default)))
+    for arg, default in zip(a.kwonlyargs, a.kw_defaults, strict=True):
+        out.append((arg.arg, "KEYWORD_ONLY", None if default is None else ast.unparse(default)))
+    return out
+
+
+def _actual(fn: object) -> list[tuple[str, str, str | None]]:
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        default = None if p.default is inspect.Parameter.empty else repr(p.default)
+        out.append((p.name, p.kind.name, default))
+    return out
+
+
+DOCUMENTED = _documented_calls(SECTION_1)
+
+
+def test_every_public_op_has_its_signature_in_section_1() -> None:
+    assert PUBLIC_OPS - set(DOCUMENTED) == set()
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_documented_signature_is_the_function_signature(name: str) -> None:
+    actual = _actual(getattr(kernels, name))
+    for args in DOCUMENTED[name]:
+        assert _parameters(args) == actual, f"docs/api.md shows kernels.{name}({args})"
+
+
+def test_registered_operator_schemas() -> None:
+    schemas = [line for block in _code_blocks(SECTION_1, "") for line in block.splitlines() if line.startswith("coc::")]
+    names = {s.split("(")[0].removeprefix("coc::") for s in schemas}
+    assert names == {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul"}
+    for schema in schemas:
+        op = getattr(torch.ops.coc, schema.split("(")[0].removeprefix("coc::"))
+        assert str(op.default._schema) == schema
+
+
+def _where_table() -> list[list[str]]:
+    start = SECTION_1.index("Where each op lives")
+    lines = SECTION_1[start:].splitlines()
+    rows = [line for line in lines if line.startswith("| ")]
+    table = []
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] in ("pattern",) or not cells[1].startswith("`"):
+            continue
+        table.append(cells)
+        if cells[0] == "local GEMM":
+            break
+    return table
+
+
+def test_where_each_op_lives() -> None:
+    table = _where_table()
+    listed: set[str] = set()
+    for _pattern, functions, implementation, fused, tests in table:
+        (impl_path,) = re.findall(r"`([^`]+)`", implementation)
+        for path in [impl_path] + re.findall(r"`([^`]+)`", fused) + re.findall(r"`([^`]+)`", tests):
+            assert (ROOT / path).is_file(), path
+        for name in re.findall(r"`(\w+)`", functions):
+            listed.add(name)
+            source = Path(inspect.getsourcefile(getattr(kernels, name))).resolve()
+            assert source == (ROOT / impl_path).resolve(), (name, source)
+    ops = {n for n in PUBLIC_OPS if not n.startswith(("quantize_", "dequantize_"))}
+    assert listed == ops
