@@ -1,4 +1,5 @@
-"""Inference-only row-parallel linear with w8A16 weights (``kernels.quantized_matmul_all_reduce``).
+"""Inference-only row-parallel linear with w8A16 weights (``kernels.quantized_matmul_all_reduce``, or
+``kernels.quantized_matmul_reduce_scatter`` with sequence parallelism).
 
 Build one from a trained :class:`autopar.RowParallelLinear` (or Megatron-core's own
 ``RowParallelLinear``: only the public attributes ``weight``, ``bias``, ``input_is_parallel``,
@@ -10,8 +11,8 @@ Build one from a trained :class:`autopar.RowParallelLinear` (or Megatron-core's 
 
 Each rank quantizes its own shard ``weight [output_size, input_size / W]``, so per-group groups
 never straddle two ranks. Forward only: the int8 weight has no gradient, and a backward through
-the layer raises ``RuntimeError``. Sequence parallelism would need a quantized
-``matmul_reduce_scatter``, which ``kernels`` does not provide: such layers are refused.
+the layer raises ``RuntimeError``. With ``sequence_parallel`` (read from the layer's config, as
+Megatron's layer does) the output is reduce-scattered along the sequence dim (dim 0 of ``[s, b, h]``).
 """
 
 from __future__ import annotations
@@ -25,17 +26,19 @@ import kernels
 
 
 class _QuantizedRowParallelFunction(torch.autograd.Function):
-    """``y = all_reduce(x_shard_k @ dequant(qweight_shard_k).T) + bias``; no backward.
+    """``y = all_reduce(x_shard_k @ dequant(qweight_shard_k).T) + bias``, or with sequence parallelism
+    ``y_shard_s = reduce_scatter_dim0(x_shard_k @ dequant(qweight_shard_k).T) + bias``; no backward.
 
     Shapes: ``x_shard_k [s, b, k/W]``, ``qweight_shard_k int8 [n, k/W]``, ``bias [n]`` (whole),
-    ``y [s, b, n]``. dgrad / wgrad: not provided (inference only).
+    ``y [s, b, n]`` (``y_shard_s [s/W, b, n]``). dgrad / wgrad: not provided (inference only).
     """
 
     @staticmethod
     def forward(
         ctx: Any, x_shard_k: torch.Tensor, layer: QuantizedRowParallelLinear, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        return kernels.quantized_matmul_all_reduce(
+        op = kernels.quantized_matmul_reduce_scatter if layer.sequence_parallel else kernels.quantized_matmul_all_reduce
+        return op(
             x_shard_k.detach(),
             layer.qweight,
             layer.scale,
@@ -57,11 +60,12 @@ class _QuantizedRowParallelFunction(torch.autograd.Function):
 class QuantizedRowParallelLinear(torch.nn.Module):
     """Row-parallel linear holding ``qweight int8 [output_size, input_size / W]`` and its scale.
 
-    ``forward(input_) -> (output, output_bias)`` as :class:`autopar.RowParallelLinear` without
-    sequence parallelism: ``input_ [s, b, input_size / W]`` (or ``[s, b, input_size]`` when
-    ``input_is_parallel=False``; this rank's slice of the last dim is used), ``output [s, b,
-    output_size]`` reduced over ``tp_group``; ``output_bias`` is ``bias`` when ``skip_bias_add``
-    else ``None``. ``input_`` must be fp16 / bf16 (fp32 on CPU).
+    ``forward(input_) -> (output, output_bias)`` as :class:`autopar.RowParallelLinear`:
+    ``input_ [s, b, input_size / W]`` (or ``[s, b, input_size]`` when ``input_is_parallel=False``;
+    this rank's slice of the last dim is used), ``output [s, b, output_size]`` reduced over
+    ``tp_group``, or with ``sequence_parallel`` this rank's ``[s / W, b, output_size]`` (``s % W != 0``
+    raises ``ValueError``); ``output_bias`` is ``bias`` when ``skip_bias_add`` else ``None``.
+    ``input_`` must be fp16 / bf16 (fp32 on CPU).
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class QuantizedRowParallelLinear(torch.nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         group_size: int | None = None,
         offset: torch.Tensor | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         kernels.quant.quant_spec(qweight, scale, group_size, offset)
@@ -86,6 +91,7 @@ class QuantizedRowParallelLinear(torch.nn.Module):
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
@@ -105,7 +111,8 @@ class QuantizedRowParallelLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (
             f"qweight={tuple(self.qweight.shape)}, scale={tuple(self.scale.shape)}, "
-            f"bias={self.bias is not None}, group_size={self.group_size}"
+            f"bias={self.bias is not None}, group_size={self.group_size}, "
+            f"sequence_parallel={self.sequence_parallel}"
         )
 
 
@@ -117,12 +124,7 @@ def quantize_row_parallel_linear(
     ``mode`` / ``group_size`` as :func:`kernels.quantize_weight`, applied to this rank's shard.
     """
     config = getattr(module, "config", None)
-    if getattr(config, "sequence_parallel", False) or getattr(module, "sequence_parallel", False):
-        raise NotImplementedError(
-            "quantize_row_parallel_linear: sequence_parallel=True needs a quantized "
-            "matmul_reduce_scatter, which kernels does not provide; quantize a "
-            "layer built with sequence_parallel=False"
-        )
+    sequence_parallel = bool(getattr(config, "sequence_parallel", False) or getattr(module, "sequence_parallel", False))
     if getattr(module, "explicit_expert_comm", False):
         raise NotImplementedError(
             "quantize_row_parallel_linear: expert layers with explicit expert communication are not supported"
@@ -142,4 +144,5 @@ def quantize_row_parallel_linear(
         skip_bias_add=bool(module.skip_bias_add),
         tp_group=getattr(module, "tp_group", None),
         group_size=group_size if mode == "per_group" else None,
+        sequence_parallel=sequence_parallel,
     )

@@ -76,27 +76,47 @@ def test_quantized_row_parallel_linear_forward():
     assert run_ranks(_check_linear, 2) == [12, 12]
 
 
-def _check_backward_and_sp(rank, world):
+def _check_backward(rank, world):
     qlayer = autopar.quantize_row_parallel_linear(_row(True, False))
     x = torch.randn(3, 2, IN // world, requires_grad=True)
     out, _ = qlayer(x)  # forward works even when the input requires grad
-    errors = []
-    try:
+    with pytest.raises(RuntimeError, match="inference-only"):
         out.sum().backward()
-    except RuntimeError as e:
-        errors.append(str(e))
-    try:
-        autopar.quantize_row_parallel_linear(_row(True, False, sequence_parallel=True))
-    except NotImplementedError as e:
-        errors.append(str(e))
-    return errors
+    return True
 
 
-def test_backward_and_sequence_parallel_refused():
-    for errors in run_ranks(_check_backward_and_sp, 2):
-        assert len(errors) == 2
-        assert "inference-only" in errors[0]
-        assert "sequence_parallel" in errors[1]
+def test_backward_refused():
+    assert run_ranks(_check_backward, 2) == [True, True]
+
+
+def _check_sequence_parallel(rank, world):
+    """Sequence parallelism: this rank's [s / W, b, n] rows of the reduced output, bias added once."""
+    k_local = IN // world
+    out_shapes = []
+    for mode, group_size in (("per_channel", None), ("per_group", 5)):
+        layer = _row(True, False, sequence_parallel=True)
+        qlayer = autopar.quantize_row_parallel_linear(layer, mode, group_size)
+        assert qlayer.sequence_parallel
+        torch.manual_seed(1)
+        x_full = torch.randn(4, 2, IN)
+        x_shard = x_full[..., rank * k_local : (rank + 1) * k_local]
+        with torch.no_grad():
+            out, out_bias = qlayer(x_shard)
+        assert out_bias is None
+        w = dequantize(qlayer.qweight, qlayer.scale, group_size, dtype=torch.float32)
+        ws = [torch.empty_like(w) for _ in range(world)]
+        dist.all_gather(ws, w)
+        ref = reference("rs", list(x_full.split(k_local, dim=-1)), ws, layer.bias.detach(), rank)
+        assert_close(f"{mode} sequence_parallel", out, ref, torch.float32)
+        out_shapes.append(tuple(out.shape))
+        with pytest.raises(ValueError, match="scatter_dim"):
+            qlayer(torch.randn(3, 2, k_local))  # s = 3 does not split over W = 2
+    return out_shapes
+
+
+def test_sequence_parallel_reduce_scatters_the_output():
+    for shapes in run_ranks(_check_sequence_parallel, 2):
+        assert shapes == [(2, 2, OUT), (2, 2, OUT)]
 
 
 def test_wrong_full_input_width():
