@@ -1,4 +1,4 @@
-"""The plain GEMM core of the fused ops not yet on :mod:`tile` (all-gather, reduce-scatter), and the old
+"""The plain GEMM core of the fused ops not yet on :mod:`tile` (all-gather), and the old
 entry point of the plain local GEMM (:func:`matmul.linear`).
 
 ``tile_matmul`` computes one ``[BLOCK_M, BLOCK_N]`` fp32 tile of ``a @ b.T`` for ``b`` in
@@ -61,52 +61,6 @@ def load_a(a_ptr, stride_am, stride_ak, offs_m, mask_m, k0, K, BLOCK_K: tl.const
         other=0.0,
     )
     return a, offs_k, mask_k
-
-
-@triton.jit
-def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """``(offs_m, mask_m, offs_n, mask_n)`` of tile ``pid`` of an ``M x N`` output in grouped order.
-
-    Consecutive programs walk a group of ``GROUP_M`` row tiles column by column, so the programs
-    resident at one time read a few A row panels and a few B column panels, which stay in L2; in
-    row-major order every row tile streams all of B again. The mapping is a bijection (the last
-    group may have fewer row tiles).
-    """
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
-    local = pid % per_group
-    offs_m = (first_m + local % group_rows) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_n = (local // group_rows) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    return offs_m, offs_m < M, offs_n, offs_n < N
-
-
-@triton.jit
-def store_tile(
-    c_ptr,
-    acc,
-    bias_ptr,
-    offs_m,
-    mask_m,
-    offs_n,
-    mask_n,
-    stride_cm,
-    stride_cn,
-    HAS_BIAS: tl.constexpr,
-    ROUND_FIRST: tl.constexpr,
-):
-    """``c[offs_m, offs_n] = acc + bias`` in ``c``'s dtype. ``ROUND_FIRST`` rounds the product to that
-    dtype before bias is added in fp32, as the w8A16 reference does (``partial.add_(bias)``)."""
-    if ROUND_FIRST:
-        acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(acc.dtype)[None, :]
-    tl.store(
-        c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-        acc.to(c_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The scaled FP8 tile core of the fused FP8 ops not yet on :mod:`tile` (all-gather, reduce-scatter), and the
+"""The scaled FP8 tile core of the fused FP8 ops not yet on :mod:`tile` (all-gather), and the
 old entry point of the FP8 local GEMM (:func:`matmul.gemm` of the FP8 format).
 
 ``scaled_tile`` computes one ``[BLOCK_M, BLOCK_N]`` fp32 tile of ``dequant(a) @ dequant(b).T`` for FP8

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .. import agree
+from ..call import OpCall
+from ..call import resolve_group as resolve_group_name
 from ..capture import capturing
 from ..checks import group_size
 from ..config import get_config
@@ -41,6 +43,11 @@ from . import signals
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
+
+
+def group_of(call: OpCall) -> dist.ProcessGroup | None:
+    """The process group ``call`` names (``""``: the default group, or none without torch.distributed)."""
+    return resolve_group(resolve_group_name(call.group_name))
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
@@ -334,8 +341,10 @@ def finish(call: FusedCall, outputs: Sequence[torch.Tensor | None] = ()) -> None
 
 
 def _message(
-    heap: SymmetricHeap, code: int, epoch: int, mine: Sequence[int], peer_words: Sequence[int], ticks: int
+    heap: SymmetricHeap, code: int, epoch: int, descriptors: tuple[Sequence[int], Sequence[int]], ticks: int
 ) -> str:
+    """The error message of a recorded failure; ``descriptors``: this rank's and the peer's (mismatch)."""
+    mine, peer_words = descriptors
     phase, peer = signals.decode_error(code, heap.world_size)
     op_code = mine[agree.FIELDS.index("op")]
     op = agree.OPS[op_code] if 0 <= op_code < len(agree.OPS) else "(an unknown op)"
@@ -376,7 +385,7 @@ def raise_recorded(heap: SymmetricHeap) -> None:
     n = len(agree.FIELDS)
     mine = [int(v) for v in view[signals.RECORD_MINE : signals.RECORD_MINE + n]]
     peer_words = [int(v) for v in view[signals.RECORD_DESC : signals.RECORD_DESC + n]]
-    message = _message(heap, code, epoch, mine, peer_words, int(view[signals.RECORD_TIMEOUT]))
+    message = _message(heap, code, epoch, (mine, peer_words), int(view[signals.RECORD_TIMEOUT]))
     heap.failure_reported = True
     _FAILED_GROUPS[id(heap.group)] = (heap.group, message)
     # Not freed, so no synchronization either (inside capture there could be none): kernels queued

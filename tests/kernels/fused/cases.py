@@ -25,19 +25,30 @@ from kernels.testing import (
 STRAGGLER_S = 0.25
 
 
-def run_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Any) -> Any:
-    from kernels import fused
-    from kernels.fused.gemm_ar import matmul_all_reduce
+def fused_call(pattern: str, group: Any, fmt: Any = None, **fields: Any) -> Any:
+    """The :class:`kernels.call.OpCall` of a fused call on ``group`` (None: the default group)."""
+    from kernels.call import OpCall
+    from kernels.format import PLAIN
 
-    if op == "ag":
-        return fused.all_gather_matmul(x, w, b, group, False)
-    if op == "ag_v2":
-        return fused.all_gather_matmul(x, w, b, group, True)
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    return OpCall(pattern=pattern, fmt=fmt or PLAIN, group_name=group.group_name, world=world, **fields)
+
+
+def run_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Any) -> Any:
+    """One op of :data:`OPS` through the pattern modules' ``run`` (``ag_v2``: with the gathered x; the
+    all-gather still through its own entry point)."""
+    from kernels import fused
+    from kernels.call import Operands
+    from kernels.fused import all_reduce, scatter
+
+    ops = Operands(x, (w,), (b,))
+    if op in ("ag", "ag_v2"):
+        return fused.all_gather_matmul(x, w, b, group, op == "ag_v2")
     if op == "rs":
-        return fused.matmul_reduce_scatter(x, w, b, group, True)
-    if op == "ar":
-        return fused.matmul_all_reduce(x, w, b, group, True)
-    return matmul_all_reduce(x, w, b, group, True, algorithm={"ar_one": "one_shot", "ar_two": "two_shot"}[op])
+        return scatter.run(fused_call("reduce_scatter", group, deterministic=True), ops)
+    algorithm = {"ar_one": "one_shot", "ar_two": "two_shot"}.get(op, "auto")
+    return all_reduce.run(fused_call("all_reduce", group, deterministic=True), ops, algorithm)
 
 
 def check_case(
@@ -54,7 +65,9 @@ def check_case(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    xs, ws, b = make_inputs(op, world, m_local, k, n, bias, seed, noncontig, dtype, str(device))
+    xs, ws, b = make_inputs(
+        op, world, m_local, k, n, bias=bias, seed=seed, noncontig=noncontig, dtype=dtype, device=str(device)
+    )
     what = f"{op} W={world} m_local={m_local} k={k} n={n} bias={bias} noncontig={noncontig} rank={rank}"
     scramble(group, device)
     if rank == seed % world:
@@ -101,7 +114,7 @@ def determinism_body(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
     presize(group, dev)
     outs: dict[str, list[torch.Tensor]] = {}
     for op in ("rs", "ar_one", "ar_two"):
-        xs, ws, b = make_inputs(op, world, 19, 32, 24, True, 7)
+        xs, ws, b = make_inputs(op, world, 19, 32, 24, bias=True, seed=7)
         outs[op] = []
         for _ in range(3):
             scramble(group, dev)
@@ -122,7 +135,7 @@ def back_to_back_body(rank: int, world: int, calls: int) -> int:
     for i in range(calls):
         op = ops[i % len(ops)]
         m_local, k, n = shapes[(i // len(ops) + i) % len(shapes)]
-        xs, ws, b = make_inputs(op, world, m_local, k, n, i % 2 == 0, 100 + i)
+        xs, ws, b = make_inputs(op, world, m_local, k, n, bias=i % 2 == 0, seed=100 + i)
         plan.append((op, xs, ws, b))
     results = [run_op(op, xs[rank], ws[rank], b, group) for op, xs, ws, b in plan]
     for i, ((op, xs, ws, b), got) in enumerate(zip(plan, results, strict=False)):
@@ -145,7 +158,7 @@ def absent_peer_body(
     keeps its memory for ``linger_s`` instead: rank 0 may still write into it through CUDA IPC.
     """
     group = dist.new_group(list(range(world)))
-    xs, ws, b = make_inputs(op, world, 13, 24, 20, True, 3, dtype=dtype, device=device)
+    xs, ws, b = make_inputs(op, world, 13, 24, 20, bias=True, seed=3, dtype=dtype, device=device)
     run_op(op, xs[rank], ws[rank], b, group)
     if rank != 0:
         if linger_s:
@@ -186,12 +199,10 @@ def singleton_body(rank: int, world: int) -> int:
     x = torch.randn(11, 24, generator=g)
     w = torch.randn(20, 24, generator=g)
     b = torch.randn(20, generator=g)
-    assert_close(
-        "ag_v2 W=1", fused.all_gather_matmul(x, w, b, group, True), reference("ag_v2", [x], [w], b, 0), torch.float32
-    )
+    assert_close("ag_v2 W=1", run_op("ag_v2", x, w, b, group), reference("ag_v2", [x], [w], b, 0), torch.float32)
     ref = reference("ar", [x], [w], b, 0)
-    assert_close("rs W=1", fused.matmul_reduce_scatter(x, w, b, group, False), ref, torch.float32)
-    assert_close("ar W=1", fused.matmul_all_reduce(x, w, b, group, False), ref, torch.float32)
+    assert_close("rs W=1", run_op("rs", x, w, b, group), ref, torch.float32)
+    assert_close("ar W=1", run_op("ar", x, w, b, group), ref, torch.float32)
     return 3
 
 
@@ -288,7 +299,7 @@ def edge_shapes_body(rank: int, world: int) -> int:
         ("ag_v2", 2, 3, 0),
     ]
     for seed, (op, m_local, k, n) in enumerate(cases):
-        xs, ws, b = make_inputs(op, world, m_local, k, n, True, seed)
+        xs, ws, b = make_inputs(op, world, m_local, k, n, bias=True, seed=seed)
         if op.startswith("ar") and m_local == 0:
             xs = [x[:1] for x in xs]  # a single row: two-shot owners 1.. hold none
         what = f"edge {op} W={world} rows={xs[0].shape[0]} k={k} n={n} rank={rank}"
@@ -309,7 +320,8 @@ def per_rank_tiles_body(rank: int, world: int) -> list[int]:
     file (``COC_TUNED_DIR``, written by the test) that gives each n another tile height: the tiles are
     each rank's own choice, while the chunks a rank pushes and the flags its peers wait on must not
     depend on them. Returns the tile heights the ranks ran with."""
-    from kernels.fused import gemm
+    from kernels.format import PLAIN
+    from kernels.fused import blocks
 
     dev = torch.device("cpu")
     group = dist.group.WORLD
@@ -317,7 +329,7 @@ def per_rank_tiles_body(rank: int, world: int) -> list[int]:
     xs, ws = _uneven_n_inputs(world, 11)
     m_local, k = xs[0].shape
     ns = [w.shape[0] for w in ws]
-    cfg = gemm.block_config(dev, m_local, k, torch.float32, op="all_gather_matmul", n=ns[rank])
+    cfg = blocks.block_config(PLAIN, dev, m_local, k, dtype=torch.float32, op="all_gather_matmul", n=ns[rank])
     for op in ("ag", "ag_v2"):
         scramble(group, dev)
         if rank == 0:
@@ -359,43 +371,47 @@ def interrupted_call_body(rank: int, world: int, delay_s: float) -> None:
     while rank 1's scatter of that call is ``delay_s`` late, so its increments reach rank 0's
     counters after rank 0 started the next call. The next call must still be exact: the late
     increments count for the abandoned call, not the next one."""
-    from kernels.fused import gemm_rs
+    from kernels.fused import scatter
 
     group = dist.group.WORLD
     presize(group, torch.device("cpu"))
     check_case(rank, world, "rs", 5, 12, 9, True, 1, False, group, torch.float32, torch.device("cpu"))
-    xs, ws, b = make_inputs("rs", world, 5, 12, 9, True, 4, False, torch.float32, "cpu")
-    real = gemm_rs.scatter_partials
+    xs, ws, b = make_inputs(
+        "rs", world, 5, 12, 9, bias=True, seed=4, noncontig=False, dtype=torch.float32, device="cpu"
+    )
+    real = scatter.scatter_partials
     if rank == 0:
 
         def injected(*args: Any, **kwargs: Any) -> Any:
             raise MemoryError("injected between launches")
 
-        saved, gemm_rs.reduce_slots = gemm_rs.reduce_slots, injected
+        saved, scatter.reduce_slots = scatter.reduce_slots, injected
         try:
             run_op("rs", xs[rank], ws[rank], b, group)
             raise AssertionError("the injected failure did not propagate")
         except MemoryError:
             pass
         finally:
-            gemm_rs.reduce_slots = saved
+            scatter.reduce_slots = saved
     else:
 
         def late(*args: Any, **kwargs: Any) -> Any:
             time.sleep(delay_s)
             return real(*args, **kwargs)
 
-        gemm_rs.scatter_partials = late
+        scatter.scatter_partials = late
         run_op("rs", xs[rank], ws[rank], b, group)
     # No barrier before the next call (check_case's scramble has one): rank 0 enters it while rank
     # 1 is still in the late call, and rank 1's scatter is late in it too, so a stale count would
     # let rank 0 sum the abandoned call's slot.
-    xs, ws, b = make_inputs("rs", world, 5, 12, 9, True, 5, False, torch.float32, "cpu")
+    xs, ws, b = make_inputs(
+        "rs", world, 5, 12, 9, bias=True, seed=5, noncontig=False, dtype=torch.float32, device="cpu"
+    )
     try:
         got = run_op("rs", xs[rank], ws[rank], b, group)
     finally:
         if rank != 0:
-            gemm_rs.scatter_partials = real
+            scatter.scatter_partials = real
     assert_close(f"rs after an abandoned call, rank {rank}", got, reference("rs", xs, ws, b, rank), torch.float32)
 
 
@@ -405,24 +421,24 @@ def failed_call_body(rank: int, world: int, op: str) -> float:
     Returns how long the next (correct) call took: it must not sit out a COC_TIMEOUT waiting for
     a ``DONE`` signal of the abandoned call.
     """
-    from kernels.fused import gemm_ar, gemm_rs
+    from kernels.fused import all_reduce, scatter
 
     group = dist.group.WORLD
-    xs, ws, b = make_inputs(op, world, 5, 12, 9, True, 3, False, torch.float32, "cpu")
+    xs, ws, b = make_inputs(op, world, 5, 12, 9, bias=True, seed=3, noncontig=False, dtype=torch.float32, device="cpu")
     check_case(rank, world, op, 5, 12, 9, True, 1, False, group, torch.float32, torch.device("cpu"))
 
     def injected(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected failure")
 
-    saved = gemm_rs.reduce_slots
-    gemm_rs.reduce_slots = gemm_ar.reduce_slots = injected
+    saved = scatter.reduce_slots
+    scatter.reduce_slots = all_reduce.reduce_slots = injected
     try:
         run_op(op, xs[rank], ws[rank], b, group)
         raise AssertionError("the injected failure did not propagate")
     except RuntimeError as e:
         assert "injected failure" in str(e), e
     finally:
-        gemm_rs.reduce_slots = gemm_ar.reduce_slots = saved
+        scatter.reduce_slots = all_reduce.reduce_slots = saved
     start = time.monotonic()
     got = run_op(op, xs[rank], ws[rank], b, group)
     elapsed = time.monotonic() - start
@@ -462,15 +478,20 @@ def check_w8a16_case(
     device: torch.device,
 ) -> None:
     """The fused w8A16 all-reduce against fp64 math on the weights it dequantizes (rounded to ``dtype``)."""
-    from kernels.fused.gemm_ar_w8a16 import matmul_all_reduce_w8a16
+    from kernels.call import Operands
+    from kernels.format import int8
+    from kernels.fused import all_reduce
 
-    xs, ws, b = make_inputs("ar", world, m_local, k, n, bias, seed, False, dtype, str(device))
+    xs, ws, b = make_inputs(
+        "ar", world, m_local, k, n, bias=bias, seed=seed, noncontig=False, dtype=dtype, device=str(device)
+    )
     quantized, deq = quantized_weights(ws, dtype)
     scramble(group, device)
     if rank == seed % world:
         time.sleep(STRAGGLER_S)
     q, s = quantized[rank]
-    got = matmul_all_reduce_w8a16(xs[rank], q, s, None, k, b, group, deterministic=True)
+    call = fused_call("all_reduce", group, int8("per_channel", 0, False), deterministic=True)
+    got = all_reduce.run(call, Operands(xs[rank], (q,), (b,), None, (s,), (None,)))
     assert_close(
         f"w8a16 W={world} m={xs[0].shape[0]} k={k} n={n} bias={bias} rank={rank}",
         got,
@@ -509,7 +530,12 @@ def gpu_streams_body(rank: int, world: int) -> int:
     presize(group, dev, 64 << 20)
     m_local, k, n = gpu_wave_shape(world)
     calls = [(("rs", "ar_two", "ag")[i % 3], i) for i in range(8)]
-    inputs = [make_inputs(op, world, m_local, k, n, True, seed, False, torch.float16, str(dev)) for op, seed in calls]
+    inputs = [
+        make_inputs(
+            op, world, m_local, k, n, bias=True, seed=seed, noncontig=False, dtype=torch.float16, device=str(dev)
+        )
+        for op, seed in calls
+    ]
     streams = (torch.cuda.current_stream(dev), torch.cuda.Stream(dev))
     torch.cuda.synchronize(dev)
     outs = []
@@ -535,7 +561,9 @@ def gpu_back_to_back_body(rank: int, world: int, calls: int, dtype: torch.dtype)
     for i in range(calls):
         op = ops[i % len(ops)]
         m_local, k, n = shapes[(i // len(ops) + i) % len(shapes)]
-        xs, ws, b = make_inputs(op, world, m_local, k, n, i % 2 == 0, 100 + i, False, dtype, str(dev))
+        xs, ws, b = make_inputs(
+            op, world, m_local, k, n, bias=i % 2 == 0, seed=100 + i, noncontig=False, dtype=dtype, device=str(dev)
+        )
         plan.append((op, xs, ws, b))
     dist.barrier(group)
     results = [run_op(op, xs[rank], ws[rank], b, group) for op, xs, ws, b in plan]
@@ -573,7 +601,9 @@ def gpu_teardown_body(rank: int, world: int) -> str:
     dev = gpu_device()
     group = dist.new_group(list(range(world)))
     presize(group, dev, 64 << 20)
-    xs, ws, b = make_inputs("ar", world, 13, 64, 40, True, 0, False, torch.float16, str(dev))
+    xs, ws, b = make_inputs(
+        "ar", world, 13, 64, 40, bias=True, seed=0, noncontig=False, dtype=torch.float16, device=str(dev)
+    )
     assert_close(
         "ar before teardown",
         run_op("ar_one", xs[rank], ws[rank], b, group),
@@ -607,7 +637,7 @@ def departed_peer_body(rank: int, world: int, op: str, timeout_s: float) -> tupl
     dev = gpu_device()
     dtype = torch.float16
     group = dist.new_group(list(range(world)))
-    xs, ws, b = make_inputs(op, world, 13, 64, 40, True, 3, False, dtype, str(dev))
+    xs, ws, b = make_inputs(op, world, 13, 64, 40, bias=True, seed=3, noncontig=False, dtype=dtype, device=str(dev))
     for _ in range(2):  # every kernel variant compiles here, not inside the timed wait
         run_op(op, xs[rank], ws[rank], b, group)
     torch.cuda.synchronize(dev)

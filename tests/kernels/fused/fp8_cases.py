@@ -14,19 +14,25 @@ import torch.distributed as dist
 
 from kernels.testing import presize, scramble
 from kernels.testing.fp8 import assert_close, make_inputs, quantize, reference
+from tests.kernels.fused.cases import fused_call
 
 
 def run_op(op: str, mode: str, x, xs, w, ws, b, out_dtype, group):
+    """One op through the pattern modules' ``run`` with the FP8 format of ``mode`` (``ag_v2``: with the
+    gathered payload and scales; the all-gather still through its own entry point)."""
+    from kernels.call import Operands
+    from kernels.format import fp8
+    from kernels.fused import all_reduce, scatter
     from kernels.fused.ag_gemm_fp8 import all_gather_scaled_matmul
-    from kernels.fused.gemm_ar_fp8 import scaled_matmul_all_reduce
-    from kernels.fused.gemm_rs_fp8 import scaled_matmul_reduce_scatter
 
+    ops = Operands(x, (w,), (b,), xs, (ws,))
+    fmt = fp8(mode)
     if op in ("ag", "ag_v2"):
         return all_gather_scaled_matmul(x, xs, w, ws, b, mode, out_dtype, group, op == "ag_v2")
     if op == "rs":
-        return scaled_matmul_reduce_scatter(x, xs, w, ws, b, mode, out_dtype, group, True)
+        return scatter.run(fused_call("reduce_scatter", group, fmt, out_dtype=out_dtype, deterministic=True), ops)
     algorithm = {"ar_one": "one_shot", "ar_two": "two_shot"}.get(op, "auto")
-    return scaled_matmul_all_reduce(x, xs, w, ws, b, mode, out_dtype, group, True, algorithm)
+    return all_reduce.run(fused_call("all_reduce", group, fmt, out_dtype=out_dtype, deterministic=True), ops, algorithm)
 
 
 def gathered_scales(mode: str, xs) -> torch.Tensor:
@@ -38,7 +44,7 @@ def gathered_scales(mode: str, xs) -> torch.Tensor:
 
 
 def check_case(rank, world, group, op, mode, m, k, n, bias, out_dtype, seed) -> None:
-    xs, ws, b = make_inputs(op, world, m, k, n, mode, bias, out_dtype, seed)
+    xs, ws, b = make_inputs(op, world, m, k, n, mode=mode, bias=bias, out_dtype=out_dtype, seed=seed)
     what = f"{op} {mode} W={world} m={m} k={k} n={n} bias={bias} out={out_dtype} rank={rank}"
     scramble(group, torch.device("cpu"))
     got = run_op(op, mode, *xs[rank], *ws[rank], b, out_dtype, group)
@@ -49,7 +55,7 @@ def check_case(rank, world, group, op, mode, m, k, n, bias, out_dtype, seed) -> 
         assert torch.equal(x_gathered.view(torch.uint8), payload.view(torch.uint8)), f"{what}: gathered bytes differ"
         want_s = gathered_scales(mode, xs)
         assert s_gathered.dtype == torch.float32 and torch.equal(s_gathered, want_s), f"{what}: gathered scales differ"
-    assert_close(what, got, *reference(op, mode, xs, ws, b, rank, out_dtype), out_dtype)
+    assert_close(what, got, *reference(op, mode=mode, xs=xs, ws=ws, b=b, rank=rank, out_dtype=out_dtype), out_dtype)
 
 
 def ops_body(rank: int, world: int, modes: tuple[str, ...], ops: tuple[str, ...], shapes) -> int:
@@ -71,7 +77,7 @@ def determinism_body(rank: int, world: int, mode: str) -> dict[str, list[torch.T
     presize(group, torch.device("cpu"))
     outs: dict[str, list[torch.Tensor]] = {}
     for op in ("rs", "ar_one", "ar_two"):
-        xs, ws, b = make_inputs(op, world, 7, 200, 24, mode, True, torch.bfloat16, 5)
+        xs, ws, b = make_inputs(op, world, 7, 200, 24, mode=mode, bias=True, out_dtype=torch.bfloat16, seed=5)
         outs[op] = []
         for _ in range(3):
             scramble(group, torch.device("cpu"))
@@ -130,9 +136,9 @@ def public_ops_body(rank: int, world: int, mode: str) -> int:
         setattr(m, n, counted(m, n))
     try:
         for op in ("ag_v2", "rs", "ar"):
-            xs, ws, b = make_inputs(op, world, 5, 136, 24, mode, True, torch.bfloat16, 11)
+            xs, ws, b = make_inputs(op, world, 5, 136, 24, mode=mode, bias=True, out_dtype=torch.bfloat16, seed=11)
             (x, x_scale), (w, w_scale) = xs[rank], ws[rank]
-            want, bound = reference(op, mode, xs, ws, b, rank, torch.bfloat16)
+            want, bound = reference(op, mode=mode, xs=xs, ws=ws, b=b, rank=rank, out_dtype=torch.bfloat16)
             results = {}
             for backend in ("sequential", "fused"):
                 kwargs = dict(out_dtype=torch.bfloat16, group=group, backend=backend)
@@ -170,7 +176,7 @@ def graph_replay_body(rank: int, world: int, op: str, mode: str) -> int:
     dev = torch.device("cpu")
 
     def inputs(seed):
-        return make_inputs(op, world, 5, 136, 20, mode, True, out_dtype, seed)
+        return make_inputs(op, world, 5, 136, 20, mode=mode, bias=True, out_dtype=out_dtype, seed=seed)
 
     xs, ws, b = inputs(0)
     static_x, static_xs = (t.clone() for t in xs[rank])
@@ -191,7 +197,7 @@ def graph_replay_body(rank: int, world: int, op: str, mode: str) -> int:
         assert_close(
             f"{op} {mode} replay {i} rank={rank}",
             static_out.clone(),
-            *reference(op, mode, new_xs, ws, b, rank, out_dtype),
+            *reference(op, mode=mode, xs=new_xs, ws=ws, b=b, rank=rank, out_dtype=out_dtype),
             out_dtype,
         )
         scramble(group, dev)
@@ -199,7 +205,7 @@ def graph_replay_body(rank: int, world: int, op: str, mode: str) -> int:
         assert_close(
             f"{op} {mode} eager after replay {i} rank={rank}",
             eager,
-            *reference(op, mode, new_xs, ws, b, rank, out_dtype),
+            *reference(op, mode=mode, xs=new_xs, ws=ws, b=b, rank=rank, out_dtype=out_dtype),
             out_dtype,
         )
         checks += 2

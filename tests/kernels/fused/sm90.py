@@ -4,8 +4,7 @@ The method of every ``*compile_sm90*`` test: each kernel is compiled under the a
 specialization a real launch of it gets (:func:`compile_like_launch`), in a subprocess without
 ``TRITON_INTERPRET`` (:func:`run_compile_check`), by Triton's bundled ptxas; the tests then read the
 cubin (:func:`resources`, :func:`sass`) and the PTX. The example arguments of the reduction kernels
-that the bf16 and the FP8 ops share are built here once (:func:`reduce_slots_args`,
-:func:`gather_rows_args`).
+that every format shares are built here once (:func:`reduce_slots_args`, :func:`gather_rows_args`).
 """
 
 from __future__ import annotations
@@ -77,9 +76,9 @@ def sass(kernel: Any) -> str:
     return _cuobjdump(kernel, "-sass")
 
 
-def run_compile_check(module: str, expect: str, timeout: int = 900) -> None:
-    """Run ``module.main()`` in a subprocess without ``TRITON_INTERPRET`` (Triton's default FP fusion,
-    whatever this environment says) and assert it exited 0 and printed ``expect``; skip where
+def run_compile_check(module: str, expect: str, timeout: int = 900, entry: str = "main") -> None:
+    """Run ``module.<entry>()`` (default ``main``) in a subprocess without ``TRITON_INTERPRET`` (Triton's
+    default FP fusion, whatever this environment says) and assert it exited 0 and printed ``expect``; skip where
     Triton's bundled ptxas or cuobjdump is missing. ``timeout`` bounds a hang, not the speed."""
     if not all(os.path.exists(tool(name)) for name in ("ptxas", "cuobjdump")):
         pytest.skip("Triton's bundled ptxas or cuobjdump is missing")
@@ -87,7 +86,7 @@ def run_compile_check(module: str, expect: str, timeout: int = 900) -> None:
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run(
-        [sys.executable, "-c", f"import {module} as t; t.main()"],
+        [sys.executable, "-c", f"import {module} as t; t.{entry}()"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -122,60 +121,46 @@ def report_failures(failures: list[str], success: str) -> None:
     print(success)
 
 
-def reduce_slots_args(
-    tab: Any, bias: Any, out: Any, rows: int, n: int, ld: int, world: int, push: bool, cfg: Any, sig: dict, **extra: Any
-) -> dict:
-    """Example arguments of ``gemm_rs._reduce_slots_kernel`` as the reduce-scatter (``push=False``) or
-    the two-shot all-reduce (``push=True``) of ``world`` ranks launches it on ``rows`` rows per owner;
-    ``sig`` the signal arguments, ``extra`` the dtype constants of the specialization."""
-    from kernels.fused import signals
+def reduce_slots_args(tab: Any, bias: Any, out: Any, shape: tuple, push: bool, cfg: Any, timeout: int) -> dict:
+    """Example arguments of ``scatter._reduce_slots_kernel`` as the reduce-scatter (``push=False``) or
+    the two-shot all-reduce (``push=True``) launches it; ``shape = (rows per owner, n, slot row
+    stride, world)``; the slot dtype is ``out``'s."""
+    from kernels.fused import blocks, signals
 
+    rows, n, ld, world = shape
     return dict(
-        data_tab_ptr=tab,
-        bias_ptr=bias,
-        out_ptr=out,
-        ROWS_OWN=rows,
-        ROWS_VALID=rows,
-        N=n,
-        LD=ld,
-        stride_om=n,
-        stride_on=1,
+        heap=(
+            tab,
+            tab,
+            signals.channel_offset(signals.CH_RS, world),
+            signals.channel_offset(signals.CH_DONE, world),
+            signals.channel_offset(signals.CH_AR, world),
+            world * rows * ld,
+        ),
+        OUT=(out, n, 1, bias),
+        dims=(rows, rows, n, ld),
+        rank=world - 2,
         target=7 * world,
-        cnt_offset=signals.channel_offset(signals.CH_RS, world),
-        done_offset=signals.channel_offset(signals.CH_DONE, world),
-        push_offset=signals.channel_offset(signals.CH_AR, world),
-        push_base=world * rows * ld,
-        WORLD=world,
-        CHANNEL=signals.CH_RS,
-        HAS_BIAS=True,
-        PUSH=push,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        **sig,
-        **extra,
+        timeout=timeout,
+        TILE=(cfg.block_m, cfg.block_n),
+        PROTO=(world, signals.CH_RS, push, True),
+        ACC_DTYPE=blocks.acc_dtype(out.dtype),
     )
 
 
-def gather_rows_args(tab: Any, out: Any, rows: int, n: int, ld: int, world: int, cfg: Any, sig: dict) -> dict:
-    """Example arguments of ``gemm_ar._gather_rows_kernel`` as the two-shot all-reduce of ``world``
-    ranks launches it on ``rows`` rows per owner."""
+def gather_rows_args(tab: Any, out: Any, shape: tuple, cfg: Any, timeout: int) -> dict:
+    """Example arguments of ``all_reduce._gather_rows_kernel`` as the two-shot all-reduce launches it;
+    ``shape = (rows per owner, n, slot row stride, world)``."""
     from kernels.fused import signals
 
+    rows, n, ld, world = shape
     return dict(
-        data_tab_ptr=tab,
-        out_ptr=out,
-        M=world * rows,
-        N=n,
-        LD=ld,
-        ROWS_OWN=rows,
-        stride_om=n,
-        stride_on=1,
+        heap=(tab, tab, world * rows * ld, signals.channel_offset(signals.CH_AR, world)),
+        OUT=(out, n, 1),
+        dims=(world * rows, n, ld, rows),
+        rank=world - 2,
         target=7 * world,
-        o_base=world * rows * ld,
-        ar_offset=signals.channel_offset(signals.CH_AR, world),
-        WORLD=world,
-        CHANNEL=signals.CH_AR,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        **sig,
+        timeout=timeout,
+        TILE=(cfg.block_m, cfg.block_n),
+        PROTO=(world, signals.CH_AR, True),
     )

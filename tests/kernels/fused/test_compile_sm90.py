@@ -72,7 +72,8 @@ def _cases():
     import torch
     import triton.language as tl
 
-    from kernels.fused import ag_gemm, gemm, gemm_ar, gemm_ar_w8a16, gemm_rs, matmul, signals, tile
+    from kernels.format import int8
+    from kernels.fused import ag_gemm, all_reduce, blocks, gemm, matmul, scatter, signals, tile
 
     def t(dtype=torch.float16):
         return torch.empty(64, dtype=dtype)
@@ -87,7 +88,7 @@ def _cases():
     for w, k, n, rows_own in ((8, 8192, 4096, 512), (8, 8192, 4096, 16), (4, 4097, 8191, 1024)):
         aligned = k % 16 == 0 and n % 16 == 0
         tag = f"{'' if aligned else 'odd '}W={w} k={k} n={n} rows={rows_own}"
-        ld = gemm_rs.slot_stride(n)
+        ld = scatter.slot_stride(n)
         cfg = gemm.block_config(cuda, rows_own, k, torch.float16)
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         off = {c: signals.channel_offset(c, w) for c in range(signals.NUM_CHANNELS)}
@@ -167,32 +168,19 @@ def _cases():
             cases.append(
                 (
                     f"gemm_scatter broadcast={broadcast} {tag}{' split' if split else ''}",
-                    gemm_rs._gemm_scatter_kernel,
+                    scatter._gemm_scatter_kernel,
                     dict(
-                        x_ptr=t(),
-                        w_ptr=t(),
-                        data_tab_ptr=tab,
-                        M=m,
-                        N=n,
-                        K=k,
-                        LD=ld,
-                        ROWS_OWN=rows_own,
-                        stride_xm=k,
-                        stride_xk=1,
-                        stride_wn=k,
-                        stride_wk=1,
+                        X=(t(), k, 1, None, 0, 0),
+                        W=(t(), k, 1, None, None, 0, 0, 1),
+                        heap=(tab, tab, off[signals.CH_DONE], off[signals.CH_RS]),
+                        dims=(m, n, k, ld, rows_own),
                         rows_per_block=rows_own // 2 + 1 if split else rows_own,
-                        done_offset=off[signals.CH_DONE],
-                        cnt_offset=off[signals.CH_RS],
-                        WORLD=w,
-                        BROADCAST=broadcast,
-                        SPLIT_BLOCKS=split,
-                        **sig,
-                        **timer,
-                        **acc,
-                        DOT_PRECISION="tf32",
-                        GROUP_M=cfg.group_m,
-                        **_blocks(cfg),
+                        rank=w - 2,
+                        timeout=timeout,
+                        FMT=(tile.PLAIN, 0, False),
+                        TILE=cfg.tile(),
+                        MATH=(tl.float32, "tf32"),
+                        PROTO=(w, broadcast, split, True),
                     ),
                     *launch.values(),
                     aligned,
@@ -202,8 +190,8 @@ def _cases():
             cases.append(
                 (
                     f"reduce_slots push={push} {tag}",
-                    gemm_rs._reduce_slots_kernel,
-                    reduce_slots_args(tab, t(), t(), rows_own, n, ld, w, push, cfg, {**sig, **timer}, **acc),
+                    scatter._reduce_slots_kernel,
+                    reduce_slots_args(tab, t(), t(), (rows_own, n, ld, w), push, cfg, timeout),
                     cfg.num_warps,
                     1,
                     aligned,
@@ -212,8 +200,8 @@ def _cases():
         cases.append(
             (
                 f"gather_rows {tag}",
-                gemm_ar._gather_rows_kernel,
-                gather_rows_args(tab, t(), rows_own, n, ld, w, cfg, {**sig, **timer}),
+                all_reduce._gather_rows_kernel,
+                gather_rows_args(tab, t(), (rows_own, n, ld, w), cfg, timeout),
                 cfg.num_warps,
                 1,
                 aligned,
@@ -221,41 +209,26 @@ def _cases():
         )
         for name, group_size in (("PER_CHANNEL", 0), ("PER_GROUP_ALIGNED", 128), ("PER_GROUP", 40)):
             groups = -(-k // group_size) if group_size else 1
-            scale = torch.empty((n, groups) if group_size else (n,), dtype=torch.float16)
-            qcfg, mode = gemm_ar_w8a16._quant_config(cfg, scale, group_size)
-            assert ("PER_GROUP" not in name) or mode == getattr(gemm_ar_w8a16, name), (name, mode)
+            fmt = int8("per_group" if group_size else "per_channel", group_size, True)
+            qcfg = blocks.block_config(fmt, cuda, rows_own, k, dtype=torch.float16)
+            code = blocks.kernel_format(fmt, qcfg)
+            assert ("PER_GROUP" not in name) or code[1] == getattr(tile, name), (name, code)
             cases.append(
                 (
                     f"w8a16_scatter {name} {tag}",
-                    gemm_ar_w8a16._gemm_w8a16_scatter_kernel,
+                    scatter._gemm_scatter_kernel,
                     dict(
-                        x_ptr=t(),
-                        q_ptr=t(torch.int8),
-                        s_ptr=t(),
-                        o_ptr=t(torch.float32),
-                        data_tab_ptr=tab,
-                        M=m,
-                        N=n,
-                        K=k,
-                        LD=ld,
-                        ROWS_OWN=rows_own,
-                        GROUP_SIZE=max(group_size, 1),
-                        stride_xm=k,
-                        stride_xk=1,
-                        stride_qn=k,
-                        stride_qk=1,
-                        stride_sn=groups,
-                        stride_sg=1,
-                        done_offset=off[signals.CH_DONE],
-                        cnt_offset=off[signals.CH_RS],
-                        MODE=mode,
-                        HAS_OFFSET=True,
-                        WORLD=w,
-                        BROADCAST=False,
-                        GROUP_M=qcfg.group_m,
-                        **sig,
-                        **timer,
-                        **_blocks(qcfg),
+                        X=(t(), k, 1, None, 0, 0),
+                        W=(t(torch.int8), k, 1, t(), t(torch.float32), groups, 1, max(group_size, 1)),
+                        heap=(tab, tab, off[signals.CH_DONE], off[signals.CH_RS]),
+                        dims=(m, n, k, ld, rows_own),
+                        rows_per_block=rows_own,
+                        rank=w - 2,
+                        timeout=timeout,
+                        FMT=code,
+                        TILE=qcfg.tile(),
+                        MATH=(tl.float32, "tf32"),
+                        PROTO=(w, False, False, True),
                     ),
                     qcfg.num_warps,
                     qcfg.num_stages,
@@ -370,19 +343,21 @@ def test_gemm_space_compiles_for_sm90():
 
 
 def test_gpu_block_config_keeps_tile_counts_agreed():
-    """Tile counts (signal targets) depend only on the rows per owner and n, which every rank agrees
-    on; only block_k follows the per-rank k (uneven k shards are allowed)."""
+    """Tile counts (signal targets) depend only on the rows per owner, n and the format, which every rank
+    agrees on; only block_k follows the per-rank k (uneven k shards are allowed), the per-process TF32
+    switch and the int8 group size."""
     import torch
 
-    from kernels.fused import gemm, gemm_ar_w8a16
-    from kernels.fused.gemm_rs import slot_stride, tiles
+    from kernels.format import PLAIN, fp8, int8
+    from kernels.fused import blocks, tile
+    from kernels.fused.scatter import slot_stride, tiles
 
     cuda = torch.device("cuda")
-    f16, f32 = torch.float16, torch.float32
-    assert gemm.block_config(torch.device("cpu"), 8, 3, f16) == gemm.CPU_BLOCKS
-    assert gemm.block_config(cuda) == gemm.GPU_BLOCKS
-    assert gemm.block_config(cuda, 65, 4096, f16) == gemm.GPU_BLOCKS
-    small = gemm.block_config(cuda, 64, 4096, f16)
+    f16, f32, e4m3 = torch.float16, torch.float32, torch.float8_e4m3fn
+    assert blocks.block_config(PLAIN, torch.device("cpu"), 8, 3, dtype=f16) == blocks.CPU_BLOCKS
+    assert blocks.block_config(PLAIN, cuda) == blocks.GPU_BLOCKS
+    assert blocks.block_config(PLAIN, cuda, 65, 4096, dtype=f16) == blocks.GPU_BLOCKS
+    small = blocks.block_config(PLAIN, cuda, 64, 4096, dtype=f16)
     assert (small.block_m, small.num_warps) == (64, 4)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     try:
@@ -390,21 +365,36 @@ def test_gpu_block_config_keeps_tile_counts_agreed():
             configs = []
             for allow_tf32 in (False, True):
                 torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-                configs += [gemm.block_config(cuda, rows, k, dtype) for k in (4096, 4097, 3) for dtype in (f16, f32)]
+                configs += [
+                    blocks.block_config(fmt, cuda, rows, k, dtype=dtype)
+                    for k in (4096, 4097, 3)
+                    for dtype in (f16, f32)
+                    for fmt in (PLAIN, int8("per_group", 48, False), int8("per_channel", 0, True))
+                ]
             assert len({tiles(rows, 4097, cfg) for cfg in configs}) == 1, rows
-        assert gemm.block_config(cuda, 512, 4096, f32).block_k == 64
+            fp8_configs = [
+                blocks.block_config(fp8(mode), cuda, rows, k, dtype=e4m3)
+                for k in (4096, 4104, 3)
+                for mode in ("row", "block")
+            ]
+            assert len({tiles(rows, 4097, cfg) for cfg in fp8_configs + configs}) == 1, rows
+        assert blocks.block_config(PLAIN, cuda, 512, 4096, dtype=f32).block_k == 64
         torch.backends.cuda.matmul.allow_tf32 = False
-        assert gemm.block_config(cuda, 512, 4096, f32).block_k == gemm.NARROW_BLOCK_K
+        assert blocks.block_config(PLAIN, cuda, 512, 4096, dtype=f32).block_k == blocks.NARROW_BLOCK_K
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    assert gemm.block_config(cuda, 512, 4097, f16).block_k == gemm.NARROW_BLOCK_K
-    assert gemm.block_config(cuda, 512, 4096, f16).block_k == 64
-    per_group = torch.empty(8, 3)
-    assert gemm_ar_w8a16._quant_config(gemm.GPU_BLOCKS, per_group, 128) == (
-        gemm.GPU_BLOCKS,
-        gemm_ar_w8a16.PER_GROUP_ALIGNED,
+    assert blocks.block_config(PLAIN, cuda, 512, 4097, dtype=f16).block_k == blocks.NARROW_BLOCK_K
+    assert blocks.block_config(PLAIN, cuda, 512, 4096, dtype=f16).block_k == 64
+    assert blocks.block_config(fp8("block"), cuda, 512, 4096, dtype=e4m3).block_k == 128
+    assert blocks.block_config(fp8("block"), cuda, 512, 4104, dtype=e4m3).block_k == blocks.NARROW_BLOCK_K
+    aligned = blocks.block_config(int8("per_group", 128, False), cuda, 512, 4096, dtype=f16)
+    assert aligned == blocks.GPU_BLOCKS
+    assert blocks.kernel_format(int8("per_group", 128, False), aligned)[1] == tile.PER_GROUP_ALIGNED
+    narrowed = blocks.block_config(int8("per_group", 48, False), cuda, 512, 4096, dtype=f16)
+    assert (narrowed.block_k, narrowed.block_m) == (16, 128)
+    assert blocks.kernel_format(int8("per_group", 48, False), narrowed)[1] == tile.PER_GROUP_ALIGNED
+    unaligned = int8("per_group", 40, False)
+    assert (
+        blocks.kernel_format(unaligned, blocks.block_config(unaligned, cuda, 512, 4096, dtype=f16))[1] == tile.PER_GROUP
     )
-    cfg, mode = gemm_ar_w8a16._quant_config(gemm.GPU_BLOCKS, per_group, 48)
-    assert (cfg.block_k, cfg.block_m, mode) == (16, 128, gemm_ar_w8a16.PER_GROUP_ALIGNED)
-    assert gemm_ar_w8a16._quant_config(gemm.GPU_BLOCKS, per_group, 40)[1] == gemm_ar_w8a16.PER_GROUP
     assert [slot_stride(n) for n in (1, 8, 9, 4097)] == [8, 8, 16, 4104]

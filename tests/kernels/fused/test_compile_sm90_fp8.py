@@ -51,7 +51,7 @@ def _cases():
     import torch
     import triton.language as tl
 
-    from kernels.fused import ag_gemm_fp8, gemm_ar, gemm_fp8, gemm_rs, gemm_rs_fp8, matmul, signals, tile
+    from kernels.fused import ag_gemm_fp8, all_reduce, gemm_fp8, matmul, scatter, signals, tile
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -71,7 +71,7 @@ def _cases():
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
         off = {c: signals.channel_offset(c, w) for c in range(signals.NUM_CHANNELS)}
         sig = dict(sig_tab_ptr=tab, rank=w - 2, timeout=timeout, USE_GLOBALTIMER=True)
-        ld = gemm_rs.slot_stride(n)
+        ld = scatter.slot_stride(n)
         for mode in ("row", "block") if aligned else ("block",):
             sk = gemm_fp8.scale_cols(mode, k)
             per_block = mode == "block"
@@ -183,32 +183,28 @@ def _cases():
                 cases.append(
                     (
                         f"scaled_gemm_scatter {mode} broadcast={broadcast} {tag}",
-                        gemm_rs_fp8._scaled_gemm_scatter_kernel,
+                        scatter._gemm_scatter_kernel,
                         dict(
-                            x_ptr=t(),
-                            xs_ptr=t(torch.float32),
-                            w_ptr=t(),
-                            ws_ptr=t(torch.float32),
-                            data_tab_ptr=tab,
-                            M=w * rows,
-                            N=n,
-                            K=k,
-                            LD=ld,
-                            ROWS_OWN=rows,
-                            stride_xm=k,
-                            stride_xk=1,
-                            **xs_strides,
-                            stride_wn=k,
-                            stride_wk=1,
-                            **ws_strides,
-                            done_offset=off[signals.CH_DONE],
-                            cnt_offset=off[signals.CH_RS],
-                            WORLD=w,
-                            BROADCAST=broadcast,
-                            PER_BLOCK=per_block,
-                            GROUP_M=cfg.group_m,
-                            **sig,
-                            **blocks,
+                            X=(t(), k, 1, t(torch.float32), xs_strides["stride_xsm"], xs_strides["stride_xsk"]),
+                            W=(
+                                t(),
+                                k,
+                                1,
+                                t(torch.float32),
+                                None,
+                                ws_strides["stride_wsn"],
+                                ws_strides["stride_wsk"],
+                                1,
+                            ),
+                            heap=(tab, tab, off[signals.CH_DONE], off[signals.CH_RS]),
+                            dims=(w * rows, n, k, ld, rows),
+                            rows_per_block=rows,
+                            rank=w - 2,
+                            timeout=timeout,
+                            FMT=(tile.FP8, tile.PER_BLOCK if per_block else tile.PER_ROW, False),
+                            TILE=cfg.tile(),
+                            MATH=(tl.float32, "tf32"),
+                            PROTO=(w, broadcast, False, True),
                         ),
                         cfg.num_warps,
                         cfg.num_stages,
@@ -221,19 +217,9 @@ def _cases():
                 cases.append(
                     (
                         f"reduce_slots fp32 push={push} {tag}",
-                        gemm_rs._reduce_slots_kernel,
+                        scatter._reduce_slots_kernel,
                         reduce_slots_args(
-                            tab,
-                            t(torch.bfloat16),
-                            t(torch.float32),
-                            rows,
-                            n,
-                            ld,
-                            w,
-                            push,
-                            cfg,
-                            sig,
-                            ACC_DTYPE=tl.float32,
+                            tab, t(torch.bfloat16), t(torch.float32), (rows, n, ld, w), push, cfg, timeout
                         ),
                         cfg.num_warps,
                         1,
@@ -243,8 +229,8 @@ def _cases():
             cases.append(
                 (
                     f"gather_rows fp32 {tag}",
-                    gemm_ar._gather_rows_kernel,
-                    gather_rows_args(tab, t(torch.float32), rows, n, ld, w, cfg, sig),
+                    all_reduce._gather_rows_kernel,
+                    gather_rows_args(tab, t(torch.float32), (rows, n, ld, w), cfg, timeout),
                     cfg.num_warps,
                     1,
                     None,

@@ -1,10 +1,56 @@
-"""The operand formats through one implementation: the tuned file's format key (every format reads the
-tuned file through one block_config)."""
+"""The reducing patterns for every operand format through one implementation (``run(call, operands)``),
+under the interpreter on gloo ranks: the combinations the per-format copies never had (FP8 with
+scatter_dim > 0, the int8 reduce-scatter, int8 one- and two-shot), the FP8 reducing tiles from the
+tuned file in the call descriptor, and the tuned file's format key."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from kernels.testing import run_ranks
+from tests.kernels.fused import format_cases
+
+# Formats by name (kernels.format.OperandFormat.encode): every FP8 scaling mode and int8 scale layout.
+FP8 = ("fp8:tensor", "fp8:row", "fp8:block")
+INT8 = ("int8:per_tensor:0", "int8:per_channel:0:offset", "int8:per_group:16:offset")
+
+
+@pytest.mark.parametrize("name", FP8 + INT8)
+def test_reduce_scatter_every_format_scatter_dim(name):
+    assert run_ranks(format_cases.reduce_scatter_body, 2, name, timeout=600) == [1, 1]
+
+
+@pytest.mark.parametrize("name", ("int8:per_channel:0:offset", "int8:per_group:16:offset"))
+def test_int8_all_reduce_one_and_two_shot(name):
+    outs = run_ranks(format_cases.all_reduce_body, 2, name, timeout=600)
+    for algorithm in ("one_shot", "two_shot"):
+        assert torch.equal(outs[0][algorithm], outs[1][algorithm]), f"{name} {algorithm}: ranks differ"
+
+
+@pytest.mark.one_triton  # W = 3 index arithmetic; the kernels rerun at W = 2 under Triton 3.6
+@pytest.mark.parametrize("name", ("fp8:block", "int8:per_group:16:offset"))
+def test_reduce_scatter_world3(name):
+    assert run_ranks(format_cases.reduce_scatter_body, 3, name, timeout=600) == [1] * 3
+
+
+def test_fp8_ranks_with_other_tuned_tiles_raise_naming_the_tiles(tmp_path):
+    """The FP8 reducing ops' tiles are in the call descriptor (they were not): ranks whose tuned files
+    give other tiles are refused by name instead of counting other targets."""
+    from kernels.fused import tuned
+    from kernels.fused.gemm_configs import GemmConfig
+
+    tall = GemmConfig(32, 32, 64, 1, 1, 2)
+    entries = [
+        tuned.Entry(op, "float8_e4m3fn", 4, 6, 8, tall, format="fp8:row")
+        for op in ("matmul_reduce_scatter", "matmul_all_reduce")
+    ]
+    tuned.write(tmp_path / "cpu.yaml", entries, {"gpu": "test"})
+    for messages in run_ranks(format_cases.fp8_tuned_tiles_body, 2, str(tmp_path), timeout=300):
+        assert len(messages) == 4, messages
+        for message in messages:
+            assert "ranks disagree" in message and "tiles=16x16" in message and "tiles=32x32" in message, message
+            assert "scaled_matmul_" in message and "same tuned file" in message, message
 
 
 def test_tuned_entries_are_looked_up_by_format(monkeypatch, tmp_path):
