@@ -20,8 +20,11 @@ weight went through, or a new one). A bias joins the op where it means the same 
 ``addmm`` after a gather; the ``b / W`` that DTensor's Replicate -> Partial turns a row-parallel bias
 into, folded back to ``b`` after the reduction; a ``+ b`` right after the reduction.
 
-The patterns are found by :mod:`kernels.inductor_patterns`; this module rewrites them, records what
-it did and switches the pass on and off.
+The same patterns with ``aten._scaled_mm`` (FP8 payloads, tensorwise or rowwise fp32 scales) in place of
+the mm become the same operators with an FP8 ``OpCall`` (docs/inductor.md, "FP8 matmuls").
+
+The patterns are found by :mod:`kernels.inductor_patterns` (FP8: :mod:`kernels.inductor_scaled`); this
+module rewrites them, records what it did and switches the pass on and off.
 
 Everything else is left as it was, with the reason logged (logger ``kernels.inductor_pass``, INFO)
 and kept in :func:`report`: a collective whose group cannot be resolved or whose size disagrees with
@@ -48,16 +51,26 @@ import torch.fx as fx
 
 from . import dispatch
 from .call import OpCall, Operands
+from .format import PLAIN, OperandFormat, fp8
 from .inductor_patterns import (
     Gather,
     LeftAlone,
     Matmul,
     Reduce,
-    find_gather,
     find_reduce,
     gather_consumers,
     meta_val,
     reduce_bias,
+)
+from .inductor_scaled import (
+    RowScale,
+    ScaledMatmul,
+    find_fp8_gather,
+    is_fp8_gather,
+    payload_gather_of_scales,
+    quantized_after,
+    scaled_gather_consumers,
+    scaled_product,
 )
 from .ops import all_gather, all_reduce, reduce_scatter
 
@@ -127,7 +140,16 @@ _PATTERNS = {
 }
 
 
-def _decide(op: str, x2d: torch.Tensor, ws: list[torch.Tensor], g: Any, return_gathered: bool = False) -> OpCall:
+def _decide(
+    op: str,
+    x2d: torch.Tensor,
+    ws: list[torch.Tensor],
+    g: Any,
+    return_gathered: bool = False,
+    *,
+    fmt: OperandFormat = PLAIN,
+    out_dtype: torch.dtype | None = None,
+) -> OpCall:
     """The call of the coc op replacing ``op``'s pattern, its backend and split count from the COC_*
     environment, as the eager op would choose.
 
@@ -141,7 +163,13 @@ def _decide(op: str, x2d: torch.Tensor, ws: list[torch.Tensor], g: Any, return_g
 
     dim = g.dim if op != "matmul_all_reduce" else 0
     call = OpCall(
-        pattern=_PATTERNS[op], return_gathered=return_gathered, comm_dim=dim, group_name=g.group_name, world=g.world
+        pattern=_PATTERNS[op],
+        fmt=fmt,
+        out_dtype=out_dtype,
+        return_gathered=return_gathered,
+        comm_dim=dim,
+        group_name=g.group_name,
+        world=g.world,
     )
     with unset_fake_temporarily():
         x = stand_in(x2d, tuple(x2d.shape))
@@ -167,7 +195,54 @@ def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
         left = [n for n in left if n not in dead]
 
 
-def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul]) -> str:
+def _scalar(graph: fx.Graph, t: fx.Node, new: list[fx.Node]) -> fx.Node:
+    """A one-value scale as the 0-dim tensor the coc ops take for a tensorwise scale."""
+    if meta_val(t).dim() == 0:
+        return t
+    out = _call(graph, aten.reshape.default, t, [])
+    new.append(out)
+    return out
+
+
+def _gather_scales(
+    graph: fx.Graph, mms: list[ScaledMatmul], rows: RowScale | None, new: list[fx.Node]
+) -> tuple[fx.Node, list[fx.Node]]:
+    """``(x_scale, w_scales)`` of the FP8 all-gather op replacing ``mms``."""
+    if rows is None:
+        # The graph scales every gathered row by this rank's scale_a; the op scales each rank's rows by that
+        # rank's x_scale. With x_scale 1 and scale_a folded into each weight's scale the op computes the
+        # graph's product whether or not the ranks' scale_a agree (torch's float8 training makes them agree:
+        # the scale comes from an all-reduced amax).
+        one = _call(graph, aten.reshape.default, _call(graph, aten.ones_like.default, mms[0].scale_a), [])
+        folded = [
+            _call(graph, aten.mul.Tensor, _scalar(graph, mm.scale_a, new), _scalar(graph, mm.scale_b, new))
+            for mm in mms
+        ]
+        new.extend([one.args[0], one, *folded])
+        return one, folded
+    shard = rows.gather.shard
+    if rows.reciprocal:
+        shard = _call(graph, aten.reciprocal.default, shard)
+        new.append(shard)
+    x_scale = _call(graph, aten.reshape.default, shard, [meta_val(shard).numel(), 1])
+    w_scales = [_call(graph, aten.reshape.default, mm.scale_b, [mm.n, 1]) for mm in mms]
+    new.extend([x_scale, *w_scales])
+    return x_scale, w_scales
+
+
+_GATHER_SCALES = {True: "scale_a folded into w_scale", False: "scale rows gathered with the payload"}
+
+
+def _reduce_scales(graph: fx.Graph, mm: ScaledMatmul, new: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
+    """``(x_scale, w_scale)`` of the FP8 reducing op replacing ``mm``: each rank's own, as the graph has them."""
+    if mm.mode == "tensor":
+        return _scalar(graph, mm.scale_a, new), _scalar(graph, mm.scale_b, new)
+    w_scale = _call(graph, aten.reshape.default, mm.scale_b, [mm.n, 1])
+    new.append(w_scale)
+    return mm.scale_a, w_scale
+
+
+def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul], rows: RowScale | None = None) -> str:
     rv = meta_val(g.result)
     lead = tuple(rv.shape[:-1])
     m = math.prod(lead)
@@ -182,16 +257,22 @@ def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul]) -> str:
         ws = [_weight(graph, mm.b, new) for mm in mms]
         biases = [mm.bias_in for mm in mms]
         xv = meta_val(g.shard)
+        nones: list[Any] = [None] * len(mms)
+        x_scale, w_scales, fmt, out_dtype = None, nones, PLAIN, None
+        if isinstance(mms[0], ScaledMatmul):
+            x_scale, w_scales = _gather_scales(graph, mms, rows, new)  # type: ignore[arg-type]
+            fmt, out_dtype = fp8(mms[0].mode), mms[0].out_dtype
         call = _decide(
             "all_gather_matmul",
             xv.flatten(0, -2) if xv.dim() > 2 else xv,
             [meta_val(mm.b) for mm in mms],
             g,
             need_gathered,
+            fmt=fmt,
+            out_dtype=out_dtype,
         )
         backend, num = call.backend, call.parallel_num
-        nones = [None] * len(mms)
-        fused = _call(graph, all_gather.operator, g.shard, None, ws, nones, nones, biases, call.encode())
+        fused = _call(graph, all_gather.operator, g.shard, x_scale, ws, w_scales, nones, biases, call.encode())
         new.append(fused)
         y_list = _call(graph, operator.getitem, fused, 0)
         new.append(y_list)
@@ -219,12 +300,25 @@ def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul]) -> str:
     if gathered is not None:
         g.result.replace_all_uses_with(gathered)
     _erase(graph, g.chain)
+    if rows is not None:
+        _erase(graph, [*rows.nodes, *rows.gather.chain])
     what = "multi" if len(mms) > 1 else ("gathered" if need_gathered else "single")
     return (
-        f"{len(mms)} matmul(s) on all_gather(dim={g.dim}) of {tuple(meta_val(g.shard).shape)} -> coc {what} "
-        f"(bias: {sum(b is not None for b in biases)}, gathered input {'kept' if need_gathered else 'dropped'}; "
-        f"{backend}, parallel_num={num})"
+        f"{len(mms)} {_kind(mms[0], _GATHER_SCALES[rows is None])}matmul(s) on all_gather(dim={g.dim}) of "
+        f"{tuple(meta_val(g.shard).shape)} "
+        f"-> coc {what} (bias: {sum(b is not None for b in biases)}, gathered input "
+        f"{'kept' if need_gathered else 'dropped'}; {backend}, parallel_num={num})"
     )
+
+
+def _kind(mm: Matmul, note: str = "") -> str:
+    """How the report names a scaled matmul (empty for a plain one)."""
+    if not isinstance(mm, ScaledMatmul):
+        return ""
+    notes = [str(mm.out_dtype).removeprefix("torch.")] + (["fast accum"] if mm.fast_accum else [])
+    if mm.upcast is not None:
+        notes.append(f"the {str(mm.upcast).removeprefix('torch.')} product's upcast joined")
+    return f"FP8 {mm.mode}-scaled ({', '.join(notes + ([note] if note else []))}) "
 
 
 def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
@@ -248,10 +342,15 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
         if r.op == "matmul_reduce_scatter" and mm.post is not None:
             x = _call(graph, aten.reshape.default, x2d, [*lead, xv.shape[1]])
             new.append(x)
-        call = _decide(r.op, xv, [meta_val(b)], r)
+        x_scale = w_scale = None
+        fmt, out_dtype = PLAIN, None
+        if isinstance(mm, ScaledMatmul):
+            x_scale, w_scale = _reduce_scales(graph, mm, new)
+            fmt, out_dtype = fp8(mm.mode), mm.out_dtype
+        call = _decide(r.op, xv, [meta_val(b)], r, fmt=fmt, out_dtype=out_dtype)
         backend, num = call.backend, call.parallel_num
         target = reduce_scatter.operator if r.op == "matmul_reduce_scatter" else all_reduce.operator
-        y = _call(graph, target, x, None, w, None, None, bias, call.encode())
+        y = _call(graph, target, x, x_scale, w, w_scale, None, bias, call.encode())
         new.append(y)
         if r.op == "matmul_all_reduce":
             if mm.post is not None:
@@ -267,10 +366,29 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
         graph.erase_node(out_node)
     _erase(graph, [*mm.nodes, *([mm.post] if mm.post is not None else []), *r.chain])
     what = f"sum of {len(mm.parts)} mm" if mm.parts else ("mm" if mm.bias_in is None else "addmm")
+    if isinstance(mm, ScaledMatmul):
+        what = f"{_kind(mm)}_scaled_mm"
     return (
         f"{what} {tuple(xv.shape)} x {tuple(meta_val(b).shape)} -> "
         f"{r.op}(dim={r.dim}) -> {tuple(wv.shape)}; {bias_how}; {backend}, parallel_num={num}"
     )
+
+
+def _rewrite_any_gather(graph: fx.Graph, g: Gather) -> str:
+    """The gather's rewrite: FP8 payloads into the scaled op, others into the plain one."""
+    if is_fp8_gather(g):
+        mms, rows = scaled_gather_consumers(g)
+        return _rewrite_gather(graph, g, mms, rows)  # type: ignore[arg-type]
+    try:
+        return _rewrite_gather(graph, g, gather_consumers(g))
+    except LeftAlone as e:
+        mm = quantized_after(g)
+        if mm is None:
+            raise
+        raise LeftAlone(
+            f"{e}: it is quantized after the gather for {mm}, so the gather moves "
+            f"{meta_val(g.shard).dtype} rows; quantize before the gather to move FP8 rows"
+        ) from None
 
 
 def _order(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -298,7 +416,9 @@ def rewrite(graph: fx.Graph) -> None:
         n for n in graph.nodes if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
     ]
     changed = False
-    for node in collectives:
+    deferred: set[fx.Node] = set()
+    queue = list(collectives)
+    for node in queue:  # a deferred gather is appended: the loop reaches it after the others
         if getattr(node, "_erased", False):
             continue  # part of an earlier rewrite
         name = node.target._opname
@@ -311,10 +431,19 @@ def rewrite(graph: fx.Graph) -> None:
         pattern = pattern or ("matmul_reduce_scatter" if name == "reduce_scatter_tensor" else "matmul_all_reduce")
         try:
             if name == "all_gather_into_tensor":
-                g = find_gather(node)
-                detail = _rewrite_gather(graph, g, gather_consumers(g))
+                g = find_fp8_gather(node)
+                if node in deferred:
+                    raise LeftAlone(
+                        "it gathers the rowwise scale_a of a scaled matmul, rewritten only with the gather of "
+                        "its payload, which was left alone (reported with its reason)"
+                    )
+                if payload_gather_of_scales(g):
+                    deferred.add(node)  # rewritten with its payload's gather, which may come later
+                    queue.append(node)
+                    continue
+                detail = _rewrite_any_gather(graph, g)
             else:
-                detail = _rewrite_reduce(graph, find_reduce(node))
+                detail = _rewrite_reduce(graph, find_reduce(node, scaled_product))
             changed = True
             _record(kind, pattern, True, detail)
         except LeftAlone as e:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,10 @@ class Matmul:
     def n(self) -> int:
         return meta_val(self.b).shape[1]
 
+    def accepts_bias(self, bias: torch.Tensor) -> bool:
+        """Whether the op adds ``bias`` (``[n]``) in the arithmetic of the graph: one of x's dtype."""
+        return bias.dtype == meta_val(self.x2d).dtype
+
 
 def as_matmul_or_sum(node: Any) -> Matmul:
     """``node`` as a matmul, or as a tree of ``add``s of plain matmuls (no bias, same rows, n and dtype,
@@ -164,7 +169,7 @@ def plain_bias(mm: Matmul, bias: Any) -> fx.Node | None:
         bv, xv = meta_val(bias), meta_val(mm.x2d)
     except LeftAlone:
         return None
-    if tuple(bv.shape) != (mm.n,) or bv.dtype != xv.dtype or bv.device != xv.device:
+    if tuple(bv.shape) != (mm.n,) or not mm.accepts_bias(bv) or bv.device != xv.device:
         return None
     return bias
 
@@ -334,7 +339,9 @@ class Reduce:
     chain: list[fx.Node]
 
 
-def find_reduce(coll: fx.Node) -> Reduce:
+def find_reduce(coll: fx.Node, product: Callable[[Any], Matmul] = as_matmul_or_sum) -> Reduce:
+    """The matmul (as ``product`` reads the reduced tensor's producer) feeding ``coll``, a reduce-scatter or
+    all-reduce, and the nodes between."""
     scatter = coll.target is c10d.reduce_scatter_tensor.default
     inp, reduce_op = coll.args[0], arg(coll, 1, "reduce_op")
     name = arg(coll, 3 if scatter else 2, "group_name")
@@ -369,7 +376,7 @@ def find_reduce(coll: fx.Node) -> Reduce:
     post = None
     if producer.target in RESHAPES:
         post, producer = producer, producer.args[0]
-    mm = as_matmul_or_sum(producer)
+    mm = product(producer)
     sv = meta_val(post if post is not None else producer)
     if post is not None:
         if sv.shape[-1] != mm.n or math.prod(sv.shape[:-1]) != meta_val(mm.x2d).shape[0]:
@@ -398,12 +405,13 @@ def reduce_bias(r: Reduce) -> tuple[fx.Node | None, str]:
                 mm.nodes.insert(0, b)
                 return plain, f"bias {plain} (split as b / {r.world} before the reduction) added after it"
         raise LeftAlone(
-            f"the addmm adds bias {b} on every rank before the reduction (not the b / W of a replicated bias)"
+            f"the matmul adds bias {b} on every rank before the reduction (not the b / W of a replicated bias)"
         )
     adds = list(r.wait.users)
     if len(adds) == 1 and adds[0].target is aten.add.Tensor and adds[0].args[0] is r.wait:
         add = adds[0]
         plain = plain_bias(mm, add.args[1]) if len(add.args) == 2 and not add.kwargs else None
-        if plain is not None:
+        # A bias of another dtype promotes the sum: the op's result would have another dtype.
+        if plain is not None and meta_val(plain).dtype == meta_val(r.wait).dtype:
             return plain, f"bias {plain} added after the reduction"
     return None, "no bias"
