@@ -41,8 +41,8 @@ class Fp8Linear(torch.nn.Linear):
     other than the last when sequence parallel and gathers the FP8 rows itself; the row layer's partial sums
     leave as ``Partial`` for the style's reduction."""
 
-    def __init__(self, k: int, n: int, mode: str, bias_in_mm: bool = False, upcast: bool = False):
-        super().__init__(k, n, bias=bias_in_mm)
+    def __init__(self, k: int, n: int, mode: str, bias_in_mm: str = "", upcast: bool = False):
+        super().__init__(k, n, bias=bool(bias_in_mm))
         self.mode, self.bias_in_mm, self.upcast = mode, bias_in_mm, upcast
         self.local_scale = False
 
@@ -71,13 +71,15 @@ class Fp8Linear(torch.nn.Linear):
         row_scales = self.mode == "row"
         bias = None
         if self.bias_in_mm:
-            bias = self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias
+            bias = (self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias).to(torch.bfloat16)
+            if self.bias_in_mm == "split" and isinstance(self.bias, DTensor):
+                bias = bias / self.bias.device_mesh.size()  # DTensor's Replicate -> Partial: b / W on each rank
         y = torch._scaled_mm(
             xq.reshape(-1, k),
             wq.t(),
             xs.reshape(-1, 1) if row_scales else xs,
             ws.reshape(1, -1) if row_scales else ws,
-            bias=None if bias is None else bias.to(torch.bfloat16),
+            bias=bias,
             out_dtype=torch.bfloat16,
             use_fast_accum=True,
         )
@@ -91,7 +93,7 @@ class Block(torch.nn.Module):
     """FP8 column -> GELU -> FP8 row, and a bias after the row layer's reduction. Returns the output, the column
     output and the row layer's input (the references quantize what the graph quantized)."""
 
-    def __init__(self, h: int, f: int, mode: str, bias_in_mm: bool):
+    def __init__(self, h: int, f: int, mode: str, bias_in_mm: str):
         super().__init__()
         self.col = Fp8Linear(h, f, mode)
         self.row = Fp8Linear(f, h, mode, bias_in_mm=bias_in_mm, upcast=mode == "row")
@@ -114,7 +116,7 @@ def _quantize_first(layout: object) -> object:
     return style
 
 
-def _fp8_block(rank: int, world: int, mode: str, gather: str, bias_in_mm: bool) -> dict:
+def _fp8_block(rank: int, world: int, mode: str, gather: str, bias_in_mm: str) -> dict:
     """Compile the block with the pass (``gather``: "off" no SP, "fp8" / "fp8_dim1" SP quantizing before the gather
     on dim 0 / 1, "hp" SP with torch's plain column style, which gathers before the layer quantizes) and return
     the error ratios against the fp64 reference (at most 1 within the bound), the report and the backend runs."""
@@ -155,7 +157,8 @@ def _fp8_block(rank: int, world: int, mode: str, gather: str, bias_in_mm: bool) 
         return torch.cat(parts, dim)
 
     def ratios(y: torch.Tensor, hid: torch.Tensor, a: torch.Tensor, rounded_partials: bool) -> dict:
-        times = world if bias_in_mm else 0  # a bias inside the row layer's _scaled_mm is added on every rank
+        # a bias inside the row layer's _scaled_mm: added on every rank, or b / W on every rank
+        times = {"": 0, "each": world, "split": 1}[bias_in_mm]
         want_hid, bound_hid, _ = _reference(x, single.col.weight, mode, world=world)
         if local:
             # every gathered row times this rank's scale, as the graph computes it
@@ -180,7 +183,7 @@ def _fp8_block(rank: int, world: int, mode: str, gather: str, bias_in_mm: bool) 
 
     return {
         # A graph left alone keeps its rounded partials; a rewritten one has the op's single rounding.
-        "compiled": ratios(y, hid, a, bias_in_mm),
+        "compiled": ratios(y, hid, a, bias_in_mm == "each"),
         "eager": ratios(*eager, True) if eager is not None else None,
         "report": [(r.graph, r.pattern, r.matched, r.detail) for r in inductor_pass.report()],
         "calls": dict(calls),
@@ -212,36 +215,37 @@ def _product(
 
 CASES = {
     # (mode, gather, bias in the row layer's _scaled_mm): what the pass rewrites, and the FP8 ops that ran
-    ("tensor", "off", False): ({"matmul_all_reduce"}, {"scaled_matmul_all_reduce"}),
-    ("row", "off", False): ({"matmul_all_reduce"}, {"scaled_matmul_all_reduce"}),
-    ("tensor", "fp8", False): (
+    ("tensor", "off", ""): ({"matmul_all_reduce"}, {"scaled_matmul_all_reduce"}),
+    ("tensor", "off", "split"): ({"matmul_all_reduce"}, {"scaled_matmul_all_reduce"}),
+    ("row", "off", ""): ({"matmul_all_reduce"}, {"scaled_matmul_all_reduce"}),
+    ("tensor", "fp8", ""): (
         {"all_gather_matmul", "matmul_reduce_scatter"},
         {"all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"},
     ),
-    ("row", "fp8", False): (
+    ("row", "fp8", ""): (
         {"all_gather_matmul", "matmul_reduce_scatter"},
         {"all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"},
     ),
-    ("tensor", "fp8_dim1", False): (
+    ("tensor", "fp8_dim1", ""): (
         {"all_gather_matmul", "matmul_reduce_scatter"},
         {"all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"},
     ),
-    ("row", "fp8_dim1", False): (
+    ("row", "fp8_dim1", ""): (
         {"all_gather_matmul", "matmul_reduce_scatter"},
         {"all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"},
     ),
     # Each rank's own tensorwise scale: the graph scales every gathered row by this rank's.
-    ("tensor", "fp8_local", False): (
+    ("tensor", "fp8_local", ""): (
         {"all_gather_matmul", "matmul_reduce_scatter"},
         {"all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"},
     ),
     # Left alone: a gather of the bf16 / fp32 rows the layer quantizes after it, and a bias added on every rank.
-    ("row", "hp", False): ({"matmul_reduce_scatter"}, {"scaled_matmul_reduce_scatter"}),
-    ("tensor", "off", True): (set(), set()),
+    ("row", "hp", ""): ({"matmul_reduce_scatter"}, {"scaled_matmul_reduce_scatter"}),
+    ("tensor", "off", "each"): (set(), set()),
 }
 
 
-@pytest.mark.parametrize("case", list(CASES), ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.parametrize("case", list(CASES), ids=["-".join((*c[:2], c[2] or "nobias")) for c in CASES])
 def test_scaled_mm_graphs_run_the_fp8_coc_ops(case):
     mode, gather, bias_in_mm = case
     want_matched, want_ops = CASES[case]
@@ -261,8 +265,10 @@ def test_scaled_mm_graphs_run_the_fp8_coc_ops(case):
             assert not [p for _, p, ok, _ in out["report"] if p == "all_gather_matmul" and not ok], out["report"]
         if gather == "hp":
             assert any("quantized after the gather" in d for d in left), left
-        if bias_in_mm:
+        if bias_in_mm == "each":
             assert any("adds bias" in d and "on every rank" in d for d in left), left
+        if bias_in_mm == "split":
+            assert any("split as b / 2" in d for _, _, ok, d in out["report"] if ok), out["report"]
 
 
 def _graph_with_scaled_mm(
