@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import dispatch
+from . import dispatch, inductor_patterns, inductor_scaled
 from .call import OpCall, Operands
 from .format import PLAIN, OperandFormat, fp8
 from .inductor_patterns import (
@@ -185,7 +185,7 @@ def _check_same(new: fx.Node, old: fx.Node) -> None:
 
 def _erase(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     """Erase those of ``nodes`` that nothing uses any more (users first)."""
-    left = [n for n in reversed(nodes) if not getattr(n, "_erased", False)]
+    left = [n for n in dict.fromkeys(reversed(nodes)) if not getattr(n, "_erased", False)]
     while True:
         dead = [n for n in left if not n.users]
         if not dead:
@@ -318,6 +318,8 @@ def _kind(mm: Matmul, note: str = "") -> str:
     notes = [str(mm.out_dtype).removeprefix("torch.")] + (["fast accum"] if mm.fast_accum else [])
     if mm.upcast is not None:
         notes.append(f"the {str(mm.upcast).removeprefix('torch.')} product's upcast joined")
+    if mm.note:
+        notes.append(mm.note)
     return f"FP8 {mm.mode}-scaled ({', '.join(notes + ([note] if note else []))}) "
 
 
@@ -465,8 +467,9 @@ class CocInductorPass:
         from .config import get_config
 
         # The chosen backend and split count are constants of the compiled code: a cached graph is
-        # valid only for the environment it was compiled in.
-        return get_hash_for_files((__file__,), repr(get_config())).hex()
+        # valid only for the environment it was compiled in, and for the code that found its patterns.
+        files = (__file__, inductor_patterns.__file__, inductor_scaled.__file__)
+        return get_hash_for_files(files, repr(get_config())).hex()
 
 
 def _as_custom_pass() -> Any:

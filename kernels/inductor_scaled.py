@@ -66,6 +66,7 @@ class ScaledMatmul(Matmul):
     out_dtype: torch.dtype = torch.bfloat16
     fast_accum: bool = False
     upcast: torch.dtype | None = None  # the _scaled_mm's own out_dtype when an upcast follows it
+    note: str = ""  # how the report describes a form other than one _scaled_mm
 
     def accepts_bias(self, bias: torch.Tensor) -> bool:
         return bias.dtype in (self.out_dtype, torch.float32)
@@ -124,10 +125,61 @@ def _names(dtypes: tuple[torch.dtype, ...]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
+def _is_one(node: object) -> bool:
+    """A constant scale of 1 (``new_ones(())``, ``full([], 1)``, as the graph holds it)."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.target is aten.full.default:
+        return node.args[1] == 1
+    return node.target in (aten.ones.default, aten.ones_like.default)
+
+
+def _post_scaled(node: fx.Node) -> ScaledMatmul | None:
+    """torchao's rowwise product without fast accumulation: ``_scaled_mm(a, b, 1, 1) * (scale_a * scale_b)``
+    (the scales' outer product ``[m, 1] x [1, n]``) [-> converts], the row scales applied after a unit-scaled
+    ``_scaled_mm``. None when ``node`` is not that form."""
+    converts = []
+    top = node
+    while node.target is _CONVERT and isinstance(node.args[0], fx.Node):
+        converts.append(node)
+        node = node.args[0]
+    if node.target is not aten.mul.Tensor or len(node.args) != 2:
+        return None
+    smm = next((a for a in node.args if isinstance(a, fx.Node) and a.target is SCALED_MM), None)
+    outer = next((a for a in node.args if a is not smm), None)
+    if smm is None or not isinstance(outer, fx.Node) or outer.target is not aten.mul.Tensor:
+        return None
+    if not (_is_one(smm.args[2]) and _is_one(smm.args[3])):
+        return None
+    mm = as_scaled_matmul(smm)
+    (m, _), n = meta_val(mm.x2d).shape, mm.n
+    shapes = [tuple(meta_val(t).shape) if isinstance(t, fx.Node) else None for t in outer.args]
+    if shapes not in ([(m, 1), (1, n)], [(1, n), (m, 1)]):
+        raise LeftAlone(f"{outer} is not the outer product of [m, 1] = [{m}, 1] and [1, n] = [1, {n}] row scales")
+    scale_a, scale_b = outer.args if shapes[0] == (m, 1) else outer.args[::-1]
+    if any(meta_val(t).dtype != torch.float32 for t in (scale_a, scale_b)):
+        raise LeftAlone(f"{outer}'s row scales are not torch.float32")
+    to = meta_val(top).dtype
+    if to not in OUT_DTYPES:
+        raise LeftAlone(f"{top} is {to}; the coc FP8 ops return {_names(OUT_DTYPES)}")
+    inner = [node, *reversed(converts)]
+    for cur, nxt in zip([smm, *inner[:-1]], inner, strict=True):
+        only_users(cur, {nxt}, "a node of the row-scaled product")
+    mm.node, mm.mode, mm.scale_a, mm.scale_b = top, "row", scale_a, scale_b
+    mm.nodes = [*reversed(inner), smm, outer, *smm.args[2:4]]
+    mm.upcast, mm.out_dtype = (mm.out_dtype if to != mm.out_dtype else None), to
+    mm.note = "row scales applied after a unit-scaled _scaled_mm"
+    return mm
+
+
 def scaled_product(node: object) -> Matmul:
-    """The product a reduction reads: a ``_scaled_mm``, or its upcast to a wider float (torch's float8
-    training computes a rowwise fp32 layer in bf16 and converts), else what
-    :func:`kernels.inductor_patterns.as_matmul_or_sum` finds."""
+    """The product a reduction reads: a ``_scaled_mm``, its upcast to a wider float (torch's float8
+    training computes a rowwise fp32 layer in bf16 and converts), torchao's rowwise product applied after a
+    unit-scaled ``_scaled_mm`` (:func:`_post_scaled`), else what :func:`kernels.inductor_patterns.as_matmul_or_sum`
+    finds."""
+    post = _post_scaled(node) if isinstance(node, fx.Node) else None
+    if post is not None:
+        return post
     if isinstance(node, fx.Node) and node.target is _CONVERT and isinstance(node.args[0], fx.Node):
         inner = node.args[0]
         if inner.target is SCALED_MM:

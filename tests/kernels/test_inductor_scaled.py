@@ -43,7 +43,10 @@ class Fp8Linear(torch.nn.Linear):
 
     def __init__(self, k: int, n: int, mode: str, bias_in_mm: str = "", upcast: bool = False):
         super().__init__(k, n, bias=bool(bias_in_mm))
-        self.mode, self.bias_in_mm, self.upcast = mode, bias_in_mm, upcast
+        # "row_post": torchao's rowwise product without fast accumulation, the row scales applied after a
+        # _scaled_mm of unit scales
+        self.post_scale = mode == "row_post"
+        self.mode, self.bias_in_mm, self.upcast = ("row" if self.post_scale else mode), bias_in_mm, upcast
         self.local_scale = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,15 +77,15 @@ class Fp8Linear(torch.nn.Linear):
             bias = (self.bias.to_local() if isinstance(self.bias, DTensor) else self.bias).to(torch.bfloat16)
             if self.bias_in_mm == "split" and isinstance(self.bias, DTensor):
                 bias = bias / self.bias.device_mesh.size()  # DTensor's Replicate -> Partial: b / W on each rank
-        y = torch._scaled_mm(
-            xq.reshape(-1, k),
-            wq.t(),
-            xs.reshape(-1, 1) if row_scales else xs,
-            ws.reshape(1, -1) if row_scales else ws,
-            bias=bias,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=True,
-        )
+        sa, sb = (xs.reshape(-1, 1), ws.reshape(1, -1)) if row_scales else (xs, ws)
+        if self.post_scale:
+            one = sa.new_ones(())
+            y = torch._scaled_mm(xq.reshape(-1, k), wq.t(), one, one, out_dtype=torch.bfloat16)
+            y = (y * (sa * sb)).to(torch.bfloat16)
+        else:
+            y = torch._scaled_mm(
+                xq.reshape(-1, k), wq.t(), sa, sb, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True
+            )
         if self.upcast:
             y = y.float()
         y = y.reshape(*xq.shape[:-1], y.shape[-1])
@@ -95,8 +98,8 @@ class Block(torch.nn.Module):
 
     def __init__(self, h: int, f: int, mode: str, bias_in_mm: str):
         super().__init__()
-        self.col = Fp8Linear(h, f, mode)
-        self.row = Fp8Linear(f, h, mode, bias_in_mm=bias_in_mm, upcast=mode == "row")
+        self.col = Fp8Linear(h, f, "row" if mode == "row_post" else mode)
+        self.row = Fp8Linear(f, h, mode, bias_in_mm=bias_in_mm, upcast=mode != "tensor")
         # tensor mode: an fp32 bias after a bf16 reduction promotes the sum, so it stays out of the op.
         self.post_bias = torch.nn.Parameter(torch.randn(h, dtype=torch.float32))
 
@@ -136,6 +139,7 @@ def _fp8_block(rank: int, world: int, mode: str, gather: str, bias_in_mm: str) -
     single = copy.deepcopy(block)
     seq = 1 if gather == "fp8_dim1" else 0
     local = gather == "fp8_local"
+    qmode = mode.removesuffix("_post")
     if gather == "off":
         plan = {"col": ColwiseParallel(input_layouts=Replicate()), "row": RowwiseParallel()}
     elif gather == "hp":
@@ -159,7 +163,7 @@ def _fp8_block(rank: int, world: int, mode: str, gather: str, bias_in_mm: str) -
     def ratios(y: torch.Tensor, hid: torch.Tensor, a: torch.Tensor, rounded_partials: bool) -> dict:
         # a bias inside the row layer's _scaled_mm: added on every rank, or b / W on every rank
         times = {"": 0, "each": world, "split": 1}[bias_in_mm]
-        want_hid, bound_hid, _ = _reference(x, single.col.weight, mode, world=world)
+        want_hid, bound_hid, _ = _reference(x, single.col.weight, qmode, world=world)
         if local:
             # every gathered row times this rank's scale, as the graph computes it
             parts = [_quantize(c, mode) for c in x.chunk(world, seq)]
@@ -168,7 +172,9 @@ def _fp8_block(rank: int, world: int, mode: str, gather: str, bias_in_mm: str) -
             wd = (wq.double() * ws.double()).chunk(world, 0)[rank]  # this rank's columns: its scale
             want_hid, bound_hid, _ = _product(xd, wd, world)
         a_full = full(a, -1).to(a.dtype)
-        want_y, bound_y, s = _reference(a_full, single.row.weight, mode, world=world, bias=single.row.bias, times=times)
+        want_y, bound_y, s = _reference(
+            a_full, single.row.weight, qmode, world=world, bias=single.row.bias, times=times
+        )
         if rounded_partials:
             # The uncompiled graph rounds each rank's partial to bf16 and sums them (in bf16 in tensor mode): W
             # more bf16 roundings of terms of at most S, which the coc op does not make.
@@ -234,6 +240,12 @@ CASES = {
         {"all_gather_matmul", "matmul_reduce_scatter"},
         {"all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"},
     ),
+    # The row layer as torchao's rowwise backward computes: row scales applied after a unit-scaled _scaled_mm.
+    ("row_post", "off", ""): ({"matmul_all_reduce"}, {"scaled_matmul_all_reduce"}),
+    ("row_post", "fp8", ""): (
+        {"all_gather_matmul", "matmul_reduce_scatter"},
+        {"all_gather_scaled_matmul", "scaled_matmul_reduce_scatter"},
+    ),
     # Each rank's own tensorwise scale: the graph scales every gathered row by this rank's.
     ("tensor", "fp8_local", ""): (
         {"all_gather_matmul", "matmul_reduce_scatter"},
@@ -257,7 +269,11 @@ def test_scaled_mm_graphs_run_the_fp8_coc_ops(case):
             assert out[run]["y dtype"] == "torch.float32" and out[run]["hid dtype"] == "torch.bfloat16", out
         matched = {p for _, p, ok, _ in out["report"] if ok}
         assert matched == want_matched, out["report"]
-        assert all(f"FP8 {mode}-scaled" in d for _, _, ok, d in out["report"] if ok), out["report"]
+        assert all(f"FP8 {mode.removesuffix('_post')}-scaled" in d for _, _, ok, d in out["report"] if ok), out[
+            "report"
+        ]
+        if mode == "row_post":
+            assert any("after a unit-scaled" in d for _, p, ok, d in out["report"] if ok and p != "all_gather_matmul")
         assert {op for op, _ in out["calls"]} == want_ops, out["calls"]
         left = [d for _, p, ok, d in out["report"] if not ok and "'max'" not in d]
         if gather.startswith("fp8"):
@@ -368,3 +384,79 @@ def test_product_upcast_joins_and_a_downcast_does_not():
         up = up_node.graph.call_function(torch.ops.prims.convert_element_type.default, (up_node, torch.float32))
     mm = scaled_product(up)
     assert (mm.node, mm.out_dtype, mm.upcast, mm.nodes) == (up, torch.float32, torch.bfloat16, [up, up_node])
+
+
+def _post_scaled_graph(scale_b_shape: tuple) -> fx.Node:
+    """``convert(_scaled_mm(a [4, 32], b [32, 8], 1, 1, bf16) * (sa [4, 1] * sb), fp32)`` with fake metadata."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    with FakeTensorMode():
+        vals = {
+            "a": torch.empty(4, 32, dtype=E4M3),
+            "b": torch.empty(32, 8, dtype=E4M3),
+            "sa": torch.empty(4, 1),
+            "sb": torch.empty(scale_b_shape),
+        }
+        nodes = {}
+        for name, val in vals.items():
+            nodes[name] = graph.placeholder(name)
+            nodes[name].meta["val"] = val
+
+        def call(target, *args, **kwargs):
+            node = graph.call_function(target, args, kwargs)
+            fake = fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+            node.meta["val"] = target(*fake[0], **fake[1])
+            return node
+
+        one = call(aten.full.default, [], 1, dtype=torch.float32)
+        mm = call(aten._scaled_mm.default, nodes["a"], nodes["b"], one, one, None, None, torch.bfloat16)
+        outer = call(aten.mul.Tensor, nodes["sa"], nodes["sb"])
+        scaled = call(aten.mul.Tensor, mm, outer)
+        return call(torch.ops.prims.convert_element_type.default, scaled, torch.float32)
+
+
+def test_row_scales_after_a_unit_scaled_mm_read_as_one_rowwise_matmul():
+    """torchao's rowwise product without fast accumulation is one rowwise FP8 matmul: scale_a [m, 1], scale_b
+    [1, n], the result's dtype its out_dtype; scales that are not such an outer product are named."""
+    from kernels.inductor_patterns import LeftAlone
+    from kernels.inductor_scaled import scaled_product
+
+    top = _post_scaled_graph((1, 8))
+    mm = scaled_product(top)
+    assert (mm.mode, mm.out_dtype, mm.upcast, mm.node) == ("row", torch.float32, torch.bfloat16, top)
+    assert [n.name for n in (mm.scale_a, mm.scale_b)] == ["sa", "sb"]
+    with pytest.raises(LeftAlone, match="not the outer product"):
+        scaled_product(_post_scaled_graph((8,)))
+
+
+def test_erase_takes_a_node_listed_twice_once():
+    """A node named twice (one constant scale passed as both scales) is erased once, without torch's warning."""
+    import warnings
+
+    from kernels.inductor_pass import _erase
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    dead = graph.call_function(torch.ops.aten.neg.default, (x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _erase(graph, [dead, dead])
+    assert [n.name for n in graph.nodes] == ["x"]
+
+
+def test_cache_key_covers_the_pattern_modules(monkeypatch):
+    """Inductor reuses a cached graph while the pass's uuid is unchanged: the modules that find the patterns
+    (plain and FP8) are part of it, so a change there recompiles."""
+    import torch._inductor.custom_graph_pass as custom_graph_pass
+
+    from kernels import inductor_pass, inductor_patterns, inductor_scaled
+
+    hashed = []
+    real = custom_graph_pass.get_hash_for_files
+    monkeypatch.setattr(
+        custom_graph_pass, "get_hash_for_files", lambda files, *a: hashed.extend(files) or real(files, *a)
+    )
+    inductor_pass.CocInductorPass().uuid()
+    assert {inductor_pass.__file__, inductor_patterns.__file__, inductor_scaled.__file__} <= set(hashed)
