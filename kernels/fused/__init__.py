@@ -1,9 +1,12 @@
 """Fused backend: Triton kernels that read and write peer memory through a symmetric heap.
 
-Entry points called by the dispatcher (``kernels/dispatch.py``) with validated 2-D inputs:
-:func:`unavailable_reason`, :func:`all_gather_matmul`, :func:`matmul_reduce_scatter`,
-:func:`matmul_all_reduce`; :func:`check_errors` reports failed calls. See ``docs/fused.md`` for the
-design, limits and fallbacks.
+One module per pattern, each taking one call and its operands (:mod:`kernels.call`), for every
+operand format (:mod:`kernels.format`): :func:`all_gather.run`, :func:`scatter.run` (reduce-scatter),
+:func:`all_reduce.run` and :func:`matmul.run` (local). :func:`unavailable_reason` says whether they can
+run on a group; :func:`check_errors` reports failed calls. The old 2-D entry points
+(:func:`all_gather_matmul`, :func:`all_gather_matmul_multi`, :func:`matmul_reduce_scatter`,
+:func:`matmul_all_reduce` and the ``gemm*`` / ``ag_gemm*`` modules) wrap them until the ops layer
+calls ``run``. See ``docs/fused.md`` for the design, limits and fallbacks.
 """
 
 from __future__ import annotations

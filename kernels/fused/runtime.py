@@ -60,41 +60,6 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def describe(
-    op: str,
-    m: int,
-    k: int,
-    n: int,
-    dtype: torch.dtype,
-    bias: bool,
-    flag: bool,
-    quant_mode: str | None = None,
-    group_size: int = 0,
-    comm_dim: int = 0,
-    tiles: tuple[int, int] | None = None,
-    outer: int | None = None,
-) -> tuple[int, ...]:
-    """This rank's descriptor of a fused call (:func:`kernels.agree.describe_call`, backend ``"fused"``);
-    ``tiles``: the GEMM's ``(block_m, block_n)`` for the reducing ops, whose tile counts peers count;
-    ``outer``: the row blocks of x gathered / scattered on their own (``kernels.agree.FIELDS``)."""
-    return agree.describe_call(
-        op,
-        m,
-        k,
-        n,
-        dtype,
-        bias=bias,
-        flag=flag,
-        backend="fused",
-        parallel_num=None,
-        quant_mode=quant_mode,
-        group_size=group_size,
-        comm_dim=comm_dim,
-        tiles=tiles,
-        outer=outer,
-    )
-
-
 _MASKS: dict[str, int] = {}
 
 

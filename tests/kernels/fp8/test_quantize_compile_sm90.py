@@ -1,7 +1,7 @@
 """The Triton 1 x 128 FP8 quantize kernel compiles for sm_90a without a GPU: no spills, the hardware
 FP8 conversion (``cvt.rn.satfinite.e4m3x2.f32`` / ``e5m2x2``) and correctly rounded divisions.
 
-Same method as tests/kernels/fused/test_compile_sm90_fp8.py: compiled in a subprocess without
+Same method as tests/kernels/fused/test_compile_sm90.py: compiled in a subprocess without
 ``TRITON_INTERPRET`` (the interpreter-only rounding branch is then a constant False and must be absent).
 """
 

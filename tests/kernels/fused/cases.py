@@ -36,15 +36,14 @@ def fused_call(pattern: str, group: Any, fmt: Any = None, **fields: Any) -> Any:
 
 
 def run_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Any) -> Any:
-    """One op of :data:`OPS` through the pattern modules' ``run`` (``ag_v2``: with the gathered x; the
-    all-gather still through its own entry point)."""
-    from kernels import fused
+    """One op of :data:`OPS` through the pattern modules' ``run`` (``ag_v2``: with the gathered x)."""
     from kernels.call import Operands
-    from kernels.fused import all_reduce, scatter
+    from kernels.fused import all_gather, all_reduce, scatter
 
     ops = Operands(x, (w,), (b,))
     if op in ("ag", "ag_v2"):
-        return fused.all_gather_matmul(x, w, b, group, op == "ag_v2")
+        ys, x_gathered, _ = all_gather.run(fused_call("all_gather", group, return_gathered=op == "ag_v2"), ops)
+        return (ys[0], x_gathered) if op == "ag_v2" else ys[0]
     if op == "rs":
         return scatter.run(fused_call("reduce_scatter", group, deterministic=True), ops)
     algorithm = {"ar_one": "one_shot", "ar_two": "two_shot"}.get(op, "auto")
@@ -345,14 +344,18 @@ def withheld_chunk_body(rank: int, world: int) -> str | None:
     with rank 0 pushing only its first chunk: rank 1's tile over rows 0-23 of rank 0's shard must
     wait for the second chunk too, and time out, not read rows 16-23 unpushed. Run with a short
     ``COC_TIMEOUT``; returns rank 1's error (rank 0's call may pass or fail: rank 1 is then gone)."""
-    from kernels.fused import ag_gemm
+    from dataclasses import replace
+
+    from kernels.fused import all_gather
 
     group = dist.new_group(list(range(world)))
     xs, ws = _uneven_n_inputs(world, 12)
-    real = ag_gemm._push_shard
+    real = all_gather._push
     if rank == 0:
         # One chunk of chunk_rows rows (rank 0's rows land at offset 0 of every gather buffer).
-        ag_gemm._push_shard = lambda call, x, chunk_rows, side: real(call, x[:chunk_rows], chunk_rows, side)
+        all_gather._push = lambda call, fmt, ops, chunk, side: real(
+            call, fmt, replace(ops, x=ops.x[:chunk]), chunk, side
+        )
     # Both calls start together, so the short bound can only run out on the withheld chunk.
     dist.barrier(group)
     try:
@@ -360,7 +363,7 @@ def withheld_chunk_body(rank: int, world: int) -> str | None:
     except RuntimeError as e:
         return str(e) if rank == 1 else None
     finally:
-        ag_gemm._push_shard = real
+        all_gather._push = real
     if rank == 1:
         raise AssertionError("rank 1 returned a result although rank 0's second chunk never arrived")
     return None

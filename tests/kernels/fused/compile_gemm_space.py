@@ -80,34 +80,45 @@ def cases():
     return out
 
 
-# The fused kernels whose GEMM runs a tuned tile-core config (block_config(op=...)): each plain tile of
-# the space is compiled into them too, at the TP8 shape with the most peer traffic per tile.
-FUSED_LABELS = ("ag_gemm W=8 k=8192 n=4096 rows=512", "gemm_scatter broadcast=True W=8 k=8192 n=4096 rows=512")
+# The fused kernels whose GEMM runs a tuned tile-core config (blocks.block_config(op=...)): each plain tile
+# of the space is compiled into them too, at the TP8 shape with the most peer traffic per tile.
+FUSED_LABELS = (
+    "all_gather plain W=8 k=8192 n=4096 rows=512 store",
+    "scatter plain broadcast W=8 k=8192 n=4096 rows=512",
+)
 
 
 def fused_cases():
-    """``(label, kernel, args, num_warps, num_stages)``: the fused GEMM kernels of
-    ``test_compile_sm90._cases`` built with each plain tile of the space instead of the default."""
+    """``(label, kernel, args, num_warps, num_stages)``: the plain fused GEMM kernels of
+    ``test_compile_sm90``'s table built with each plain tile of the space instead of the default."""
     import torch
 
-    from kernels.fused import blocks, gemm, gemm_configs
+    from kernels.fused import blocks, gemm_configs
     from tests.kernels.fused import test_compile_sm90
 
     tiles = {c for fam in gemm_configs.FAMILIES for c in gemm_configs.tile_core_space(fam)}
     out = []
-    real = gemm.block_config
+    real = blocks.block_config
     try:
         for cfg in sorted(tiles, key=lambda c: c.label()):
             tiled = blocks.as_blocks(cfg, 4)
-            # _cases() asks block_config for its tiles; answer with this config's (no GPU here to tune on).
-            gemm.block_config = lambda device, rows=None, k=None, dtype=None, b=tiled, **kw: (
-                b if device.type == "cuda" else real(device, rows, k, dtype, **kw)
+            # The table asks block_config for its tiles; answer with this config's (no GPU here to tune on).
+            blocks.block_config = lambda fmt, device, rows=None, k=None, b=tiled, **kw: (
+                b if device.type == "cuda" else real(fmt, device, rows, k, **kw)
             )
-            for label, fn, args, warps, stages, _ in test_compile_sm90._cases():
-                if label in FUSED_LABELS:
-                    out.append((f"{label.split(' W=')[0]} {cfg.label()}", fn, args, warps, stages))
+            for case in test_compile_sm90._plain_cases():
+                if case.label in FUSED_LABELS:
+                    out.append(
+                        (
+                            f"{case.label.split(' W=')[0]} {cfg.label()}",
+                            case.fn,
+                            case.args,
+                            case.num_warps,
+                            case.num_stages,
+                        )
+                    )
     finally:
-        gemm.block_config = real
+        blocks.block_config = real
     assert len(out) == len(FUSED_LABELS) * len(tiles), (len(out), torch.__version__)
     return out
 

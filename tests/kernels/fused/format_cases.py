@@ -1,13 +1,13 @@
 """Rank bodies of the pattern x format tests (module level so the rank pools can unpickle them).
 
 Each body runs one pattern's ``run(call, operands)`` for a format given by name
-(:meth:`kernels.format.OperandFormat.encode`) on x with a communicated dim > 0 (reduce-scatter) and checks it against
+(:meth:`kernels.format.OperandFormat.encode`) on x with a communicated dim > 0 and checks it against
 fp64 torch math on the dequantized operands: FP8 operands exactly in fp64 (``kernels.testing.fp8.dequant``)
 with the bound of ``kernels.fp8.numerics`` for the fused kernels' accumulation; int8 weights as
 :func:`kernels.format.dequantize_weight` gives them (rounded to x's dtype, as the kernels round each
-dequantized tile) with the bound of ``kernels.testing.reference``; every reduce-scatter result also bit
-for bit with the same call on x moved to dim 0 (the strided rows change where rows are read, never a
-sum).
+dequantized tile) with the bound of ``kernels.testing.reference``. The gathered rows and scale rows
+are compared exactly, and every result also bit for bit with the same call on x moved to dim 0
+(the strided rows change where rows are read and stored, never a sum).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _bound(fmt: Any, y: torch.Tensor, magnitude: torch.Tensor, k: int, world: in
     from kernels.testing import tolerance
 
     if fmt.kind == "fp8":
-        return op_error_bound(y, magnitude, k, world, OUT_DTYPE["fp8"], "promoted", U32)
+        return op_error_bound(y, magnitude, k, world, out_dtype=OUT_DTYPE["fp8"], accumulation="promoted", u_acc=U32)
     return tolerance(OUT_DTYPE[fmt.kind], k, world) * magnitude
 
 
@@ -72,6 +72,68 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _per_row_scales(fmt: Any, scale: torch.Tensor, rows: int) -> torch.Tensor:
     return scale.reshape(1, 1).expand(rows, 1) if fmt.mode == "tensor" else scale
+
+
+def all_gather_body(rank: int, world: int, name: str) -> int:
+    """Two weights, one gather, along dim 1 of x ``[2, 3, k]`` (outer blocks of 3 rows), with the gathered
+    rows (and FP8 scale rows) returned; then the same call on a group of one."""
+    from kernels.call import Operands
+    from kernels.format import OperandFormat
+    from kernels.fused import all_gather
+
+    fmt = OperandFormat.decode(name)
+    k, out_dtype = K[fmt.kind], OUT_DTYPE[fmt.kind]
+    g = torch.Generator().manual_seed(7)
+    parts = [_rows(fmt, 6, k, g) for _ in range(world)]
+    weights = [_weight(fmt, n, k, g) for n in (20, 12)]
+    biases = (torch.randn(20, generator=g).to(out_dtype), None)
+    x, x_scale, _ = parts[rank]
+    ops = Operands(
+        x.view(2, 3, k),
+        tuple(w[0] for w in weights),
+        biases,
+        x_scale,
+        tuple(w[1] for w in weights),
+        tuple(w[2] for w in weights),
+    )
+    group = dist.new_group(list(range(world)))
+    call = fused_call("all_gather", group, fmt, out_dtype=out_dtype, return_gathered=True, comm_dim=1)
+    ys, x_gathered, scales = all_gather.run(call, ops)
+    # The reference: rows gathered along dim 1, in fp64.
+    x64 = torch.cat([p[2].view(2, 3, k) for p in parts], dim=1).reshape(-1, k)
+    for i, (y, (_, _, _, w64), b) in enumerate(zip(ys, weights, biases, strict=True)):
+        b64 = torch.zeros(w64.shape[0], dtype=torch.float64) if b is None else b.double()
+        want = x64 @ w64.T + b64
+        bound = _bound(fmt, want, x64.abs() @ w64.abs().T + b64.abs(), k, world)
+        assert y.dtype == out_dtype, (name, y.dtype)
+        _check(f"{name} all_gather weight {i} rank {rank}", y, want, bound)
+    payload = torch.cat([p[0].view(2, 3, k) for p in parts], dim=1).reshape(-1, k)
+    assert torch.equal(_bits(x_gathered), _bits(payload)), f"{name}: gathered rows differ"
+    if fmt.kind == "fp8":
+        cols = fmt.scale_cols(k)
+        want_scales = torch.cat([_per_row_scales(fmt, p[1], 6).reshape(2, 3, cols) for p in parts], dim=1)
+        assert torch.equal(scales, want_scales.reshape(-1, cols)), f"{name}: gathered scale rows differ"
+    else:
+        assert scales is None
+    # The same call on x moved to dim 0: the same dot products, in other rows.
+    moved_scale = x_scale
+    if x_scale is not None and x_scale.dim() > 0:
+        moved_scale = x_scale.view(2, 3, -1).transpose(0, 1).reshape(6, -1)
+    rows = x.view(2, 3, k).transpose(0, 1).reshape(-1, k)
+    moved = Operands(rows, ops.weights, biases, moved_scale, ops.w_scales, ops.w_offsets)
+    ys0, _, _ = all_gather.run(fused_call("all_gather", group, fmt, out_dtype=out_dtype), moved)
+    for y, y0 in zip(ys, ys0, strict=True):
+        order = y0.view(3 * world, 2, -1).transpose(0, 1).reshape(-1, y0.shape[1])
+        assert torch.equal(y, order), f"{name}: rows of gather_dim 1 differ from the same rows at dim 0"
+    # A group of one: the local GEMM, the rows themselves.
+    single = [dist.new_group([r]) for r in range(world)][rank]
+    ys1, x1, s1 = all_gather.run(fused_call("all_gather", single, fmt, out_dtype=out_dtype, return_gathered=True), ops)
+    from kernels.fused import matmul
+
+    local = matmul.run(fused_call("matmul", single, fmt, out_dtype=out_dtype), ops)
+    assert all(torch.equal(a, b) for a, b in zip(ys1, local, strict=True)), f"{name}: W == 1 differs from matmul"
+    assert torch.equal(_bits(x1), _bits(x.reshape(-1, k))) and (s1 is None) == (x_scale is None)
+    return len(ys)
 
 
 def reduce_scatter_body(rank: int, world: int, name: str) -> int:
@@ -134,6 +196,81 @@ def all_reduce_body(rank: int, world: int, name: str) -> dict[str, torch.Tensor]
         _check(f"{name} {algorithm} rank {rank}", y, want, _bound(fmt, want, magnitude, k, world))
         out[algorithm] = y
     return out
+
+
+def _fp8_uneven_n(world: int, seed: int) -> tuple[list, list]:
+    """Every rank's FP8 (row mode) x ``[24, 20]`` and column shard ``[n, 20]``, n = 16 on even ranks and
+    64 on odd ones (the FP8 twin of ``cases._uneven_n_inputs``)."""
+    from kernels.testing import fp8 as fp8_testing
+
+    g = torch.Generator().manual_seed(seed)
+    xs = [fp8_testing.quantize(torch.randn(24, 20, generator=g), "row", False) for _ in range(world)]
+    ws = [
+        fp8_testing.quantize(torch.randn(16 if r % 2 == 0 else 64, 20, generator=g), "row", True) for r in range(world)
+    ]
+    return xs, ws
+
+
+def _fp8_all_gather(x: Any, w: Any, group: Any) -> torch.Tensor:
+    from kernels.call import Operands
+    from kernels.format import fp8
+    from kernels.fused import all_gather
+
+    call = fused_call("all_gather", group, fp8("row"), out_dtype=torch.float32)
+    return all_gather.run(call, Operands(x[0], (w[0],), (None,), x[1], (w[1],)))[0][0]
+
+
+def fp8_per_rank_tiles_body(rank: int, world: int) -> list[int]:
+    """``cases.per_rank_tiles_body`` for FP8: a tuned file (``COC_TUNED_DIR``) with FP8 entries gives each
+    n another tile height; the chunks pushed must not depend on it. Returns the tile heights run."""
+    from kernels.format import fp8
+    from kernels.fused import blocks
+    from kernels.testing import fp8 as fp8_testing
+    from kernels.testing import presize, scramble
+
+    dev = torch.device("cpu")
+    group = dist.group.WORLD
+    presize(group, dev)
+    xs, ws = _fp8_uneven_n(world, 11)
+    n = ws[rank][0].shape[0]
+    cfg = blocks.block_config(fp8("row"), dev, 24, 20, dtype=torch.float8_e4m3fn, op="all_gather_matmul", n=n)
+    scramble(group, dev)
+    if rank == 0:
+        import time
+
+        time.sleep(0.25)  # its peers' tiles of its rows must wait for every chunk they cover
+    got = _fp8_all_gather(xs[rank], ws[rank], group)
+    want, bound = fp8_testing.reference(
+        "ag", xs=xs, ws=[ws[rank]], b=None, rank=rank, mode="row", out_dtype=torch.float32
+    )
+    fp8_testing.assert_close(f"fp8 n={n} block_m={cfg.block_m} rank={rank}", got, want, bound, torch.float32)
+    return [cfg.block_m]
+
+
+def fp8_withheld_chunk_body(rank: int, world: int) -> str | None:
+    """As ``cases.withheld_chunk_body``, FP8: rank 0 pushes only its first chunk (payload and scale rows);
+    rank 1's 32-row tile over rows 0-23 of rank 0's shard must wait for the second chunk and time out."""
+    from dataclasses import replace
+
+    from kernels.fused import all_gather
+
+    group = dist.new_group(list(range(world)))
+    xs, ws = _fp8_uneven_n(world, 12)
+    real = all_gather._push
+    if rank == 0:
+        all_gather._push = lambda call, fmt, ops, chunk, side: real(
+            call, fmt, replace(ops, x=ops.x[:chunk], x_scale=ops.x_scale[:chunk]), chunk, side
+        )
+    dist.barrier(group)
+    try:
+        _fp8_all_gather(xs[rank], ws[rank], group)
+    except RuntimeError as e:
+        return str(e) if rank == 1 else None
+    finally:
+        all_gather._push = real
+    if rank == 1:
+        raise AssertionError("rank 1 returned a result although rank 0's second chunk never arrived")
+    return None
 
 
 def fp8_tuned_tiles_body(rank: int, world: int, tuned_dir: str) -> list[str]:

@@ -19,16 +19,17 @@ from tests.kernels.fused.cases import fused_call
 
 def run_op(op: str, mode: str, x, xs, w, ws, b, out_dtype, group):
     """One op through the pattern modules' ``run`` with the FP8 format of ``mode`` (``ag_v2``: with the
-    gathered payload and scales; the all-gather still through its own entry point)."""
+    gathered payload and scales)."""
     from kernels.call import Operands
     from kernels.format import fp8
-    from kernels.fused import all_reduce, scatter
-    from kernels.fused.ag_gemm_fp8 import all_gather_scaled_matmul
+    from kernels.fused import all_gather, all_reduce, scatter
 
     ops = Operands(x, (w,), (b,), xs, (ws,))
     fmt = fp8(mode)
     if op in ("ag", "ag_v2"):
-        return all_gather_scaled_matmul(x, xs, w, ws, b, mode, out_dtype, group, op == "ag_v2")
+        call = fused_call("all_gather", group, fmt, out_dtype=out_dtype, return_gathered=op == "ag_v2")
+        ys, x_gathered, scales = all_gather.run(call, ops)
+        return (ys[0], x_gathered, scales) if op == "ag_v2" else ys[0]
     if op == "rs":
         return scatter.run(fused_call("reduce_scatter", group, fmt, out_dtype=out_dtype, deterministic=True), ops)
     algorithm = {"ar_one": "one_shot", "ar_two": "two_shot"}.get(op, "auto")

@@ -1,7 +1,8 @@
-"""The reducing patterns for every operand format through one implementation (``run(call, operands)``),
-under the interpreter on gloo ranks: the combinations the per-format copies never had (FP8 with
-scatter_dim > 0, the int8 reduce-scatter, int8 one- and two-shot), the FP8 reducing tiles from the
-tuned file in the call descriptor, and the tuned file's format key."""
+"""Every pattern for every operand format through one implementation (``run(call, operands)``), under the
+interpreter on gloo ranks: the combinations the per-format copies never had (FP8 with gather_dim /
+scatter_dim > 0 and several weights, int8 all-gather and reduce-scatter, int8 one- and two-shot), the
+FP8 tiles from the tuned file (chunk waits over every chunk a tile overlaps, the tiles in the call
+descriptor), and the tuned file's format key."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ from tests.kernels.fused import format_cases
 # Formats by name (kernels.format.OperandFormat.encode): every FP8 scaling mode and int8 scale layout.
 FP8 = ("fp8:tensor", "fp8:row", "fp8:block")
 INT8 = ("int8:per_tensor:0", "int8:per_channel:0:offset", "int8:per_group:16:offset")
+
+
+@pytest.mark.parametrize("name", ("plain",) + FP8 + INT8)
+def test_all_gather_every_format_gather_dim_and_weights(name):
+    assert run_ranks(format_cases.all_gather_body, 2, name, timeout=600) == [2, 2]
 
 
 @pytest.mark.parametrize("name", FP8 + INT8)
@@ -30,8 +36,31 @@ def test_int8_all_reduce_one_and_two_shot(name):
 
 @pytest.mark.one_triton  # W = 3 index arithmetic; the kernels rerun at W = 2 under Triton 3.6
 @pytest.mark.parametrize("name", ("fp8:block", "int8:per_group:16:offset"))
-def test_reduce_scatter_world3(name):
+def test_every_pattern_world3(name):
+    assert run_ranks(format_cases.all_gather_body, 3, name, timeout=600) == [2] * 3
     assert run_ranks(format_cases.reduce_scatter_body, 3, name, timeout=600) == [1] * 3
+
+
+def _fp8_entries(ops_and_n, config):
+    from kernels.fused import tuned
+
+    return [tuned.Entry(op, "float8_e4m3fn", 24, n, 20, config, format="fp8:row") for op, n in ops_and_n]
+
+
+def test_fp8_all_gather_with_tiles_that_differ_by_rank(tmp_path):
+    """FP8 tiles come from the tuned file too, looked up by each rank's n: a 32-row tile waits for both
+    16-row chunks of a peer's shard (the FP8 kernel used to wait for the first one only)."""
+    from kernels.fused import tuned
+    from kernels.fused.gemm_configs import GemmConfig
+
+    tall, short = GemmConfig(32, 32, 64, 1, 1, 2), GemmConfig(16, 16, 64, 1, 1, 1)
+    entries = _fp8_entries([("all_gather_matmul", 16)], short) + _fp8_entries([("all_gather_matmul", 64)], tall)
+    tuned.write(tmp_path / "cpu.yaml", entries, {"gpu": "test"})
+    env = {tuned.ENV_TUNED_DIR: str(tmp_path)}
+    assert run_ranks(format_cases.fp8_per_rank_tiles_body, 2, env=env) == [[16], [32]]
+    errors = run_ranks(format_cases.fp8_withheld_chunk_body, 2, env={**env, "COC_TIMEOUT": "5"}, timeout=120)
+    assert "rank 1 (group rank 1) waited more than COC_TIMEOUT=5 s for rank 0" in errors[1], errors[1]
+    assert "to push its input shard" in errors[1], errors[1]
 
 
 def test_fp8_ranks_with_other_tuned_tiles_raise_naming_the_tiles(tmp_path):
