@@ -49,14 +49,14 @@ def _like(func: Any, args: tuple, kwargs: dict) -> DistTensor:
     if func not in (aten.zeros_like.default, aten.empty_like.default):
         pl = tuple(REPLICATE if type(p) is Partial else p for p in pl)
     local = func(x._local, *args[1:], **kwargs)
-    return make(local, x._mesh, pl, x._shape, local.dtype, x._init)
+    return make(local, x._mesh, pl, x._shape, local.dtype, init=x._init)
 
 
 def _same_layout(func: Any, args: tuple, kwargs: dict) -> DistTensor:
     """detach / alias / clone / _to_copy: the same layout around the op's local result."""
     x = args[0]
     local = func(x._local, *args[1:], **kwargs)
-    return make(local, x._mesh, x._placements, x._shape, local.dtype, x._init)
+    return make(local, x._mesh, x._placements, x._shape, local.dtype, init=x._init)
 
 
 def _zero(func: Any, args: tuple, kwargs: dict) -> DistTensor:
@@ -151,7 +151,7 @@ def _pointwise(func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*largs, **lkwargs)
     if func._schema.is_mutable:
         return args[0]
-    return make(out, x._mesh, x._placements, x._shape, out.dtype, x._init)
+    return make(out, x._mesh, x._placements, x._shape, out.dtype, init=x._init)
 
 
 _FOREACH_OVERLOAD = {
@@ -189,7 +189,9 @@ def _foreach(func: Any, args: tuple, kwargs: dict) -> Any:
     out = func(*largs, **lkwargs)
     if func._schema.is_mutable:
         return None if out is None else list(lists[0])
-    return [make(o, x._mesh, x._placements, x._shape, o.dtype, x._init) for o, x in zip(out, lists[0], strict=False)]
+    return [
+        make(o, x._mesh, x._placements, x._shape, o.dtype, init=x._init) for o, x in zip(out, lists[0], strict=False)
+    ]
 
 
 def _default(func: Any, args: tuple, kwargs: dict) -> Any:

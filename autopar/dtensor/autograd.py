@@ -250,7 +250,7 @@ def _move_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[DistTensor]:
     g_pl = g._placements if same else (REPLICATE,) * src_mesh.ndim
     recv_shape = _rd.local_shape(shape, src_mesh, g_pl) if src_mesh._coord is not None else None
     local = _rd.move_across_meshes(
-        g._local if g._init else None, dst_mesh, src_mesh, recv_shape, dtype, g._local.device
+        g._local if g._init else None, dst_mesh, src_mesh, recv_shape=recv_shape, dtype=dtype, device=g._local.device
     )
     if local is None:
         return [uninit(src_mesh, g_pl, shape, dtype, g._local.device)]
@@ -262,7 +262,9 @@ def _move(x: DistTensor, mesh: ProcessMesh) -> DistTensor:
     same = x._mesh.shape == mesh.shape
     pl = x._placements if same else (REPLICATE,) * mesh.ndim
     recv_shape = _rd.local_shape(x._shape, mesh, pl) if mesh._coord is not None else None
-    local = _rd.move_across_meshes(x._local if x._init else None, x._mesh, mesh, recv_shape, x._dtype, x._local.device)
+    local = _rd.move_across_meshes(
+        x._local if x._init else None, x._mesh, mesh, recv_shape=recv_shape, dtype=x._dtype, device=x._local.device
+    )
     out = (
         uninit(mesh, pl, x._shape, x._dtype, x._local.device)
         if local is None

@@ -24,6 +24,7 @@ S->S), then the others, so a tensor dim is never sharded by two mesh dims at onc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,16 @@ from .mesh import ProcessMesh
 from .placements import REPLICATE, Partial, Placement, Replicate, Shard, chunk_bounds
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One mesh dim as its collectives see it: the process group along it, its size and this rank's
+    coordinate on it."""
+
+    group: object
+    world: int
+    index: int
 
 
 def local_shape(
@@ -57,50 +68,50 @@ def _pad_dim0(x: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def all_gather(x: torch.Tensor, dim: int, size: int, group, world: int) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, size: int, axis: MeshAxis) -> torch.Tensor:
     """S(dim)->R along one mesh dim; ``size`` is the global length of ``dim``."""
+    world = axis.world
     c = -(-size // world)
     xt = _pad_dim0(x.movedim(dim, 0), c)
     out = xt.new_empty((c * world,) + tuple(xt.shape[1:]))
-    kernel_comm.all_gather(out, xt, group)
+    kernel_comm.all_gather(out, xt, axis.group)
     # Short and empty pieces are all at the end (torch.chunk), so the data is the first `size` rows.
     return out[:size].movedim(0, dim)
 
 
-def all_reduce(x: torch.Tensor, reduce_type: str, group, world: int) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, reduce_type: str, axis: MeshAxis) -> torch.Tensor:
     """P->R along one mesh dim."""
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=_REDUCE_OPS[reduce_type], group=group)
+    dist.all_reduce(out, op=_REDUCE_OPS[reduce_type], group=axis.group)
     if reduce_type == "avg":
-        out.div_(world)
+        out.div_(axis.world)
     return out
 
 
-def reduce_scatter(x: torch.Tensor, dim: int, reduce_type: str, group, world: int, index: int) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, reduce_type: str, axis: MeshAxis) -> torch.Tensor:
     """P->S(dim) along one mesh dim."""
-    size = x.shape[dim]
-    s, e = chunk_bounds(size, world, index)
+    size, world = x.shape[dim], axis.world
+    s, e = chunk_bounds(size, world, axis.index)
     if reduce_type in ("max", "min"):
-        return all_reduce(x, reduce_type, group, world).narrow(dim, s, e - s)
+        return all_reduce(x, reduce_type, axis).narrow(dim, s, e - s)
     c = -(-size // world)
     xt = _pad_dim0(x.movedim(dim, 0), c * world)
     out = xt.new_empty((c,) + tuple(xt.shape[1:]))
-    kernel_comm.reduce_scatter(out, xt, group)
+    kernel_comm.reduce_scatter(out, xt, axis.group)
     if reduce_type == "avg":
         out.div_(world)
     return out[: e - s].movedim(0, dim)
 
 
-def local_slice(x: torch.Tensor, dim: int, world: int, index: int) -> torch.Tensor:
+def local_slice(x: torch.Tensor, dim: int, axis: MeshAxis) -> torch.Tensor:
     """R->S(dim): no communication."""
-    s, e = chunk_bounds(x.shape[dim], world, index)
+    s, e = chunk_bounds(x.shape[dim], axis.world, axis.index)
     return x.narrow(dim, s, e - s)
 
 
-def all_to_all(
-    x: torch.Tensor, src_dim: int, dst_dim: int, src_size: int, group, world: int, index: int
-) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, src_size: int, axis: MeshAxis) -> torch.Tensor:
     """S(src_dim)->S(dst_dim) along one mesh dim, uneven pieces padded to a common size."""
+    world = axis.world
     ca = -(-src_size // world)
     dst_size = x.shape[dst_dim]
     cb = -(-dst_size // world)
@@ -114,8 +125,8 @@ def all_to_all(
         piece = xa.narrow(dst_pos, s, e - s)
         send[r].narrow(0, 0, xa.shape[0]).narrow(dst_pos, 0, e - s).copy_(piece)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    s, e = chunk_bounds(dst_size, world, index)
+    dist.all_to_all_single(recv, send, group=axis.group)
+    s, e = chunk_bounds(dst_size, world, axis.index)
     parts = []
     for r in range(world):
         rs, re_ = chunk_bounds(src_size, world, r)
@@ -130,27 +141,27 @@ def replicate_to_partial(x: torch.Tensor, reduce_type: str, index: int) -> torch
 
 
 def _step(
-    x: torch.Tensor, global_shape: Sequence[int], mesh: ProcessMesh, m: int, src: Placement, dst: Placement
+    x: torch.Tensor, global_shape: Sequence[int], mesh: ProcessMesh, step: tuple[int, Placement, Placement]
 ) -> torch.Tensor:
-    world = mesh.shape[m]
-    if world == 1:
+    """One step ``(mesh_dim, from, to)`` of :func:`plan` on the local piece."""
+    m, src, dst = step
+    if mesh.shape[m] == 1:
         # One rank along this dim: every placement holds the whole value (and there is no group).
         return x
-    group = mesh.get_group(m)
-    index = mesh.my_coordinate[m]
+    axis = MeshAxis(mesh.get_group(m), mesh.shape[m], mesh.my_coordinate[m])
     ts, td = type(src), type(dst)
     if ts is Shard and td is Replicate:
-        return all_gather(x, src.dim, global_shape[src.dim], group, world)
+        return all_gather(x, src.dim, global_shape[src.dim], axis)
     if ts is Shard and td is Shard:
-        return all_to_all(x, src.dim, dst.dim, global_shape[src.dim], group, world, index)
+        return all_to_all(x, src.dim, dst.dim, global_shape[src.dim], axis)
     if ts is Partial and td is Replicate:
-        return all_reduce(x, src.reduce_op, group, world)
+        return all_reduce(x, src.reduce_op, axis)
     if ts is Partial and td is Shard:
-        return reduce_scatter(x, dst.dim, src.reduce_op, group, world, index)
+        return reduce_scatter(x, dst.dim, src.reduce_op, axis)
     if ts is Replicate and td is Shard:
-        return local_slice(x, dst.dim, world, index)
+        return local_slice(x, dst.dim, axis)
     if ts is Replicate and td is Partial:
-        return replicate_to_partial(x, dst.reduce_op, index)
+        return replicate_to_partial(x, dst.reduce_op, axis.index)
     raise ValueError(f"cannot reshard {src!r} -> {dst!r} on mesh dim {m}")
 
 
@@ -186,8 +197,8 @@ def redistribute_local(
     x: torch.Tensor, global_shape: Sequence[int], mesh: ProcessMesh, src: Sequence[Placement], dst: Sequence[Placement]
 ) -> torch.Tensor:
     """The local piece of the tensor at placements ``dst``, given the piece at ``src``."""
-    for m, s, d in plan(src, dst):
-        x = _step(x, global_shape, mesh, m, s, d)
+    for step in plan(src, dst):
+        x = _step(x, global_shape, mesh, step)
     return x
 
 
@@ -208,6 +219,7 @@ def move_across_meshes(
     x: torch.Tensor | None,
     src_mesh: ProcessMesh,
     dst_mesh: ProcessMesh,
+    *,
     recv_shape: Sequence[int] | None,
     dtype: torch.dtype,
     device: torch.device,

@@ -295,7 +295,7 @@ class DistTensor(torch.Tensor):
             return memo[id(self)]
         if not torch.Tensor.is_leaf.__get__(self):
             raise RuntimeError("deepcopy of a DistTensor that is not a graph leaf; detach() it first")
-        new = make(self._local.clone(), self._mesh, self._placements, self._shape, self._dtype, self._init)
+        new = make(self._local.clone(), self._mesh, self._placements, self._shape, self._dtype, init=self._init)
         memo[id(self)] = new
         if torch.Tensor.requires_grad.__get__(self):
             torch.Tensor.requires_grad_(new)
@@ -330,7 +330,7 @@ class DistTensor(torch.Tensor):
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size: Any, outer_stride: Any) -> DistTensor:
         local = inner["_local"]
         mesh, placements, shape, init = meta
-        return make(local, mesh, placements, shape, local.dtype, init)
+        return make(local, mesh, placements, shape, local.dtype, init=init)
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -376,6 +376,7 @@ def make(
     placements: tuple,
     shape: torch.Size,
     dtype: torch.dtype,
+    *,
     init: bool = True,
     lid: int | None = None,
     cls: type = DistTensor,
@@ -401,7 +402,7 @@ def wrap(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape: torch
     """``make`` for the per-op hot path: an initialized DistTensor whose dtype is its piece's and
     whose layout id is known."""
     if _DTENSOR_NEW is None:
-        return make(local, mesh, placements, shape, local.dtype, True, lid)
+        return make(local, mesh, placements, shape, local.dtype, lid=lid)
     r = _DTENSOR_NEW(DistTensor, local, _LAYOUTS[lid], False)
     r._mesh = mesh
     r._placements = placements
@@ -415,7 +416,7 @@ def wrap(local: torch.Tensor, mesh: ProcessMesh, placements: tuple, shape: torch
 def uninit(
     mesh: ProcessMesh, placements: tuple, shape: torch.Size, dtype: torch.dtype, device: torch.device
 ) -> DistTensor:
-    return make(empty_local(dtype, device), mesh, placements, shape, dtype, False)
+    return make(empty_local(dtype, device), mesh, placements, shape, dtype, init=False)
 
 
 class PendingMatmul(DistTensor):
@@ -451,6 +452,7 @@ def pending(
     mesh: ProcessMesh,
     placements: tuple,
     shape: torch.Size,
+    *,
     dtype: torch.dtype,
     mesh_dim: int,
     lid: int | None = None,
@@ -506,6 +508,8 @@ def shard_tensor(data: torch.Tensor, mesh: ProcessMesh, placements: Sequence[Pla
     return make(local, mesh, pl, data.shape, data.dtype)
 
 
+# torch.load calls this with the positional arguments __reduce_ex__ pickled: every saved file holds
+# that call, so its parameters stay positional (and in this order) for the files saved so far.
 def _rebuild_dist_tensor(
     local: torch.Tensor,
     mesh: ProcessMesh,
@@ -516,7 +520,7 @@ def _rebuild_dist_tensor(
     requires_grad: bool,
     is_param: bool,
 ) -> torch.Tensor:
-    t = make(local, mesh, tuple(placements), torch.Size(shape), dtype, init)
+    t = make(local, mesh, tuple(placements), torch.Size(shape), dtype, init=init)
     if is_param:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     return torch.Tensor.requires_grad_(t, requires_grad) if requires_grad else t

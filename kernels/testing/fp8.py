@@ -62,7 +62,7 @@ def dequant(payload: torch.Tensor, scale: torch.Tensor, mode: str, weight: bool)
 
 
 def make_inputs(
-    op: str, world: int, m: int, k: int, n: int, mode: str, bias: bool, out_dtype: torch.dtype, seed: int
+    op: str, world: int, m: int, k: int, n: int, *, mode: str, bias: bool, out_dtype: torch.dtype, seed: int
 ) -> tuple[list[Pair], list[Pair], torch.Tensor | None]:
     """Every rank's ``(x, xs)`` and ``(w, ws)`` (the same on every rank: drawn from ``seed``) and the bias.
 
@@ -85,17 +85,19 @@ def make_inputs(
 
 def reference(
     op: str,
-    mode: str,
     xs: list[Pair],
     ws: list[Pair],
     b: torch.Tensor | None,
     rank: int,
+    *,
+    mode: str,
     out_dtype: torch.dtype,
     accumulation: str = "promoted",
     u_acc: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, elementwise bound)`` in fp64 from every rank's ``(payload, scale)`` pairs (module docstring);
-    ``op`` is ``ag`` / ``ag_v2``, ``rs`` or ``ar*``."""
+    ``op`` is ``ag`` / ``ag_v2``, ``rs`` or ``ar*``. The positional parameters are
+    :func:`kernels.testing.reference.reference`'s."""
     from kernels.fp8.numerics import U32, op_error_bound
 
     world = len(xs)

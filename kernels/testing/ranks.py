@@ -116,7 +116,7 @@ os.environ.clear()
 os.environ.update(environ)
 sys.path.insert(0, repo_root)
 from kernels.testing.ranks import _worker
-_worker(*worker_args)
+_worker(**worker_args)
 """
 
 
@@ -128,7 +128,7 @@ def _fresh_program() -> None:
         callcheck.reset()
 
 
-def _worker(rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any) -> None:
+def _worker(*, rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any) -> None:
     _private_pymp_dir(os.path.dirname(store_path))
     import datetime
 
@@ -200,7 +200,14 @@ class RankPool:
                     {
                         "environ": environ,
                         "repo_root": REPO_ROOT,
-                        "worker_args": (r, world_size, backend, store_path, self._tasks[r], self._results),
+                        "worker_args": {
+                            "rank": r,
+                            "world_size": world_size,
+                            "backend": backend,
+                            "store_path": store_path,
+                            "tasks": self._tasks[r],
+                            "results": self._results,
+                        },
                     },
                 ),
             )
@@ -253,6 +260,7 @@ class RankPool:
         fn: Callable[..., Any],
         args: tuple,
         kwargs: dict,
+        *,
         timeout: float,
         env: dict[str, str | None],
         allow_dead: bool,
@@ -362,7 +370,9 @@ def run_ranks(
     rank that raised, hung past ``timeout`` or died (a dead rank's result is ``None`` with
     ``allow_dead``).
     """
-    return get_pool(world_size, backend, device).run(fn, args, kwargs, timeout, env or {}, allow_dead)
+    return get_pool(world_size, backend, device).run(
+        fn, args, kwargs, timeout=timeout, env=env or {}, allow_dead=allow_dead
+    )
 
 
 def assert_no_errors(results: list[list[str]]) -> None:

@@ -83,6 +83,7 @@ def make_inputs(
     m_local: int,
     k: int,
     n: int,
+    *,
     bias: bool,
     seed: int,
     noncontig: bool = False,

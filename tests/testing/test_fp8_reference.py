@@ -28,8 +28,10 @@ def test_quantize_matches_the_products_layout_and_round_trips(mode, weight):
 @pytest.mark.parametrize("op", ["ag", "rs", "ar"])
 def test_reference_is_the_dequantized_ops_semantics(op):
     world, rank = 2, 1
-    xs, ws, b = fp8_reference.make_inputs(op, world, 3, 136, 20, "block", True, torch.float32, seed=4)
-    y, bound = fp8_reference.reference(op, "block", xs, ws, b, rank, torch.float32, "fp32")
+    xs, ws, b = fp8_reference.make_inputs(
+        op, world, 3, 136, 20, mode="block", bias=True, out_dtype=torch.float32, seed=4
+    )
+    y, bound = fp8_reference.reference(op, xs, ws, b, rank, mode="block", out_dtype=torch.float32, accumulation="fp32")
     dx = [fp8_reference.dequant(p, s, "block", False) for p, s in xs]
     dw = [fp8_reference.dequant(p, s, "block", True) for p, s in ws]
     if op == "ag":
@@ -43,17 +45,27 @@ def test_reference_is_the_dequantized_ops_semantics(op):
 
 
 def test_bound_follows_the_accumulation_model():
-    xs, ws, b = fp8_reference.make_inputs("ar", 1, 5, 300, 8, "row", False, torch.float32, seed=1)
-    _, fp32 = fp8_reference.reference("ar", "row", xs, ws, b, 0, torch.float32, "fp32")
+    xs, ws, b = fp8_reference.make_inputs("ar", 1, 5, 300, 8, mode="row", bias=False, out_dtype=torch.float32, seed=1)
+    _, fp32 = fp8_reference.reference("ar", xs, ws, b, 0, mode="row", out_dtype=torch.float32, accumulation="fp32")
     _, hopper = fp8_reference.reference(
-        "ar", "row", xs, ws, b, 0, torch.float32, "promoted", u_acc=numerics.HOPPER_FP8_ACCUMULATOR
+        "ar",
+        xs,
+        ws,
+        b,
+        0,
+        mode="row",
+        out_dtype=torch.float32,
+        accumulation="promoted",
+        u_acc=numerics.HOPPER_FP8_ACCUMULATOR,
     )
     assert (hopper > fp32).all()  # a 14-bit accumulator errs more than fp32's
 
 
 def test_assert_close_and_error_ratio_reject_wrong_results():
-    xs, ws, b = fp8_reference.make_inputs("ar", 1, 4, 136, 6, "tensor", True, torch.bfloat16, seed=2)
-    want, bound = fp8_reference.reference("ar", "tensor", xs, ws, b, 0, torch.bfloat16)
+    xs, ws, b = fp8_reference.make_inputs(
+        "ar", 1, 4, 136, 6, mode="tensor", bias=True, out_dtype=torch.bfloat16, seed=2
+    )
+    want, bound = fp8_reference.reference("ar", xs, ws, b, 0, mode="tensor", out_dtype=torch.bfloat16)
     fp32 = fp8_reference.dequant(*xs[0], "tensor", False) @ fp8_reference.dequant(*ws[0], "tensor", True).T
     got = (fp32 + b.double()).to(torch.bfloat16)  # one rounding to the output: within the bound
     fp8_reference.assert_close("fp64 rounded", got, want, bound, torch.bfloat16)

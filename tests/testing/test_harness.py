@@ -66,8 +66,8 @@ def test_ranks_start_with_the_environment_of_their_pools_start(monkeypatch):
     monkeypatch.setenv("COC_HARNESS_BIRTH", "cuda pool")
     cuda = RankPool(1, device="cuda")
     try:
-        assert cpu.run(_birth_env, (), {}, 60, {}, False) == [("cpu pool", "1", True)] * 2
-        assert cuda.run(_birth_env, (), {}, 60, {}, False) == [("cuda pool", None, True)]
+        assert cpu.run(_birth_env, (), {}, timeout=60, env={}, allow_dead=False) == [("cpu pool", "1", True)] * 2
+        assert cuda.run(_birth_env, (), {}, timeout=60, env={}, allow_dead=False) == [("cuda pool", None, True)]
     finally:
         cpu.close()
         cuda.close()

@@ -30,7 +30,7 @@ def test_tolerance_follows_dtype_k_and_world():
 @pytest.mark.parametrize("op", ["ag", "ag_v2", "rs", "ar_one", "ar_two"])
 def test_reference_matches_the_ops_semantics(op):
     world, m_local, k, n = 3, 4, 8, 5
-    xs, ws, b = make_inputs(op, world, m_local, k, n, True, 0)
+    xs, ws, b = make_inputs(op, world, m_local, k, n, bias=True, seed=0)
     assert xs[0].shape == (rows_of(op, world, m_local), k)
     for rank in range(world):
         want, bound, gathered = reference(op, xs, ws, b, rank)
@@ -63,7 +63,7 @@ def test_reference_keeps_leading_dims(op):
 
 
 def test_assert_close_accepts_fp32_math_and_rejects_a_wrong_result():
-    xs, ws, b = make_inputs("ar", 2, 6, 64, 9, True, 1)
+    xs, ws, b = make_inputs("ar", 2, 6, 64, 9, bias=True, seed=1)
     ref = reference("ar", xs, ws, b, 0)
     fp32 = xs[0] @ ws[0].T + xs[1] @ ws[1].T + b  # another summation order, within the bound
     assert_close("fp32", fp32, ref, torch.float32)
@@ -80,7 +80,7 @@ def test_assert_close_accepts_fp32_math_and_rejects_a_wrong_result():
 
 
 def test_gathered_x_must_be_exact():
-    xs, ws, b = make_inputs("ag_v2", 2, 3, 4, 5, False, 2)
+    xs, ws, b = make_inputs("ag_v2", 2, 3, 4, 5, bias=False, seed=2)
     ref = reference("ag_v2", xs, ws, b, 0)
     y = torch.cat(xs) @ ws[0].T
     assert_close("ok", (y, torch.cat(xs)), ref, torch.float32)
@@ -91,7 +91,7 @@ def test_gathered_x_must_be_exact():
 
 
 def test_half_precision_result_within_the_bound_of_its_rounding():
-    xs, ws, b = make_inputs("rs", 2, 5, 32, 7, True, 3, dtype=torch.bfloat16)
+    xs, ws, b = make_inputs("rs", 2, 5, 32, 7, bias=True, seed=3, dtype=torch.bfloat16)
     ref = reference("rs", xs, ws, b, 1)
     partials = [(x.float() @ w.float().T).to(torch.bfloat16) for x, w in zip(xs, ws, strict=True)]
     y = (partials[0].float() + partials[1].float() + b.float()).to(torch.bfloat16)[5:]
@@ -99,7 +99,7 @@ def test_half_precision_result_within_the_bound_of_its_rounding():
 
 
 def test_noncontiguous_inputs_are_strided_views():
-    xs, ws, b = make_inputs("ar", 2, 3, 6, 4, True, 4, noncontig=True)
+    xs, ws, b = make_inputs("ar", 2, 3, 6, 4, bias=True, seed=4, noncontig=True)
     assert not xs[0].is_contiguous() and not ws[0].is_contiguous() and b.stride() == (2,)
 
 
@@ -131,7 +131,7 @@ def test_scramble_fills_this_ranks_heap():
 
     pool = RankPool(2)
     try:
-        for scrambled, nonzero, numel in pool.run(_scramble_body, (), {}, 120, {}, False):
+        for scrambled, nonzero, numel in pool.run(_scramble_body, (), {}, timeout=120, env={}, allow_dead=False):
             assert scrambled >= 4096 and nonzero > 0.99 * numel
     finally:
         pool.close()

@@ -91,6 +91,7 @@ def apply1(
     rule: Callable[..., RuleResult],
     local_fn: Callable,
     x: DistTensor,
+    *,
     vjp: Callable | None = None,
     plain: dict[int, tuple] | None = None,
 ) -> DistTensor:
@@ -113,6 +114,7 @@ def apply2(
     local_fn: Callable,
     a: DistTensor,
     b: DistTensor,
+    *,
     vjp: Callable | None = None,
 ) -> DistTensor:
     entry = RULE_CACHE.get(key)
@@ -131,6 +133,7 @@ def apply(
     rule: Callable[..., RuleResult],
     local_fn: Callable,
     inputs: list[DistTensor],
+    *,
     out_dtype: torch.dtype | None = None,
     vjp: Callable | None = None,
 ) -> DistTensor:
@@ -156,8 +159,8 @@ def apply(
                 res.out_placements,
                 res.out_shape,
                 dtype,
-                False,
-                out_lid,
+                init=False,
+                lid=out_lid,
             )
         local = local_fn(*[x._local for x in inputs])
         return wrap(local, mesh, res.out_placements, res.out_shape, out_lid)
@@ -172,18 +175,24 @@ def apply(
     if mesh._coord is None:
         dtype = out_dtype or promote(inputs)
         out = make(
-            empty_local(dtype, inputs[0]._local.device), mesh, res.out_placements, res.out_shape, dtype, False, out_lid
+            empty_local(dtype, inputs[0]._local.device),
+            mesh,
+            res.out_placements,
+            res.out_shape,
+            dtype,
+            init=False,
+            lid=out_lid,
         )
         return record(out, inputs, vjp_backward, ctx)
     if vjp is not None:
         pieces = [x._local for x in inputs]
         local = local_fn(*pieces)
-        out = make(local, mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
+        out = make(local, mesh, res.out_placements, res.out_shape, local.dtype, lid=out_lid)
         return record(out, inputs, vjp_backward, ctx, pieces)
     leaves = [x._local.detach().requires_grad_() if n else x._local for x, n in zip(inputs, need, strict=False)]
     with torch.enable_grad():
         local = local_fn(*leaves)
-    out = make(local.detach(), mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
+    out = make(local.detach(), mesh, res.out_placements, res.out_shape, local.dtype, lid=out_lid)
     return record(out, inputs, vjp_backward, ctx, [local] + [leaf for leaf, n in zip(leaves, need, strict=False) if n])
 
 

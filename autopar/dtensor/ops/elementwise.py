@@ -21,7 +21,7 @@ _grad_enabled = torch.is_grad_enabled
 def _broadcast_rule(kind: str) -> Callable[[DistTensor, DistTensor], RuleResult]:
     def rule(a: DistTensor, b: DistTensor) -> RuleResult:
         labels, out, forbidden = broadcast_labels([a._shape, b._shape])
-        return einsum_rule(labels, out, [a._shape, b._shape], [a._placements, b._placements], kind, forbidden)
+        return einsum_rule(labels, out, [a._shape, b._shape], [a._placements, b._placements], kind, forbidden=forbidden)
 
     return rule
 
@@ -70,7 +70,7 @@ def binary(op: str, a, b) -> DistTensor:
         mesh = mesh_of(a, b)
         a, b = as_dist(a, mesh), as_dist(b, mesh)
     fn, rule, vjp = _BINARY[op]
-    return apply2((op, a._lid, b._lid), rule, fn, a, b, vjp)
+    return apply2((op, a._lid, b._lid), rule, fn, a, b, vjp=vjp)
 
 
 def linear_elementwise_rule(x: DistTensor) -> RuleResult:
@@ -81,7 +81,7 @@ def linear_elementwise_rule(x: DistTensor) -> RuleResult:
 def nonlinear_rule(x: DistTensor, forbidden_dims: Sequence[int] = ()) -> RuleResult:
     lab = "abcdefghijklmnop"[: x.ndim]
     forbidden = frozenset(lab[d] for d in forbidden_dims)
-    return einsum_rule([lab], lab, [x._shape], [x._placements], "nonlinear", forbidden)
+    return einsum_rule([lab], lab, [x._shape], [x._placements], "nonlinear", forbidden=forbidden)
 
 
 def with_scalar(op: str, x: DistTensor, c: float, x_first: bool) -> DistTensor:
@@ -110,13 +110,13 @@ _RELU_PLAIN: dict[int, tuple] = {}
 
 def _gelu(x: DistTensor, approximate: str = "none") -> DistTensor:
     if approximate == "none":
-        return apply1(("gelu", x._lid), nonlinear_rule, F.gelu, x, _vjp_gelu, _GELU_PLAIN)
+        return apply1(("gelu", x._lid), nonlinear_rule, F.gelu, x, vjp=_vjp_gelu, plain=_GELU_PLAIN)
     return apply1(
         ("gelu", x._lid, approximate),
         nonlinear_rule,
         lambda t: F.gelu(t, approximate=approximate),
         x,
-        lambda saved, g, need: [torch.ops.aten.gelu_backward(g, saved[0], approximate=approximate)],
+        vjp=lambda saved, g, need: [torch.ops.aten.gelu_backward(g, saved[0], approximate=approximate)],
     )
 
 
@@ -131,7 +131,7 @@ def _vjp_relu(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
 def _relu(x: DistTensor, inplace: bool = False) -> DistTensor:
     if inplace:
         raise NotImplementedError("relu(inplace=True) on a DistTensor; use relu()")
-    return apply1(("relu", x._lid), nonlinear_rule, torch.relu, x, _vjp_relu, _RELU_PLAIN)
+    return apply1(("relu", x._lid), nonlinear_rule, torch.relu, x, vjp=_vjp_relu, plain=_RELU_PLAIN)
 
 
 # Unary functions with a rule (nonlinear: a Partial input is reduced first, shards stay) and the

@@ -61,7 +61,7 @@ def _mm_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[DistTensor | N
                 # dgrad that is Partial on one mesh dim (e.g. Megatron's sequence-parallel column
                 # backward): left pending, so the reshard that follows (reduce-scatter back to
                 # Shard(0)) runs as one overlapped matmul_reduce_scatter.
-                grads.append(pending(gl, w_local.mT, mesh, pl, in_shapes[i], in_dtypes[i], partial[0]))
+                grads.append(pending(gl, w_local.mT, mesh, pl, in_shapes[i], dtype=in_dtypes[i], mesh_dim=partial[0]))
                 continue
             lg = torch.matmul(gl, w_local)
         else:
@@ -74,24 +74,24 @@ def _mm_backward(ctx: tuple, saved: tuple, g: DistTensor) -> list[DistTensor | N
 
 def _record_mm(
     out: DistTensor,
-    x: DistTensor,
-    b: DistTensor,
-    x_local: torch.Tensor,
-    w_local: torch.Tensor,
+    inputs: tuple[DistTensor, DistTensor],
+    pieces: tuple[torch.Tensor, torch.Tensor],
     res: RuleResult,
     transposed: bool,
 ) -> DistTensor:
+    """Record ``out``'s autograd node: ``inputs`` are ``(x, b)``, ``pieces`` the saved ``(x_local, w_local)``."""
     if not torch.is_grad_enabled():
         return out
-    need = requires_grads((x, b))
+    x, b = inputs
+    need = requires_grads(inputs)
     if not any(need):
         return out
     ctx = (res, [x._placements, b._placements], [x._shape, b._shape], [x._dtype, b._dtype], need, transposed)
-    return record(out, [x, b], _mm_backward, ctx, [x_local, w_local])
+    return record(out, [x, b], _mm_backward, ctx, list(pieces))
 
 
 def _matmul_like(
-    key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, a: DistTensor, b: DistTensor, transposed: bool
+    key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, a: DistTensor, b: DistTensor, *, transposed: bool
 ) -> DistTensor:
     """matmul / linear with a 2-D weight: route the two overlappable patterns to ``kernels``.
 
@@ -125,17 +125,17 @@ def _matmul_like(
                 mesh,
                 res.out_placements,
                 res.out_shape,
-                torch.promote_types(a._dtype, b._dtype),
-                pend_dim,
-                out_lid,
+                dtype=torch.promote_types(a._dtype, b._dtype),
+                mesh_dim=pend_dim,
+                lid=out_lid,
             )
-            return _record_mm(out, a, b, a._local, w_local, res, transposed)
+            return _record_mm(out, (a, b), (a._local, w_local), res, transposed)
         local = local_fn(a._local, b._local)
-        out = make(local, mesh, res.out_placements, res.out_shape, local.dtype, True, out_lid)
+        out = make(local, mesh, res.out_placements, res.out_shape, local.dtype, lid=out_lid)
         if not _grad_enabled():
             PLAIN[key] = (mesh, res.out_placements, res.out_shape, out_lid)
             return out
-        return _record_mm(out, a, b, a._local, b._local.mT if transposed else b._local, res, transposed)
+        return _record_mm(out, (a, b), (a._local, b._local.mT if transposed else b._local), res, transposed)
     w_local = b._local.mT if transposed else b._local
     # all_gather_matmul: a is Shard(0) on exactly one mesh dim that the rule gathers, b is
     # sharded on the output columns there, and nothing else changes.
@@ -152,17 +152,23 @@ def _matmul_like(
     ):
         return apply(key, rule, local_fn, [a, b])
     y, gathered = kernels_api().all_gather_matmul(a._local, w_local, group=mesh.get_group(m), return_gathered=True)
-    a_full = make(gathered, mesh, res.in_placements[0], a._shape, a._dtype, True, in_lids[0])
+    a_full = make(gathered, mesh, res.in_placements[0], a._shape, a._dtype, lid=in_lids[0])
     if torch.is_grad_enabled() and requires_grad(a):
         a_full = record(a_full, [a], reshard_backward, a._placements)
-    out = make(y, mesh, res.out_placements, res.out_shape, y.dtype, True, out_lid)
-    return _record_mm(out, a_full, b, gathered, w_local, res, transposed)
+    out = make(y, mesh, res.out_placements, res.out_shape, y.dtype, lid=out_lid)
+    return _record_mm(out, (a_full, b), (gathered, w_local), res, transposed)
 
 
 def _matmul_rule(a: DistTensor, b: DistTensor) -> RuleResult:
     labels, out, forbidden = matmul_labels(a._shape, b._shape)
     return einsum_rule(
-        labels, out, [a._shape, b._shape], [a._placements, b._placements], "linear", forbidden, priority=(1, 0)
+        labels,
+        out,
+        [a._shape, b._shape],
+        [a._placements, b._placements],
+        "linear",
+        forbidden=forbidden,
+        priority=(1, 0),
     )
 
 
@@ -177,7 +183,7 @@ def matmul(a, b) -> DistTensor:
         a, b = as_dist(a, mesh), as_dist(b, mesh)
     key = ("matmul", a._lid, b._lid)
     if len(b._shape) == 2 and len(a._shape) >= 2:
-        return _matmul_like(key, _matmul_rule, torch.matmul, a, b, True)
+        return _matmul_like(key, _matmul_rule, torch.matmul, a, b, transposed=True)
     return apply(key, _matmul_rule, torch.matmul, [a, b])
 
 
@@ -196,7 +202,7 @@ def linear(x, weight, bias=None) -> DistTensor:
     x, w = as_dist(x, mesh), as_dist(weight, mesh)
     key = ("linear", x._lid, w._lid)
     y = (
-        _matmul_like(key, _linear_rule, F.linear, x, w, False)
+        _matmul_like(key, _linear_rule, F.linear, x, w, transposed=False)
         if x.ndim >= 2
         else apply(key, _linear_rule, F.linear, [x, w])
     )

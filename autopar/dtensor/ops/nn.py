@@ -18,6 +18,7 @@ from .dispatch import apply, as_dist, mesh_of, rule_entry
 def embedding(
     input,
     weight,
+    *,
     padding_idx: int | None = None,
     max_norm: float | None = None,
     norm_type: float = 2.0,
@@ -26,7 +27,8 @@ def embedding(
 ) -> DistTensor:
     """``F.embedding``; with a Shard(0) (vocab-parallel) weight each rank looks up the ids in its
     rows, writes zeros for the others and the output is Partial(sum), as Megatron's
-    VocabParallelEmbedding before its all-reduce."""
+    VocabParallelEmbedding before its all-reduce. ``F.embedding`` hands its options to a
+    ``__torch_function__`` handler as keywords."""
     if max_norm is not None or sparse:
         raise NotImplementedError(
             f"F.embedding on DistTensors with max_norm={max_norm} / sparse={sparse}: "
@@ -77,10 +79,14 @@ def scaled_dot_product_attention(
     attn_mask=None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    *,
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> DistTensor:
-    """``F.scaled_dot_product_attention`` sharded over batch or heads (never over the sequence)."""
+    """``F.scaled_dot_product_attention`` sharded over batch or heads (never over the sequence).
+
+    torch's own signature: a builtin hands its ``__torch_function__`` handler the arguments as the
+    caller wrote them, and ``attn_mask``, ``dropout_p``, ``is_causal`` may come positionally."""
     if dropout_p:
         raise NotImplementedError(
             f"scaled_dot_product_attention(dropout_p={dropout_p}) on DistTensors: ranks would draw different "
@@ -110,13 +116,15 @@ def cross_entropy(
     input,
     target,
     weight=None,
+    *,
     size_average=None,
     ignore_index: int = -100,
     reduce=None,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
 ) -> DistTensor:
-    """``F.cross_entropy``: never sharded over classes; over the batch for ``none`` / ``sum``."""
+    """``F.cross_entropy``: never sharded over classes; over the batch for ``none`` / ``sum``.
+    ``F.cross_entropy`` hands its options to a ``__torch_function__`` handler as keywords."""
     if size_average is not None or reduce is not None:
         raise NotImplementedError("F.cross_entropy on DistTensors: use reduction= instead of size_average/reduce")
     if reduction not in ("none", "sum", "mean"):

@@ -14,7 +14,9 @@ from .elementwise import nonlinear_rule
 def softmax(x: DistTensor, dim: int, _stacklevel: int = 3, dtype=None) -> DistTensor:
     d = dim % x.ndim
     key = ("softmax", x._lid, d)
-    return apply(key, lambda t: nonlinear_rule(t, [d]), lambda t: torch.softmax(t, d, dtype=dtype), [x], dtype)
+    return apply(
+        key, lambda t: nonlinear_rule(t, [d]), lambda t: torch.softmax(t, d, dtype=dtype), [x], out_dtype=dtype
+    )
 
 
 def _torch_softmax(x: DistTensor, dim: int, dtype=None) -> DistTensor:
@@ -44,7 +46,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -
             [t._shape for t in ops],
             [t._placements for t in ops],
             "nonlinear",
-            frozenset(norm),
+            forbidden=frozenset(norm),
         )
 
     def local_fn(xl, *wb):

@@ -47,7 +47,7 @@ def _reduce(op: str, x: DistTensor, dim, keepdim: bool, dtype: torch.dtype | Non
         g = g.expand(t.shape)
         return [(g if count == 1 else g / count).to(t.dtype)]
 
-    return apply(key, rule, local_fn, [x], dtype, vjp)
+    return apply(key, rule, local_fn, [x], out_dtype=dtype, vjp=vjp)
 
 
 def _sum(x, dim=None, keepdim=False, dtype=None, **kw):

@@ -50,6 +50,7 @@ def einsum_rule(
     shapes: Sequence[Sequence[int]],
     placements: Sequence[Sequence[Placement]],
     kind: str,
+    *,
     forbidden: frozenset = frozenset(),
     priority: Sequence[int] | None = None,
 ) -> RuleResult:

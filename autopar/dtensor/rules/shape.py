@@ -214,7 +214,7 @@ def cat_rule(shapes: Sequence[Sequence[int]], placements: Sequence[Sequence[Plac
                 )
     out_labels = letters[:dim] + letters[dim + 1 :]
     cat_labels = frozenset(lab[dim] for lab in labels)
-    res = einsum_rule(labels, out_labels, shapes, placements, "add", cat_labels)
+    res = einsum_rule(labels, out_labels, shapes, placements, "add", forbidden=cat_labels)
     out_pl = tuple(Shard(p.dim + (p.dim >= dim)) if type(p) is Shard else p for p in res.out_placements)
     out_shape = list(shapes[0])
     out_shape[dim] = sum(s[dim] for s in shapes)

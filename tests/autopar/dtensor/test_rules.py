@@ -15,12 +15,12 @@ R, P = Replicate(), Partial()
 
 def _matmul(sa, sb, pa, pb):
     labels, out, forbidden = matmul_labels(sa, sb)
-    return einsum_rule(labels, out, [sa, sb], [pa, pb], "linear", forbidden, priority=(1, 0))
+    return einsum_rule(labels, out, [sa, sb], [pa, pb], "linear", forbidden=forbidden, priority=(1, 0))
 
 
 def _elementwise(shapes, pls, kind="add"):
     labels, out, forbidden = broadcast_labels(shapes)
-    return einsum_rule(labels, out, shapes, pls, kind, forbidden)
+    return einsum_rule(labels, out, shapes, pls, kind, forbidden=forbidden)
 
 
 @pytest.mark.parametrize(
@@ -98,10 +98,10 @@ def test_reductions():
 
 
 def test_softmax_and_layer_norm_never_shard_the_normalized_dim():
-    res = einsum_rule(["ab"], "ab", [(6, 4)], [(Shard(1),)], "nonlinear", frozenset("b"))
+    res = einsum_rule(["ab"], "ab", [(6, 4)], [(Shard(1),)], "nonlinear", forbidden=frozenset("b"))
     assert res.in_placements == ((R,),) and res.out_placements == (R,)
     res = einsum_rule(
-        ["ab", "b", "b"], "ab", [(6, 4), (4,), (4,)], [(Shard(0),), (R,), (R,)], "nonlinear", frozenset("b")
+        ["ab", "b", "b"], "ab", [(6, 4), (4,), (4,)], [(Shard(0),), (R,), (R,)], "nonlinear", forbidden=frozenset("b")
     )
     assert res.out_placements == (Shard(0),)
 

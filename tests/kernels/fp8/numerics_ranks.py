@@ -30,7 +30,7 @@ def _data(seed: int, rows: int, cols: int) -> torch.Tensor:
 def _ratio(op: str, got: torch.Tensor, parts: list, mode: str, bias, rank: int, out_dtype, acc: str) -> float:
     """max error / bound of ``got`` against the reference of every rank's ``((x, x_scale), (w, w_scale))``."""
     xs, ws = [p[0] for p in parts], [p[1] for p in parts]
-    return error_ratio(got, *reference(op, mode, xs, ws, bias, rank, out_dtype, acc))
+    return error_ratio(got, *reference(op, xs, ws, bias, rank, mode=mode, out_dtype=out_dtype, accumulation=acc))
 
 
 def numerics_rank(rank: int, world: int, backends: tuple[str, ...], repeats: bool = True) -> dict[str, float]:

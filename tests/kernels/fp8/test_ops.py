@@ -45,7 +45,7 @@ def _empty_k_rank(rank: int, world: int, backend: str) -> dict[str, float]:
         for op, y in got.items():
             xs_all, ws_all = [p[0] for p in parts], [p[1] for p in parts]
             ratios[f"{op}/{mode}"] = error_ratio(
-                y, *reference(op, mode, xs_all, ws_all, None, rank, torch.float32, acc)
+                y, *reference(op, xs_all, ws_all, None, rank, mode=mode, out_dtype=torch.float32, accumulation=acc)
             )
     return ratios
 

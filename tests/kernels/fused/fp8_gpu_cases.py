@@ -53,7 +53,7 @@ def _to(dev: torch.device, *tensors):
 
 def check_case(rank: int, world: int, group, dev, op: str, mode: str, shape, seed: int) -> None:
     m, k, n, bias, out_dtype = shape
-    xs, ws, b = fp8_reference.make_inputs(op, world, m, k, n, mode, bias, out_dtype, seed)
+    xs, ws, b = fp8_reference.make_inputs(op, world, m, k, n, mode=mode, bias=bias, out_dtype=out_dtype, seed=seed)
     what = f"{op} {mode} W={world} m={m} k={k} n={n} bias={bias} out={out_dtype} rank={rank} (GPU)"
     x, x_scale, w, w_scale, bias_t = _to(dev, *xs[rank], *ws[rank], b)
     scramble(group, dev)
@@ -67,7 +67,9 @@ def check_case(rank: int, world: int, group, dev, op: str, mode: str, shape, see
         assert torch.equal(x_gathered.cpu().view(torch.uint8), payload.view(torch.uint8)), f"{what}: gathered bytes"
         want_s = fp8_cases.gathered_scales(mode, xs)
         assert torch.equal(s_gathered.cpu(), want_s), f"{what}: gathered scales differ"
-    want, bound = fp8_reference.reference(op, mode, xs, ws, b, rank, out_dtype, u_acc=HOPPER_FP8_ACCUMULATOR)
+    want, bound = fp8_reference.reference(
+        op, xs, ws, b, rank, mode=mode, out_dtype=out_dtype, u_acc=HOPPER_FP8_ACCUMULATOR
+    )
     fp8_reference.assert_close(what, got.cpu(), want, bound, out_dtype)
 
 
@@ -76,7 +78,7 @@ def public_case(rank: int, world: int, group, dev, op: str, mode: str, seed: int
     import kernels as fp8
 
     m, k, n = 37, 272, 136
-    xs, ws, b = fp8_reference.make_inputs(op, world, m, k, n, mode, True, torch.bfloat16, seed)
+    xs, ws, b = fp8_reference.make_inputs(op, world, m, k, n, mode=mode, bias=True, out_dtype=torch.bfloat16, seed=seed)
     x, x_scale, w, w_scale, bias_t = _to(dev, *xs[rank], *ws[rank], b)
     fn = {
         "ag": fp8.all_gather_scaled_matmul,
@@ -101,7 +103,9 @@ def public_case(rank: int, world: int, group, dev, op: str, mode: str, seed: int
         setattr(kernel, name, inner)
     # The dispatcher sends a fused call elsewhere with a warning (once per process): on a GPU a failure.
     assert calls == [name], f"public {op} {mode}: the fused kernels did not run: {[str(c.message) for c in caught]}"
-    want, bound = fp8_reference.reference(op, mode, xs, ws, b, rank, torch.bfloat16, u_acc=HOPPER_FP8_ACCUMULATOR)
+    want, bound = fp8_reference.reference(
+        op, xs, ws, b, rank, mode=mode, out_dtype=torch.bfloat16, u_acc=HOPPER_FP8_ACCUMULATOR
+    )
     fp8_reference.assert_close(
         f"public {op} {mode} W={world} rank={rank} (GPU)", got.cpu(), want, bound, torch.bfloat16
     )

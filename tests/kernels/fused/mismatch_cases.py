@@ -87,7 +87,7 @@ def mismatch_body(rank: int, world: int) -> list[str]:
     # A fresh group after all that works, and valid per-rank differences are never reported:
     # all_gather_matmul's n (uneven column shards) and the reducing ops' k (uneven contracted shards).
     group = dist.new_group(list(range(world)))
-    xs, ws, b = make_inputs("ag", world, 5, 8, 6, True, 9)
+    xs, ws, b = make_inputs("ag", world, 5, 8, 6, bias=True, seed=9)
     assert_close(
         f"ag after mismatches, rank {rank}",
         run_op("ag", xs[rank], ws[rank], b, group),

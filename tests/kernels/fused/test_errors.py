@@ -201,7 +201,7 @@ def deferred_error_body(rank: int, world: int, how: str) -> tuple[float, str, bo
     from kernels.heap import destroy_heap
 
     group = dist.new_group(list(range(world)))
-    xs, ws, b = fused_cases.make_inputs("rs", world, 3, 8, 6, True, 5)
+    xs, ws, b = fused_cases.make_inputs("rs", world, 3, 8, 6, bias=True, seed=5)
     fused_cases.run_op("rs", xs[rank], ws[rank], b, group)
     if rank != 0:
         destroy_heap(group)
@@ -304,7 +304,7 @@ def gated_push_body(rank: int, world: int) -> bool | None:
     from kernels.heap import peek_heap
 
     group = dist.new_group(list(range(world)))
-    xs, ws, b = fused_cases.make_inputs("ag", world, 4, 8, 6, False, 2)
+    xs, ws, b = fused_cases.make_inputs("ag", world, 4, 8, 6, bias=False, seed=2)
     fused_cases.run_op("ag", xs[rank], ws[rank], b, group)
     heap = peek_heap(group, torch.device("cpu"))
     rows = heap.data_view(heap.rank, torch.float32, (world * 4, 8))[:4]  # where rank 0's shard lands
@@ -330,7 +330,7 @@ def gated_scatter_body(rank: int, world: int, op: str) -> bool | None:
     from kernels.heap import destroy_heap, heaps_of, peek_heap
 
     group = dist.new_group(list(range(world)))
-    xs, ws, b = fused_cases.make_inputs(op, world, 2 * world, 8, 6, False, 2)
+    xs, ws, b = fused_cases.make_inputs(op, world, 2 * world, 8, 6, bias=False, seed=2)
     fused_cases.run_op(op, xs[rank], ws[rank], b, group)
     heap = peek_heap(group, torch.device("cpu"))
     data = heap.data_view(heap.rank, torch.uint8, (heap.data_bytes,))
@@ -363,12 +363,12 @@ def growth_failure_body(rank: int, world: int) -> bool:
     from kernels.heap import destroy_heap, heaps_of, peek_heap
 
     group = dist.new_group(list(range(world)))
-    xs, ws, b = fused_cases.make_inputs("rs", world, 2 * world, 8, 6, False, 2)
+    xs, ws, b = fused_cases.make_inputs("rs", world, 2 * world, 8, 6, bias=False, seed=2)
     fused_cases.run_op("rs", xs[rank], ws[rank], b, group)
     heap = peek_heap(group, torch.device("cpu"))
     dist.barrier(group)
     if rank == 0:
-        big_xs, big_ws, _ = fused_cases.make_inputs("rs", world, 64 * world, 8, 256, False, 3)
+        big_xs, big_ws, _ = fused_cases.make_inputs("rs", world, 64 * world, 8, 256, bias=False, seed=3)
         with pytest.raises(RuntimeError, match="to publish its call descriptor"):
             fused_cases.run_op("rs", big_xs[rank], big_ws[rank], None, group)
         assert heaps_of(group) == [heap] and not heap.closed

@@ -87,7 +87,7 @@ def test_scaled_tile_core_every_k_step(mode):
         x, xs = fp8_reference.quantize(torch.randn(m, k, generator=g), mode, False, x_dtype)
         w, ws = fp8_reference.quantize(torch.randn(n, k, generator=g) * 3, mode, True)
         b = torch.randn(n, generator=g).to(out_dtype)
-        want, bound = fp8_reference.reference("ar", mode, [(x, xs)], [(w, ws)], b, 0, out_dtype)
+        want, bound = fp8_reference.reference("ar", [(x, xs)], [(w, ws)], b, 0, mode=mode, out_dtype=out_dtype)
         for block_k in (16, 32, 64, 128):
             got = _scaled_matmul(fp8(mode), (x, xs, w, ws, b), out_dtype, replace(CPU_FP8_BLOCKS, block_k=block_k))
             fp8_reference.assert_close(f"{mode} m={m} k={k} block_k={block_k}", got, want, bound, out_dtype)

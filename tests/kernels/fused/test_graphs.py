@@ -32,10 +32,10 @@ def _inputs(
     model's are); x on ``seed``."""
     m_local, k, n = 13, 24, 20
     _, ws, b = fused_cases.make_inputs(
-        "ar" if op == "w8a16" else op, world, m_local, k, n, True, 0, False, dtype, device
+        "ar" if op == "w8a16" else op, world, m_local, k, n, bias=True, seed=0, dtype=dtype, device=device
     )
     xs, _, _ = fused_cases.make_inputs(
-        "ar" if op == "w8a16" else op, world, m_local, k, n, True, 100 + seed, False, dtype, device
+        "ar" if op == "w8a16" else op, world, m_local, k, n, bias=True, seed=100 + seed, dtype=dtype, device=device
     )
     if op != "w8a16":
         return xs, ws, b, ws
