@@ -137,7 +137,9 @@ def pack_rows(fmt: OperandFormat, x: torch.Tensor, x_scale: torch.Tensor | None)
         return x
     assert x_scale is not None
     scales = row_scales(fmt, x_scale, x.shape[0]).contiguous()
-    return torch.cat([x.view(torch.uint8), scales.view(torch.uint8).view(x.shape[0], -1)], dim=1)
+    # Sizes spelled out: -1 cannot be inferred for a rank with no rows.
+    scale_bytes = scales.view(torch.uint8).view(x.shape[0], 4 * scales.shape[-1])
+    return torch.cat([x.view(torch.uint8), scale_bytes], dim=1)
 
 
 def unpack_rows(

@@ -17,16 +17,23 @@ repeated calls and all ranks hold the same bits.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from .. import comm, padding
-from ..call import IMPLEMENTATIONS, OpCall, Operands, decode, resolve_group
+from ..call import IMPLEMENTATIONS, OpCall, Operands
 from ..format import bias_of, compute, dequantize_weight, dequantize_x
-from ..op_registration import define_op
-from .entry import fp8_operands, fp8_values, int8_operands, plain_operands, request, rows_of, submit
+from .entry import (
+    define_one_weight_op,
+    fp8_operands,
+    fp8_values,
+    int8_operands,
+    plain_operands,
+    request,
+    rows_of,
+    same_rows,
+    submit,
+)
 
 
 def matmul_all_reduce(
@@ -234,60 +241,13 @@ def _fixed_order_pieces(
 
 
 def fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The fused kernels (kernels/fused): GEMM tiles pushed into peers' slots, fixed-order reduce."""
-    from .. import fused as kernels_fused
+    """The fused kernels (kernels/fused/all_reduce.py): GEMM tiles pushed into peers' slots, fixed-order reduce."""
+    from ..fused import all_reduce
 
-    x2d, weight, bias, fmt = rows_of(ops.x), ops.weights[0], ops.biases[0], call.fmt
-    if fmt.kind == "fp8":
-        from ..fused.gemm_ar_fp8 import scaled_matmul_all_reduce as fused_fp8
-
-        return fused_fp8(
-            x2d, ops.x_scale, weight, ops.scale_of(0), bias, fmt.mode, call.out_dtype, group, call.deterministic
-        )
-    if fmt.kind == "int8":
-        from ..fused.gemm_ar_w8a16 import matmul_all_reduce_w8a16
-
-        group_size = fmt.group_size or x2d.shape[1]
-        return matmul_all_reduce_w8a16(
-            x2d, weight, ops.scale_of(0), ops.offset_of(0), group_size, bias, group, call.deterministic
-        )
-    return kernels_fused.matmul_all_reduce(x2d, weight, bias, group, call.deterministic)
+    return all_reduce.run(call, ops)
 
 
 IMPL = IMPLEMENTATIONS["all_reduce"] = {"sequential": reference, "chunked": chunked, "fused": fused}
 
 
-def _impl(
-    x: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor | None,
-    w_offset: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    call_text: str,
-) -> torch.Tensor:
-    call = decode(call_text)
-    ops = Operands(
-        x=x,
-        weights=(weight,),
-        biases=(bias,),
-        x_scale=x_scale,
-        w_scales=() if w_scale is None else (w_scale,),
-        w_offsets=() if w_offset is None else (w_offset,),
-    )
-    out = IMPL[call.backend](call, ops, resolve_group(call.group_name))
-    out = out.to(call.out_dtype) if call.out_dtype is not None else out
-    return out.view(tuple(x.shape[:-1]) + (weight.shape[0],))
-
-
-def _fake(x: torch.Tensor, x_scale: Any, weight: torch.Tensor, *args: Any) -> torch.Tensor:
-    call = decode(args[-1])
-    return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=call.out_dtype or x.dtype)
-
-
-operator = define_op(
-    "matmul_all_reduce(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset, Tensor? bias, "
-    "str call) -> Tensor",
-    _impl,
-    _fake,
-)
+operator = define_one_weight_op("matmul_all_reduce", IMPL, same_rows)

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from .. import callcheck, checks, dispatch, quant
-from ..call import OpCall, Operands, group_name
+from ..call import OpCall, Operands, decode, group_name, resolve_group
 from ..format import PLAIN, OperandFormat, fp8, int8
 from ..fp8 import scales
+from ..op_registration import define_op
 
 
 def _weight_list(weight: object, what: str) -> tuple[object, ...]:
@@ -207,3 +208,52 @@ def dims_before(x: torch.Tensor, dim: int) -> int:
 def rows_of(x: torch.Tensor) -> torch.Tensor:
     """``x [..., k]`` as ``[m, k]`` rows (``reshape`` with both sizes: ``-1`` cannot be inferred for k = 0)."""
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def same_rows(x: torch.Tensor, call: OpCall, n: int) -> tuple[int, ...]:
+    """The output shape of an op whose rows are x's: ``x.shape[:-1] + (n,)``."""
+    return tuple(x.shape[:-1]) + (n,)
+
+
+def define_one_weight_op(
+    name: str,
+    impl: dict[str, Callable[..., torch.Tensor]],
+    out_shape: Callable[[torch.Tensor, OpCall, int], tuple[int, ...]],
+) -> torch._ops.OpOverload:
+    """Register ``coc::<name>`` for a pattern with one weight (reduce-scatter, all-reduce, the local GEMM)::
+
+        coc::<name>(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset, Tensor? bias,
+                    str call) -> Tensor
+
+    running ``impl[call.backend](call, operands, group)`` and returning ``out_shape(x, call, n)`` in the
+    call's ``out_dtype`` (x's when None); the fake gives that shape and dtype without running anything.
+    """
+
+    def run(
+        x: torch.Tensor,
+        x_scale: torch.Tensor | None,
+        weight: torch.Tensor,
+        w_scale: torch.Tensor | None,
+        w_offset: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        call_text: str,
+    ) -> torch.Tensor:
+        call = decode(call_text)
+        ops = Operands(
+            x=x,
+            weights=(weight,),
+            biases=(bias,),
+            x_scale=x_scale,
+            w_scales=() if w_scale is None else (w_scale,),
+            w_offsets=() if w_offset is None else (w_offset,),
+        )
+        out = impl[call.backend](call, ops, resolve_group(call.group_name))
+        out = out.to(call.out_dtype) if call.out_dtype is not None else out
+        return out.view(out_shape(x, call, weight.shape[0]))
+
+    def fake(x: torch.Tensor, x_scale: object, weight: torch.Tensor, *args: object) -> torch.Tensor:
+        call = decode(str(args[-1]))
+        return x.new_empty(out_shape(x, call, weight.shape[0]), dtype=call.out_dtype or x.dtype)
+
+    schema = "(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset, Tensor? bias, str call)"
+    return define_op(f"{name}{schema} -> Tensor", run, fake)

@@ -11,16 +11,13 @@ Reference: ``(dequant(x) @ dequant(weight).T + bias).to(out_dtype)`` with the ar
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .. import checks, padding
-from ..call import IMPLEMENTATIONS, OpCall, Operands, decode
+from ..call import IMPLEMENTATIONS, OpCall, Operands
 from ..config import get_config
 from ..format import bias_of, compute, dequantize_weight, dequantize_x
-from ..op_registration import define_op
-from .entry import fp8_operands, fp8_values, rows_of
+from .entry import define_one_weight_op, fp8_operands, fp8_values, rows_of, same_rows
 
 
 def scaled_matmul(
@@ -67,37 +64,4 @@ def fused(call: OpCall, ops: Operands, group: object = None) -> torch.Tensor:
 IMPL = IMPLEMENTATIONS["matmul"] = {"sequential": reference, "fused": fused}
 
 
-def _impl(
-    x: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor | None,
-    w_offset: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    call_text: str,
-) -> torch.Tensor:
-    call = decode(call_text)
-    ops = Operands(
-        x=x,
-        weights=(weight,),
-        biases=(bias,),
-        x_scale=x_scale,
-        w_scales=() if w_scale is None else (w_scale,),
-        w_offsets=() if w_offset is None else (w_offset,),
-    )
-    out = IMPL[call.backend](call, ops)
-    out = out.to(call.out_dtype) if call.out_dtype is not None else out
-    return out.view(tuple(x.shape[:-1]) + (weight.shape[0],))
-
-
-def _fake(x: torch.Tensor, x_scale: Any, weight: torch.Tensor, *args: Any) -> torch.Tensor:
-    call = decode(args[-1])
-    return x.new_empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=call.out_dtype or x.dtype)
-
-
-operator = define_op(
-    "matmul(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset, Tensor? bias, "
-    "str call) -> Tensor",
-    _impl,
-    _fake,
-)
+operator = define_one_weight_op("matmul", IMPL, same_rows)

@@ -14,16 +14,23 @@ outer block, read in place (no transposing copy). Arithmetic per format as in :m
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from .. import comm, padding
-from ..call import IMPLEMENTATIONS, OpCall, Operands, decode, resolve_group
+from ..call import IMPLEMENTATIONS, OpCall, Operands
 from ..format import bias_of, compute, dequantize_weight, dequantize_x
-from ..op_registration import define_op
-from .entry import dims_before, fp8_operands, fp8_values, int8_operands, plain_operands, request, rows_of, submit
+from .entry import (
+    define_one_weight_op,
+    dims_before,
+    fp8_operands,
+    fp8_values,
+    int8_operands,
+    plain_operands,
+    request,
+    rows_of,
+    submit,
+)
 
 
 def matmul_reduce_scatter(
@@ -225,81 +232,22 @@ def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> tor
 
 
 def fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The fused kernels (kernels/fused): GEMM tiles pushed into their owners' slots, fixed-order reduce."""
-    from .. import fused as kernels_fused
+    """The fused kernels (kernels/fused/scatter.py): GEMM tiles pushed into their owners' slots, fixed-order
+    reduce; x's rows read in place for any ``scatter_dim``."""
+    from ..fused import scatter
 
-    x2d, weight, bias, fmt = rows_of(ops.x), ops.weights[0], ops.biases[0], call.fmt
-    d, outer = call.comm_dim, dims_before(ops.x, call.comm_dim)
-    if fmt.kind == "fp8":
-        from ..fused.gemm_rs_fp8 import scaled_matmul_reduce_scatter as fused_fp8
-
-        xs = ops.x_scale
-        xm = ops.x.movedim(d, 0).contiguous() if d else ops.x
-        if d and fmt.mode != "tensor":
-            xs = xs.reshape(tuple(ops.x.shape[:-1]) + (xs.shape[-1],)).movedim(d, 0).contiguous()
-        y = fused_fp8(
-            rows_of(xm),
-            rows_of(xs) if xs.dim() > 1 else xs,
-            weight,
-            ops.scale_of(0),
-            bias,
-            fmt.mode,
-            call.out_dtype,
-            group,
-            call.deterministic,
-            d,
-            outer,
-        )
-        if not d:
-            return y
-        lead = (xm.shape[0] // call.world,) + tuple(xm.shape[1:-1])
-        return rows_of(y.view(lead + (weight.shape[0],)).movedim(0, d).contiguous())
-    if fmt.kind == "int8":
-        weight = dequantize_weight(fmt, weight, ops.scale_of(0), ops.offset_of(0), x2d.dtype)
-    return kernels_fused.matmul_reduce_scatter(x2d, weight, bias, group, call.deterministic, outer=outer, comm_dim=d)
+    return scatter.run(call, ops)
 
 
 IMPL = IMPLEMENTATIONS["reduce_scatter"] = {"sequential": reference, "chunked": chunked, "fused": fused}
 
 
-def _scattered_shape(x: torch.Tensor, d: int, world: int, n: int) -> tuple[int, ...]:
+def _scattered(x: torch.Tensor, call: OpCall, n: int) -> tuple[int, ...]:
+    """x's shape with ``scatter_dim`` divided by W and the last dim ``n``."""
     shape = list(x.shape)
-    shape[d] //= world
+    shape[call.comm_dim] //= call.world
     shape[-1] = n
     return tuple(shape)
 
 
-def _impl(
-    x: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor | None,
-    w_offset: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    call_text: str,
-) -> torch.Tensor:
-    call = decode(call_text)
-    ops = Operands(
-        x=x,
-        weights=(weight,),
-        biases=(bias,),
-        x_scale=x_scale,
-        w_scales=() if w_scale is None else (w_scale,),
-        w_offsets=() if w_offset is None else (w_offset,),
-    )
-    out = IMPL[call.backend](call, ops, resolve_group(call.group_name))
-    out = out.to(call.out_dtype) if call.out_dtype is not None else out
-    return out.view(_scattered_shape(x, call.comm_dim, call.world, weight.shape[0]))
-
-
-def _fake(x: torch.Tensor, x_scale: Any, weight: torch.Tensor, *args: Any) -> torch.Tensor:
-    call = decode(args[-1])
-    return x.new_empty(_scattered_shape(x, call.comm_dim, call.world, weight.shape[0]), dtype=call.out_dtype or x.dtype)
-
-
-operator = define_op(
-    "matmul_reduce_scatter(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset, "
-    "Tensor? bias, str call) -> Tensor",
-    _impl,
-    _fake,
-)
+operator = define_one_weight_op("matmul_reduce_scatter", IMPL, _scattered)
