@@ -71,13 +71,6 @@ GPU_FP8_SMALL_M_BLOCKS = replace(GPU_FP8_BLOCKS, block_m=64, num_warps=4, num_st
 # to 6 KB in the broadcast scatter) and int8 per-group scales whose groups a deeper step would
 # straddle (a [BLOCK_K, BLOCK_N] scale gather per step).
 NARROW_BLOCK_K = 16
-# The tuned file's op of each pattern (kernels.call.PATTERNS); one file serves every format.
-TUNED_OPS = {
-    "matmul": "matmul",
-    "all_gather": "all_gather_matmul",
-    "reduce_scatter": "matmul_reduce_scatter",
-    "all_reduce": "matmul_all_reduce",
-}
 
 
 def block_config(
@@ -98,7 +91,8 @@ def block_config(
     counts that become signal targets. ``k`` (which may differ between ranks) and ``dtype`` select
     only ``block_k``, which no count depends on (nor does the TF32 switch, a per-process setting).
 
-    ``op`` (the tuned file's op, :data:`TUNED_OPS`) and ``n``: the tuned file of this GPU is consulted
+    ``op`` (the tuned file's op: ``matmul``, ``all_gather_matmul``, ``matmul_reduce_scatter``,
+    ``matmul_all_reduce``, for every format) and ``n``: the tuned file of this GPU is consulted
     for ``(op, dtype, format, rows, n)``, never ``k`` for the fused ops, so every rank of a reducing op
     that agrees on the call gets the same tiles. ``all_gather_matmul`` ranks may differ in ``n``, so
     its tiles are each rank's own: nothing that peers count may follow them (its pushed chunks
