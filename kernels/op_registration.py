@@ -14,6 +14,9 @@ from typing import Any
 import torch
 
 LIB = torch.library.Library("coc", "FRAGMENT")
+# Each operator's Python implementation, for tools that run an op's body under their own torch function
+# mode (the dispatcher pops such modes before the implementation runs).
+IMPLEMENTATION_OF: dict[torch._ops.OpOverload, Callable[..., Any]] = {}
 
 
 def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -34,7 +37,9 @@ def define_op(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -
     LIB.define(schema)
     LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"coc::{name}", fake, lib=LIB)
-    return getattr(torch.ops.coc, name).default
+    op = getattr(torch.ops.coc, name).default
+    IMPLEMENTATION_OF[op] = impl
+    return op
 
 
 def unaliased(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ which the tuned file may choose for them (:func:`linear`).
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import replace
 
@@ -42,7 +43,8 @@ def tile_grid(m: int, n: int, cfg: BlockConfig | GemmConfig) -> tuple[int]:
 
 def rows(x: torch.Tensor) -> torch.Tensor:
     """x's rows as the kernels read them: ``[m, k]`` (a view when x's strides allow)."""
-    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    # Both sizes spelled out: -1 cannot be inferred for an empty k shard (k = 0).
+    return x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 def gemm(

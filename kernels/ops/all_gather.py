@@ -274,57 +274,12 @@ def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> Gat
 
 
 def fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> Gathered:
-    """The fused kernels (kernels/fused): every rank pushes its rows into its peers' gather buffers chunk by
-    chunk while the GEMM starts on the rows already there."""
-    from .. import fused as kernels_fused
+    """The fused kernels (kernels/fused/all_gather.py): every rank pushes its rows (and FP8 scale rows) into
+    its peers' gather buffers chunk by chunk while the GEMM starts on the rows already there; one gather
+    for every weight, x's rows addressed in place for any ``gather_dim``."""
+    from ..fused import all_gather
 
-    x2d, fmt, d = rows_of(ops.x), call.fmt, call.comm_dim
-    outer = dims_before(ops.x, d)
-    if fmt.kind == "fp8":
-        from ..fused.ag_gemm_fp8 import all_gather_scaled_matmul as fused_fp8
-        from ..fused.gemm_fp8 import scaled_matmul
-
-        xs = ops.x_scale
-        xm = ops.x.movedim(d, 0).contiguous() if d else ops.x
-        if d and fmt.mode != "tensor":
-            xs = xs.reshape(tuple(ops.x.shape[:-1]) + (xs.shape[-1],)).movedim(d, 0).contiguous()
-        xs2 = rows_of(xs) if xs.dim() > 1 else xs
-        y0, xg, xsg = fused_fp8(
-            rows_of(xm),
-            xs2,
-            ops.weights[0],
-            ops.scale_of(0),
-            ops.biases[0],
-            fmt.mode,
-            call.out_dtype,
-            group,
-            True,
-            d,
-            outer,
-        )
-        # The gathered rows' scales are per row in every mode (each rank's own in tensor mode).
-        mode = "row" if fmt.mode == "tensor" else fmt.mode
-        rest = []
-        for i, (w, b) in enumerate(zip(ops.weights[1:], ops.biases[1:], strict=True)):
-            ws = ops.scale_of(i + 1)
-            ws = ws.reshape(1, 1).expand(w.shape[0], 1) if fmt.mode == "tensor" else ws
-            rest.append(scaled_matmul(xg, xsg, w, ws, b, mode, call.out_dtype))
-        ys = [y0] + rest
-        if d:
-            lead = (xm.shape[0] * call.world,) + tuple(xm.shape[1:-1])
-
-            def back(t: torch.Tensor) -> torch.Tensor:
-                return rows_of(t.view(lead + (t.shape[-1],)).movedim(0, d).contiguous())
-
-            ys, xg, xsg = [back(y) for y in ys], back(xg), back(xsg)
-        return ys, xg, xsg
-    weights = list(ops.weights)
-    if fmt.kind == "int8":
-        weights = [w for w, _ in _weights(call, ops, x2d.dtype)]
-    ys, xg = kernels_fused.all_gather_matmul_multi(
-        x2d, weights, list(ops.biases), group, return_gathered=call.return_gathered, outer=outer, comm_dim=d
-    )
-    return ys, xg, None
+    return all_gather.run(call, ops)
 
 
 IMPL = IMPLEMENTATIONS["all_gather"] = {"sequential": reference, "chunked": chunked, "fused": fused}

@@ -54,11 +54,10 @@ def reference(call: OpCall, ops: Operands, group: object = None) -> torch.Tensor
 
 
 def fused(call: OpCall, ops: Operands, group: object = None) -> torch.Tensor:
-    """The Triton GEMM core on this device."""
-    from ..fused.gemm_fp8 import scaled_matmul as fused_fp8
+    """The Triton GEMM core on this device (kernels/fused/matmul.py)."""
+    from ..fused import matmul
 
-    x2d = rows_of(ops.x)
-    return fused_fp8(x2d, ops.x_scale, ops.weights[0], ops.scale_of(0), ops.biases[0], call.fmt.mode, call.out_dtype)
+    return matmul.run(call, ops)[0]
 
 
 IMPL = IMPLEMENTATIONS["matmul"] = {"sequential": reference, "fused": fused}

@@ -258,7 +258,8 @@ CASES: dict[str, tuple[Callable[..., str | None], dict[str, dict]]] = {
             "rows": {"lead": (6,), "dim": 0, "bias": True, "deterministic": False},
             "deterministic": {"lead": (6,), "dim": 0, "bias": False, "deterministic": True},
             "seq_dim": {"lead": (2, 6), "dim": 1, "bias": True, "deterministic": True},
-            "empty_k": {"lead": (6,), "dim": 0, "bias": True, "deterministic": False, "empty_last": True},
+            # x [2, 6, 0] on the last rank: an empty shard with leading dims (the rows cannot be inferred)
+            "empty_k": {"lead": (2, 6), "dim": 1, "bias": True, "deterministic": False, "empty_last": True},
         },
     ),
     "all_reduce": (

@@ -111,7 +111,7 @@ def public_ops_body(rank: int, world: int, mode: str) -> int:
     """``kernels.fp8``'s public ops with ``backend="fused"`` reach these kernels and agree with
     ``backend="sequential"`` within the fused bound (payload and scales of the all-gather exactly)."""
     import kernels as fp8
-    from kernels.fused import ag_gemm_fp8, gemm_ar_fp8, gemm_rs_fp8
+    from kernels.fused import all_gather, all_reduce, scatter
 
     calls: list[str] = []
 
@@ -119,7 +119,7 @@ def public_ops_body(rank: int, world: int, mode: str) -> int:
         inner = getattr(module, name)
 
         def wrapper(*args, **kwargs):
-            calls.append(name)
+            calls.append(f"{module.__name__}.{name}")
             return inner(*args, **kwargs)
 
         return wrapper
@@ -128,9 +128,9 @@ def public_ops_body(rank: int, world: int, mode: str) -> int:
     presize(group, torch.device("cpu"))
     done = 0
     patched = [
-        (ag_gemm_fp8, "all_gather_scaled_matmul"),
-        (gemm_rs_fp8, "scaled_matmul_reduce_scatter"),
-        (gemm_ar_fp8, "scaled_matmul_all_reduce"),
+        (all_gather, "run"),
+        (scatter, "run"),
+        (all_reduce, "run"),
     ]
     originals = [getattr(m, n) for m, n in patched]
     for m, n in patched:
@@ -161,7 +161,7 @@ def public_ops_body(rank: int, world: int, mode: str) -> int:
     finally:
         for (m, n), original in zip(patched, originals, strict=True):
             setattr(m, n, original)
-    assert calls == [n for _, n in patched], f"the fused kernels ran for {calls}"
+    assert calls == [f"{m.__name__}.{n}" for m, n in patched], f"the fused kernels ran for {calls}"
     return done
 
 

@@ -96,9 +96,9 @@ class HostSyncRecorder(TorchFunctionMode):
             if where is not None:
                 self.reads.append((name, *where))
         if isinstance(func, torch._ops.OpOverload) and func.namespace == "coc":
-            from kernels.ops import all_gather, all_reduce, matmul, reduce_scatter
+            from kernels.op_registration import IMPLEMENTATION_OF
 
-            impl = {m.operator: m._impl for m in (all_gather, all_reduce, matmul, reduce_scatter)}[func]
+            impl = IMPLEMENTATION_OF[func]
             with self:
                 return impl(*args, **kwargs)
         return func(*args, **kwargs)
