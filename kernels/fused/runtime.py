@@ -246,7 +246,7 @@ def begin(
     if capturing(device):
         _refuse_capture(op, heap, data_bytes)
     if heap is None:
-        heap = get_heap(group, device, data_bytes, words, descriptor, _verdict(op, group))
+        heap = get_heap(group, device, data_bytes, words, descriptor=descriptor, verdict=_verdict(op, group))
     else:
         raise_recorded(heap)
     call = _open(op, heap, descriptor)
@@ -260,7 +260,7 @@ def begin(
         # collective, so this rank's DONE stores land before any peer unmaps the old pads.
         signals.finish_call(heap, (), 1)
         heap.arm_clock(False)
-        heap = get_heap(group, device, data_bytes, words, descriptor, _verdict(op, group))
+        heap = get_heap(group, device, data_bytes, words, descriptor=descriptor, verdict=_verdict(op, group))
         call = _open(op, heap, descriptor)
     return call
 

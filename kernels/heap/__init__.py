@@ -81,6 +81,7 @@ def get_heap(
     device: torch.device,
     data_bytes: int,
     sig_words: int,
+    *,
     descriptor: object = None,
     verdict: Verdict | None = None,
 ) -> SymmetricHeap:
@@ -110,11 +111,11 @@ def get_heap(
     if device.type == "cuda":
         from .cuda_ipc import CudaIpcHeap
 
-        heap: SymmetricHeap = CudaIpcHeap(group, device, size, words, descriptor, verdict)
+        heap: SymmetricHeap = CudaIpcHeap(group, device, size, words, descriptor=descriptor, verdict=verdict)
     elif device.type == "cpu":
         from .shm import ShmHeap
 
-        heap = ShmHeap(group, device, size, words, descriptor, verdict)
+        heap = ShmHeap(group, device, size, words, descriptor=descriptor, verdict=verdict)
     else:
         raise ValueError(f"device: no symmetric heap backend for device type {device.type!r}")
     _HEAPS[key] = (group, heap)

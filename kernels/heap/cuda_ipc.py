@@ -56,6 +56,7 @@ class CudaIpcHeap(SymmetricHeap):
         device: torch.device,
         data_bytes: int,
         sig_words: int,
+        *,
         descriptor: object = None,
         verdict: Verdict | None = None,
     ):

@@ -121,6 +121,7 @@ class ShmHeap(SymmetricHeap):
         device: torch.device,
         data_bytes: int,
         sig_words: int,
+        *,
         descriptor: object = None,
         verdict: Verdict | None = None,
     ):
