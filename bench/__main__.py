@@ -300,7 +300,10 @@ def main_model(args: argparse.Namespace) -> int:
     records = []
     for c in cases:
         gemm = model.GemmTimes(fallback=lambda m, k, n, d=c.dtype: spec.gemm_time(m, k, n, d))
-        preds = {b: model.predict(c.op, b, c.world, c.gemm_shape, c.comm_elems, c.dtype, gemm, link) for b in backends}
+        preds = {
+            b: model.predict(c.op, b, c.world, c.gemm_shape, c.comm_elems, dtype=c.dtype, gemm_time=gemm, link=link)
+            for b in backends
+        }
         seq = preds["sequential"]
         records.append(
             {

@@ -66,7 +66,7 @@ def _teacher_batch(step: int, rank: int, world: int, task: str) -> tuple[torch.T
     return x[rows].to(torch.bfloat16), target[rows]
 
 
-def train(rank: int, world: int, fp8: bool, steps: int, task: str = "ce", lr: float = 1e-3) -> list[float]:
+def train(rank: int, world: int, fp8: bool, steps: int, *, task: str = "ce", lr: float = 1e-3) -> list[float]:
     """Loss per step (mean over the whole sequence, same on every rank)."""
     import autopar
 
@@ -115,7 +115,7 @@ def train(rank: int, world: int, fp8: bool, steps: int, task: str = "ce", lr: fl
 def curves_rank(rank: int, world: int, steps: int, task: str = "ce") -> tuple[list[float], list[float]]:
     """``(bf16 losses, fp8 losses)`` on this rank (a ``kernels.testing.run_ranks`` body)."""
     os.environ["COC_PARALLEL_NUM"] = "1"
-    return train(rank, world, False, steps, task), train(rank, world, True, steps, task)
+    return train(rank, world, False, steps, task=task), train(rank, world, True, steps, task=task)
 
 
 def relative_gap(bf16: list[float], fp8: list[float], window: int = 20) -> float:

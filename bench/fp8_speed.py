@@ -139,7 +139,10 @@ def _model(c: Fp8Case, op: str, t_gemm: float, t_core: float, link: Any) -> dict
     out = {}
     for key, backend, t in (("baseline", "baseline", t_gemm), ("fused", "fused", t_core)):
         gemm = model.GemmTimes({shape: t})
-        out[key] = model.predict(op, backend, TP, shape, comm_elems, model.FP8, gemm, link, c.mode) or float("nan")
+        t = model.predict(
+            op, backend, TP, shape, comm_elems, dtype=model.FP8, gemm_time=gemm, link=link, fp8_mode=c.mode
+        )
+        out[key] = t or float("nan")
     return out
 
 

@@ -206,11 +206,13 @@ def run_section(
     # pytest: 0 all passed, 1 some failed (items say which), 5 none selected.
     elif rc not in (0, 1, 5) or (rc == 1 and not any(it["status"] == "fail" for it in items)):
         items.append({"name": f"{name} process", "status": "fail", "detail": f"exit status {rc}: {log[-1500:]}"})
-    return _section(name, items, started, budget_s, notes, timed_out, log if (timed_out or rc) else "")
+    return _section(
+        name, items, started, budget_s, notes=notes, timed_out=timed_out, log=log if (timed_out or rc) else ""
+    )
 
 
 def _section(
-    name: str, items: list[dict], started: float, budget_s: float, notes: list[str], timed_out: bool, log: str = ""
+    name: str, items: list[dict], started: float, budget_s: float, *, notes: list[str], timed_out: bool, log: str = ""
 ) -> dict[str, Any]:
     statuses = {it["status"] for it in items}
     verdict = "FAIL" if "fail" in statuses else "TIMEOUT" if timed_out else "WARN" if "warn" in statuses else None
@@ -332,7 +334,7 @@ def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> in
     now = datetime.datetime.now(datetime.timezone.utc)
     total = TOTAL_BUDGET_S[device_type]
     env, env_items = environment(device_type)
-    results = [_section("env", env_items, start, 0, [], False)] if "env" in chosen else []
+    results = [_section("env", env_items, start, 0, notes=[], timed_out=False)] if "env" in chosen else []
     # A CPU tuned file is read only from COC_TUNED_DIR, so it goes beside the report, not into configs/tuned.
     tuned_dir = os.path.abspath(out_dir) if device_type == "cpu" else None
     with tempfile.TemporaryDirectory(prefix="coc-gpu-check-") as work:
@@ -340,7 +342,8 @@ def main(out_dir: str, allow_cpu: bool, sections: list[str] | None = None) -> in
             left = total - (time.time() - start)
             budget = budget_for(name, device_type, left, chosen)
             if budget < 5:
-                results.append(_section(name, [], time.time(), 0, ["not started: the time budget was spent"], True))
+                notes = ["not started: the time budget was spent"]
+                results.append(_section(name, [], time.time(), 0, notes=notes, timed_out=True))
                 continue
             print(f"gpu-check: {name} ({TITLES[name]}), budget {budget:.0f} s ...", file=sys.stderr, flush=True)
             results.append(run_section(name, device_type, budget, work, tuned_dir))

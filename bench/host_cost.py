@@ -25,6 +25,7 @@ import datetime
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -97,10 +98,20 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _bench(
-    rank: int, world: int, device: torch.device, iters: int, repeats: int, compile_too: bool, clock_name: str
-) -> list[dict]:
+@dataclass(frozen=True)
+class Settings:
+    """What every rank of one run times: calls per round, rounds, whether compiled variants run too, the clock."""
+
+    iters: int
+    repeats: int
+    compile_too: bool
+    clock_name: str
+
+
+def _bench(rank: int, world: int, device: torch.device, settings: Settings) -> list[dict]:
     import kernels
+
+    iters, repeats = settings.iters, settings.repeats
 
     functions = {
         "all_gather_matmul": kernels.all_gather_matmul,
@@ -120,7 +131,7 @@ def _bench(
                 eager = lambda f=fn_op, b=backend, p=num: f(x, w, backend=b, parallel_num=p)  # noqa: E731
                 fns, modes = [ref, eager], ["eager"]
                 errors = {}
-                if compile_too:
+                if settings.compile_too:
                     torch._dynamo.reset()
                     compiled = torch.compile(eager, fullgraph=True)
                     try:
@@ -137,7 +148,7 @@ def _bench(
                             fns.pop()
                             modes.pop()
                             errors["compiled"] = "a peer rank failed to compile"
-                clock = CLOCKS[clock_name]
+                clock = CLOCKS[settings.clock_name]
                 times = _time(fns, n_iter, n_rep, clock)
                 t_ref = _time([ref], iters, repeats, clock)[0] if fused else times[0]
                 for mode, t in zip(modes, times[1:], strict=False):
@@ -161,7 +172,7 @@ def run(worlds: list[int], iters: int = 300, repeats: int = 7, compile_too: bool
     os.environ.setdefault("TRITON_INTERPRET", "1")
     rows: list[dict] = []
     for world in worlds:
-        rows += launch.spawn(_bench, world, "cpu", 1800.0, iters, repeats, compile_too, clock)
+        rows += launch.spawn(_bench, world, "cpu", 1800.0, Settings(iters, repeats, compile_too, clock))
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,

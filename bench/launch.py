@@ -12,6 +12,7 @@ import datetime
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,9 +65,19 @@ def init_torchrun(device_type: str, timeout_s: float, cpu_threads: int = 1) -> t
     return rank, world, device
 
 
-def _pooled_rank(rank: int, world: int, device_type: str, cpu_threads: int, fn: Callable[..., Any], args: tuple) -> Any:
-    device = _set_device(device_type, rank, world, cpu_threads)
-    value = fn(rank, world, device, *args)
+@dataclass(frozen=True)
+class _Job:
+    """What a pooled rank runs: ``fn(rank, world, device, *args)`` on ``device_type`` with ``cpu_threads``."""
+
+    device_type: str
+    cpu_threads: int
+    fn: Callable[..., Any]
+    args: tuple
+
+
+def _pooled_rank(rank: int, world: int, job: _Job) -> Any:
+    device = _set_device(job.device_type, rank, world, job.cpu_threads)
+    value = job.fn(rank, world, device, *job.args)
     return value if rank == 0 else None
 
 
@@ -99,10 +110,7 @@ def spawn(
         results = run_ranks(
             _pooled_rank,
             world,
-            device_type,
-            cpu_threads,
-            fn,
-            args,
+            _Job(device_type, cpu_threads, fn, args),
             backend=dist_backend(device_type),
             device=device_type,
             timeout=timeout_s,

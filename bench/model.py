@@ -156,7 +156,9 @@ class GpuSpec:
     hbm_bytes_per_s: float
     launch_s: float
 
-    def gemm_time(self, m: int, k: int, n: int, dtype: str, out_dtype: str = "bf16", fp8_mode: str = "block") -> float:
+    def gemm_time(
+        self, m: int, k: int, n: int, dtype: str, *, out_dtype: str = "bf16", fp8_mode: str = "block"
+    ) -> float:
         """Roofline GEMM time: compute at peak x efficiency, quantised to waves of tiles over the SMs
         (best of the tile shapes), or the HBM traffic, whichever is longer.
 
@@ -308,6 +310,7 @@ def comm_bytes(
     gemm_shape: tuple[int, int, int],
     comm_elems: int,
     dtype: str,
+    *,
     fp8_mode: str = "block",
     out_dtype: str = "bf16",
 ) -> float:
@@ -365,6 +368,7 @@ def predict(
     world: int,
     gemm_shape: tuple[int, int, int],
     comm_elems: int,
+    *,
     dtype: str,
     gemm_time: GemmFn,
     link: LinkModel,
@@ -377,7 +381,7 @@ def predict(
     "fp8")``); ``fp8_mode`` and ``out_dtype`` only matter for ``dtype="fp8"`` (:func:`comm_bytes`)."""
     m, k, n = gemm_shape
     coll = OP_COLLECTIVE[op]
-    nbytes = comm_bytes(op, backend, gemm_shape, comm_elems, dtype, fp8_mode, out_dtype)
+    nbytes = comm_bytes(op, backend, gemm_shape, comm_elems, dtype, fp8_mode=fp8_mode, out_dtype=out_dtype)
     g_full = gemm_time(m, k, n)
     kind, p = backend_args(backend)
     if kind in ("sequential", "baseline"):
@@ -450,7 +454,7 @@ def fp8_rows(
             return spec.gemm_time(m, k, n, "bf16")
 
         def fp8(m: int, k: int, n: int) -> float:
-            return spec.gemm_time(m, k, n, FP8, "bf16", fp8_mode)
+            return spec.gemm_time(m, k, n, FP8, fp8_mode=fp8_mode)
 
         row: dict = {"label": f"{c.layer} {c.op}", "gemm_shape": c.gemm_shape, "op": c.op}
         for key, dtype, backend, gemm in (
@@ -459,8 +463,18 @@ def fp8_rows(
             ("fp8_baseline", FP8, "baseline", fp8),
             ("fp8_fused", FP8, "fused", fp8),
         ):
-            row[key] = predict(c.op, backend, world, c.gemm_shape, c.comm_elems, dtype, gemm, link, fp8_mode)
-            row[f"{key}_mb"] = comm_bytes(c.op, backend, c.gemm_shape, c.comm_elems, dtype, fp8_mode) / 1e6
+            row[key] = predict(
+                c.op,
+                backend,
+                world,
+                c.gemm_shape,
+                c.comm_elems,
+                dtype=dtype,
+                gemm_time=gemm,
+                link=link,
+                fp8_mode=fp8_mode,
+            )
+            row[f"{key}_mb"] = comm_bytes(c.op, backend, c.gemm_shape, c.comm_elems, dtype, fp8_mode=fp8_mode) / 1e6
         rows.append(row)
     return rows
 

@@ -400,7 +400,14 @@ def derive(
             row["overlap_eff"] = (g + c - t) / min(g, c) if c and overlap_meaningful else None
         if link is not None:
             pred = perf_model.predict(
-                case.op, r["backend"], case.world, case.gemm_shape, case.comm_elems, case.dtype, gemm_fn, link
+                case.op,
+                r["backend"],
+                case.world,
+                case.gemm_shape,
+                case.comm_elems,
+                dtype=case.dtype,
+                gemm_time=gemm_fn,
+                link=link,
             )
             row["model_ms"] = pred * 1e3 if pred is not None else None
             if pred is not None and t is not None:

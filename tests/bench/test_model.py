@@ -82,21 +82,19 @@ def test_predictions_respect_the_overlap_limit(op):
     elems = 8192 * (8192 if op == "all_gather_matmul" else 8192)
     coll = model.OP_COLLECTIVE[op]
     t_g, t_c = gemm(*shape), link.collective_time(coll, elems * 2, world)
-    seq = model.predict(op, "sequential", world, shape, elems, "bf16", gemm, link)
+    seq = model.predict(op, "sequential", world, shape, elems, dtype="bf16", gemm_time=gemm, link=link)
     assert seq == pytest.approx(t_g + t_c)
     for backend in ("chunked2", "chunked4", "chunked8", "fused"):
-        t = model.predict(op, backend, world, shape, elems, "bf16", gemm, link)
+        t = model.predict(op, backend, world, shape, elems, dtype="bf16", gemm_time=gemm, link=link)
         assert t >= t_g - 1e-12, backend  # an op never beats its own GEMM
         assert t >= model.bus_factor("all_gather", world) * elems * 2 / link.link_bytes_per_s - 1e-12, backend
 
 
 def test_fused_not_modelled_without_peer_memory_parameters():
     link = LinkModel(name="x", source="test", fits={("all_reduce", 2): CollectiveFit(1e-5, 1e9)})
-    assert model.predict("matmul_all_reduce", "fused", 2, (64, 32, 16), 64 * 16, "fp32", _flat_gemm(1e9), link) is None
-    assert (
-        model.predict("matmul_all_reduce", "chunked2", 2, (64, 32, 16), 64 * 16, "fp32", _flat_gemm(1e9), link)
-        is not None
-    )
+    flat = {"dtype": "fp32", "gemm_time": _flat_gemm(1e9), "link": link}
+    assert model.predict("matmul_all_reduce", "fused", 2, (64, 32, 16), 64 * 16, **flat) is None
+    assert model.predict("matmul_all_reduce", "chunked2", 2, (64, 32, 16), 64 * 16, **flat) is not None
 
 
 def test_roofline_large_gemm_runs_at_peak_times_efficiency():
@@ -170,8 +168,8 @@ def test_fp8_gemm_memory_bound_reads_one_byte_operands_and_their_scales():
     for mode, scales in (("block", m * 64 * 4 + 64 * 64 * 4), ("row", m * 4 + n * 4), ("tensor", 4)):
         traffic = m * k + k * n + m * n * 2 + scales  # bf16 output
         want = traffic / spec.hbm_bytes_per_s + spec.launch_s
-        assert spec.gemm_time(m, k, n, "fp8", "bf16", mode) == pytest.approx(want, rel=1e-12), mode
-    assert spec.gemm_time(m, k, n, "fp8", "fp32") > spec.gemm_time(m, k, n, "fp8", "bf16")
+        assert spec.gemm_time(m, k, n, "fp8", out_dtype="bf16", fp8_mode=mode) == pytest.approx(want, rel=1e-12), mode
+    assert spec.gemm_time(m, k, n, "fp8", out_dtype="fp32") > spec.gemm_time(m, k, n, "fp8", out_dtype="bf16")
 
 
 @pytest.mark.parametrize("k", [8192, 200])
@@ -182,16 +180,16 @@ def test_fp8_all_gather_moves_half_the_bf16_bytes_plus_the_scales(k):
     assert bf16 == 2 * m * k
     blocks = -(-k // 128)
     for backend in ("baseline", "sequential", "chunked4", "fused"):
-        got = model.comm_bytes("all_gather_matmul", backend, shape, elems, "fp8", "block")
+        got = model.comm_bytes("all_gather_matmul", backend, shape, elems, "fp8", fp8_mode="block")
         assert got == bf16 / 2 + m * blocks * 4, backend
-        assert model.comm_bytes("all_gather_matmul", backend, shape, elems, "fp8", "row") == bf16 / 2 + m * 4
+        assert model.comm_bytes("all_gather_matmul", backend, shape, elems, "fp8", fp8_mode="row") == bf16 / 2 + m * 4
     # A tensorwise scale is one global scalar; the fused heap still gives each row a scale slot.
-    assert model.comm_bytes("all_gather_matmul", "baseline", shape, elems, "fp8", "tensor") == bf16 / 2
-    assert model.comm_bytes("all_gather_matmul", "fused", shape, elems, "fp8", "tensor") == bf16 / 2 + m * 4
+    assert model.comm_bytes("all_gather_matmul", "baseline", shape, elems, "fp8", fp8_mode="tensor") == bf16 / 2
+    assert model.comm_bytes("all_gather_matmul", "fused", shape, elems, "fp8", fp8_mode="tensor") == bf16 / 2 + m * 4
     # ...and the prediction uses exactly these bytes: baseline = FP8 GEMM + NCCL all-gather of them.
     link, _ = model.load_gpu("H100")
     gemm = _flat_gemm(1500e12)
-    t = model.predict("all_gather_matmul", "baseline", world, shape, elems, "fp8", gemm, link)
+    t = model.predict("all_gather_matmul", "baseline", world, shape, elems, dtype="fp8", gemm_time=gemm, link=link)
     assert t == pytest.approx(gemm(*shape) + link.collective_time("all_gather", bf16 / 2 + m * blocks * 4, world))
 
 
@@ -203,7 +201,7 @@ def test_fp8_reductions_move_the_output_dtype_in_the_baseline_and_fp32_partials_
         for backend in ("sequential", "chunked4", "fused"):
             assert model.comm_bytes(op, backend, shape, elems, "fp8") == 4 * elems, (op, backend)
     with pytest.raises(ValueError, match="fp8_mode"):
-        model.comm_bytes("all_gather_matmul", "fused", shape, elems, "fp8", "blockwise")
+        model.comm_bytes("all_gather_matmul", "fused", shape, elems, "fp8", fp8_mode="blockwise")
 
 
 def test_fp8_predictions_table_covers_the_llama70b_tp8_layers():
