@@ -35,19 +35,40 @@ def fused_call(pattern: str, group: Any, fmt: Any = None, **fields: Any) -> Any:
     return OpCall(pattern=pattern, fmt=fmt or PLAIN, group_name=group.group_name, world=world, **fields)
 
 
-def run_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Any) -> Any:
-    """One op of :data:`OPS` through the pattern modules' ``run`` (``ag_v2``: with the gathered x)."""
+def run_op(
+    op: str,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    group: Any,
+    fmt: Any = None,
+    *,
+    x_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    deterministic: bool = True,
+) -> Any:
+    """One op of :data:`OPS` through the pattern modules' ``run`` with operands of ``fmt`` (default plain;
+    an int8 weight without offset): ``ag_v2`` returns the gathered x too (and for FP8 the gathered scale
+    rows), ``ar`` lets the all-reduce choose its algorithm."""
     from kernels.call import Operands
+    from kernels.format import PLAIN
     from kernels.fused import all_gather, all_reduce, scatter
 
-    ops = Operands(x, (w,), (b,))
+    fmt = fmt or PLAIN
+    scales = () if w_scale is None else (w_scale,)
+    ops = Operands(x, (w,), (b,), x_scale, scales, (None,) * len(scales))
     if op in ("ag", "ag_v2"):
-        ys, x_gathered, _ = all_gather.run(fused_call("all_gather", group, return_gathered=op == "ag_v2"), ops)
-        return (ys[0], x_gathered) if op == "ag_v2" else ys[0]
+        call = fused_call("all_gather", group, fmt, out_dtype=out_dtype, return_gathered=op == "ag_v2")
+        ys, x_gathered, gathered_scales = all_gather.run(call, ops)
+        if op == "ag":
+            return ys[0]
+        return (ys[0], x_gathered, gathered_scales) if fmt.scaled_rows else (ys[0], x_gathered)
+    pattern = "reduce_scatter" if op == "rs" else "all_reduce"
+    call = fused_call(pattern, group, fmt, out_dtype=out_dtype, deterministic=deterministic)
     if op == "rs":
-        return scatter.run(fused_call("reduce_scatter", group, deterministic=True), ops)
-    algorithm = {"ar_one": "one_shot", "ar_two": "two_shot"}.get(op, "auto")
-    return all_reduce.run(fused_call("all_reduce", group, deterministic=True), ops, algorithm)
+        return scatter.run(call, ops)
+    return all_reduce.run(call, ops, {"ar_one": "one_shot", "ar_two": "two_shot"}.get(op, "auto"))
 
 
 def check_case(

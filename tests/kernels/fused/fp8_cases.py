@@ -14,26 +14,14 @@ import torch.distributed as dist
 
 from kernels.testing import presize, scramble
 from kernels.testing.fp8 import assert_close, make_inputs, quantize, reference
-from tests.kernels.fused.cases import fused_call
+from tests.kernels.fused.cases import run_op as run_op_of
 
 
 def run_op(op: str, mode: str, x, xs, w, ws, b, out_dtype, group):
-    """One op through the pattern modules' ``run`` with the FP8 format of ``mode`` (``ag_v2``: with the
-    gathered payload and scales)."""
-    from kernels.call import Operands
+    """:func:`cases.run_op` with the FP8 format of ``mode`` (``ag_v2``: with the gathered payload and scales)."""
     from kernels.format import fp8
-    from kernels.fused import all_gather, all_reduce, scatter
 
-    ops = Operands(x, (w,), (b,), xs, (ws,))
-    fmt = fp8(mode)
-    if op in ("ag", "ag_v2"):
-        call = fused_call("all_gather", group, fmt, out_dtype=out_dtype, return_gathered=op == "ag_v2")
-        ys, x_gathered, scales = all_gather.run(call, ops)
-        return (ys[0], x_gathered, scales) if op == "ag_v2" else ys[0]
-    if op == "rs":
-        return scatter.run(fused_call("reduce_scatter", group, fmt, out_dtype=out_dtype, deterministic=True), ops)
-    algorithm = {"ar_one": "one_shot", "ar_two": "two_shot"}.get(op, "auto")
-    return all_reduce.run(fused_call("all_reduce", group, fmt, out_dtype=out_dtype, deterministic=True), ops, algorithm)
+    return run_op_of(op, x, w, b, group, fp8(mode), x_scale=xs, w_scale=ws, out_dtype=out_dtype)
 
 
 def gathered_scales(mode: str, xs) -> torch.Tensor:
@@ -163,51 +151,3 @@ def public_ops_body(rank: int, world: int, mode: str) -> int:
             setattr(m, n, original)
     assert calls == [f"{m.__name__}.{n}" for m, n in patched], f"the fused kernels ran for {calls}"
     return done
-
-
-def graph_replay_body(rank: int, world: int, op: str, mode: str) -> int:
-    """A captured FP8 call replayed 3 times on new inputs copied into the captured ones, each replay
-    followed by an eager call, the heap scrambled before each (the bf16 ops' CUDA-graph test,
-    ``tests/kernels/fused/test_graphs.py``). fp32 output and no returned gathered tensors: the
-    CPU stand-in replays launches only, and these calls issue no torch op after their launches."""
-    from tests.kernels.fused.graph_replay import InterpretedGraph
-
-    group = dist.new_group(list(range(world)))
-    out_dtype = torch.float32
-    dev = torch.device("cpu")
-
-    def inputs(seed):
-        return make_inputs(op, world, 5, 136, 20, mode=mode, bias=True, out_dtype=out_dtype, seed=seed)
-
-    xs, ws, b = inputs(0)
-    static_x, static_xs = (t.clone() for t in xs[rank])
-    (w, w_scale) = ws[rank]
-    run_op(op, mode, static_x, static_xs, w, w_scale, b, out_dtype, group)  # warm-up: creates the heap
-    graph = InterpretedGraph()
-    with graph.capture():
-        static_out = run_op(op, mode, static_x, static_xs, w, w_scale, b, out_dtype, group)
-    assert graph.launches, "the capture recorded no launch"
-    checks = 0
-    for i in range(1, 4):
-        new_xs, _, _ = inputs(i)
-        # The weights stay those captured; only x and its scale change in place.
-        static_x.copy_(new_xs[rank][0])
-        static_xs.copy_(new_xs[rank][1])
-        scramble(group, dev)
-        graph.replay()
-        assert_close(
-            f"{op} {mode} replay {i} rank={rank}",
-            static_out.clone(),
-            *reference(op, mode=mode, xs=new_xs, ws=ws, b=b, rank=rank, out_dtype=out_dtype),
-            out_dtype,
-        )
-        scramble(group, dev)
-        eager = run_op(op, mode, *new_xs[rank], w, w_scale, b, out_dtype, group)
-        assert_close(
-            f"{op} {mode} eager after replay {i} rank={rank}",
-            eager,
-            *reference(op, mode=mode, xs=new_xs, ws=ws, b=b, rank=rank, out_dtype=out_dtype),
-            out_dtype,
-        )
-        checks += 2
-    return checks

@@ -16,17 +16,15 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from kernels.format import fp8
 from kernels.fp8.numerics import HOPPER_FP8_ACCUMULATOR
 from kernels.testing import fp8 as fp8_reference
 from kernels.testing import heap_device, presize, scramble
 from tests.kernels.fused import fp8_cases
 
 OPS = ("ag", "ag_v2", "rs", "ar_one", "ar_two", "ar")
-FUSED_FUNCTIONS = {
-    "ag": ("kernels.fused.ag_gemm_fp8", "all_gather_scaled_matmul"),
-    "rs": ("kernels.fused.gemm_rs_fp8", "scaled_matmul_reduce_scatter"),
-    "ar": ("kernels.fused.gemm_ar_fp8", "scaled_matmul_all_reduce"),
-}
+# The fused pattern module each public op's fused backend runs (its ``run`` is counted).
+FUSED_MODULES = {"ag": "kernels.fused.all_gather", "rs": "kernels.fused.scatter", "ar": "kernels.fused.all_reduce"}
 STRAGGLER_S = 0.25
 
 
@@ -74,35 +72,37 @@ def check_case(rank: int, world: int, group, dev, op: str, mode: str, shape, see
 
 
 def public_case(rank: int, world: int, group, dev, op: str, mode: str, seed: int) -> None:
-    """``kernels.fp8``'s public op with ``backend="fused"`` on the GPU: no fallback warning, within the bound."""
-    import kernels as fp8
+    """The public FP8 op with ``backend="fused"``: it reaches the pattern module's ``run`` with the FP8 format
+    (no fallback), within the bound."""
+    import kernels
 
     m, k, n = 37, 272, 136
     xs, ws, b = fp8_reference.make_inputs(op, world, m, k, n, mode=mode, bias=True, out_dtype=torch.bfloat16, seed=seed)
     x, x_scale, w, w_scale, bias_t = _to(dev, *xs[rank], *ws[rank], b)
     fn = {
-        "ag": fp8.all_gather_scaled_matmul,
-        "rs": fp8.scaled_matmul_reduce_scatter,
-        "ar": fp8.scaled_matmul_all_reduce,
+        "ag": kernels.all_gather_scaled_matmul,
+        "rs": kernels.scaled_matmul_reduce_scatter,
+        "ar": kernels.scaled_matmul_all_reduce,
     }[op]
-    module, name = FUSED_FUNCTIONS[op]
-    kernel = importlib.import_module(module)
-    inner, calls = getattr(kernel, name), []
+    kernel = importlib.import_module(FUSED_MODULES[op])
+    inner, calls = kernel.run, []
 
-    def counted(*args, **kwargs):
-        calls.append(name)
-        return inner(*args, **kwargs)
+    def counted(call, ops, *args):
+        calls.append(call.fmt)
+        return inner(call, ops, *args)
 
     scramble(group, dev)
-    setattr(kernel, name, counted)
+    kernel.run = counted
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = fn(x, x_scale, w, w_scale, bias_t, out_dtype=torch.bfloat16, group=group, backend="fused")
     finally:
-        setattr(kernel, name, inner)
+        kernel.run = inner
     # The dispatcher sends a fused call elsewhere with a warning (once per process): on a GPU a failure.
-    assert calls == [name], f"public {op} {mode}: the fused kernels did not run: {[str(c.message) for c in caught]}"
+    assert calls == [fp8(mode)], (
+        f"public {op} {mode}: the fused kernels ran {calls}: {[str(c.message) for c in caught]}"
+    )
     want, bound = fp8_reference.reference(
         op, xs, ws, b, rank, mode=mode, out_dtype=torch.bfloat16, u_acc=HOPPER_FP8_ACCUMULATOR
     )

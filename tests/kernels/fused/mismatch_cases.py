@@ -30,9 +30,7 @@ MISMATCH_CASES = (
 
 def mismatch_call(op: str, rank: int, world: int, group: Any, changes: dict[str, Any]) -> Any:
     """One fused call with a small base shape; ``changes`` alter rows (``rows_per_rank``: rows / W of
-    the reduce-scatter), k, n, dtype or the flag."""
-    from kernels import fused
-
+    the reduce-scatter), k, n, dtype or the flag (``return_gathered`` / ``deterministic``)."""
     rows = changes.get("rows", changes.get("rows_per_rank", 2) * world if op == "rs" else 5)
     k, n = changes.get("k", 8), changes.get("n", 6)
     dtype = changes.get("dtype", torch.float32)
@@ -41,8 +39,9 @@ def mismatch_call(op: str, rank: int, world: int, group: Any, changes: dict[str,
     x = torch.randn(rows, k, generator=g).to(dtype)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)
-    fn = {"ag": fused.all_gather_matmul, "rs": fused.matmul_reduce_scatter, "ar": fused.matmul_all_reduce}[op]
-    return fn(x, w, b, group, flag)
+    if op == "ag":
+        return run_op("ag_v2" if flag else "ag", x, w, b, group)
+    return run_op(op, x, w, b, group, deterministic=flag)
 
 
 def mismatch_body(rank: int, world: int) -> list[str]:

@@ -127,8 +127,3 @@ def test_scaled_tile_core_propagates_nan_and_inf_payloads():
 @pytest.mark.parametrize("mode", MODES)
 def test_fp8_public_ops_dispatch_to_fused(mode):
     assert run_ranks(fp8_cases.public_ops_body, 2, mode, timeout=600) == [3, 3]
-
-
-@pytest.mark.parametrize(("op", "mode"), [("ag", "block"), ("rs", "row"), ("ar_one", "tensor"), ("ar_two", "block")])
-def test_fp8_captured_call_replays_interleaved_with_eager(op, mode):
-    assert run_ranks(fp8_cases.graph_replay_body, 2, op, mode, timeout=600) == [6, 6]

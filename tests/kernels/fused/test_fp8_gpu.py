@@ -37,3 +37,12 @@ def test_fused_fp8_ops_gpu(mode):
 def test_fused_fp8_ops_gpu_world4_block():
     _needs_fp8_gpu()
     assert run_ranks(fp8_gpu_cases.gpu_ops_body, 4, "block", device="cuda", timeout=240) == [PER_MODE] * 4
+
+
+def test_fused_fp8_gpu_body_runs_on_cpu():
+    """The GPU body itself on CPU under the interpreter at one small shape (the odd tile of
+    :func:`fp8_gpu_cases.shapes`), so a change of the kernels' entry points shows here without a GPU."""
+    shape = [(13, 200, 20, False, torch.float32)]
+    # device positionally: run_ranks's own device keyword picks the rank pool.
+    done = run_ranks(fp8_gpu_cases.gpu_ops_body, 2, "row", "cpu", shape, timeout=600)
+    assert done == [len(fp8_gpu_cases.OPS) + 3] * 2
