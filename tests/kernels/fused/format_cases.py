@@ -198,6 +198,77 @@ def all_reduce_body(rank: int, world: int, name: str) -> dict[str, torch.Tensor]
     return out
 
 
+def local_gemm_strided_bias(name: str) -> None:
+    """The local GEMM (:func:`kernels.fused.matmul.run`, every op's W == 1 path) with a stride-2 bias view
+    whose gaps hold NaN (a unit-stride read shows as NaN): bit for bit the call with the bias contiguous,
+    and within the bound of the fp64 reference. Runs in the calling process (no group)."""
+    from kernels.call import OpCall, Operands
+    from kernels.format import OperandFormat
+    from kernels.fused import matmul
+
+    fmt = OperandFormat.decode(name)
+    k, out_dtype = K[fmt.kind], OUT_DTYPE[fmt.kind]
+    g = torch.Generator().manual_seed(5)
+    x, x_scale, x64 = _rows(fmt, 7, k, g)
+    q, s, o, w64 = _weight(fmt, 20, k, g)
+    b = torch.randn(20, generator=g).to(out_dtype)
+    strided = torch.stack([b, torch.full_like(b, float("nan"))], dim=1)[:, 0]
+    assert strided.stride() == (2,)
+    call = OpCall(pattern="matmul", fmt=fmt, out_dtype=out_dtype)
+    y, y_contiguous = (matmul.run(call, Operands(x, (q,), (bias,), x_scale, (s,), (o,)))[0] for bias in (strided, b))
+    assert torch.equal(y, y_contiguous), f"{name}: a strided bias changes the result"
+    want = x64 @ w64.T + b.double()
+    magnitude = x64.abs() @ w64.abs().T + b.double().abs()
+    _check(f"{name} local GEMM, strided bias", y, want, _bound(fmt, want, magnitude, k, 1))
+
+
+def int8_all_reduce_choice_body(rank: int, world: int) -> tuple[list[str], list[torch.Tensor]]:
+    """The public int8 all-reduce with ``backend="fused"`` (a fallback warning is an error) under
+    ``all_reduce.ONE_SHOT_MAX_BYTES`` at its value, at the call's partials' size (``m * n`` in x's dtype),
+    one byte below and 0. Every result against the fp64 reference (per-group weights with offsets, k = 40:
+    three 16-wide k tiles, the last group partial; x ``[3, 3, k]``). Returns the algorithm each call
+    ran (recorded at :func:`all_reduce.all_reduce_partials`) and the outputs."""
+    import warnings
+
+    import kernels
+    from kernels.format import int8
+    from kernels.fused import all_reduce
+
+    fmt = int8("per_group", 16, True)
+    k, n = 40, 10
+    g = torch.Generator().manual_seed(5)
+    parts = [_rows(fmt, 9, k, g) for _ in range(world)]
+    weights = [_weight(fmt, n, k, g) for _ in range(world)]
+    b = torch.randn(n, generator=g)
+    x = parts[rank][0].view(3, 3, k)
+    q, s, o, _ = weights[rank]
+    want = sum(p[2] @ w[3].T for p, w in zip(parts, weights, strict=True)) + b.double()
+    magnitude = sum(p[2].abs() @ w[3].abs().T for p, w in zip(parts, weights, strict=True)) + b.double().abs()
+    size = 9 * n * x.element_size()
+    real, threshold = all_reduce.all_reduce_partials, all_reduce.ONE_SHOT_MAX_BYTES
+    chosen: list[str] = []
+
+    def spy(op: str, group: Any, partials: Any, algorithm: str, descriptor: Any) -> torch.Tensor:
+        chosen.append(algorithm)
+        return real(op, group, partials, algorithm, descriptor)
+
+    outs = []
+    all_reduce.all_reduce_partials = spy
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            for limit in (threshold, size, size - 1, 0):
+                all_reduce.ONE_SHOT_MAX_BYTES = limit
+                y = kernels.quantized_matmul_all_reduce(x, q, s, b, group_size=16, offset=o, backend="fused")
+                assert y.shape == (3, 3, n), y.shape
+                bound = _bound(fmt, want, magnitude, k, world)
+                _check(f"int8 all-reduce ONE_SHOT_MAX_BYTES={limit} rank {rank}", y.reshape(-1, n), want, bound)
+                outs.append(y)
+    finally:
+        all_reduce.all_reduce_partials, all_reduce.ONE_SHOT_MAX_BYTES = real, threshold
+    return chosen, outs
+
+
 def _fp8_uneven_n(world: int, seed: int) -> tuple[list, list]:
     """Every rank's FP8 (row mode) x ``[24, 20]`` and column shard ``[n, 20]``, n = 16 on even ranks and
     64 on odd ones (the FP8 twin of ``cases._uneven_n_inputs``)."""

@@ -2,7 +2,8 @@
 interpreter on gloo ranks: the combinations the per-format copies never had (FP8 with gather_dim /
 scatter_dim > 0 and several weights, int8 all-gather and reduce-scatter, int8 one- and two-shot), the
 FP8 tiles from the tuned file (chunk waits over every chunk a tile overlaps, the tiles in the call
-descriptor), and the tuned file's format key."""
+descriptor), the tuned file's format key; the local GEMM's strided bias in every format and the
+all-reduce's choice of algorithm by ``ONE_SHOT_MAX_BYTES``."""
 
 from __future__ import annotations
 
@@ -32,6 +33,23 @@ def test_int8_all_reduce_one_and_two_shot(name):
     outs = run_ranks(format_cases.all_reduce_body, 2, name, timeout=600)
     for algorithm in ("one_shot", "two_shot"):
         assert torch.equal(outs[0][algorithm], outs[1][algorithm]), f"{name} {algorithm}: ranks differ"
+
+
+@pytest.mark.parametrize("name", ("plain", "fp8:row", "int8:per_channel:0", "int8:per_group:16:offset"))
+def test_local_gemm_honours_a_strided_bias(name):
+    format_cases.local_gemm_strided_bias(name)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_int8_all_reduce_picks_one_or_two_shot_by_one_shot_max_bytes(world):
+    """ "auto" runs one-shot while the partials fit ``ONE_SHOT_MAX_BYTES`` (at the limit too) and two-shot
+    past it, through the public op on the fused backend; every rank chooses the same and the ranks'
+    outputs agree bit for bit (W = 3: two-shot owners of 3 rows each)."""
+    results = run_ranks(format_cases.int8_all_reduce_choice_body, world, timeout=600)
+    for chosen, _ in results:
+        assert chosen == ["one_shot", "one_shot", "two_shot", "two_shot"], chosen
+    for _, outs in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs, results[0][1], strict=True)), "ranks differ"
 
 
 @pytest.mark.one_triton  # W = 3 index arithmetic; the kernels rerun at W = 2 under Triton 3.6
