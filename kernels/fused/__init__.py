@@ -2,11 +2,9 @@
 
 One module per pattern, each taking one call and its operands (:mod:`kernels.call`), for every
 operand format (:mod:`kernels.format`): :func:`all_gather.run`, :func:`scatter.run` (reduce-scatter),
-:func:`all_reduce.run` and :func:`matmul.run` (local). :func:`unavailable_reason` says whether they can
-run on a group; :func:`check_errors` reports failed calls. The old 2-D entry points
-(:func:`all_gather_matmul`, :func:`all_gather_matmul_multi`, :func:`matmul_reduce_scatter`,
-:func:`matmul_all_reduce` and the ``gemm*`` / ``ag_gemm*`` modules) wrap them until the ops layer
-calls ``run``. See ``docs/fused.md`` for the design, limits and fallbacks.
+:func:`all_reduce.run` and :func:`matmul.run` (local); the ops layer (``kernels/ops``) calls them as the
+``"fused"`` backend. :func:`unavailable_reason` says whether they can run on a group; :func:`check_errors`
+reports failed calls. See ``docs/fused.md`` for the design, limits and fallbacks.
 """
 
 from __future__ import annotations
@@ -22,19 +20,9 @@ from . import (
     interpreter_compat,  # noqa: F401  (repairs of the Triton interpreter, see the module)
     runtime,
 )
-from .ag_gemm import all_gather_matmul, all_gather_matmul_multi
-from .gemm_ar import matmul_all_reduce
-from .gemm_rs import matmul_reduce_scatter
 from .runtime import check_errors, resolve_group, triton_interpreted, world_size
 
-__all__ = [
-    "unavailable_reason",
-    "all_gather_matmul",
-    "all_gather_matmul_multi",
-    "matmul_reduce_scatter",
-    "matmul_all_reduce",
-    "check_errors",
-]
+__all__ = ["unavailable_reason", "check_errors"]
 
 # Values keep the group alive so its id cannot be reused by a later group while cached.
 _REASONS: dict[tuple[int, str], tuple[dist.ProcessGroup, str | None]] = {}
