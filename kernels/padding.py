@@ -15,6 +15,8 @@ the benchmark's before/after comparison).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -75,7 +77,8 @@ def linear(
         torch.mm(x, weight.t(), out=out)
         return out if bias is None else out.add_(bias)
     lead = x.shape[:-1]
-    x2d = x.reshape(-1, k)
+    # Rows by count, not -1: an empty k shard (k = 0) leaves -1 ambiguous.
+    x2d = x.reshape(math.prod(lead), k)
     if k_pad != k:
         x_p = x2d.new_zeros((x2d.shape[0], k_pad))
         x_p[:, :k] = x2d

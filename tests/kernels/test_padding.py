@@ -1,18 +1,19 @@
-"""matmul_soc_friendly: padding plan, unchanged results for odd shapes, no-op on CPU.
+"""matmul_soc_friendly: padding plan, unchanged results for odd shapes, no-op on CPU, the ops with it on.
 
 Padding adds ``0 * 0`` terms to every dot product and sliced-off columns, so the math is the
 same; the GEMM may block k differently, so results are checked against the toolkit's fp64
 reference within its tolerance rule (a padded GEMM is the W = 1 matmul_all_reduce).
 """
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels import padding
-from kernels.testing import assert_close, reference
-
-pytestmark = pytest.mark.triton  # runs Triton kernels (interpreted on CPU)
+from kernels.testing import assert_close, reference, run_ranks
+from tests.kernels import op_cases
 
 
 def test_alignment_is_128_bytes_and_multiple_of_16():
@@ -72,6 +73,17 @@ def test_forced_padding_leading_dims(wide_k_range):
     assert_close("padded 3-D", y, reference("ar", [x], [w], None, 0), torch.float32)
 
 
+@pytest.mark.parametrize("lead", [(3,), (2, 3)], ids=["2d", "leading_dims"])
+def test_forced_padding_of_an_empty_k_shard(wide_k_range, lead):
+    """k = 0 (a row-parallel rank with an empty k shard; n = 10 is not aligned, so the padded path runs): the
+    product is the bias alone, exactly, as F.linear gives it."""
+    x = torch.randn(*lead, 0)
+    w = torch.randn(10, 0)
+    b = torch.randn(10)
+    y = padding.linear(x, w, b, force=True)
+    assert torch.equal(y, F.linear(x, w, b))
+
+
 def test_noop_on_cpu(wide_k_range, monkeypatch):
     def fail(*args):
         raise AssertionError("padding planned on CPU without force")
@@ -91,3 +103,41 @@ def test_cuda_padding_keeps_results(wide_k_range):
     w = torch.randn(77, 1000, device="cuda", dtype=torch.float16, generator=g)
     y = padding.linear(x, w)
     assert_close("padded fp16 on CUDA", y, reference("ar", [x], [w], None, 0), torch.float16)
+
+
+def _ops_with_soc_padding(rank: int, world: int, yaml_path: str) -> tuple[dict[str, dict], int]:
+    """matmul_soc_friendly active (as on CUDA) through every op's plain-format cases on the sequential and chunked
+    backends (tests/kernels/op_cases.py): results within the unpadded ops' bounds. Returns the results and how
+    many GEMMs were padded."""
+    os.environ["COC_CONFIG"] = yaml_path
+    saved_enabled, saved_shape = padding._enabled, padding.padded_shape
+    padded = []
+
+    def shape(k, n, dtype, k_min, k_max):
+        out = saved_shape(k, n, dtype, k_min, k_max)
+        padded.append(out != (k, n))
+        return out
+
+    padding._enabled = lambda x, force: True
+    padding.padded_shape = shape
+    try:
+        results = {
+            f"{pattern} {backend}": op_cases.pattern_body(rank, world, pattern, backend, ("plain",))
+            for pattern in op_cases.PATTERNS
+            for backend in op_cases.SCRIPTED
+        }
+    finally:
+        padding._enabled, padding.padded_shape = saved_enabled, saved_shape
+        os.environ.pop("COC_CONFIG")
+    return results, sum(padded)
+
+
+def test_ops_with_soc_friendly_padding(tmp_path):
+    path = tmp_path / "soc.yaml"
+    path.write_text(f"k_min: 1\nk_max: {op_cases.K_PLAIN}\n")  # the plain cases' k (20) and n (24) get padded
+    per_rank = run_ranks(_ops_with_soc_padding, 2, str(path))
+    assert all(padded > 0 for _, padded in per_rank), per_rank
+    for pattern in op_cases.PATTERNS:
+        for backend in op_cases.SCRIPTED:
+            results = [res[f"{pattern} {backend}"] for res, _ in per_rank]
+            op_cases.check_pattern(pattern, results, backend, ("plain",))

@@ -1,4 +1,6 @@
-"""w8A16: quantize_weight round trips, quantized_matmul_all_reduce on every backend, bad input.
+"""w8A16: quantize_weight round trips, the inferred group size, bad input, the offset convention, and the fused
+all-reduce kernel (the int8 ops on every backend are the per-op tests': tests/kernels/test_all_gather.py,
+test_reduce_scatter.py, test_all_reduce.py).
 
 Tolerances: a round trip errs by at most half a quantization step (``scale / 2``) plus the
 rounding of the stored scale (``127 * eps(dtype) * scale``). The op is the all-reduce of
@@ -6,7 +8,6 @@ rounding of the stored scale (``127 * eps(dtype) * scale``). The op is the all-r
 all-reduce with the dequantized weights, within its one tolerance rule.
 """
 
-import itertools
 import math
 import warnings
 
@@ -16,8 +17,6 @@ import torch
 import kernels
 from kernels.quant import dequantize
 from kernels.testing import assert_close, reference, run_ranks
-
-pytestmark = pytest.mark.triton  # runs Triton kernels (interpreted on CPU)
 
 K_LOCAL, N = 12, 10
 # (mode, group_size used to quantize, group_size passed to the op)
@@ -113,30 +112,22 @@ def test_quantized_op_bad_input(over, exc, match):
         _bad_call(**over)
 
 
-def test_quantized_op_half_precision_single_process():
-    """fp16 / bf16 activations (the A16 of w8A16) with world 1, against the same math in fp32."""
-    g = torch.Generator().manual_seed(3)
-    for dtype in (torch.float16, torch.bfloat16):
-        w = torch.randn(N, 64, generator=g).to(dtype)
-        x = torch.randn(2, 5, 64, generator=g).to(dtype)
-        q, s = kernels.quantize_weight(w, "per_group", 16)
-        y = kernels.quantized_matmul_all_reduce(x, q, s, backend="sequential")
-        assert y.dtype == dtype and y.shape == (2, 5, N)
-        ref = reference("ar", [x], [dequantize(q, s, 16, dtype=dtype)], None, 0)
-        assert_close(f"w8a16 {dtype}", y, ref, dtype)
-
-
-def test_fused_w8a16_gemm_honours_bias_stride():
-    """The W == 1 fused GEMM with a stride-2 bias view (the gap holds NaN, so a unit-stride read shows)."""
-    from kernels.fused.gemm_ar_w8a16 import matmul_w8a16
-
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(7, K_LOCAL, generator=g)
-    q, s = kernels.quantize_weight(torch.randn(N, K_LOCAL, generator=g), "per_channel")
-    b = torch.randn(N, generator=g)
-    b_strided = torch.stack([b, torch.full_like(b, float("nan"))], dim=1)[:, 0]
-    y = matmul_w8a16(x, q, s, None, K_LOCAL, b_strided)
-    assert_close("strided bias", y, reference("ar", [x], [dequantize(q, s)], b, 0), torch.float32)
+@pytest.mark.parametrize(
+    "op",
+    [kernels.quantized_all_gather_matmul, kernels.quantized_matmul_reduce_scatter, kernels.quantized_matmul_all_reduce],
+    ids=lambda f: f.__name__,
+)
+def test_group_size_is_inferred_from_the_scale(op):
+    """A per_group scale ``[n, G]`` without group_size: k / G columns per scale (k = 12, G = 3: 4), bitwise the
+    call that names it, and the product of the weight dequantized with groups of 4 (W = 1: every op is the GEMM)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, K_LOCAL, generator=g)
+    q, s = kernels.quantize_weight(torch.randn(N, K_LOCAL, generator=g), "per_group", 4)
+    offset = torch.randint(-3, 4, s.shape, generator=g).float()
+    y = op(x, q, s, offset=offset, backend="sequential")
+    assert torch.equal(y, op(x, q, s, group_size=4, offset=offset, backend="sequential"))
+    ref = reference("ar", [x], [dequantize(q, s, 4, offset, torch.float32)], None, 0)
+    assert_close("inferred group_size", y, ref, torch.float32)
 
 
 def _inputs(world, rows, mode, group_size, with_offset, seed):
@@ -152,67 +143,56 @@ def _inputs(world, rows, mode, group_size, with_offset, seed):
     return xs, qs, scales, offsets, bias
 
 
-def _cases(full):
-    """(layout, rows, with_offset, with_bias, deterministic) combinations.
+def _cases():
+    """(layout, rows, with_offset, with_bias, deterministic) combinations of the fused kernel.
 
     The fused kernels run under the Triton interpreter at a fraction of a second per launch, so
     they get every layout once with and once without offset and bias, on rows crossing no tile
     boundary (1) and crossing the 16-row tile of the two-shot owners' split (7 * 2 = 14 rows).
     """
-    if full:
-        return list(itertools.product(LAYOUTS, [1, 7], [False, True], [False, True], [False, True]))
     return [(layout, rows, extra, extra, False) for layout in LAYOUTS for rows, extra in ((7, False), (7, True))] + [
         (LAYOUTS[3], 1, True, True, False)
     ]
 
 
-def _check_quantized(rank, world, backend, full=True):
+def _check_quantized(rank, world, backend):
     done = 0
-    for (mode, qgs, op_gs), rows, with_offset, with_bias, det in _cases(full):
+    for (mode, qgs, op_gs), rows, with_offset, with_bias, det in _cases():
         xs, qs, scales, offsets, bias = _inputs(world, rows, mode, qgs, with_offset, seed=rows)
         b = bias if with_bias else None
-        for parallel_num in [1, 2, 8] if backend == "chunked" else [None]:
-            y = kernels.quantized_matmul_all_reduce(
-                xs[rank],
-                qs[rank],
-                scales[rank],
-                b,
-                group_size=op_gs,
-                offset=offsets[rank],
-                backend=backend,
-                parallel_num=parallel_num,
-                deterministic=det,
-            )
-            deq = [dequantize(qs[r], scales[r], qgs, offsets[r], torch.float32) for r in range(world)]
-            assert_close(f"{mode} rows={rows} pn={parallel_num}", y, reference("ar", xs, deq, b, rank), torch.float32)
-            done += 1
+        y = kernels.quantized_matmul_all_reduce(
+            xs[rank],
+            qs[rank],
+            scales[rank],
+            b,
+            group_size=op_gs,
+            offset=offsets[rank],
+            backend=backend,
+            deterministic=det,
+        )
+        deq = [dequantize(qs[r], scales[r], qgs, offsets[r], torch.float32) for r in range(world)]
+        assert_close(f"{mode} rows={rows}", y, reference("ar", xs, deq, b, rank), torch.float32)
+        done += 1
     return done
-
-
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("backend", ["sequential", "chunked"])
-def test_quantized_matmul_all_reduce(world, backend):
-    counts = run_ranks(_check_quantized, world, backend)
-    assert counts[0] > 0 and len(set(counts)) == 1
 
 
 def _check_quantized_fused(rank, world, algorithm):
     """The fused kernel itself (a fallback would be a failure here), one-shot or two-shot."""
-    from kernels.fused import gemm_ar_w8a16
+    from kernels.fused import all_reduce
 
-    real, threshold = gemm_ar_w8a16.matmul_all_reduce_w8a16, gemm_ar_w8a16.ONE_SHOT_MAX_BYTES
+    real, threshold = all_reduce.all_reduce_partials, all_reduce.ONE_SHOT_MAX_BYTES
     launched = []
 
-    def spy(*args, **kwargs):
-        launched.append(1)
-        return real(*args, **kwargs)
+    def spy(op, group, partials, chosen, descriptor):
+        launched.append(chosen)
+        return real(op, group, partials, chosen, descriptor)
 
-    gemm_ar_w8a16.matmul_all_reduce_w8a16 = spy
-    gemm_ar_w8a16.ONE_SHOT_MAX_BYTES = threshold if algorithm == "one_shot" else 0
+    all_reduce.all_reduce_partials = spy
+    all_reduce.ONE_SHOT_MAX_BYTES = threshold if algorithm == "one_shot" else 0
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
-            done = _check_quantized(rank, world, "fused", full=False)
+            done = _check_quantized(rank, world, "fused")
             # k = 40 spans three 16-wide k-tiles and groups of 16 (the last one partial), with
             # offsets: the one-scale-row-per-tile path over several tiles.
             g = torch.Generator().manual_seed(5)
@@ -229,8 +209,8 @@ def _check_quantized_fused(rank, world, algorithm):
             q, s = kernels.quantize_weight(torch.randn(N, K_LOCAL), "per_group", 5)
             y = kernels.quantized_matmul_all_reduce(x, q, s, group_size=5, backend="fused")
     finally:
-        gemm_ar_w8a16.matmul_all_reduce_w8a16, gemm_ar_w8a16.ONE_SHOT_MAX_BYTES = real, threshold
-    assert len(launched) == done + 2
+        all_reduce.all_reduce_partials, all_reduce.ONE_SHOT_MAX_BYTES = real, threshold
+    assert launched == [algorithm] * (done + 2), launched
     return done, y
 
 

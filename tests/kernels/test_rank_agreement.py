@@ -204,6 +204,82 @@ def test_disagreement_is_caught_before_auto_tuning():
         assert kind == "raised" and "rank 0 has m=6, rank 1 has m=12" in message, message
 
 
+def _dim_disagreement(rank: int, world: int, backend: str) -> str:
+    """The last rank passes another gather_dim / scatter_dim, same shapes (COC_CHECK=1)."""
+    x = torch.randn(2, 2 * world, K)
+    w = torch.randn(N, K)
+    messages = []
+    for op, name in ((kernels.all_gather_matmul, "gather_dim"), (kernels.matmul_reduce_scatter, "scatter_dim")):
+        with pytest.raises(RuntimeError) as e:
+            op(x, w, backend=backend, parallel_num=2 if backend == "chunked" else None, **{name: rank // (world - 1)})
+        messages.append(str(e.value))
+    # -2 and 1 are the same dim of a 3-D x: the same call, not a disagreement.
+    y = kernels.all_gather_matmul(x, w, backend=backend, gather_dim=-2 if rank else 1)
+    assert y.shape == (2, 2 * world * world, N)
+    return "\n".join(messages)
+
+
+@pytest.mark.parametrize("backend", ["sequential", "chunked"])
+def test_ranks_disagreeing_on_the_dim_are_refused_by_name_under_coc_check(backend: str) -> None:
+    for text in run_ranks(_dim_disagreement, 2, backend, env={"COC_CHECK": "1"}):
+        gather, scatter = text.split("\n")
+        assert "all_gather_matmul: ranks disagree: rank 0 has gather_dim=0, rank 1 has gather_dim=1" in gather
+        assert "matmul_reduce_scatter: ranks disagree: rank 0 has scatter_dim=0, rank 1 has scatter_dim=1" in scatter
+
+
+FP8_K, FP8_N = 136, 24  # k not a multiple of 128
+
+
+def _fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., k]`` quantized in row mode, payload and scales in x's leading shape."""
+    q, s = kernels.quantize_fp8(x.reshape(-1, x.shape[-1]), "row")
+    return q.view(x.shape), s.view(tuple(x.shape[:-1]) + (1,))
+
+
+def _fp8_layout_mismatch(rank: int, world: int) -> list[str]:
+    """The last rank passes another dim with the same shape ([4W, 4W, k], dim 0 against dim 1) or the
+    same dim with another shape ([2, 8W, k] against [8W, 2, k], dim 1): the FP8 ops move the dim to
+    dim 0 before the call, so only the caller's dim and the dims before it tell the calls apart.
+    Refused by name on every backend: fused at a group's first call and later, sequential under
+    COC_CHECK=1 (the test sets it). Returns the messages."""
+    import torch.distributed as dist
+
+    messages = []
+    wq, ws = kernels.quantize_fp8(torch.randn(FP8_N, FP8_K), "row")
+    last = rank == world - 1
+    square = torch.randn(4 * world, 4 * world, FP8_K)
+    flat = torch.randn(2, 8 * world, FP8_K)
+    fq, fs = _fp8_rows(flat)
+    cases = [
+        ("gather_dim", square, 1 if last else 0, "gather_dim=0"),
+        ("gather_dim", flat.reshape(8 * world, 2, FP8_K) if last else flat, 1, "prod(x.shape[:gather_dim])=2"),
+        ("scatter_dim", square, 1 if last else 0, "scatter_dim=0"),
+        ("scatter_dim", flat.reshape(8 * world, 2, FP8_K) if last else flat, 1, "prod(x.shape[:scatter_dim])=2"),
+    ]
+    for name, x, dim, expected in cases:
+        xq, xs = _fp8_rows(x)
+        op = kernels.all_gather_scaled_matmul if name == "gather_dim" else kernels.scaled_matmul_reduce_scatter
+        for backend, warm in (("fused", False), ("fused", True), ("sequential", False)):
+            group = dist.new_group(list(range(world)))
+            opts = {"group": group, "backend": backend, "out_dtype": torch.float32}
+            if warm:
+                op(fq, fs, wq, ws, **opts, **{name: 1})  # the same call everywhere: the heap exists
+            try:
+                op(xq, xs, wq, ws, **opts, **{name: dim})
+            except RuntimeError as e:
+                message = str(e)
+                if "ranks disagree" not in message or expected not in message:
+                    messages.append(f"{name} {backend} warm={warm}: {message}")
+            else:
+                messages.append(f"{name} {backend} warm={warm}: ranks with other layouts got a result")
+    return messages
+
+
+def test_fp8_ranks_with_other_dims_or_layouts_are_refused_by_name() -> None:
+    failures = run_ranks(_fp8_layout_mismatch, 2, timeout=300, env={"COC_CHECK": "1"})
+    assert failures == [[], []], failures
+
+
 def _check_in_capture(rank, world):
     x, w, _ = (t.cuda() for t in _tensors(M, K, N))
     kernels.matmul_all_reduce(x, w, backend="sequential")  # warm-up outside capture: the check runs

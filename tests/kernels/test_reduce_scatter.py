@@ -1,30 +1,34 @@
-"""GEMM + reduce-scatter (kernels/ops/reduce_scatter.py) in every operand format on every backend, worlds 1-3,
-against the fp64 reference (tests/kernels/op_cases.py has the cases and their bounds)."""
+"""GEMM + reduce-scatter (kernels/ops/reduce_scatter.py) in every operand format on every backend, worlds 1-4 (fused:
+1-2), against the fp64 reference (tests/kernels/op_cases.py has the cases and their bounds), and on GPUs: the
+plain format over NCCL, the chunked backend on one GPU."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kernels.testing import run_ranks
 from tests.kernels import op_cases
 
-# (backend, world): the fused kernels run under the Triton interpreter, where every launch costs seconds.
-GRID = [
-    ("sequential", 1),
-    ("sequential", 2),
-    ("sequential", 3),
-    ("chunked", 2),
-    ("chunked", 3),
-    ("fused", 1),
-    ("fused", 2),
-]
+PATTERN = "reduce_scatter"
 
 
-@pytest.mark.parametrize(("backend", "world"), GRID, ids=[f"{b}-W{w}" for b, w in GRID])
+@pytest.mark.parametrize(("backend", "world"), op_cases.GRID, ids=[f"{b}-W{w}" for b, w in op_cases.GRID])
 def test_every_format_matches_the_reference(backend: str, world: int) -> None:
-    per_rank = run_ranks(op_cases.pattern_body, world, "reduce_scatter", backend, timeout=900)
-    failures = {
-        f"rank {r} {case}": problem for r, res in enumerate(per_rank) for case, problem in res.items() if problem
-    }
-    assert len(per_rank[0]) == len(op_cases.FORMATS) * len(op_cases.CASES["reduce_scatter"][1])
-    assert not failures, failures
+    per_rank = run_ranks(op_cases.pattern_body, world, PATTERN, backend, timeout=900)
+    op_cases.check_pattern(PATTERN, per_rank, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", op_cases.SCRIPTED)
+def test_plain_format_over_nccl(backend: str) -> None:
+    world = min(torch.cuda.device_count(), 4)
+    if world < 2:
+        pytest.skip("NCCL needs one GPU per rank; fewer than 2 GPUs")
+    per_rank = run_ranks(op_cases.pattern_body, world, PATTERN, backend, ("plain",), "cuda", backend="nccl")
+    op_cases.check_pattern(PATTERN, per_rank, backend, ("plain",))
+
+
+@pytest.mark.gpu
+def test_chunked_on_one_gpu_reads_each_piece_after_its_copy() -> None:
+    op_cases.chunked_on_one_gpu(PATTERN)

@@ -55,11 +55,19 @@ def test_bad_call_is_named(op, name: str, kwargs: dict, error: type, match: str)
         op(kwargs.pop("x"), kwargs.pop("x_scale"), kwargs.pop("weight"), kwargs.pop("w_scale"), **kwargs)
 
 
-def test_reduce_scatter_rows_must_divide() -> None:
-    g = _good()
-    g["x"], g["x_scale"] = g["x"][:5], g["x_scale"][:5]
-    # W is 1 here: every m divides; the W-dependent check is exercised in the ranks test below.
-    kernels.scaled_matmul_reduce_scatter(**g)
+def test_bad_dims_and_scale_shapes_are_named() -> None:
+    x = torch.randn(2, 4, 64)
+    xq, xs = kernels.quantize_fp8(x.reshape(-1, 64), "row")
+    wq, ws = kernels.quantize_fp8(torch.randn(8, 64), "row")
+    xq = xq.view(2, 4, 64)
+    with pytest.raises(ValueError, match="gather_dim=2 is the last dim of x"):
+        kernels.all_gather_scaled_matmul(xq, xs, wq, ws, gather_dim=2)
+    with pytest.raises(ValueError, match="scatter_dim=3 is out of range"):
+        kernels.scaled_matmul_reduce_scatter(xq, xs, wq, ws, scatter_dim=3)
+    with pytest.raises(ValueError, match=r"x_scale shape \[7, 1\] with w_scale shape \[8, 1\] fit no scaling mode"):
+        kernels.all_gather_scaled_matmul(xq, xs[:7], wq, ws, gather_dim=1)
+    with pytest.raises(TypeError, match="gather_dim must be an int"):
+        kernels.all_gather_scaled_matmul(xq, xs, wq, ws, gather_dim=1.0)
 
 
 def _ranks_bad_then_good(rank: int, world: int) -> list[str]:
@@ -90,34 +98,3 @@ def test_errors_before_communication_on_every_rank() -> None:
     for messages in results:
         assert len(messages) == len(_bad_cases()) + 1
         assert "x.shape[0]=5" in messages[-1] and "W=2" in messages[-1]
-
-
-def _per_rank_tensor_scales(rank: int, world: int, backend: str) -> list[str]:
-    """Each rank quantizes its own rows in tensor mode (the natural call): every backend gathers each rank's
-    scale with its rows, so the result is the reference of every rank's dequantized rows, and the gathered
-    scales come back one per row. Shapes accepted as ``[]`` and ``[1]`` (as torch._scaled_mm takes them)."""
-    from kernels.testing.fp8 import dequant
-
-    failures = []
-    x_all = [torch.full((2, K), 1.0 + r) * torch.linspace(-1, 1, K) for r in range(world)]
-    parts = [kernels.quantize_fp8(x, "tensor") for x in x_all]
-    xq, xs = parts[rank]
-    w, ws = kernels.quantize_fp8(torch.randn(N, K, generator=torch.Generator().manual_seed(0)), "tensor")
-    want = torch.cat([dequant(p, s, "tensor", False) for p, s in parts]) @ dequant(w, ws, "tensor", True).T
-    for scales in ((xs, ws), (xs.reshape(1), ws.reshape(1))):
-        y, xg, xsg = kernels.all_gather_scaled_matmul(
-            xq, *scales[:1], w, *scales[1:], out_dtype=torch.float32, backend=backend, return_gathered=True
-        )
-        error = float((y.double() - want).abs().max() / want.abs().max())
-        if error > 1e-6:
-            failures.append(f"{backend} {tuple(scales[0].shape)}: relative error {error:.3g}")
-        rows = torch.cat([s.reshape(1, 1).expand(2, 1) for _, s in parts])
-        if xsg.shape != (2 * world, 1) or not torch.equal(xsg, rows):
-            failures.append(f"{backend}: gathered scales {xsg.tolist()}, want each row its rank's {rows.tolist()}")
-    return failures
-
-
-@pytest.mark.parametrize("backend", ["sequential", "chunked", "fused"])
-def test_tensor_mode_all_gather_with_each_ranks_own_scale(backend: str) -> None:
-    for failures in run_ranks(_per_rank_tensor_scales, 2, backend, env={"COC_CHECK": "1"}, timeout=300):
-        assert failures == [], failures
