@@ -99,6 +99,33 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _conv1d_class(module: nn.Module) -> type | None:
+    return next((c for c in type(module).__mro__ if c.__name__ == "Conv1D" and "forward" in vars(c)), None)
+
+
+def _check_stock_forward(module: nn.Module, style: str) -> None:
+    """The linear styles compute ``x @ W.T + b`` themselves (the CoC ops fuse it with the communication), in
+    place of the module's forward: only a forward that computes exactly that may be replaced. A subclass of
+    ``nn.Linear`` / ``Conv1D`` with its own ``forward`` (a scale, an adapter, a quantized product) or a
+    forward set on the instance (hooks of other libraries) would be dropped without a word: refused."""
+    stock = _conv1d_class(module) if is_conv1d(module) else nn.Linear
+    cls = type(module)
+    own = "forward" in vars(module)
+    if own or stock is None or cls.forward is not stock.forward:
+        where = "a forward set on the instance" if own else f"its own forward ({cls.__qualname__}.forward)"
+        raise NotImplementedError(
+            f"{style}: {cls.__name__} has {where}; this style computes the plain linear in the module's place and "
+            "would drop that computation (silently wrong). Use torch's ColwiseParallel / RowwiseParallel for it, "
+            "or leave the module out of the plan"
+        )
+
+
+def _vocab_start(num_embeddings: int, world: int, rank: int) -> int:
+    """First row of ``rank``'s shard of a ``Shard(0)`` embedding (torch's chunking: ceil-sized pieces)."""
+    sizes = [len(c) for c in torch.arange(num_embeddings).chunk(world)]
+    return sum(sizes[:rank])
+
+
 def _linear_weight(module: nn.Module) -> torch.Tensor:
     """The local weight in ``F.linear`` layout ``[n, k]``."""
     w = _local(module.weight)
@@ -148,6 +175,23 @@ class _ReduceToLayout(torch.autograd.Function):
         if ctx.dim is None or comm.world_size(ctx.group) == 1:
             return grad, None, None
         return comm.gather_rows(grad, ctx.group, ctx.dim), None, None
+
+
+def _check_embedding(module: nn.Embedding) -> None:
+    """What the vocabulary-parallel forward cannot keep exact: ``max_norm`` renormalizes the rows it looks up in
+    place, ``sparse`` gradients, ``scale_grad_by_freq`` (the ids outside a rank's rows count as row 0), and
+    parameters besides the weight (their gradient would cover each rank's tokens only)."""
+    if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+        raise NotImplementedError(
+            f"CocRowwiseParallel: {type(module).__name__} with max_norm, sparse=True or scale_grad_by_freq=True "
+            "(the vocabulary-parallel lookup would not be exact)"
+        )
+    extra = [n for n, _ in module.named_parameters() if n != "weight"]
+    if extra:
+        raise NotImplementedError(
+            f"CocRowwiseParallel: {type(module).__name__} has parameters besides its weight ({', '.join(extra)}); "
+            "each rank's forward covers its own tokens only, so their gradients would be partial"
+        )
 
 
 def _wrap(y: torch.Tensor, mesh: DeviceMesh, layout: Placement, use_local_output: bool) -> torch.Tensor:
@@ -248,6 +292,7 @@ class CocColwiseParallel(ParallelStyle):
             raise NotImplementedError(
                 f"CocColwiseParallel shards nn.Linear and transformers' Conv1D, got {type(module).__name__}"
             )
+        _check_stock_forward(module, "CocColwiseParallel")
         world = device_mesh.size()
         n = module.nf if is_conv1d(module) else module.out_features
         if n % (world * self.packed) != 0:
@@ -353,15 +398,15 @@ class CocRowwiseParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         world = device_mesh.size()
         if isinstance(module, nn.Embedding):
-            if module.max_norm is not None or module.sparse:
-                raise NotImplementedError("CocRowwiseParallel: an nn.Embedding with max_norm or sparse=True")
+            _check_embedding(module)
             _distribute(module, "weight", device_mesh, Shard(0), self.src_data_rank)
-            return _install(module, functools.partial(self._embedding_forward, device_mesh))
+            return _install(module, functools.partial(self._embedding_forward, device_mesh, module.forward))
         if not (isinstance(module, nn.Linear) or is_conv1d(module)):
             raise NotImplementedError(
                 "CocRowwiseParallel shards nn.Linear, transformers' Conv1D and nn.Embedding, "
                 f"got {type(module).__name__}"
             )
+        _check_stock_forward(module, "CocRowwiseParallel")
         k = module.weight.shape[0] if is_conv1d(module) else module.in_features
         if k % world != 0:
             raise ValueError(f"CocRowwiseParallel: in_features={k} must divide by the mesh size W={world}")
@@ -400,19 +445,36 @@ class CocRowwiseParallel(ParallelStyle):
             y = RowParallelLinearSPFunction.apply(x, weight, bias, _options(module, self.fp8, group, d))
         return _wrap(y, mesh, out, self.use_local_output)
 
-    def _embedding_forward(self, mesh: DeviceMesh, module: nn.Embedding, ids: torch.Tensor) -> Any:
+    def _embedding_forward(
+        self, mesh: DeviceMesh, inner: Any, module: nn.Embedding, ids: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        """The module's own forward (``inner``) on this rank's rows of the vocabulary, the token ids outside
+        them looked up as row 0 and their outputs zeroed, then the partial outputs summed over the mesh:
+        each token is kept by the one rank that holds its row, so what the forward does to each token after
+        the lookup (Gemma's ``embed_scale``) is kept."""
         group = _group(mesh)
         world, rank = mesh.size(), mesh.get_local_rank()
         ids = ids.full_tensor() if isinstance(ids, DTensor) else ids
         weight = _local(module.weight)
-        sizes = [len(c) for c in torch.arange(module.num_embeddings).chunk(world)]
-        lo = sum(sizes[:rank])
+        lo = _vocab_start(module.num_embeddings, world, rank)
         outside = (ids < lo) | (ids >= lo + weight.shape[0])
         local_ids = (ids - lo).masked_fill(outside, 0)
         pad = module.padding_idx
-        pad = pad - lo if pad is not None and lo <= pad < lo + weight.shape[0] else None
-        partial = nn.functional.embedding(local_ids, weight, pad, None, 2.0, module.scale_grad_by_freq, False)
-        partial = partial.masked_fill(outside.unsqueeze(-1), 0)
+        saved = module._parameters["weight"], pad
+        # Bypasses Module.__setattr__: the forward reads the local shard (and its padding row) for one call.
+        module._parameters["weight"] = weight
+        module.padding_idx = pad - lo if pad is not None and lo <= pad < lo + weight.shape[0] else None
+        try:
+            y = inner(local_ids, *args, **kwargs)
+        finally:
+            module._parameters["weight"], module.padding_idx = saved
+        if not isinstance(y, torch.Tensor) or isinstance(y, DTensor) or y.shape[: ids.dim()] != ids.shape:
+            raise TypeError(
+                f"CocRowwiseParallel: {type(module).__name__}'s forward returned "
+                f"{getattr(y, 'shape', type(y).__name__)} for token ids of shape {tuple(ids.shape)}; the "
+                "vocabulary-parallel embedding needs one output per token (a plain tensor) to sum the ranks' rows"
+            )
+        partial = y.masked_fill(outside.view(*ids.shape, *[1] * (y.dim() - ids.dim())), 0)
         out = self.output_layouts[0]
         d = _dim(out, partial.dim())
         if d is not None:

@@ -38,14 +38,18 @@ def build(model_name: str, seed: int = 0, layers: int = 2, **overrides: Any) -> 
         fields.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
         cfg = T.GPT2Config(**{**fields, **overrides})
         return T.GPT2LMHeadModel(cfg)
-    cls_cfg, cls_model = {
-        "llama": (T.LlamaConfig, T.LlamaForCausalLM),
-        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
-    }[model_name]
     fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4)
     fields.update(num_key_value_heads=2, vocab_size=128, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    cfg = cls_cfg(**{**fields, **overrides})
-    return cls_model(cfg)
+    if model_name in ("llama", "qwen2"):
+        cls_cfg, cls_model = {
+            "llama": (T.LlamaConfig, T.LlamaForCausalLM),
+            "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+        }[model_name]
+        return cls_model(cls_cfg(**{**fields, **overrides}))
+    # Any other family by its model_type: the same sizes, head_dim stated (some default it to 128 or 256).
+    fields.update(head_dim=16)
+    cfg = T.AutoConfig.for_model(model_name, **{**fields, **overrides})
+    return T.AutoModelForCausalLM.from_config(cfg)
 
 
 @contextlib.contextmanager
@@ -183,3 +187,34 @@ def state_dict_roundtrip(rank: int, world: int, model_name: str, sp: bool) -> di
         shutil.rmtree(path, ignore_errors=True)
     dist.barrier()
     return {"loaded": loaded, "gathered": gather_err, "missing": missing, "saved": saved_err}
+
+
+def family_vs_one_process(rank: int, world: int, family: str, sps: list[bool]) -> list[dict[str, Any]]:
+    """One forward and backward of a tiny ``family`` model parallelized with ``parallelize_hf`` (sequence
+    parallelism as in ``sps``) against the same model in one process: the max errors of the logits, the loss and
+    every gradient (a DTensor's gathered), the parameters without a gradient, and whether every parameter is a
+    DTensor."""
+    import autopar
+
+    ref = build(family)
+    ids = torch.randint(1, 128, (B, S), generator=torch.Generator().manual_seed(1))
+    one = copy.deepcopy(ref)
+    want = one(input_ids=ids, labels=ids)
+    want.loss.backward()
+    rows = []
+    for sp in sps:
+        tp = autopar.parallelize_hf(copy.deepcopy(ref), sequence_parallel=sp)
+        got = tp(input_ids=ids, labels=ids)
+        got.loss.backward()
+        grads = {n: _full(p.grad) for n, p in tp.named_parameters()}
+        rows.append(
+            {
+                "sp": sp,
+                "logits": _max_diff(got.logits, want.logits),
+                "loss": _max_diff(got.loss, want.loss),
+                "grads": {n: _max_diff(grads[n], p.grad) for n, p in one.named_parameters() if grads[n] is not None},
+                "missing_grads": sorted(n for n, g in grads.items() if g is None),
+                "dtensor_params": all(type(p).__name__ == "DTensor" for p in tp.parameters()),
+            }
+        )
+    return rows

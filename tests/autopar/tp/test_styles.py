@@ -257,3 +257,64 @@ def test_share_input_gather_refuses_unparallelized_or_mismatched_modules() -> No
         share_input_gather([nn.Linear(2, 2)])
     with pytest.raises(ValueError, match="CocColwiseParallel first"):
         share_input_gather([nn.Linear(2, 2), nn.Linear(2, 2)])
+
+
+class _TanhEmbedding(nn.Embedding):
+    """An embedding whose forward does more than the lookup (as Gemma's scales it)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(ids) * 3.0)
+
+
+class _ScaledLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0
+
+
+def _own_forward_rank(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import autopar
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    base = _TanhEmbedding(16, H, padding_idx=5, dtype=torch.float64)
+    ids = torch.randint(0, 16, (2, 4 * world), generator=torch.Generator().manual_seed(1))
+    ids[0, :2] = 5  # the padding row gets no gradient
+    ref = copy.deepcopy(base)
+    y_ref = ref(ids)
+    (y_ref * y_ref).sum().backward()
+    errors = {}
+    for sp in (False, True):
+        emb = copy.deepcopy(base)
+        out = Shard(1) if sp else Replicate()
+        style = autopar.CocRowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=False)
+        parallelize_module(emb, mesh, style)
+        y = emb(ids)
+        y = y.full_tensor() if isinstance(y, DTensor) else y
+        (y * y).sum().backward()
+        errors[sp] = {
+            "out": (y - y_ref).abs().max().item(),
+            "grad": (emb.weight.grad.full_tensor() - ref.weight.grad).abs().max().item(),
+        }
+    refusals = []
+    for style in (autopar.CocColwiseParallel(), autopar.CocRowwiseParallel()):
+        try:
+            parallelize_module(_ScaledLinear(H, FFN), mesh, style)
+            refusals.append("no error")
+        except NotImplementedError as e:
+            refusals.append(str(e))
+    return {"errors": errors, "refusals": refusals}
+
+
+def test_styles_keep_the_module_forward_or_refuse_it() -> None:
+    """The row style on an embedding runs the module's own forward (here a scale and a tanh after the lookup) on
+    the local rows; the linear styles, which compute the product themselves, refuse a subclass with its own
+    forward instead of dropping it. Before: the embedding's forward was replaced by a bare lookup."""
+    for res in run_ranks(_own_forward_rank, 2):
+        for sp, err in res["errors"].items():
+            assert max(err.values()) < TOL, (sp, err)
+        for msg in res["refusals"]:
+            assert "_ScaledLinear has its own forward" in msg and "silently wrong" in msg, msg

@@ -1,0 +1,48 @@
+"""Every family of the installed transformers that declares a tp_plan and builds from a tiny dense config,
+parallelized with ``autopar.parallelize_hf`` at world 2 against one process: logits, loss and every gradient
+(fp32, 1e-5: the same products summed in another order, :mod:`tests.autopar.tp.hf_cases`), sequence parallelism
+off and on, on the default (sequential) backend.
+
+What this catches: a style that drops a module's own computation (Gemma's scaled embedding lost its
+``sqrt(hidden)`` under the row style's forward: logits 0.5 off) or a plan string mapped to the wrong layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels.testing import run_ranks
+from tests.autopar.tp.hf_cases import TOL, family_vs_one_process
+
+pytest.importorskip("transformers")
+
+# (model_type, sequence parallelism settings); the embeddings of Gemma and Gemma2 scale their lookups in their
+# own forward.
+FAMILIES = [
+    ("llama", [False, True]),
+    ("mistral", [False, True]),
+    ("qwen2", [False, True]),
+    ("gemma", [False, True]),
+    ("gemma2", [False, True]),
+    ("vaultgemma", [False, True]),
+    ("gpt2", [False, True]),
+    ("phi3", [False]),
+    ("phi", [False, True]),
+    ("cohere", [False, True]),
+    ("starcoder2", [False, True]),
+    ("granite", [False, True]),
+    ("gpt_neox", [False, True]),
+]
+
+
+@pytest.mark.parametrize(("family", "sps"), FAMILIES, ids=[f for f, _ in FAMILIES])
+def test_family_matches_one_process(family: str, sps: list[bool]) -> None:
+    for rank, rows in enumerate(run_ranks(family_vs_one_process, 2, family, sps, timeout=300)):
+        for row in rows:
+            tag = f"{family} sp={row['sp']} rank {rank}"
+            worst = max(row["grads"].items(), key=lambda kv: kv[1])
+            assert row["logits"] < TOL and row["loss"] < TOL, (tag, row["logits"], row["loss"])
+            assert worst[1] < TOL, (tag, worst)
+            assert not row["missing_grads"], (tag, row["missing_grads"])
+            if row["sp"]:
+                assert row["dtensor_params"], tag
