@@ -21,9 +21,11 @@ weight went through, or a new one). A bias joins the op where it means the same 
 into, folded back to ``b`` after the reduction; a ``+ b`` right after the reduction.
 
 The same patterns with ``aten._scaled_mm`` (FP8 payloads, tensorwise or rowwise fp32 scales) in place of
-the mm become the same operators with an FP8 ``OpCall`` (docs/inductor.md, "FP8 matmuls").
+the mm become the same operators with an FP8 ``OpCall`` (docs/inductor.md, "FP8 matmuls"); an mm whose weight
+is an int8 weight dequantized in the graph becomes them with the int8 format (docs/inductor.md, "int8 weights").
 
-The patterns are found by :mod:`kernels.inductor_patterns` (FP8: :mod:`kernels.inductor_scaled`); this
+The patterns are found by :mod:`kernels.inductor_patterns` (FP8: :mod:`kernels.inductor_scaled`, int8 weights:
+:mod:`kernels.inductor_int8`); this
 module rewrites them, records what it did and switches the pass on and off.
 
 Everything else is left as it was, with the reason logged (logger ``kernels.inductor_pass``, INFO)
@@ -49,9 +51,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import dispatch, inductor_patterns, inductor_scaled
+from . import dispatch, inductor_int8, inductor_patterns, inductor_scaled
 from .call import OpCall, Operands
 from .format import PLAIN, OperandFormat, fp8
+from .inductor_int8 import Int8Matmul, int8_consumers, int8_reduced, op_operands
 from .inductor_patterns import (
     Gather,
     LeftAlone,
@@ -62,6 +65,7 @@ from .inductor_patterns import (
     meta_val,
     reduce_bias,
 )
+from .inductor_patterns import new_node as _call
 from .inductor_scaled import (
     RowScale,
     ScaledMatmul,
@@ -106,21 +110,6 @@ def clear_report() -> None:
 # ---- rewriting -----------------------------------------------------------------------------------------------------
 
 
-def _fake_run(node: fx.Node) -> None:
-    """Set ``node.meta['val']`` by running its target on its inputs' fake values."""
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    vals = [n.meta["val"] for n in node.all_input_nodes]
-    mode = torch._guards.detect_fake_mode(vals)
-    with mode if mode is not None else contextlib.nullcontext():
-        node.meta["val"] = node.target(*args, **kwargs)
-
-
-def _call(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
-    node = graph.call_function(target, args)
-    _fake_run(node)
-    return node
-
-
 def _weight(graph: fx.Graph, b: fx.Node, new: list[fx.Node]) -> fx.Node:
     """The ``[n, k]`` weight whose transpose is ``b``: the node ``b`` transposed, or a new permute
     (appended to ``new``)."""
@@ -158,8 +147,8 @@ def _decide(
     compare every call."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    def stand_in(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.empty((), dtype=t.dtype, device=t.device).expand(shape)
+    def stand_in(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.empty((), dtype=dtype or t.dtype, device=t.device).expand(shape)
 
     dim = g.dim if op != "matmul_all_reduce" else 0
     call = OpCall(
@@ -173,7 +162,8 @@ def _decide(
     )
     with unset_fake_temporarily():
         x = stand_in(x2d, tuple(x2d.shape))
-        weights = tuple(stand_in(w, (w.shape[1], w.shape[0])) for w in ws)
+        w_dtype = torch.int8 if fmt.kind == "int8" else None  # the eager int8 op's weights
+        weights = tuple(stand_in(w, (w.shape[1], w.shape[0]), w_dtype) for w in ws)
         return dispatch.decide(call, Operands(x=x, weights=weights, biases=(None,) * len(weights)))
 
 
@@ -242,7 +232,7 @@ def _reduce_scales(graph: fx.Graph, mm: ScaledMatmul, new: list[fx.Node]) -> tup
     return mm.scale_a, w_scale
 
 
-def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul], rows: RowScale | None = None) -> str:
+def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul], rows: RowScale | None = None, note: str = "") -> str:
     rv = meta_val(g.result)
     lead = tuple(rv.shape[:-1])
     m = math.prod(lead)
@@ -254,11 +244,15 @@ def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul], rows: RowScal
     first = min((u for u in g.result.users), key=lambda n: _order(graph)[n])
     new: list[fx.Node] = []
     with graph.inserting_before(first):
-        ws = [_weight(graph, mm.b, new) for mm in mms]
         biases = [mm.bias_in for mm in mms]
         xv = meta_val(g.shard)
         nones: list[Any] = [None] * len(mms)
         x_scale, w_scales, fmt, out_dtype = None, nones, PLAIN, None
+        if isinstance(mms[0], Int8Matmul):
+            ws, w_scales = map(list, zip(*(op_operands(graph, mm.weight, new) for mm in mms), strict=True))
+            fmt = mms[0].weight.fmt
+        else:
+            ws = [_weight(graph, mm.b, new) for mm in mms]
         if isinstance(mms[0], ScaledMatmul):
             x_scale, w_scales = _gather_scales(graph, mms, rows, new)  # type: ignore[arg-type]
             fmt, out_dtype = fp8(mms[0].mode), mms[0].out_dtype
@@ -296,7 +290,7 @@ def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul], rows: RowScal
                 flat = y if rv.dim() == 2 else _call(graph, aten.reshape.default, y, [m, mm.n])
                 mm.node.replace_all_uses_with(flat)
             graph.erase_node(mm.node)
-    _erase(graph, list(reshapes))
+    _erase(graph, [*reshapes, *_dequantization(mms)])
     if gathered is not None:
         g.result.replace_all_uses_with(gathered)
     _erase(graph, g.chain)
@@ -307,12 +301,19 @@ def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul], rows: RowScal
         f"{len(mms)} {_kind(mms[0], _GATHER_SCALES[rows is None])}matmul(s) on all_gather(dim={g.dim}) of "
         f"{tuple(meta_val(g.shard).shape)} "
         f"-> coc {what} (bias: {sum(b is not None for b in biases)}, gathered input "
-        f"{'kept' if need_gathered else 'dropped'}; {backend}, parallel_num={num})"
+        f"{'kept' if need_gathered else 'dropped'}; {backend}, parallel_num={num})" + (f"; {note}" if note else "")
     )
 
 
+def _dequantization(mms: list[Matmul]) -> list[fx.Node]:
+    """The nodes that dequantized the int8 weights of ``mms`` in the graph (erased once unused)."""
+    return [n for mm in mms if isinstance(mm, Int8Matmul) for n in mm.weight.nodes]
+
+
 def _kind(mm: Matmul, note: str = "") -> str:
-    """How the report names a scaled matmul (empty for a plain one)."""
+    """How the report names a scaled or int8-weight matmul (empty for a plain one)."""
+    if isinstance(mm, Int8Matmul):
+        return f"{mm.weight.describe()} "
     if not isinstance(mm, ScaledMatmul):
         return ""
     notes = [str(mm.out_dtype).removeprefix("torch.")] + (["fast accum"] if mm.fast_accum else [])
@@ -324,6 +325,7 @@ def _kind(mm: Matmul, note: str = "") -> str:
 
 
 def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
+    r.mm, note = int8_reduced(r.mm)
     bias, bias_how = reduce_bias(r)
     out_node = r.wait
     if bias is not None and r.mm.bias_in is None:
@@ -337,15 +339,19 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
             x2d = _call(graph, aten.cat.default, [p.x2d for p in mm.parts], 1)
             b = _call(graph, aten.cat.default, [p.b for p in mm.parts], 0)
             new += [x2d, b]
-        w = _weight(graph, b, new)
+        w_scale = None
+        if isinstance(mm, Int8Matmul):
+            w, w_scale = op_operands(graph, mm.weight, new)
+        else:
+            w = _weight(graph, b, new)
         xv = meta_val(x2d)
         lead = tuple(meta_val(mm.post).shape[:-1]) if mm.post is not None else (xv.shape[0],)
         x = x2d
         if r.op == "matmul_reduce_scatter" and mm.post is not None:
             x = _call(graph, aten.reshape.default, x2d, [*lead, xv.shape[1]])
             new.append(x)
-        x_scale = w_scale = None
-        fmt, out_dtype = PLAIN, None
+        x_scale = None
+        fmt, out_dtype = (mm.weight.fmt if isinstance(mm, Int8Matmul) else PLAIN), None
         if isinstance(mm, ScaledMatmul):
             x_scale, w_scale = _reduce_scales(graph, mm, new)
             fmt, out_dtype = fp8(mm.mode), mm.out_dtype
@@ -366,14 +372,16 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
     out_node.replace_all_uses_with(y)
     if out_node is not r.wait:
         graph.erase_node(out_node)
-    _erase(graph, [*mm.nodes, *([mm.post] if mm.post is not None else []), *r.chain])
+    _erase(graph, [*mm.nodes, *([mm.post] if mm.post is not None else []), *r.chain, *_dequantization([mm])])
     what = f"sum of {len(mm.parts)} mm" if mm.parts else ("mm" if mm.bias_in is None else "addmm")
     if isinstance(mm, ScaledMatmul):
         what = f"{_kind(mm)}_scaled_mm"
+    elif isinstance(mm, Int8Matmul):
+        what = f"{_kind(mm)}{what}"
     return (
         f"{what} {tuple(xv.shape)} x {tuple(meta_val(b).shape)} -> "
         f"{r.op}(dim={r.dim}) -> {tuple(wv.shape)}; {bias_how}; {backend}, parallel_num={num}"
-    )
+    ) + (f"; {note}" if note else "")
 
 
 def _rewrite_any_gather(graph: fx.Graph, g: Gather) -> str:
@@ -382,7 +390,8 @@ def _rewrite_any_gather(graph: fx.Graph, g: Gather) -> str:
         mms, rows = scaled_gather_consumers(g)
         return _rewrite_gather(graph, g, mms, rows)  # type: ignore[arg-type]
     try:
-        return _rewrite_gather(graph, g, gather_consumers(g))
+        mms, note = int8_consumers(gather_consumers(g))
+        return _rewrite_gather(graph, g, mms, note=note)
     except LeftAlone as e:
         mm = quantized_after(g)
         if mm is None:
@@ -468,7 +477,7 @@ class CocInductorPass:
 
         # The chosen backend and split count are constants of the compiled code: a cached graph is
         # valid only for the environment it was compiled in, and for the code that found its patterns.
-        files = (__file__, inductor_patterns.__file__, inductor_scaled.__file__)
+        files = (__file__, inductor_patterns.__file__, inductor_scaled.__file__, inductor_int8.__file__)
         return get_hash_for_files(files, repr(get_config())).hex()
 
 

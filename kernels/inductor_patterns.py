@@ -3,11 +3,12 @@
 Each finder starts from one ``_c10d_functional`` collective of a post-grad aten graph and returns
 what a rewrite needs (:class:`Gather` and the :class:`Matmul` nodes consuming it, or a
 :class:`Reduce`), or raises :class:`LeftAlone` with the reason the pattern is not rewritten. Nothing
-here changes the graph.
+here changes the graph; :func:`new_node` is the one builder the rewrites share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
@@ -43,6 +44,17 @@ def meta_val(node: Any) -> torch.Tensor:
             "graphs, one per shape"
         )
     return val
+
+
+def new_node(graph: fx.Graph, target: Any, *args: Any) -> fx.Node:
+    """A ``call_function`` node of ``target`` on ``args``, its ``meta['val']`` from running ``target`` on its
+    inputs' fake values (at the graph's insertion point)."""
+    node = graph.call_function(target, args)
+    fake_args, fake_kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    mode = torch._guards.detect_fake_mode([n.meta["val"] for n in node.all_input_nodes])
+    with mode if mode is not None else contextlib.nullcontext():
+        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
 
 
 def only_users(node: fx.Node, allowed: set[fx.Node], what: str) -> None:
