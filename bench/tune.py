@@ -1,26 +1,36 @@
 """``python -m bench --mode tune``: time the GEMM configuration space on this GPU, write the winners.
 
-For every shape of :func:`gpu_shapes` (LLaMA-2/3-70B TP8 per-rank GEMMs, 8192^3, decode-size and
-rows-per-owner ``m``) and dtype (bf16, fp16) the tuner
+For every case (:func:`gpu_cases`: an operand format and x's dtype, plain bf16 / fp16, FP8 block, row
+and tensor scales, int8 weights per_group and per_channel) and every shape of :func:`gpu_shapes`
+(LLaMA-2/3-70B TP8 per-rank GEMMs, 8192^3, decode-size and rows-per-owner ``m``) the tuner
 
-1. times cuBLAS (``torch.matmul(x, w.T)``),
-2. runs every config of the shape's family (:mod:`kernels.fused.gemm_configs`) once, checks its
-   result against cuBLAS's (a config that fails to compile or computes a wrong result is skipped,
-   and said so), and times it,
-3. keeps the fastest config per op: the bare ``matmul`` chooses among all variants (TMA,
-   persistent, plain); the fused ops (timed at W = 1: their local GEMM is the plain tile core, the
-   same kernel body the fused kernels run between their waits) among the plain configs,
+1. builds the operands (FP8: ``kernels.quantize_fp8`` of random x and weight; int8:
+   ``kernels.quantize_weight``) and times the unfused baseline: cuBLAS (``torch.matmul(x, w.T)``;
+   for int8 weights on the dequantized weight, for FP8 ``torch._scaled_mm`` where this torch runs
+   the mode's scales, else none),
+2. runs every config of the case's space for the shape's family
+   (:func:`kernels.fused.gemm_configs.format_space`) once, checks its result (plain and int8:
+   against cuBLAS within :func:`rounding_bound`; FP8: against the fp64 product of the dequantized
+   operands within ``kernels.fp8.numerics.op_error_bound``; a config that fails to compile or
+   computes a wrong result is skipped, and said so), and times it: plain configs through
+   ``kernels.fused.matmul.linear`` (every variant), the others through the local GEMM core
+   ``kernels.fused.matmul.gemm(fmt, ...)`` with the config's tiles,
+3. keeps the fastest config per op: the bare ``matmul`` of plain operands chooses among all variants
+   (TMA, persistent, plain); the fused ops (timed at W = 1: their local GEMM is the plain tile core,
+   the same kernel body the fused kernels run between their waits), and every op of FP8 and int8
+   operands (the tile core is their only kernel), among the plain configs,
 
-and writes ``configs/tuned/<gpu-name>.yaml`` (:mod:`kernels.fused.tuned`; ``--out-dir`` writes
-there instead) with cuBLAS's time beside each winner, printing each winner as it is found under one
-header (:func:`table`). Timings are shared: a config timed on a shape for ``matmul`` is not timed
-again for a fused op of the same shape.
+and writes ``configs/tuned/<gpu-name>.yaml`` (:mod:`kernels.fused.tuned`; entries of another format
+than plain carry ``format:``; ``--out-dir`` writes there instead) with the baseline's time beside each
+winner, printing each winner as it is found under one header (:func:`table`). Timings are shared: a
+config timed on a shape for ``matmul`` is not timed again for a fused op of the same shape and case.
 
-Time bound: the space is small (about a dozen configs per family, each compiled once per dtype for
+Time bound: the space is small (about a dozen configs per family, each compiled once per case for
 all shapes), a timing is a few milliseconds of repeats, and a budget (``budget_s``, default 200 s)
-stops starting new shapes once spent (the skipped shapes are listed), so the whole run fits in
-gpu-check's 9 minutes. ``--allow-cpu`` runs the same flow on CPU under the interpreter with tiny
-shapes and the CPU space (CI); its file, ``cpu.yaml``, always goes to ``--out-dir`` (by default
+stops starting new shapes once spent (the skipped shapes are listed; the cases run in
+:func:`gpu_cases`' order, so the budget cuts from its end), so the whole run fits in gpu-check's 9
+minutes. ``--allow-cpu`` runs the same flow on CPU under the interpreter with tiny shapes, the CPU
+space and :func:`cpu_cases` (CI); its file, ``cpu.yaml``, always goes to ``--out-dir`` (by default
 ``./bench_results``): the kernels read a CPU file only from ``COC_TUNED_DIR``, so it has no place in
 ``configs/tuned``.
 """
@@ -32,11 +42,16 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-# Timer: (callable, key) -> seconds per call. ``key`` names what is timed, (shape label, dtype name,
-# config label or "cublas"), so a fake timer in tests can answer per config.
+if TYPE_CHECKING:  # kernels imports triton, which must follow TRITON_INTERPRET (run, bench/__main__.py)
+    from kernels.format import OperandFormat
+
+# Timer: (callable, key) -> seconds per call. ``key`` names what is timed, (shape label, case name
+# (:attr:`Case.name`: the dtype name for plain operands), config label or "cublas" for the baseline),
+# so a fake timer in tests can answer per config.
 Timer = Callable[[Callable[[], object], tuple[str, str, str]], float]
 DEFAULT_BUDGET_S = 200.0
 _CUBLAS = "cublas"
@@ -51,6 +66,64 @@ class TuneShape:
     n: int
     k: int
     ops: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One pass of the tuner over the shapes: the operand format (:class:`kernels.format.OperandFormat`)
+    and x's dtype, as the file's entries name it (the FP8 payload's; the activation's of int8 weights)."""
+
+    fmt: OperandFormat
+    dtype: torch.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def name(self) -> str:
+        """``bfloat16`` (plain), ``fp8:block float8_e4m3fn``, ``int8:per_group:128 bfloat16``."""
+        return self.dtype_name if self.fmt.kind == "plain" else f"{self.fmt.encode()} {self.dtype_name}"
+
+
+def gpu_cases() -> list[Case]:
+    """What a GPU run tunes, in this order (the budget cuts from the end): bf16, the FP8 scaling modes
+    (e4m3 payloads: block, the DeepSeek-V3 recipe of 1x128 x / 128x128 weight scales, first), int8
+    weights with bf16 activations (per_group of 128, per_channel), then fp16."""
+    from kernels.format import PLAIN, fp8, int8
+
+    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    return [
+        Case(PLAIN, bf16),
+        Case(fp8("block"), e4m3),
+        Case(int8("per_group", 128, False), bf16),
+        Case(fp8("row"), e4m3),
+        Case(int8("per_channel", 0, False), bf16),
+        Case(fp8("tensor"), e4m3),
+        Case(PLAIN, torch.float16),
+    ]
+
+
+# int8 per_group's group on CPU: the tiny shapes' k of 32 holds two groups.
+CPU_GROUP_SIZE = 16
+
+
+def cpu_cases() -> list[Case]:
+    """The interpreter's cases: every format of :func:`gpu_cases`, plain in bf16 only, int8 weights
+    with fp16 activations (the interpreter converts fp32 to bf16 by truncation, ``kernels/fused/tile.py``,
+    so its bf16 dequantized weight tiles differ from ``kernels.quant.dequantize``'s by an ulp) and
+    per_group of :data:`CPU_GROUP_SIZE`, so ``--allow-cpu`` runs each format's path end to end."""
+    from kernels.format import PLAIN, fp8, int8
+
+    e4m3 = torch.float8_e4m3fn
+    return [
+        Case(PLAIN, torch.bfloat16),
+        Case(fp8("block"), e4m3),
+        Case(int8("per_group", CPU_GROUP_SIZE, False), torch.float16),
+        Case(fp8("row"), e4m3),
+        Case(int8("per_channel", 0, False), torch.float16),
+        Case(fp8("tensor"), e4m3),
+    ]
 
 
 _FUSED_AG = ("all_gather_matmul",)
@@ -142,75 +215,204 @@ def select(timings: dict[str, float | None], candidates: list, label: Callable[[
     return best
 
 
+@dataclass(frozen=True)
+class Problem:
+    """One shape of one case, ready to run: ``run(cfg)`` computes it with a config of the space,
+    ``check(y)`` says whether a result is correct (None) or how it is wrong, ``baseline`` is the
+    unfused GEMM timed beside it (None: none runs here)."""
+
+    run: Callable[[object], torch.Tensor]
+    check: Callable[[torch.Tensor], str | None]
+    baseline: Callable[[], object] | None
+
+
+def _within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> str | None:
+    diff = (got.to(ref.dtype) - ref).abs()
+    if bool((diff <= bound).all()):
+        return None
+    return f"wrong result (max abs. error {diff.nan_to_num(nan=float('inf')).max().item():.3g})"
+
+
+def _plain_problem(x: torch.Tensor, w: torch.Tensor) -> Problem:
+    """Plain operands: :func:`kernels.fused.matmul.linear` with the config (every variant), against cuBLAS."""
+    from kernels.fused import matmul
+
+    ref = torch.matmul(x, w.T)
+    bound = rounding_bound(ref, x, w)
+    return Problem(
+        run=lambda cfg: matmul.linear(x, w, config=cfg, fallback=False),
+        check=lambda y: _within(y.float(), ref.float(), bound),
+        baseline=lambda: torch.matmul(x, w.T),
+    )
+
+
+def _core_run(fmt: OperandFormat, ops: object, out_dtype: torch.dtype) -> Callable[[object], torch.Tensor]:
+    """The local GEMM core (:func:`kernels.fused.matmul.gemm`) of ``fmt`` with a config's tiles."""
+    from kernels.fused import blocks, matmul
+
+    def run(cfg: object) -> torch.Tensor:
+        # ag_splits is the all-gather's: the local GEMM has none.
+        return matmul.gemm(fmt, ops, out_dtype=out_dtype, cfg=blocks.as_blocks(cfg, 1))
+
+    return run
+
+
+# x's and the weight's quantization modes (kernels.quantize_fp8) of each FP8 scaling mode.
+_FP8_QUANT_MODES = {"block": ("block", "block2d"), "row": ("row", "row"), "tensor": ("tensor", "tensor")}
+# The FP8 ops' usual output dtype; the core accumulates in fp32 and rounds once to it.
+FP8_OUT_DTYPE = torch.bfloat16
+
+
+def _fp8_problem(case: Case, x: torch.Tensor, w: torch.Tensor) -> Problem:
+    """FP8 operands (``case.fmt.mode`` scales), out in bf16: checked against the fp64 product of the
+    dequantized operands within :func:`kernels.fp8.numerics.op_error_bound` (promoted accumulation;
+    the tensor-core sums at Hopper's precision on a GPU, fp32's under the interpreter), the bound of
+    the FP8 tests; the baseline is ``torch._scaled_mm`` where this torch runs the mode's scales."""
+    from bench.fp8_speed import CHECK_REL, rel_error, scaled_mm_layouts
+    from kernels.call import Operands
+    from kernels.fp8.numerics import HOPPER_FP8_ACCUMULATOR, U32, op_error_bound
+    from kernels.fp8.quantize import expand_scale, quantize_fp8
+
+    x_mode, w_mode = _FP8_QUANT_MODES[case.fmt.mode]
+    xq, xs = quantize_fp8(x, mode=x_mode, dtype=case.dtype)
+    wq, ws = quantize_fp8(w, mode=w_mode, dtype=case.dtype)
+    dx = xq.double() * expand_scale(xs.double(), x_mode, *x.shape)
+    dw = wq.double() * expand_scale(ws.double(), w_mode, *w.shape)
+    ref, abs_sum = dx @ dw.T, dx.abs() @ dw.abs().T
+    del dx, dw
+    u_acc = HOPPER_FP8_ACCUMULATOR if x.is_cuda else U32
+    bound = op_error_bound(ref, abs_sum, x.shape[1], 1, out_dtype=FP8_OUT_DTYPE, accumulation="promoted", u_acc=u_acc)
+    del abs_sum
+    baseline = None
+    for scale_a, scale_b in scaled_mm_layouts(case.fmt.mode, xs, ws):
+
+        def scaled_mm(scale_a: torch.Tensor = scale_a, scale_b: torch.Tensor = scale_b) -> torch.Tensor:
+            return torch._scaled_mm(xq, wq.t(), scale_a, scale_b, out_dtype=FP8_OUT_DTYPE)
+
+        try:
+            if rel_error(scaled_mm(), ref) <= CHECK_REL:
+                baseline = scaled_mm
+                break
+        except (RuntimeError, ValueError, NotImplementedError, TypeError):
+            continue
+    return Problem(
+        run=_core_run(case.fmt, Operands(xq, (wq,), (None,), xs, (ws,)), FP8_OUT_DTYPE),
+        check=lambda y: _within(y.double(), ref, bound),
+        baseline=baseline,
+    )
+
+
+def _int8_problem(case: Case, x: torch.Tensor, w: torch.Tensor) -> Problem:
+    """int8 weights (w8A16, ``kernels.quantize_weight`` of ``case.fmt.mode``), x in ``case.dtype``: the
+    core computes ``x @ dequant(w).T`` with the dequantized weight rounded to x's dtype, so cuBLAS on
+    that weight is both the reference (within :func:`rounding_bound`) and the baseline."""
+    from kernels.call import Operands
+    from kernels.format import dequantize_weight
+    from kernels.quant import quantize_weight
+
+    fmt = case.fmt
+    q, scale = quantize_weight(w.to(case.dtype), fmt.mode, fmt.group_size or None)
+    xd = x.to(case.dtype)
+    wd = dequantize_weight(fmt, q, scale, None, xd.dtype)
+    ref = torch.matmul(xd, wd.T)
+    bound = rounding_bound(ref, xd, wd)
+    return Problem(
+        run=_core_run(fmt, Operands(xd, (q,), (None,), None, (scale,)), xd.dtype),
+        check=lambda y: _within(y.float(), ref.float(), bound),
+        baseline=lambda: torch.matmul(xd, wd.T),
+    )
+
+
+def _problem(case: Case, shape: TuneShape, device: torch.device) -> Problem:
+    gen = torch.Generator(device=device).manual_seed(0)
+    if case.fmt.kind == "plain":
+        x = torch.randn(shape.m, shape.k, generator=gen, device=device).to(case.dtype)
+        w = torch.randn(shape.n, shape.k, generator=gen, device=device).to(case.dtype)
+        return _plain_problem(x, w)
+    x = torch.randn(shape.m, shape.k, generator=gen, device=device)
+    w = torch.randn(shape.n, shape.k, generator=gen, device=device)
+    if case.fmt.kind == "fp8":
+        # Rows a power of 2 apart, so that a config that misreads the scales computes a wrong result.
+        x = x * torch.exp2(torch.randint(-3, 4, (shape.m, 1), generator=gen, device=device).float())
+        return _fp8_problem(case, x, w)
+    return _int8_problem(case, x, w)
+
+
 def tune(
     shapes: list[TuneShape],
-    dtypes: list[torch.dtype],
+    cases: list[Case | torch.dtype],
     device: torch.device,
     timer: Timer,
+    *,
     budget_s: float = DEFAULT_BUDGET_S,
     clock: Callable[[], float] = time.monotonic,
     log: Callable[[str], None] = print,
     checkpoint: Callable[[list, list[str]], None] | None = None,
 ) -> tuple[list, list[dict], list[str]]:
-    """Time the space on ``shapes``; ``(file entries, table rows, skipped shapes)``.
+    """Time the space of each case (a bare dtype: plain operands) on ``shapes``; ``(file entries, table
+    rows, skipped shapes)``. The cases run in the order given, each over every shape; the budget cuts
+    from the end.
 
     ``checkpoint(entries, skipped)`` runs after every shape, so a run killed from outside (gpu-check's
     section deadline) leaves the winners found so far in the file.
     """
-    from kernels.fused import gemm_configs, matmul, tuned
+    from kernels.format import PLAIN
+    from kernels.fused import gemm_configs, tuned
 
     start = clock()
     entries, rows, skipped = [], [], []
-    for dtype in dtypes:
-        dname = tuned.dtype_name(dtype)
+    for case in cases:
+        case = case if isinstance(case, Case) else Case(PLAIN, case)
         for shape in shapes:
             if clock() - start > budget_s:
-                skipped.append(f"{shape.label} {dname}")
+                skipped.append(f"{shape.label} {case.name}")
                 continue
-            gen = torch.Generator(device=device).manual_seed(0)
-            x = torch.randn(shape.m, shape.k, generator=gen, device=device).to(dtype)
-            w = torch.randn(shape.n, shape.k, generator=gen, device=device).to(dtype)
-            ref = torch.matmul(x, w.T)
-            bound = rounding_bound(ref, x, w)
-            cublas = timer(lambda x=x, w=w: torch.matmul(x, w.T), (shape.label, dname, _CUBLAS))
-            fam = gemm_configs.family(shape.m)
-            space = gemm_configs.space(fam, device.type)
+            problem = _problem(case, shape, device)
+            base = None
+            if problem.baseline is not None:
+                base = timer(problem.baseline, (shape.label, case.name, _CUBLAS))
+            space = gemm_configs.format_space(case.fmt, gemm_configs.family(shape.m), device.type)
             timings: dict[str, float | None] = {}
             notes: dict[str, str] = {}
             for cfg in space:
                 try:
-                    got = matmul.linear(x, w, config=cfg, fallback=False)
+                    got = problem.run(cfg)
                 except Exception as err:  # a config that cannot compile here is reported, not fatal
                     timings[cfg.label()], notes[cfg.label()] = None, f"failed: {type(err).__name__}"
                     continue
-                diff = (got.float() - ref.float()).abs()
-                if not bool((diff <= bound).all()):
-                    err = diff.max().item()
-                    timings[cfg.label()], notes[cfg.label()] = None, f"wrong result (max abs. error {err:.3g})"
+                wrong = problem.check(got)
+                if wrong is not None:
+                    timings[cfg.label()], notes[cfg.label()] = None, wrong
                     continue
                 timings[cfg.label()] = timer(
-                    lambda x=x, w=w, cfg=cfg: matmul.linear(x, w, config=cfg, fallback=False),
-                    (shape.label, dname, cfg.label()),
+                    lambda cfg=cfg, run=problem.run: run(cfg), (shape.label, case.name, cfg.label())
                 )
             for op in shape.ops:
-                pool = space if op == "matmul" else [c for c in space if c.variant == "plain"]
+                plain_core = op != "matmul" or case.fmt.kind != "plain"
+                pool = [c for c in space if c.variant == "plain"] if plain_core else space
                 best = select(timings, pool, lambda c: c.label())
                 if best is None:
-                    log(f"tune: {op} {shape.label} {dname}: no config ran ({notes}); no entry")
+                    log(f"tune: {op} {shape.label} {case.name}: no config ran ({notes}); no entry")
                     continue
                 t = timings[best.label()]
-                entries.append(tuned.Entry(op, dname, shape.m, shape.n, shape.k, best, t * 1e3, cublas * 1e3))
+                base_ms = None if base is None else base * 1e3
+                entries.append(
+                    tuned.Entry(
+                        op, case.dtype_name, shape.m, shape.n, shape.k, best, t * 1e3, base_ms, case.fmt.encode()
+                    )
+                )
                 row = dict(
                     op=op,
                     shape=shape.label,
                     m=shape.m,
                     n=shape.n,
                     k=shape.k,
-                    dtype=dname,
+                    dtype=case.dtype_name,
+                    format=case.fmt.encode(),
                     config=best.label(),
                     ms=t * 1e3,
-                    cublas_ms=cublas * 1e3,
-                    vs_cublas=cublas / t,
+                    cublas_ms=base_ms,
+                    vs_cublas=None if base is None else base / t,
                     tflops=2 * shape.m * shape.n * shape.k / t / 1e12,
                     failed=dict(notes),
                 )
@@ -226,11 +428,12 @@ def tune(
 _COLUMNS: tuple[tuple[str, int, bool, Callable[[dict], str]], ...] = (
     ("op", 21, True, lambda r: r["op"]),
     ("shape", 13, True, lambda r: r["shape"]),
-    ("dtype", 8, True, lambda r: r["dtype"]),
+    ("dtype", 13, True, lambda r: r["dtype"]),
+    ("format", 18, True, lambda r: r.get("format", "plain")),
     ("config", 32, True, lambda r: r["config"]),
     ("ms", 9, False, lambda r: f"{r['ms']:.4f}"),
-    ("cuBLAS ms", 9, False, lambda r: f"{r['cublas_ms']:.4f}"),
-    ("vs cuBLAS", 9, False, lambda r: f"{r['vs_cublas']:.2f}x"),
+    ("cuBLAS ms", 9, False, lambda r: "-" if r["cublas_ms"] is None else f"{r['cublas_ms']:.4f}"),
+    ("vs cuBLAS", 9, False, lambda r: "-" if r["vs_cublas"] is None else f"{r['vs_cublas']:.2f}x"),
     ("TFLOP/s", 8, False, lambda r: f"{r['tflops']:.1f}"),
 )
 
@@ -251,22 +454,26 @@ def header() -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Text table of the winners: op, shape, dtype, config, time, cuBLAS time, speed relative to cuBLAS, TFLOP/s."""
+    """Text table of the winners: op, shape, dtype, format, config, time, the baseline's time (``-``: none
+    ran), speed relative to it, TFLOP/s."""
     return "\n".join([header()] + [_row_text(r) for r in rows])
 
 
 def run(
     out_dir: str | None,
     allow_cpu: bool,
+    *,
     budget_s: float = DEFAULT_BUDGET_S,
     timer: Timer | None = None,
-    dtypes: list[torch.dtype] | None = None,
+    cases: list[Case | torch.dtype] | None = None,
 ) -> dict:
     """Tune on this machine's GPU (or on CPU with ``allow_cpu``) and write the tuned file into ``out_dir``
     (on a GPU, ``None`` writes it where the kernels read it: ``configs/tuned``; a CPU run needs one).
 
+    ``cases``: what to tune (default :func:`gpu_cases` or :func:`cpu_cases`; a bare dtype is plain).
     Returns ``{"path", "rows", "skipped", "seconds"}``: the file written, the winners' table rows
-    (op, shape, dtype, config, ms, cublas_ms, vs_cublas, tflops) and the shapes the budget cut.
+    (op, shape, dtype, format, config, ms, cublas_ms, vs_cublas, tflops, failed) and the shapes the
+    budget cut.
     This is what gpu-check calls first, so its later sections run the tuned tiles.
     """
     from pathlib import Path
@@ -307,10 +514,10 @@ def run(
     print(header())
     entries, rows, skipped = tune(
         gpu_shapes() if cuda else cpu_shapes(),
-        dtypes or ([torch.bfloat16, torch.float16] if cuda else [torch.bfloat16]),
+        cases or (gpu_cases() if cuda else cpu_cases()),
         device,
         timer or (cuda_timer() if cuda else cpu_timer()),
-        budget_s,
+        budget_s=budget_s,
         checkpoint=write,
     )
     write(entries, skipped)

@@ -18,13 +18,27 @@ Families (by the rows ``m`` of the GEMM; the decode family is the small-``m`` on
 * ``decode``: ``m <= 64``: 64-row tiles of one warpgroup, wide and deep in ``n``/``k``;
 * ``medium``: ``64 < m <= 1024``;
 * ``large``: ``m > 1024``: the LLaMA-70B TP8 prefill shapes and 8192^3.
+
+Operand formats (:func:`format_space`, :class:`kernels.format.OperandFormat`): plain operands have
+the whole space (three variants); FP8 and int8 weights run only the tile core (``"plain"``):
+
+* FP8: the family's tile-core tiles plus 128-deep k steps on GPU (the FP8 defaults of
+  :mod:`blocks`: a 128-deep step of 1-byte operands is the shared memory of a 64-deep 16-bit one),
+  kept where ``block_n`` and ``block_k`` divide 128 (one scale row per tile and k step, as the
+  tuned file requires) and the two fp32 accumulators of the FP8 loop (the promoted sum and the
+  128-deep tensor-core sum) need at most 128 registers per thread together;
+* int8 weights (w8A16): the family's tile-core tiles, per_group ones with ``block_k`` narrowed to 16
+  where it does not divide ``group_size`` (what :func:`blocks.block_config` runs them with, so the
+  tuner times the tiles the kernels launch).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
+
+from ..format import OperandFormat
 
 VARIANTS = ("tma", "persistent", "plain")
 FAMILIES = ("decode", "medium", "large")
@@ -115,6 +129,20 @@ _CPU_TILES = {
 }
 # The variants the bare matmul tries per family; the fused ops' tile core is always "plain".
 _GPU_VARIANTS = ("tma", "persistent", "plain")
+# FP8 tiles beside the tile-core ones: 128-deep k steps (blocks.GPU_FP8_BLOCKS and its 64-row form).
+_GPU_FP8_TILES = {
+    "decode": _tiles((64, 128, 128, 4, 4, 8)),
+    "medium": _tiles((64, 128, 128, 4, 4, 8), (128, 128, 128, 8, 3, 8)),
+    "large": _tiles((128, 128, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8)),
+}
+# Columns of k (and rows of n in block mode) per FP8 scale: tile.SCALE_BLOCK (not imported: tile
+# imports triton, and this module is read by the tuned-file parser).
+FP8_SCALE_BLOCK = 128
+# blocks.NARROW_BLOCK_K: the k step of int8 per-group scales whose groups a deeper step would straddle.
+GROUP_BLOCK_K = 16
+# fp32 registers per thread the FP8 loop's two accumulators may take together (a [BLOCK_M, BLOCK_N]
+# tile over num_warps * 32 threads each).
+FP8_ACC_REGISTERS = 128
 
 
 def family(m: int) -> str:
@@ -144,3 +172,32 @@ def full_space(device_type: str = "cuda") -> list[GemmConfig]:
 def tile_core_space(fam: str, device_type: str = "cuda") -> list[GemmConfig]:
     """Configs of the fused ops' tile core (non-persistent, pointer loads) for family ``fam``."""
     return space(fam, device_type, ("plain",))
+
+
+def fp8_fits(cfg: GemmConfig) -> bool:
+    """Whether ``cfg`` can run FP8 operands: ``block_n`` and ``block_k`` divide 128 (one scale row per
+    tile and k step) and its two fp32 accumulators take at most :data:`FP8_ACC_REGISTERS` registers
+    per thread."""
+    per_thread = 2 * cfg.block_m * cfg.block_n // (32 * cfg.num_warps)
+    return (
+        cfg.variant == "plain"
+        and FP8_SCALE_BLOCK % cfg.block_n == 0
+        and FP8_SCALE_BLOCK % cfg.block_k == 0
+        and per_thread <= FP8_ACC_REGISTERS
+    )
+
+
+def format_space(fmt: OperandFormat, fam: str, device_type: str = "cuda") -> list[GemmConfig]:
+    """The configs the tuner times for operands of ``fmt`` in family ``fam`` (module docstring):
+    :func:`space` for plain operands, tile-core configs for FP8 and int8 weights."""
+    if fmt.kind == "plain":
+        return space(fam, device_type)
+    tiles = tile_core_space(fam, device_type)
+    if fmt.kind == "fp8":
+        extra = [GemmConfig(*t) for t in _GPU_FP8_TILES[fam]] if device_type == "cuda" else []
+        tiles = [c for c in tiles + extra if fp8_fits(c)]
+    elif fmt.mode == "per_group":
+        tiles = [
+            c if fmt.group_size % c.block_k == 0 else replace(c, block_k=min(c.block_k, GROUP_BLOCK_K)) for c in tiles
+        ]
+    return list(dict.fromkeys(tiles))

@@ -26,8 +26,9 @@ File layout (``version: 1``)::
         k: 8192
         config: {block_m: 128, block_n: 256, block_k: 64, num_warps: 8, num_stages: 3, group_m: 8, variant: tma}
         ms: 1.234                       # the config's time
-        cublas_ms: 1.201                # torch.matmul on the same shape
-        format: fp8:block               # optional: the operand format (kernels.format), default plain
+        cublas_ms: 1.201                # the unfused baseline on the same shape (bench.tune; null: none ran)
+        format: fp8:block               # optional: the operand format (kernels.format), default plain;
+                                        # files without it (the tuner before formats) hold plain entries
 
 Lookup (:func:`lookup`): the entry of the same op, dtype (x's: the FP8 payload's for FP8), operand
 format and shape family (:func:`gemm_configs.family`) nearest to the call's shape in

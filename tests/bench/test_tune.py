@@ -1,5 +1,5 @@
-"""``python -m bench --mode tune``: selection logic with a fake timer, the CPU flow end to end, and the
-kernels reading what the tuner wrote."""
+"""``python -m bench --mode tune``: selection logic with a fake timer, the CPU flow end to end (plain, FP8
+and int8 weights), the kernels reading what the tuner wrote for each format, and a file of the old tuner."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from bench import tune
-from kernels.format import PLAIN
+from kernels.call import Operands
+from kernels.format import PLAIN, OperandFormat, fp8, int8
 from kernels.fused import blocks, gemm_persistent, tuned
 from kernels.fused import matmul as matmul_module
 from kernels.fused.gemm_configs import GemmConfig
 from kernels.testing import REPO_ROOT
+from kernels.testing import fp8 as fp8_reference
 
 pytestmark = pytest.mark.triton
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the --allow-cpu flow; a GPU tunes its own shapes")
@@ -132,6 +134,10 @@ def test_gpu_shapes_are_llama70b_tp8_and_8192_cubed():
 
 
 def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monkeypatch):
+    """The CPU run writes plain entries and, under ``format:``, FP8 (block, row, tensor) and int8 (per_group,
+    per_channel) entries for every op and shape; the lookup returns each for its own format: the bare
+    matmul's plain entry through ``matmul_config``, every other through ``block_config`` (the local GEMM
+    and the fused ops)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", tuned.ENV_TUNED_DIR)}
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
@@ -145,22 +151,202 @@ def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monke
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     path = tmp_path / "cpu.yaml"
     assert f"wrote {path}" in proc.stdout
+    assert "no config ran" not in proc.stdout, proc.stdout
     entries = tuned.load(path)
-    assert {e.op for e in entries} == set(tuned.OPS)
-    assert {(e.m, e.n, e.k) for e in entries} == {(s.m, s.n, s.k) for s in tune.cpu_shapes()}
+    cases = {(c.fmt.encode(), tuned.dtype_name(c.dtype)) for c in tune.cpu_cases()}
+    assert {"fp8:block", "fp8:row", "fp8:tensor", f"int8:per_group:{tune.CPU_GROUP_SIZE}", "int8:per_channel:0"} < {
+        f for f, _ in cases
+    }
+    shapes = {(s.m, s.n, s.k) for s in tune.cpu_shapes()}
+    for case in cases:
+        mine = [e for e in entries if (e.format, e.dtype) == case]
+        assert {e.op for e in mine} == set(tuned.OPS), case
+        assert {(e.m, e.n, e.k) for e in mine} == shapes, case
+    assert "format: fp8:block" in path.read_text() and "format: plain" not in path.read_text()
     monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(tmp_path))
     for e in entries:
+        fmt = OperandFormat.decode(e.format)
         x = torch.empty(e.m, e.k, dtype=getattr(torch, e.dtype))
-        if e.op == "matmul":
+        if e.op == "matmul" and fmt == PLAIN:
             assert matmul_module.matmul_config(x, e.n) == e.config
-        else:
-            b = blocks.block_config(PLAIN, x.device, e.m, e.k, dtype=x.dtype, op=e.op, n=e.n)
-            assert (b.block_m, b.block_n, b.num_warps, b.group_m) == (
-                e.config.block_m,
-                e.config.block_n,
-                e.config.num_warps,
-                e.config.group_m,
-            )
+            continue
+        b = blocks.block_config(fmt, x.device, e.m, e.k, dtype=x.dtype, op=e.op, n=e.n)
+        assert _tiles(b) == _tiles(e.config), e
+
+
+def _tiles(c) -> tuple[int, ...]:
+    return (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.group_m)
+
+
+FP8_BLOCK = fp8("block")
+INT8_GROUP = int8("per_group", tune.CPU_GROUP_SIZE, False)
+SMALL = GemmConfig(16, 16, 16, 1, 1, 1, "plain")
+
+
+def test_tune_writes_format_entries_the_lookup_returns_for_their_format_only(monkeypatch, tmp_path):
+    """Fake timer per case: plain's winner is ``FAST`` / ``FAST_PLAIN``, FP8 block's and int8 per_group's
+    ``SMALL``; an FP8 config whose result is wrong (made so here) is never timed nor chosen. In the written
+    file the format entries carry their format; ``block_config`` returns them for that format and op (the
+    local GEMM launches them), the plain lookups keep plain's winners, and another FP8 mode (no entry) keeps
+    the FP8 defaults."""
+    from kernels.fused import matmul as mm
+
+    real_gemm = mm.gemm
+    wrong = GemmConfig(16, 32, 16, 1, 1, 1, "plain")
+
+    def fake_gemm(fmt, ops, index=0, *, out_dtype=None, cfg=None):
+        y = real_gemm(fmt, ops, index, out_dtype=out_dtype, cfg=cfg)
+        return y + 1 if fmt == FP8_BLOCK and cfg is not None and _tiles(cfg) == _tiles(wrong) else y
+
+    monkeypatch.setattr(mm, "gemm", fake_gemm)
+    calls = []
+
+    fp8_name = tune.Case(FP8_BLOCK, torch.float8_e4m3fn).name
+    times = {
+        "bfloat16": {FAST.label(): 0.1, FAST_PLAIN.label(): 0.1},
+        fp8_name: {SMALL.label(): 0.1, wrong.label(): 0.01},
+        tune.Case(INT8_GROUP, torch.float16).name: {SMALL.label(): 0.1},
+    }
+
+    def timer(fn, key):
+        calls.append(key)
+        return 1.0 if key[2] == tune._CUBLAS else times[key[1]].get(key[2], 0.5)
+
+    shape = tune.cpu_shapes()[0]
+    cases = [torch.bfloat16, tune.Case(FP8_BLOCK, torch.float8_e4m3fn), tune.Case(INT8_GROUP, torch.float16)]
+    entries, rows, skipped = tune.tune([shape], cases, torch.device("cpu"), timer, log=lambda s: None)
+    monkeypatch.setattr(mm, "gemm", real_gemm)
+    assert skipped == []
+    assert fp8_name == "fp8:block float8_e4m3fn"
+    assert (shape.label, fp8_name, wrong.label()) not in calls
+    assert (shape.label, fp8_name, SMALL.label()) in calls
+    fp8_row = next(r for r in rows if r["format"] == "fp8:block" and r["op"] == "matmul")
+    assert "wrong result" in fp8_row["failed"][wrong.label()] and fp8_row["config"] == SMALL.label()
+    by = {(e.format, e.op): e for e in entries}
+    assert len(by) == len(entries) == 3 * len(shape.ops)
+    assert by[("plain", "matmul")].config == FAST
+    for op in shape.ops:
+        assert by[(FP8_BLOCK.encode(), op)].config == SMALL and by[(FP8_BLOCK.encode(), op)].dtype == "float8_e4m3fn"
+        assert by[(INT8_GROUP.encode(), op)].config == SMALL and by[(INT8_GROUP.encode(), op)].dtype == "float16"
+        assert op == "matmul" or by[("plain", op)].config == FAST_PLAIN
+
+    tuned.write(tmp_path / "cpu.yaml", entries, {"gpu": "cpu"})
+    monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(tmp_path))
+    cpu, e4m3 = torch.device("cpu"), torch.float8_e4m3fn
+    m, n, k = shape.m, shape.n, shape.k
+    for op in tuned.OPS:
+        assert _tiles(blocks.block_config(FP8_BLOCK, cpu, m, k, dtype=e4m3, op=op, n=n)) == _tiles(SMALL)
+        assert _tiles(blocks.block_config(INT8_GROUP, cpu, m, k, dtype=torch.float16, op=op, n=n)) == _tiles(SMALL)
+        # Another FP8 mode, another group size, another family: the defaults.
+        assert blocks.block_config(fp8("row"), cpu, m, k, dtype=e4m3, op=op, n=n) == blocks.CPU_FP8_BLOCKS
+        other = int8("per_group", 2 * tune.CPU_GROUP_SIZE, False)
+        assert blocks.block_config(other, cpu, m, k, dtype=torch.float16, op=op, n=n) == blocks.CPU_BLOCKS
+        assert blocks.block_config(FP8_BLOCK, cpu, 500, k, dtype=e4m3, op=op, n=n) == blocks.CPU_FP8_BLOCKS
+    xb = torch.empty(m, k, dtype=torch.bfloat16)
+    assert matmul_module.matmul_config(xb, n) == FAST
+    plain = blocks.block_config(PLAIN, cpu, m, k, dtype=torch.bfloat16, op="matmul_all_reduce", n=n)
+    assert _tiles(plain) == _tiles(FAST_PLAIN)
+
+    # The local GEMM of FP8 operands launches the tuned tiles, and its result is right.
+    seen = []
+    monkeypatch.setattr(mm, "block_config", lambda *a, **kw: seen.append(real_block_config(*a, **kw)) or seen[-1])
+    x, xs = fp8_reference.quantize(torch.randn(m, k), "block", False)
+    w, ws = fp8_reference.quantize(torch.randn(n, k), "block", True)
+    y = mm.gemm(FP8_BLOCK, Operands(x, (w,), (None,), xs, (ws,)), out_dtype=torch.float32)
+    assert [_tiles(c) for c in seen] == [_tiles(SMALL)]
+    want, bound = fp8_reference.reference("ar", [(x, xs)], [(w, ws)], None, 0, mode="block", out_dtype=torch.float32)
+    fp8_reference.assert_close("tuned FP8 local GEMM", y, want, bound, torch.float32)
+
+
+real_block_config = blocks.block_config
+
+
+# A file the tuner wrote before it tuned formats: no ``format`` key anywhere.
+OLD_FILE = """version: 1
+gpu: NVIDIA H100 80GB HBM3
+triton: 3.6.0
+torch: 2.9.0
+created: '2025-01-01T00:00:00Z'
+skipped_by_budget: []
+entries:
+- op: matmul
+  dtype: bfloat16
+  m: 16
+  n: 32
+  k: 32
+  config: {block_m: 16, block_n: 32, block_k: 16, num_warps: 1, num_stages: 1, group_m: 1, variant: persistent}
+  ms: 0.5
+  cublas_ms: 1.0
+- op: matmul_all_reduce
+  dtype: bfloat16
+  m: 16
+  n: 32
+  k: 32
+  config: {block_m: 16, block_n: 32, block_k: 16, num_warps: 1, num_stages: 1, group_m: 1, variant: plain}
+  ms: 0.5
+  cublas_ms: 1.0
+"""
+
+
+def test_a_file_of_the_old_tuner_loads_as_plain_entries(monkeypatch, tmp_path):
+    (tmp_path / "cpu.yaml").write_text(OLD_FILE)
+    entries = tuned.load(tmp_path / "cpu.yaml")
+    assert [(e.op, e.format, e.config) for e in entries] == [
+        ("matmul", "plain", FAST),
+        ("matmul_all_reduce", "plain", FAST_PLAIN),
+    ]
+    monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(tmp_path))
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert matmul_module.matmul_config(torch.empty(16, 32, dtype=bf16), 32) == FAST
+    plain = blocks.block_config(PLAIN, cpu, 16, 32, dtype=bf16, op="matmul_all_reduce", n=32)
+    assert _tiles(plain) == _tiles(FAST_PLAIN)
+    # No format entries: the formats keep their defaults.
+    for fmt, dtype, default in (
+        (FP8_BLOCK, torch.float8_e4m3fn, blocks.CPU_FP8_BLOCKS),
+        (int8("per_channel", 0, False), bf16, blocks.CPU_BLOCKS),
+    ):
+        assert tuned.lookup("matmul_all_reduce", cpu, dtype, 16, 32, fmt=fmt.encode()) is None
+        assert blocks.block_config(fmt, cpu, 16, 32, dtype=dtype, op="matmul_all_reduce", n=32) == default
+    # Written back, the plain entries still carry no format key.
+    tuned.write(tmp_path / "again.yaml", entries, {"gpu": "cpu"})
+    assert "format" not in (tmp_path / "again.yaml").read_text()
+
+
+def test_format_spaces():
+    """FP8: tile-core configs only, ``block_n`` and ``block_k`` dividing 128, the two accumulators within
+    the register budget, the FP8 defaults among them on GPU, within sm_90's shared memory; every one
+    accepted by the tuned-file parser as an FP8 entry. int8: the tile-core tiles, per_group ones with the
+    narrow ``block_k`` where a step would straddle a group (what ``block_config`` runs them with)."""
+    from kernels.fused import gemm_configs as gc
+    from kernels.fused import tile
+
+    assert gc.FP8_SCALE_BLOCK == tile.SCALE_BLOCK and gc.GROUP_BLOCK_K == blocks.NARROW_BLOCK_K
+    for device_type in ("cuda", "cpu"):
+        for fam in gc.FAMILIES:
+            assert gc.format_space(PLAIN, fam, device_type) == gc.space(fam, device_type)
+            core = gc.tile_core_space(fam, device_type)
+            fp8_space = gc.format_space(FP8_BLOCK, fam, device_type)
+            assert fp8_space and all(gc.fp8_fits(c) and c.variant == "plain" for c in fp8_space), fam
+            assert all(128 % c.block_n == 0 and 128 % c.block_k == 0 for c in fp8_space)
+            assert [c for c in core if gc.fp8_fits(c)] == [c for c in fp8_space if c in core]
+            assert len(set(fp8_space)) == len(fp8_space)
+            entries = [
+                tuned.Entry(op, "float8_e4m3fn", 64, 64, 64, c, format="fp8:row") for c in fp8_space for op in tuned.OPS
+            ]
+            assert tuned.parse({"version": 1, "entries": [e.to_dict() for e in entries]}, "test") == entries
+            assert gc.format_space(int8("per_channel", 0, True), fam, device_type) == core
+            aligned = gc.format_space(int8("per_group", 128, False), fam, device_type)
+            assert aligned == core
+            odd = gc.format_space(int8("per_group", 48, False), fam, device_type)
+            assert all(48 % c.block_k == 0 for c in odd) and {c.block_m for c in odd} == {c.block_m for c in core}
+            if device_type == "cuda":
+                assert all(c.block_m >= 64 and c.smem_bytes(1) <= gc.SMEM_BYTES for c in fp8_space)
+    # The FP8 defaults (blocks) are in the GPU space of their families, so the tuner can only improve on them.
+    default = {"decode": blocks.GPU_FP8_SMALL_M_BLOCKS, "medium": blocks.GPU_FP8_BLOCKS, "large": blocks.GPU_FP8_BLOCKS}
+    for fam, b in default.items():
+        assert _tiles(b) in {_tiles(c) for c in gc.format_space(fp8("row"), fam)}, fam
+    # A 256-row tile at 8 warps: 256 accumulator registers per thread for FP8's two accumulators.
+    assert not gc.fp8_fits(GemmConfig(256, 128, 64, 8, 3, 8))
 
 
 def _cells(line: str) -> list[tuple[int, int, str]]:
@@ -168,22 +354,34 @@ def _cells(line: str) -> list[tuple[int, int, str]]:
     return [(m.start(), m.end(), m.group()) for m in re.finditer(r"\S+(?: \S+)*", line)]
 
 
-def test_table_has_a_header_over_every_column():
-    row = dict(
-        op="matmul_reduce_scatter",
-        shape="gate_up m4096",
-        dtype="bfloat16",
-        config=GemmConfig(128, 256, 64, 8, 3, 8, "persistent").label(),
-        ms=1.2345,
-        cublas_ms=1.2,
-        vs_cublas=0.97,
-        tflops=812.3,
-    )
+PLAIN_ROW = dict(
+    op="matmul_reduce_scatter",
+    shape="gate_up m4096",
+    dtype="bfloat16",
+    config=GemmConfig(128, 256, 64, 8, 3, 8, "persistent").label(),
+    ms=1.2345,
+    cublas_ms=1.2,
+    vs_cublas=0.97,
+    tflops=812.3,
+)
+# An FP8 winner without a baseline (torch._scaled_mm ran none of the scale layouts).
+FORMAT_ROW = {
+    **PLAIN_ROW,
+    "dtype": "float8_e4m3fn",
+    "format": "int8:per_group:128",
+    "cublas_ms": None,
+    "vs_cublas": None,
+}
+
+
+@pytest.mark.parametrize("row", [PLAIN_ROW, FORMAT_ROW], ids=["plain", "format"])
+def test_table_has_a_header_over_every_column(row):
     head, line = tune.table([row]).splitlines()
     heads, cells = _cells(head), _cells(line)
     assert [h[2] for h in heads][-1] == "TFLOP/s" and len(heads) == len(cells), (head, line)
     for h, c in zip(heads, cells, strict=True):  # left-aligned cells start under their header, the others end there
         assert h[0] == c[0] or h[1] == c[1], (h, c)
+    assert [c[2] for c in cells][3] == row.get("format", "plain")
 
 
 def _checkout_cpu_file() -> int | None:
