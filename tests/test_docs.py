@@ -129,3 +129,13 @@ def test_where_each_op_lives() -> None:
             assert source == (ROOT / impl_path).resolve(), (name, source)
     ops = {n for n in PUBLIC_OPS if not n.startswith(("quantize_", "dequantize_"))}
     assert listed == ops
+
+
+# docs/fused.md names files of the repository in backticks: each must exist.
+FUSED_DOC = (ROOT / "docs" / "fused.md").read_text()
+
+
+def test_fused_doc_names_existing_files() -> None:
+    paths = {p for p in re.findall(r"`((?:kernels|tests|configs|docs|bench)/[^`<>{}\s]*)`", FUSED_DOC)}
+    assert paths, "docs/fused.md names no file"
+    assert sorted(p for p in paths if not (ROOT / p).exists()) == []
