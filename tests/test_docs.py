@@ -139,3 +139,59 @@ def test_fused_doc_names_existing_files() -> None:
     paths = {p for p in re.findall(r"`((?:kernels|tests|configs|docs|bench)/[^`<>{}\s]*)`", FUSED_DOC)}
     assert paths, "docs/fused.md names no file"
     assert sorted(p for p in paths if not (ROOT / p).exists()) == []
+
+
+# docs/api.md's capability table: pattern x formats x backend rows, one cell per capability, each cell made of
+# "; "-separated parts that say yes / GPU only / no / n/a / untested; a part that says yes or GPU only names a test.
+CAPABILITIES = (
+    "gather_dim / scatter_dim",
+    "several weights",
+    "tuned tiles",
+    "Inductor pass",
+    "CUDA graphs",
+    "deterministic",
+)
+VALUES = ("yes", "GPU only", "no", "n/a", "untested")
+TEST_REF = re.compile(r"`(tests/[\w/]+\.py)::(\w+)(?:\[[^\]`]*\])?`")
+
+
+def _capability_section() -> str:
+    start = SECTION_1.index("### Capabilities by pattern, format and backend")
+    return SECTION_1[start:]
+
+
+def _capability_table() -> tuple[list[str], list[list[str]]]:
+    lines = [line for line in _capability_section().splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+    return header, rows
+
+
+def test_capability_table_covers_every_pattern_format_and_backend() -> None:
+    header, rows = _capability_table()
+    assert header == ["pattern", "formats", "backend", *CAPABILITIES]
+    keys = [tuple(row[:3]) for row in rows]
+    patterns = ("all-gather + GEMM", "GEMM + reduce-scatter", "GEMM + all-reduce")
+    want = [(p, f, b) for p in patterns for f in ("plain", "FP8", "int8") for b in ("sequential", "chunked", "fused")]
+    assert keys == want
+    notes = set(re.findall(r"^- \[(\w)\]", _capability_section(), flags=re.MULTILINE))
+    for row in rows:
+        assert len(row) == 3 + len(CAPABILITIES), row
+        for capability, cell in zip(CAPABILITIES, row[3:], strict=True):
+            where = (*row[:3], capability)
+            for part in cell.split("; "):
+                words = re.sub(r"`[^`]*`|\[\w\]", "", part)
+                said = [v for v in VALUES if re.search(rf"(^|[\s:]){re.escape(v)}($|[\s,])", words)]
+                assert said, (where, part)
+                if "yes" in said or "GPU only" in said:
+                    assert TEST_REF.search(part), ("names no test", where, part)
+            assert set(re.findall(r"\[(\w)\]", re.sub(r"`[^`]*`", "", cell))) <= notes, (where, cell)
+
+
+def test_capability_table_names_existing_tests() -> None:
+    refs = set(TEST_REF.findall(_capability_section()))
+    assert len(refs) > 10
+    for path, name in sorted(refs):
+        source = ROOT / path
+        assert source.is_file(), path
+        assert re.search(rf"^def {name}\(", source.read_text(), flags=re.MULTILINE), f"{path}::{name}"
