@@ -62,7 +62,9 @@ def coc_style(name: str, *, sequence_parallel: bool = False, fp8: Fp8Recipe | No
     if name == "rowwise":
         return CocRowwiseParallel(output_layouts=out, use_local_output=local, fp8=fp8)
     if name in ("rowwise_split_input", "rowwise_rep"):
-        return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate(), fp8=fp8)
+        # Under SP the residual it is added to is sequence-sharded: its output must be too (a plain replicated
+        # tensor beside a Shard(1) DTensor fails in the add).
+        return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=local, fp8=fp8)
     if name == "embedding_rowwise":
         return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=local)
     if name == "sequence_parallel":
