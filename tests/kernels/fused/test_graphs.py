@@ -30,8 +30,13 @@ from tests.kernels.fused.graph_replay import InterpretedGraph, new_graph
 CASES = (
     [("plain", op) for op in ("ag", "ag_v2", "rs", "ar_one", "ar_two")]
     + [("fp8:row", op) for op in ("ag", "rs", "ar_one", "ar_two")]
-    + [("fp8:block", "ag"), ("fp8:block", "ar_two"), ("fp8:tensor", "ar_one")]
-    + [("int8:per_channel:0", op) for op in ("ag_v2", "rs", "ar")]
+    + [("fp8:block", op) for op in ("ag", "rs", "ar_two")]
+    + [("fp8:tensor", op) for op in ("ag", "rs", "ar_one")]
+    + [
+        (f"int8:{layout}", op)
+        for layout in ("per_channel:0", "per_tensor:0", "per_group:8")
+        for op in ("ag_v2", "rs", "ar")
+    ]
 )
 Pair = tuple[torch.Tensor, Any]  # (x or weight payload, its scale or None)
 
@@ -60,7 +65,7 @@ def _inputs(
     if fmt.kind == "int8":
         from kernels.quant import quantize_weight
 
-        return [(x, None) for x in xs], [quantize_weight(w.float(), mode=fmt.mode) for w in ws], b
+        return [(x, None) for x in xs], [quantize_weight(w.float(), fmt.mode, fmt.group_size or None) for w in ws], b
     return [(x, None) for x in xs], [(w, None) for w in ws], b
 
 
