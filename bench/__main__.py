@@ -4,6 +4,7 @@ Examples::
 
     python -m bench --suite tiny                          # CPU smoke run, writes JSON + CSV (docs/bench.md: time)
     python -m bench --suite llama2-70b --world-sizes 8 --ops ag,rs --backends sequential,chunked4,fused
+    python -m bench --suite cpu --operand-formats plain,fp8:row,int8:per_group   # every op in other formats
     torchrun --nproc-per-node 8 -m bench --suite llama3-70b   # under torchrun: W = its world size
     python -m bench --mode single --suite llama2-70b --world-sizes 8   # single GPU: GEMM core, fixed costs
     PYTHONPATH=. python3 -m bench --mode gpu-check --out-dir bench/results   # a GPU machine's whole report
@@ -20,14 +21,15 @@ from typing import Any
 from bench import report
 from bench.suites import (
     BACKENDS,
-    DTYPE_BYTES,
     DTYPES,
+    FORMATS,
     OP_ALIASES,
     OPS,
     Case,
     list_suites,
     load_suite,
     parse_backend,
+    parse_format,
     parse_op,
 )
 
@@ -45,11 +47,12 @@ def _csv(kind: Any) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Benchmark all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce (and the "
-        "quantized all-reduce op when the kernels package has it) over shape suites, backends, "
-        "dtypes and world sizes. Each case is checked against the sequential backend before "
+        description="Benchmark all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce over shape "
+        "suites, backends, dtypes, world sizes and operand formats (plain, FP8, int8 weights: the scaled "
+        "and quantized op of each pattern). Each case is checked against the sequential backend before "
         "it is timed. Reports median and spread over repeats (max over ranks), TFLOP/s per "
-        "rank, the bare collective's bus bandwidth, speedup over sequential, and overlap "
+        "rank, the bare collective's bus bandwidth, speedup over the unfused baseline (sequential; "
+        "FP8: torch._scaled_mm + the collective), and overlap "
         "efficiency (t_gemm + t_comm - t_op) / min(t_gemm, t_comm). Beside each measurement "
         "it prints the performance model's PREDICTION (bench/model.py), labelled as a model.",
         epilog=(
@@ -109,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="LIST",
         help=f"comma list from {', '.join(DTYPES)} (default: the suite's)",
+    )
+    p.add_argument(
+        "--operand-formats",
+        type=_csv(parse_format),
+        default=None,
+        metavar="LIST",
+        help=f"comma list of operand formats from {', '.join(FORMATS)} (int8:per_group:<group size>; "
+        "default: the suite's format key, else plain); fp8: dtype is the output's",
     )
     p.add_argument(
         "--world-sizes",
@@ -214,6 +225,7 @@ def _select_cases(args: argparse.Namespace, world_override: int | None = None) -
             tokens=args.tokens,
             world_sizes=[world_override] if world_override else args.world_sizes,
             dtypes=args.dtypes,
+            formats=args.operand_formats,
         )
     valid = []
     for c in cases:
@@ -227,16 +239,17 @@ def _select_cases(args: argparse.Namespace, world_override: int | None = None) -
 
 
 def _filter_available_ops(cases: list[Case], skipped: list[dict]) -> list[Case]:
+    from bench.formats import public_op
     from bench.runner import has_op
 
     keep = []
     missing: set[str] = set()
     for c in cases:
-        if has_op(c.op):
+        if has_op(c):
             keep.append(c)
         else:
-            missing.add(c.op)
-            skipped.append({"case": c.label, "reason": f"kernels.{c.op} is not available in this build"})
+            missing.add(public_op(c))
+            skipped.append({"case": c.label, "reason": f"kernels.{public_op(c)} is not available in this build"})
     for op in sorted(missing):
         if os.environ.get("RANK", "0") == "0":  # under torchrun, say it once
             report.say(f"skipping {op}: kernels.{op} is not available in this build")
@@ -288,6 +301,7 @@ def _write(args: argparse.Namespace, doc: dict, records: list[dict], text: str, 
 
 def main_model(args: argparse.Namespace) -> int:
     from bench import model
+    from bench.runner import predict, roofline_gemm
 
     if not args.gpu:
         raise SystemExit(f"error: --mode model needs --gpu (one of {', '.join(model.known_generations())})")
@@ -297,25 +311,34 @@ def main_model(args: argparse.Namespace) -> int:
     backends = args.backends or defaults["backends"]
     if "sequential" not in backends:
         backends = ["sequential"] + backends
+    if any(c.kind == "fp8" for c in cases):
+        # FP8's unfused path is not its sequential backend (an fp32 reference); for the others the model's
+        # baseline is the sequential schedule.
+        backends = ["sequential", "baseline"] + [b for b in backends if b != "sequential"]
     records = []
     for c in cases:
-        gemm = model.GemmTimes(fallback=lambda m, k, n, d=c.dtype: spec.gemm_time(m, k, n, d))
-        preds = {
-            b: model.predict(c.op, b, c.world, c.gemm_shape, c.comm_elems, dtype=c.dtype, gemm_time=gemm, link=link)
-            for b in backends
-        }
-        seq = preds["sequential"]
+        preds = {b: predict(c, b, roofline_gemm(spec, c, b), link) for b in backends}
+        base = preds["baseline" if c.kind == "fp8" else "sequential"]
+        comm_bytes = model.comm_bytes(
+            c.op,
+            "baseline",
+            c.gemm_shape,
+            c.comm_elems,
+            "fp8" if c.kind == "fp8" else c.dtype,
+            fp8_mode=c.mode if c.kind == "fp8" else "block",
+            out_dtype=c.dtype,
+        )
         records.append(
             {
                 **c.to_dict(),
                 "label": c.label,
-                "model_gemm_ms": gemm(*c.gemm_shape) * 1e3,
-                "model_comm_ms": link.collective_time(c.collective, c.comm_elems * DTYPE_BYTES[c.dtype], c.world) * 1e3,
+                "model_gemm_ms": roofline_gemm(spec, c, "baseline")(*c.gemm_shape) * 1e3,
+                "model_comm_ms": link.collective_time(c.collective, comm_bytes, c.world) * 1e3,
                 "backends": [
                     {
                         "backend": b,
                         "model_ms": None if t is None else t * 1e3,
-                        "model_speedup": None if t is None else seq / t,
+                        "model_speedup": None if t is None or base is None else base / t,
                     }
                     for b, t in preds.items()
                 ],
@@ -324,7 +347,7 @@ def main_model(args: argparse.Namespace) -> int:
     head = (
         ["case (MODEL, not measured)", "gemm ms", "comm ms"]
         + [f"{b} ms" for b in backends]
-        + [f"{b} x" for b in backends if b != "sequential"]
+        + [f"{b} x" for b in backends if b not in ("sequential", "baseline")]
     )
     lines = [head]
     for r in records:
@@ -332,7 +355,7 @@ def main_model(args: argparse.Namespace) -> int:
         sp = [
             f"{b['model_speedup']:.2f}" if b["model_speedup"] is not None else "-"
             for b in r["backends"]
-            if b["backend"] != "sequential"
+            if b["backend"] not in ("sequential", "baseline")
         ]
         lines.append([r["label"], f"{r['model_gemm_ms']:.3f}", f"{r['model_comm_ms']:.3f}"] + ms + sp)
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -344,7 +367,8 @@ def main_model(args: argparse.Namespace) -> int:
     )
     text += (
         f"\n\nMODEL PREDICTIONS for {gen} (configs/links.yaml: datasheet bandwidths, assumed efficiencies "
-        "and latencies; GEMM time from a roofline, not measured). x = predicted speedup over sequential."
+        "and latencies; GEMM time from a roofline, not measured). x = predicted speedup over the unfused "
+        "baseline (sequential; FP8: the baseline, torch._scaled_mm + NCCL)."
     )
     print(text)
     doc = {

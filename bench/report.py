@@ -78,14 +78,21 @@ def metadata(device_type: str, argv: list[str], extra: dict[str, Any]) -> dict[s
     }
 
 
+def case_label(rec: dict[str, Any]) -> str:
+    """``layer/op M= W= dtype`` of a record, and its operand format unless plain."""
+    fmt = rec.get("format", "plain")
+    label = f"{rec['layer']}/{OP_SHORT[rec['op']]} M={rec['tokens']} W={rec['world']} {rec['dtype']}"
+    return label if fmt == "plain" else f"{label} {fmt}"
+
+
 def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
 def _overlap_cell(b: dict[str, Any], rec: dict[str, Any]) -> str:
-    """Sequential has nothing to overlap (blank); ``n/a`` where the figure has no meaning (CPU ranks,
-    world size 1, an untimed backend)."""
-    if b["backend"] == "sequential":
+    """The unfused paths (sequential, FP8's baseline) have nothing to overlap (blank); ``n/a`` where the
+    figure has no meaning (CPU ranks, world size 1, an untimed backend)."""
+    if b["backend"] in ("sequential", "baseline"):
         return ""
     return "n/a" if b.get("overlap_eff") is None else format(b["overlap_eff"], ".0%")
 
@@ -110,7 +117,7 @@ def table(records: list[dict[str, Any]], model_label: str | None) -> str:
         head += ["model ms", "model err"]
     lines = [head]
     for rec in records:
-        label = f"{rec['layer']}/{OP_SHORT[rec['op']]} M={rec['tokens']} W={rec['world']} {rec['dtype']}"
+        label = case_label(rec)
         for i, b in enumerate(rec["backends"]):
             status = b["status"] + ("*" if b.get("fallback") else "") + ("(i)" if b.get("interpreted") else "")
             ms = b.get("ms", {})
@@ -123,7 +130,7 @@ def table(records: list[dict[str, Any]], model_label: str | None) -> str:
                 _fmt(b.get("tflops"), ".3g"),
                 _fmt(b.get("speedup"), ".2f") + ("x" if b.get("speedup") else ""),
                 _overlap_cell(b, rec),
-                _fmt(rec["gemm_ms"][stat], ".3f") if i == 0 else "",
+                _fmt(rec["gemm_ms"][stat] if rec["gemm_ms"] else None, ".3f") if i == 0 else "",
                 _fmt(rec["comm_ms"][stat] if rec["comm_ms"] else None, ".3f") if i == 0 else "",
                 _fmt(rec["comm_busbw_GBps"], ".3g") if i == 0 else "",
             ]
@@ -145,6 +152,8 @@ def table(records: list[dict[str, Any]], model_label: str | None) -> str:
             "sequential, not timed (an interpreter's time is not a performance figure)"
         )
     for rec in records:
+        if rec.get("gemm_skipped"):
+            notes.append(f"{rec['label']}: bare GEMM not timed: {rec['gemm_skipped']}")
         for b in rec["backends"]:
             if b["status"] in ("skipped", "incorrect"):
                 notes.append(f"{rec['label']} {b['backend']}: {b['status']}: {b.get('reason', '')}".strip())
@@ -153,7 +162,9 @@ def table(records: list[dict[str, Any]], model_label: str | None) -> str:
     notes.append(
         "overlap = (t_gemm + t_comm - t_op) / min(t_gemm, t_comm), from the bare GEMM and bare "
         "collective timed alone (n/a on CPU, where both share the cores, at world 1 and when not timed); "
-        "speedup = t_sequential / t_op; times are the " + stat + " over repeats "
+        "speedup = t_baseline / t_op, the baseline being the unfused path (sequential; FP8: the baseline row, "
+        "torch._scaled_mm + the collective); gemm ms = the baseline's GEMM (F.linear; torch._scaled_mm; "
+        "int8: dequantize + F.linear); times are the " + stat + " over repeats "
         "(each repeat the max over ranks); spread = (p80 - p20) / median"
     )
     return "\n".join(out + [""] + notes)
@@ -186,10 +197,11 @@ def flat_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "n": rec["n"],
             "world": rec["world"],
             "dtype": rec["dtype"],
+            "format": rec.get("format", "plain"),
             "gemm_m": rec["gemm_shape"][0],
             "gemm_k": rec["gemm_shape"][1],
             "gemm_n": rec["gemm_shape"][2],
-            "gemm_ms": rec["gemm_ms"][stat],
+            "gemm_ms": rec["gemm_ms"][stat] if rec["gemm_ms"] else None,
             "gemm_tflops": rec["gemm_tflops"],
             "comm_ms": rec["comm_ms"][stat] if rec["comm_ms"] else None,
             "comm_bytes": rec["comm_bytes"],
@@ -244,7 +256,7 @@ def write_csv(path: str, records: list[dict[str, Any]], meta: dict[str, Any]) ->
 
 
 def write_plot(path: str, records: list[dict[str, Any]], title: str) -> str | None:
-    """Speedup over sequential per case and backend. Returns why it was skipped, or None."""
+    """Speedup over the unfused baseline per case and backend. Returns why it was skipped, or None."""
     try:
         import matplotlib
 
@@ -252,8 +264,13 @@ def write_plot(path: str, records: list[dict[str, Any]], title: str) -> str | No
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib, or the package's [plot] extra)"
-    labels = [f"{r['layer']}/{OP_SHORT[r['op']]}\nM={r['tokens']} W={r['world']}" for r in records]
-    backends = sorted({b["backend"] for r in records for b in r["backends"] if b["backend"] != "sequential"})
+    labels = [
+        f"{r['layer']}/{OP_SHORT[r['op']]}\nM={r['tokens']} W={r['world']}"
+        + ("" if r.get("format", "plain") == "plain" else f"\n{r['format']}")
+        for r in records
+    ]
+    unfused = ("sequential", "baseline")
+    backends = sorted({b["backend"] for r in records for b in r["backends"] if b["backend"] not in unfused})
     if not records or not backends:
         return "nothing to plot (no backend besides sequential)"
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(records) * max(1, len(backends)) / 2), 4.5))
@@ -267,7 +284,7 @@ def write_plot(path: str, records: list[dict[str, Any]], title: str) -> str | No
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + width * (len(backends) - 1) / 2 for i in range(len(records))])
     ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("speedup over sequential (measured)")
+    ax.set_ylabel("speedup over the unfused baseline (measured)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,20 +1,28 @@
 """Shape suites (``configs/bench/*.yaml``) and the benchmark cases they expand to.
 
 A suite names tensor-parallel linear layers by their GLOBAL dims (``k`` in, ``n`` out) and lists
-token counts ``M`` (rows across the TP group), world sizes and dtypes. Each (layer, op, M, W, dtype)
-becomes one :class:`Case` whose per-rank shapes follow the op's contract (docs/api.md section 1):
+token counts ``M`` (rows across the TP group), world sizes, dtypes and operand formats (``format:``,
+default ``plain``). Each (layer, op, M, W, dtype, format) becomes one :class:`Case` whose per-rank
+shapes follow the op's contract (docs/api.md section 1):
 
 * ``all_gather_matmul`` (column parallel, sequence parallel): x ``[M / W, k]``, weight ``[n / W, k]``;
   the local GEMM is ``[M, k] x [k, n / W]`` and the collective gathers ``M x k`` elements.
 * ``matmul_reduce_scatter`` / ``matmul_all_reduce`` / ``quantized_matmul_all_reduce`` (row
   parallel): x ``[M, k / W]``, weight ``[n, k / W]``; the local GEMM is ``[M, k / W] x [k / W, n]`` and
   the collective reduces ``M x n`` elements.
+
+An op names a communication pattern; the format picks which public function of that pattern runs
+(docs/api.md section 1, "Operand formats"): ``plain`` (``all_gather_matmul`` ...), ``fp8:<mode>``
+(``all_gather_scaled_matmul`` ...; ``dtype`` is then the output dtype) or ``int8:<mode>``
+(``quantized_all_gather_matmul`` ...; ``dtype`` is x's). The op name ``quantized_matmul_all_reduce``
+(``qar``) of older suites stays accepted: it is ``matmul_all_reduce`` in ``int8:per_channel``,
+whatever the suite's formats.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import yaml
@@ -39,27 +47,82 @@ OP_COLLECTIVE = {
     "matmul_all_reduce": "all_reduce",
     "quantized_matmul_all_reduce": "all_reduce",
 }
+# Operand formats (bench.formats): plain, fp8:<mode>, int8:<mode>[:<group size>].
+FP8_MODES = ("tensor", "row", "block")
+INT8_MODES = ("per_tensor", "per_channel", "per_group")
+DEFAULT_GROUP_SIZE = 128  # int8:per_group without a size
+FORMATS = ("plain",) + tuple(f"fp8:{m}" for m in FP8_MODES) + tuple(f"int8:{m}" for m in INT8_MODES)
+# The fixed-format op name older suites use, and the (op, format) it stands for.
+QUANTIZED_OPS = {"quantized_matmul_all_reduce": ("matmul_all_reduce", "int8:per_channel")}
 DTYPES = ("fp32", "fp16", "bf16")
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 BACKENDS = ("sequential", "chunked1", "chunked2", "chunked4", "chunked8", "fused")
 DEFAULT_BACKENDS = ("sequential", "chunked2", "chunked4", "chunked8", "fused")
 
-_SUITE_KEYS = {"name", "description", "tokens", "world_sizes", "dtypes", "backends", "warmup", "repeats", "layers"}
+_SUITE_KEYS = {
+    "name",
+    "description",
+    "tokens",
+    "world_sizes",
+    "dtypes",
+    "format",
+    "backends",
+    "warmup",
+    "repeats",
+    "layers",
+}
 _LAYER_KEYS = {"name", "op", "k", "n"}
+
+
+def parse_format(text: str) -> str:
+    """A format as the suites and ``--operand-formats`` spell it -> its canonical name (``plain``,
+    ``fp8:block``, ``int8:per_channel``, ``int8:per_group:128``); ValueError naming what is accepted."""
+    parts = str(text).strip().split(":")
+    kind, mode, rest = parts[0], parts[1] if len(parts) > 1 else None, parts[2:]
+    if kind == "plain" and mode is None:
+        return "plain"
+    if kind == "fp8" and mode in FP8_MODES and not rest:
+        return f"fp8:{mode}"
+    if kind == "int8" and mode in INT8_MODES and not rest:
+        return f"int8:per_group:{DEFAULT_GROUP_SIZE}" if mode == "per_group" else f"int8:{mode}"
+    if kind == "int8" and mode == "per_group" and len(rest) == 1 and rest[0].isdigit() and int(rest[0]) > 0:
+        return f"int8:per_group:{int(rest[0])}"
+    raise ValueError(
+        f"unknown format {text!r}; accepted: {', '.join(FORMATS)} (int8:per_group:<group size>, "
+        f"default {DEFAULT_GROUP_SIZE})"
+    )
 
 
 @dataclass(frozen=True)
 class Case:
-    """One op at one global shape, world size and dtype; timed for every selected backend."""
+    """One op at one global shape, world size, dtype and operand format; timed for every selected backend."""
 
     suite: str
     layer: str
-    op: str
+    op: str  # the pattern's plain op name (OPS); the format picks the public function
     tokens: int  # M: rows across the TP group
     k: int  # global in-features
     n: int  # global out-features
     world: int
-    dtype: str
+    dtype: str  # plain: x's dtype; fp8: the output's; int8: x's
+    fmt: str = "plain"  # canonical format name (parse_format)
+
+    @property
+    def kind(self) -> str:
+        """``plain``, ``fp8`` or ``int8``."""
+        return self.fmt.split(":")[0]
+
+    @property
+    def mode(self) -> str | None:
+        """The FP8 scaling mode or the int8 scale layout (None for plain)."""
+        parts = self.fmt.split(":")
+        return parts[1] if len(parts) > 1 else None
+
+    @property
+    def group_size(self) -> int | None:
+        """int8 per_group columns per scale, else None."""
+        parts = self.fmt.split(":")
+        return int(parts[2]) if len(parts) > 2 else None
 
     @property
     def row_parallel(self) -> bool:
@@ -102,7 +165,8 @@ class Case:
 
     @property
     def label(self) -> str:
-        return f"{self.suite}/{self.layer}/{OP_SHORT[self.op]} M={self.tokens} W={self.world} {self.dtype}"
+        fmt = "" if self.fmt == "plain" else f" {self.fmt}"
+        return f"{self.suite}/{self.layer}/{OP_SHORT[self.op]} M={self.tokens} W={self.world} {self.dtype}{fmt}"
 
     def invalid_reason(self) -> str | None:
         """Why this case cannot run (shapes not divisible by W), or None."""
@@ -117,6 +181,7 @@ class Case:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["format"] = d.pop("fmt")
         d.update(
             x_shape=list(self.x_shape),
             w_shape=list(self.w_shape),
@@ -134,6 +199,7 @@ class Suite:
     world_sizes: list[int]
     dtypes: list[str]
     layers: list[dict[str, Any]]
+    formats: list[str] = field(default_factory=lambda: ["plain"])
     backends: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
     warmup: int | None = None
     repeats: int | None = None
@@ -146,16 +212,24 @@ class Suite:
         tokens: list[int] | None = None,
         world_sizes: list[int] | None = None,
         dtypes: list[str] | None = None,
+        formats: list[str] | None = None,
     ) -> list[Case]:
-        out = []
+        """Every (world, dtype, format, M, layer, op) of the suite, or of the axes given instead; ``ops``
+        filters by the names the layers list (``quantized_matmul_all_reduce`` selects its int8 cases)."""
+        out: list[Case] = []
         for world in world_sizes or self.world_sizes:
             for dtype in dtypes or self.dtypes:
-                for m in tokens or self.tokens:
-                    for layer in self.layers:
-                        for op in layer["op"]:
-                            if ops is not None and op not in ops:
-                                continue
-                            out.append(Case(self.name, layer["name"], op, m, layer["k"], layer["n"], world, dtype))
+                for fmt in formats or self.formats:
+                    for m in tokens or self.tokens:
+                        for layer in self.layers:
+                            for op in layer["op"]:
+                                if ops is not None and op not in ops:
+                                    continue
+                                pattern, case_fmt = QUANTIZED_OPS.get(op, (op, fmt))
+                                case = Case(self.name, layer["name"], pattern, m, layer["k"], layer["n"], world, dtype)
+                                case = replace(case, fmt=case_fmt)
+                                if case not in out:  # a fixed-format op runs once, not once per format
+                                    out.append(case)
         return out
 
 
@@ -221,6 +295,15 @@ def load_suite(name_or_path: str) -> Suite:
         if d not in DTYPES:
             raise ValueError(f"{where}: dtype {d!r} not in {DTYPES}")
     backends = [parse_backend(b) for b in raw.get("backends", DEFAULT_BACKENDS)]
+    raw_formats = raw.get("format", ["plain"])
+    if not isinstance(raw_formats, list):
+        raw_formats = [raw_formats]
+    if not raw_formats:
+        raise ValueError(f"{where}: format must be a format or a non-empty list of them")
+    try:
+        formats = [parse_format(f) for f in raw_formats]
+    except ValueError as e:
+        raise ValueError(f"{where}: format: {e}") from e
     layers = []
     if not isinstance(raw["layers"], list) or not raw["layers"]:
         raise ValueError(f"{where}: layers must be a non-empty list")
@@ -243,6 +326,7 @@ def load_suite(name_or_path: str) -> Suite:
         world_sizes=_positive_ints(raw["world_sizes"], "world_sizes", where),
         dtypes=list(dtypes),
         layers=layers,
+        formats=formats,
         backends=backends,
         warmup=raw.get("warmup"),
         repeats=raw.get("repeats"),

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from bench.runner import check_backend, magnitude_bound, make_inputs, op_call
+from bench.runner import Reference, check_backend, magnitude_bound, make_inputs, op_call
 from bench.suites import Case
 from bench.timing import Timer
 from kernels.testing import REPO_ROOT
@@ -143,6 +143,33 @@ def test_model_mode_predicts_without_measuring(tmp_path):
     assert r.returncode != 0 and "--gpu" in r.stderr
 
 
+def test_operand_formats_run_through_the_same_runner(tmp_path):
+    """FP8 cases get the unfused baseline row (torch._scaled_mm + the collective) and are checked with the FP8
+    bounds; a mode this torch's _scaled_mm refuses (block on CPU) skips the baseline with torch's message and
+    still checks the ops."""
+    args = ["--suite", "tiny", "--operand-formats", "fp8:tensor,fp8:block", "--ops", "ag,ar", "--world-sizes", "2"]
+    r = _bench(args + ["--backends", "sequential,fused", "--repeats", "1", "--warmup", "0", "--no-progress"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = json.loads((tmp_path / "out.json").read_text())["records"]
+    assert sorted((rec["op"], rec["format"]) for rec in records) == [
+        ("all_gather_matmul", "fp8:block"),
+        ("all_gather_matmul", "fp8:tensor"),
+        ("matmul_all_reduce", "fp8:block"),
+        ("matmul_all_reduce", "fp8:tensor"),
+    ]
+    for rec in records:
+        status = {b["backend"]: b["status"] for b in rec["backends"]}
+        assert list(status) == ["sequential", "baseline", "fused"], rec
+        assert status["sequential"] == status["fused"] == "ok", rec
+        baseline = next(b for b in rec["backends"] if b["backend"] == "baseline")
+        if rec["format"] == "fp8:tensor":
+            assert baseline["status"] == "ok" and baseline["speedup"] == 1.0, baseline
+        else:
+            assert baseline["status"] == "skipped" and "cannot run block scales" in baseline["reason"], baseline
+            assert "cannot run block scales" in rec["gemm_skipped"]
+    assert "fp8:tensor" in r.stdout and "speedup = t_baseline / t_op" in r.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU skip message")
 def test_single_mode_skips_cleanly_on_cpu(tmp_path):
     r = _bench(["--mode", "single"], tmp_path)
@@ -172,28 +199,38 @@ def test_single_mode_code_path_on_cpu(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     records = json.loads((tmp_path / "out.json").read_text())["records"]
-    shapes = {tuple(rec["gemm_shape"]): rec for rec in records}
-    assert set(shapes) == {(40, 96, 80), (40, 96, 160), (40, 192, 80)}
-    for (_m, _k, n), rec in shapes.items():
-        assert rec["core_correct"] is True
-        # fp32 rows are 128-byte aligned at multiples of 32 elements: n = 80 is padded, 160 is not.
-        assert ("soc_speedup" in rec) == (n % 32 != 0) and rec.get("soc_correct", True) is True
+    shapes = {(tuple(rec["gemm_shape"]), rec["format"]): rec for rec in records}
+    assert len(shapes) == len(records)
+    # The tiny suite's quantized_matmul_all_reduce is matmul_all_reduce with int8 per-channel weights.
+    plain = {(40, 96, 80), (40, 96, 160), (40, 192, 80)}
+    int8 = {(40, 96, 80), (40, 192, 80)}
+    assert set(shapes) == {(s, "plain") for s in plain} | {(s, "int8:per_channel") for s in int8}
+    for ((_m, _k, n), fmt), rec in shapes.items():
+        assert rec["core_correct"] is True and "torch_ms" in rec, rec
+        # The padded GEMM is timed on plain records only: int8's library GEMM multiplies the dequantized
+        # weight in x's dtype, the same F.linear as the plain record of its shape. fp32 rows are 128-byte
+        # aligned at multiples of 32 elements: n = 80 is padded, 160 is not.
+        assert ("soc_speedup" in rec) == (fmt == "plain" and n % 32 != 0), rec
+        assert rec.get("soc_correct", True) is True
         for row in rec["ops"]:
             assert {"fused_ms", "chunked4_ms", "sequential_ms"} <= set(row), row
+    assert [row["op"] for row in shapes[((40, 192, 80), "int8:per_channel")]["ops"]] == ["matmul_all_reduce"]
     assert "soc pad speed" in r.stdout
 
 
-def test_correctness_gate_flags_a_wrong_result():
-    case = Case("t", "l", "matmul_all_reduce", 37, 24, 19, 1, "fp32")
+@pytest.mark.parametrize("fmt", ["plain", "int8:per_channel", "fp8:row"])
+def test_correctness_gate_flags_a_wrong_result(fmt):
+    case = Case("t", "l", "matmul_all_reduce", 37, 24, 19, 1, "fp32", fmt)
     timer = Timer(torch.device("cpu"))
     inputs = make_inputs(case, 0, 0, torch.device("cpu"))
-    ref = op_call(case, "sequential", inputs)()
-    magnitude = magnitude_bound(case, inputs, 0, 1)
-    assert check_backend(case, "chunked4", inputs, ref, magnitude, timer)["status"] == "ok"
-    # 1e-4 relative is far above the fp32 bound at k = 24 (about 60 eps32 of the magnitude).
-    bad = check_backend(case, "chunked4", inputs, ref * (1 + 1e-4), magnitude, timer)
-    assert bad["status"] == "incorrect" and "exceeds twice the tolerance bound" in bad["reason"], bad
-    unknown = check_backend(case, "chunked3", inputs, ref, magnitude, timer)
+    reference = Reference(op_call(case, "sequential", inputs)(), magnitude_bound(case, inputs, 0, 1))
+    assert check_backend(case, "chunked4", inputs, reference=reference, timer=timer)["status"] == "ok"
+    # 1e-4 relative is far above the fp32 bounds at k = 24 (plain / int8: about 60 eps32 of the magnitude;
+    # FP8 with fp32 accumulation and output: gamma(k + 3, 2**-24) of it, twice).
+    wrong = Reference(reference.out * (1 + 1e-4), reference.magnitude)
+    bad = check_backend(case, "chunked4", inputs, reference=wrong, timer=timer)
+    assert bad["status"] == "incorrect" and "exceeds the bound" in bad["reason"], bad
+    unknown = check_backend(case, "chunked3", inputs, reference=reference, timer=timer)
     assert unknown["status"] == "skipped" and "3" in unknown["reason"]
 
 

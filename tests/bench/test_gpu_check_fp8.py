@@ -1,27 +1,36 @@
-"""gpu-check's FP8 parts on CPU: the speed section's FP8 rows (shapes, order, budget, failures, report) and
-the gpu-marked FP8 tests' place in the pytest run (collected by ``-m gpu``, ordered by the plugin)."""
+"""gpu-check's FP8 parts on CPU: the speed section's FP8 rows (bench.single's records of the fp8 formats:
+shapes, order, budget, failures, report) and the gpu-marked FP8 tests' place in the pytest run (collected
+by ``-m gpu``, ordered by the plugin)."""
 
 import os
 import time
 
 import pytest
 
-from bench import fp8_speed, gpu_check_speed
+from bench import gpu_check_speed
 from bench.runner import RunOptions
 from kernels.testing import REPO_ROOT
+
+
+def _fp8_cases(cuda: bool) -> list:
+    return [c for c in gpu_check_speed.cases(cuda) if c.kind == "fp8"]
 
 
 def test_fp8_speed_cases_are_llama70b_tp8_local_gemms_block_first():
     from bench.suites import load_suite
 
     suite = {(c.layer, c.op): c.gemm_shape for c in load_suite("llama3-70b").cases(tokens=[8192], world_sizes=[8])}
-    cases = fp8_speed.cases(cuda=True)
-    assert [c.mode for c in cases] == ["block", "block", "row", "tensor"]
+    cases = _fp8_cases(cuda=True)
+    assert [(c.fmt, c.layer, c.op) for c in cases] == [
+        ("fp8:block", "qkv", "all_gather_matmul"),
+        ("fp8:block", "fc2", "matmul_reduce_scatter"),
+        ("fp8:block", "fc2", "matmul_all_reduce"),
+        ("fp8:row", "qkv", "all_gather_matmul"),
+        ("fp8:tensor", "qkv", "all_gather_matmul"),
+    ]
     for c in cases:
-        layer = c.label.split("/")[1].split()[0]
-        for op in c.ops:
-            assert (c.m, c.k, c.n) == suite[(layer, op)], (c, op)
-    assert all(c.m * c.k * c.n < 2**20 for c in fp8_speed.cases(cuda=False))  # CPU: the code path only
+        assert c.gemm_shape == suite[(c.layer, c.op)] and c.dtype == "bf16" and c.world == 8, c
+    assert all(c.flops < 2**21 for c in _fp8_cases(cuda=False))  # CPU: the code path only
 
 
 class _FakeLaunch:
@@ -32,7 +41,7 @@ class _FakeLaunch:
         self.fail_fp8 = fail_fp8
 
     def __call__(self, fn, device_type, timeout_s, work, opts):
-        if fn is fp8_speed.run_fp8_single:
+        if work[0].kind == "fp8":
             self.calls.append(("fp8", work[0].mode))
             if self.fail_fp8:
                 raise RuntimeError("no FP8 here")
@@ -56,15 +65,16 @@ def test_speed_section_runs_bf16_then_fp8_then_fp16(monkeypatch):
     kinds = [k for k, _ in fake.calls]
     first_fp8, last_fp8 = kinds.index("fp8"), len(kinds) - 1 - kinds[::-1].index("fp8")
     assert set(kinds[:first_fp8]) == {"bf16"} and set(kinds[last_fp8 + 1 :]) == {"fp16"}
+    # One run per GEMM shape: fc2's reduce-scatter and all-reduce share theirs.
     assert [mode for k, mode in fake.calls if k == "fp8"] == ["block", "block", "row", "tensor"]
 
 
 def test_speed_section_past_its_deadline_lists_fp8_rows_as_not_timed(monkeypatch):
     items = _run_speed(monkeypatch, 5, fake := _FakeLaunch())  # under the 10 s a shape needs
     assert fake.calls == []
-    groups = len({c.gemm_shape + (c.dtype,) for c in gpu_check_speed.cases(True)})
+    groups = len({c.gemm_shape + (c.dtype, c.fmt) for c in gpu_check_speed.cases(True)})
     (skip,) = items
-    assert skip["status"] == "skip" and skip["detail"] == f"{groups + len(fp8_speed.cases(True))} (no time)"
+    assert skip["status"] == "skip" and skip["detail"] == f"{groups} (no time)"
 
 
 def test_fp8_row_that_fails_is_reported_and_later_rows_still_run(monkeypatch):
@@ -75,46 +85,55 @@ def test_fp8_row_that_fails_is_reported_and_later_rows_still_run(monkeypatch):
     assert fake.calls[-1][0] == "fp16"
 
 
+# A bench.single.run_single record of an FP8 shape (what the speed section reads).
 _RECORD = {
-    "case": "llama3-70b/fc2 M=8192",
-    "mode": "block",
     "gemm_shape": [8192, 3584, 8192],
-    "shape": "fp8-block llama3-70b/fc2 M=8192 gemm [8192, 3584, 8192]",
-    "scaled_mm_ms": {"median": 0.4},
-    "core_ms": 0.5,
+    "dtype": "bf16",
+    "format": "fp8:block",
+    "flops": 2 * 8192 * 3584 * 8192,
+    "library": "torch._scaled_mm",
+    "torch_ms": {"median": 0.4},
+    "torch_tflops": 2 * 8192 * 3584 * 8192 / 0.4e-3 / 1e12,
+    "core": "kernels.fused.matmul.gemm",
+    "core_correct": True,
+    "core_ms": {"median": 0.5},
     "core_tflops": 962.0,
-    "core_vs_scaled_mm": 0.8,
+    "core_vs_torch": 0.8,
     "ops": [
         {
             "op": "matmul_reduce_scatter",
-            "fused_ms": 0.52,
-            "fused_over_scaled_mm": 1.3,
+            "fused_ms": {"median": 0.52},
+            "fused_over_gemm": 1.3,
             "fused_over_core": 1.04,
-            "model_tp8_ms": {"baseline": 0.7, "fused": 0.8},
+            "model_ms": {"world": 8, "baseline": 0.7, "fused": 0.8},
         },
-        {"op": "matmul_all_reduce", "skipped": "the dispatcher did not run the fused kernel: why"},
+        {"op": "matmul_all_reduce", "fused_skipped": "the dispatcher did not run the fused kernel: why"},
     ],
 }
+_SHAPE = "fp8-block llama3-70b/fc2 M=8192 gemm [8192, 3584, 8192]"
 
 
 def test_fp8_record_becomes_items_table_and_summary():
-    items = fp8_speed.items(_RECORD)
+    items = gpu_check_speed.speed_items(_RECORD, "llama3-70b/fc2 M=8192")
     assert [(it["status"], it.get("kind")) for it in items] == [
         ("pass", "fp8_core"),
         ("pass", "fp8_fused_w1"),
         ("skip", None),
     ]
-    assert "core/_scaled_mm speed 0.800x" in items[0]["detail"]
+    assert items[0]["name"] == f"fp8 core {_SHAPE}" and "core/_scaled_mm speed 0.800x" in items[0]["detail"]
     assert items[0]["scaled_mm_tflops"] == pytest.approx(2 * 8192 * 3584 * 8192 / 0.4e-3 / 1e12)
-    assert "MODEL, not measured" in items[1]["detail"] and "0.700 ms" in items[1]["detail"]
+    assert "MODEL, not measured" in items[1]["detail"] and "TP8" in items[1]["detail"]
+    assert "0.700 ms" in items[1]["detail"]
     table = "\n".join(gpu_check_speed.table(items))
     assert "MODEL TP8 ms" in table and "nothing at TP8 was measured" in table
-    assert f"| {_RECORD['shape']} | 1203 | 962 | 0.800 | rs 1.300 | rs 0.700 / 0.800 |" in table
+    assert f"| {_SHAPE} | 1203 | 962 | 0.800 | rs 1.300 | rs 0.700 / 0.800 |" in table
     assert "cuBLAS TFLOP/s" not in table  # FP8 rows stay out of the bf16 table
     line = gpu_check_speed.summary(items)
     assert "FP8 core/_scaled_mm min 0.80x" in line and "FP8 fused W=1 / _scaled_mm max 1.300" in line
-    broken = dict(_RECORD, core_error="FP8 core differs", scaled_mm_skipped="cannot run block scales", ops=[])
-    assert [(it["status"], it["name"].split()[0]) for it in fp8_speed.items(broken)] == [
+    broken = dict(_RECORD, core_correct=False, torch_skipped="cannot run block scales", ops=[])
+    for key in ("torch_ms", "torch_tflops", "core_ms", "core_tflops", "core_vs_torch"):
+        broken.pop(key)
+    assert [(it["status"], it["name"].split()[0]) for it in gpu_check_speed.speed_items(broken, "x")] == [
         ("skip", "torch._scaled_mm"),
         ("fail", "fp8"),
     ]
@@ -125,14 +144,16 @@ def test_fp8_speed_rows_fused_on_cpu():
     the FP8 core and the fused all-reduce at world 1, each checked before it is timed."""
     import torch
 
-    items: list[dict] = []
+    from bench import launch
+    from bench.single import run_single
+
     opts = RunOptions(backends=[], warmup=0, repeats=1, seed=0, progress=False)
-    (case,) = fp8_speed.cases(cuda=False)
+    (case,) = _fp8_cases(cuda=False)
     # run_in_process sets a rank's thread count and environment in this process: restored after.
     threads = torch.get_num_threads()
     saved = {name: os.environ.get(name) for name in ("OMP_NUM_THREADS", "TRITON_INTERPRET")}
     try:
-        gpu_check_speed.run_fp8("cpu", 300, case, opts, items.append)
+        res = launch.run_in_process(run_single, "cpu", 300, [case], opts)
     finally:
         torch.set_num_threads(threads)
         for name, value in saved.items():
@@ -140,19 +161,27 @@ def test_fp8_speed_rows_fused_on_cpu():
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+    (rec,) = res["records"]
+    items = gpu_check_speed.speed_items(rec, "tiny/out M=16")
     assert [(it["status"], it.get("kind")) for it in items] == [("pass", "fp8_core"), ("pass", "fp8_fused_w1")], items
     assert items[0]["core_vs_scaled_mm"] > 0 and items[1]["ratio"] > 0
+    assert items[0]["name"] == "fp8 core fp8-row tiny/out M=16 gemm [16, 128, 16]"
 
 
 def test_scaled_mm_block_layouts_are_tried_until_one_is_right():
     import torch
 
+    from bench import formats
+
     xs, ws = torch.rand(4, 3) + 1, torch.rand(2, 3) + 1
-    layouts = fp8_speed.scaled_mm_layouts("block", xs, ws)
+    layouts = formats.scaled_mm_layouts("block", xs, ws)
     assert len(layouts) == len({(a.shape, a.stride(), b.shape, b.stride()) for a, b in layouts})
     assert all(torch.equal(a, xs) for a, _ in layouts)
-    assert fp8_speed.scaled_mm_layouts("row", xs[:, :1], ws[:, :1])[0][1].shape == (1, 2)
-    assert fp8_speed.rel_error(torch.ones(3) * 1.001, torch.ones(3)) == pytest.approx(1e-3, rel=1e-3)
+    assert formats.scaled_mm_layouts("row", xs[:, :1], ws[:, :1])[0][1].shape == (1, 2)
+    # CPU torch runs rowwise and tensorwise scales; blockwise ones it refuses, and says so.
+    assert formats.scaled_mm_layout("row", torch.bfloat16, "cpu") == 0
+    with pytest.raises(formats.Unsupported, match="cannot run block scales"):
+        formats.scaled_mm_layout("block", torch.bfloat16, "cpu")
 
 
 def test_fp8_gpu_tests_are_collected_by_gpu_check_and_ordered_after_the_bf16_ops():

@@ -63,6 +63,31 @@ def test_op_and_backend_names():
         suites.parse_backend("chunked3")
 
 
+def test_operand_formats_parse_expand_and_refuse_by_name(tmp_path):
+    assert suites.parse_format(" fp8:row ") == "fp8:row"
+    assert suites.parse_format("int8:per_group") == f"int8:per_group:{suites.DEFAULT_GROUP_SIZE}"
+    c = Case("s", "l", "matmul_all_reduce", 8, 64, 8, 2, "bf16", suites.parse_format("int8:per_group:32"))
+    assert (c.kind, c.mode, c.group_size) == ("int8", "per_group", 32) and c.label.endswith("bf16 int8:per_group:32")
+    assert c.to_dict()["format"] == "int8:per_group:32"
+    for bad in ("fp8", "fp8:rows", "int8:per_group:0", "plain:x", "bf16"):
+        with pytest.raises(ValueError, match="accepted: plain, fp8:tensor"):
+            suites.parse_format(bad)
+    p = tmp_path / "f.yaml"
+    layers = "layers: [{name: a, op: [ag, qar], k: 8, n: 8}]\n"
+    p.write_text("name: f\ntokens: [8]\nworld_sizes: [2]\ndtypes: [fp32]\nformat: [plain, fp8:row]\n" + layers)
+    got = [(c.op, c.fmt) for c in load_suite(str(p)).cases()]
+    # qar is matmul_all_reduce in int8:per_channel whatever the suite's formats: once, not once per format.
+    assert got == [
+        ("all_gather_matmul", "plain"),
+        ("matmul_all_reduce", "int8:per_channel"),
+        ("all_gather_matmul", "fp8:row"),
+    ]
+    assert [c.fmt for c in load_suite(str(p)).cases(formats=["fp8:tensor"])] == ["fp8:tensor", "int8:per_channel"]
+    p.write_text("name: f\ntokens: [8]\nworld_sizes: [2]\ndtypes: [fp32]\nformat: fp4\n" + layers)
+    with pytest.raises(ValueError, match="format: unknown format 'fp4'"):
+        load_suite(str(p))
+
+
 def test_stats_quantiles_match_numpy_linear():
     s = Stats.of([5.0, 1.0, 3.0, 2.0, 4.0])
     assert (s.median, s.min, s.max, s.n) == (3.0, 1.0, 5.0, 5)

@@ -420,3 +420,15 @@ def test_cpu_run_writes_into_out_dir_never_into_configs(tmp_path):
     assert _checkout_cpu_file() == before
     with pytest.raises(ValueError, match="out_dir: a CPU run of the tuner needs one"):
         tune.run(None, allow_cpu=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU torch's _scaled_mm: rowwise and tensorwise only")
+def test_fp8_baseline_is_scaled_mm_where_torch_runs_the_mode():
+    """The FP8 baseline is torch._scaled_mm in the layout bench.formats picks, checked against the reference;
+    a mode torch refuses (block scales on CPU) leaves the entry without one."""
+    shape = tune.TuneShape("s", 64, 48, 256, ("matmul",))
+    for mode, has_baseline in (("row", True), ("tensor", True), ("block", False)):
+        problem = tune._problem(tune.Case(fp8(mode), torch.float8_e4m3fn), shape, torch.device("cpu"))
+        assert (problem.baseline is not None) == has_baseline, mode
+        if has_baseline:
+            assert problem.check(problem.baseline()) is None, mode
