@@ -33,7 +33,7 @@ FP8 (``dtype="fp8"``, :func:`comm_bytes`, :meth:`GpuSpec.gemm_time`): the GEMM r
 of links.yaml (twice bf16's on Hopper) with 1-byte operands; an all-gather moves 1 byte per element
 plus the fp32 scales of the rows it moves (block: ``rows * ceil(k / 128) * 4`` bytes), half of bf16's
 payload. The reducing ops do not halve: the baseline reduces its ``out_dtype`` output, and this
-package's FP8 backends reduce fp32 partials so that the result is rounded once (docs/fused_fp8.md):
+package's FP8 backends reduce fp32 partials so that the result is rounded once (docs/fused.md, "Operand formats"):
 twice bf16's bytes. Its ``sequential`` and ``chunked`` FP8 backends are references that multiply
 dequantized fp32 operands; pass them an fp32 GEMM time. Quantizing the inputs is not modelled
 (inputs arrive quantized), nor is the fused kernel's per-128-k promotion.
