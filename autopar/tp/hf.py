@@ -69,9 +69,15 @@ def coc_style(name: str, *, sequence_parallel: bool = False, fp8: Fp8Recipe | No
         return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=local)
     if name == "sequence_parallel":
         return CocSequenceParallel(sequence_dim=SEQ_DIM, use_local_output=local)
+    if name == "replicated_with_grad_allreduce":
+        # Qwen3's q / k norms, on this rank's heads (a plain local tensor in both modes): replicated weights whose
+        # gradient on each rank covers its own heads only, summed over the mesh in the backward (the same sum
+        # CocSequenceParallel makes over each rank's rows).
+        return CocSequenceParallel(sequence_dim=SEQ_DIM, use_local_output=True)
     raise ValueError(
         f"tp_plan style {name!r} has no CoC equivalent; supported: colwise, colwise_gather_output, colwise_rep, "
-        "packed_colwise[:blocks], rowwise, rowwise_split_input, rowwise_rep, embedding_rowwise, sequence_parallel"
+        "packed_colwise[:blocks], rowwise, rowwise_split_input, rowwise_rep, embedding_rowwise, sequence_parallel, "
+        "replicated_with_grad_allreduce"
     )
 
 
@@ -91,9 +97,19 @@ def hf_plan_strings(model: nn.Module, *, sequence_parallel: bool = False) -> dic
     if sequence_parallel:
         plan.update(_SP_EXTRA.get(_model_type(model) or "", {}))
         for name, module in model.named_modules():
-            if _is_norm(module) and not any(_matches(name, key) for key in plan):
+            if _is_norm(module) and not any(_matches(name, key) for key in plan) and not _beside_linears(name, plan):
                 plan[name] = "sequence_parallel"
     return plan
+
+
+def _beside_linears(name: str, plan: dict[str, str]) -> bool:
+    """Whether module ``name`` sits beside sharded linears (OLMo's q / k norms in the attention): its input is
+    their output, not the sequence-sharded residual stream, so it is no sequence-parallel norm."""
+    parent = name.rpartition(".")[0]
+    return any(
+        style.startswith(("colwise", "rowwise", "packed")) and _matches(parent, key.rpartition(".")[0])
+        for key, style in plan.items()
+    )
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -247,12 +263,17 @@ _SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _share_gathers(model: nn.Module) -> None:
-    """q/k/v and gate/up share one all-gather of their sequence-sharded input (autopar.tp.shared_gather)."""
+    """q/k/v and gate/up share one all-gather of their sequence-sharded input (autopar.tp.shared_gather) where
+    their outputs stay sharded on the features; gathered outputs (OLMo's colwise_gather_output q/k/v, whose norms
+    read all heads) gather on their own."""
     for parent in model.modules():
         for names in _SHARED_INPUTS:
             members = [getattr(parent, n, None) for n in names]
             styles = [getattr(m, "_coc_style", None) for m in members]
-            if all(isinstance(s, CocColwiseParallel) for s in styles) and len({repr(s) for s in styles}) == 1:
+            if (
+                all(isinstance(s, CocColwiseParallel) and s.output_layouts[0] == Shard(-1) for s in styles)
+                and len({repr(s) for s in styles}) == 1
+            ):
                 share_input_gather(members)
 
 
