@@ -497,9 +497,10 @@ def fp8_table() -> str:
 
 
 def chunked_on_one_gpu(pattern: str) -> None:
-    """World 1 on CUDA (no process group): the chunked path's stand-in copies run on its comm stream, and every
-    piece must be read only after its copy (large pieces make a race visible). At W = 1 every op is the one GEMM,
-    checked against :func:`kernels.testing.reference` within its tolerance."""
+    """World 1 on CUDA (no process group): the chunked path's collectives over one rank are local copies on the
+    current stream (kernels.comm), and every piece must be read only after its copy (large pieces would make a
+    race visible). At W = 1 every op is the one GEMM, checked against :func:`kernels.testing.reference` within its
+    tolerance."""
     from kernels.testing import assert_close, reference
 
     fn = {"all_gather": kernels.all_gather_matmul, "reduce_scatter": kernels.matmul_reduce_scatter}.get(
