@@ -370,13 +370,20 @@ def test_dequantizations_left_to_the_plain_op_with_the_reason(build, s_shape, s_
         int8_weight(b, BF16)
 
 
-def test_int8_ops_on_the_chunked_backend():
-    """``COC_PARALLEL_NUM=2``: the rewritten int8 ops run chunked, within the same bound."""
-    want_matched, want_ops = _SP
-    for out in run_ranks(_int8_block, 2, "per_group", "xdtype", True, timeout=600, env={"COC_PARALLEL_NUM": "2"}):
+BACKEND_ENVS = {"chunked": {"COC_PARALLEL_NUM": "2"}, "fused": {"USE_COC_FUSED_KERNEL": "1"}}
+
+
+@pytest.mark.parametrize("backend", list(BACKEND_ENVS))
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
+@pytest.mark.parametrize("mode", ["per_tensor", "per_channel", "per_group"])
+def test_int8_ops_on_the_chunked_and_fused_backends(mode, sp, backend):
+    """The rewritten int8 ops (all-reduce without SP, all-gather and reduce-scatter with it) on the backend the
+    environment picks, within the same bound as on the sequential one."""
+    want_matched, want_ops = _SP if sp else _NO_SP
+    for out in run_ranks(_int8_block, 2, mode, "xdtype", sp, timeout=600, env=BACKEND_ENVS[backend]):
         _check_numbers(out)
         assert {p for _, p, ok, _ in out["report"] if ok} == want_matched, out["report"]
-        assert set(out["calls"]) == {(op, "chunked") for op in want_ops}, out["calls"]
+        assert set(out["calls"]) == {(op, backend) for op in want_ops}, out["calls"]
 
 
 def _trained_block(rank: int, world: int, sp: bool) -> dict:

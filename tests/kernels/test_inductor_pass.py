@@ -21,6 +21,7 @@ def _compiled_mlp(rank: int, world: int, sequence_parallel: bool, backend_env: s
     )
 
     from kernels import inductor_pass
+    from kernels.testing import backend_calls
     from kernels.testing.compile import graph_passes_backend
 
     if backend_env:
@@ -44,7 +45,7 @@ def _compiled_mlp(rank: int, world: int, sequence_parallel: bool, backend_env: s
     parallelize_module(model, mesh, plan)
     x = torch.randn(4 * world, 3, h)  # [s, b, h]
     inductor_pass.clear_report()
-    with inductor_pass.use_inductor_pass():
+    with inductor_pass.use_inductor_pass(), backend_calls() as calls:
         # Inductor compiles the sequential backend's graphs; the chunked backend's differ in the coc ops'
         # backend argument only, and run Inductor's graph passes without its code generation.
         compiled = torch.compile(model, backend=graph_passes_backend if backend_env else "inductor")
@@ -67,7 +68,7 @@ def _compiled_mlp(rank: int, world: int, sequence_parallel: bool, backend_env: s
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grads[name] = (g - q.grad).abs().max().item()
     matched = [(r.pattern, r.matched) for r in inductor_pass.report()]
-    return {"y": (y - ref_y).abs().max().item(), "grads": grads, "matched": matched}
+    return {"y": (y - ref_y).abs().max().item(), "grads": grads, "matched": matched, "calls": dict(calls)}
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -81,6 +82,15 @@ def test_plain_styles_compiled_with_the_pass_run_coc_ops(sequence_parallel, back
         # reduce-scatter (SP) become coc ops; what was left alone is reported with a reason.
         want = {"all_gather_matmul", "matmul_reduce_scatter"} if sequence_parallel else {"matmul_all_reduce"}
         assert want <= matched, out["matched"]
+
+
+def test_plain_all_reduce_rewrite_runs_on_the_fused_backend():
+    """Without sequence parallelism (the row layer's all-reduce) with ``USE_COC_FUSED_KERNEL=1``: the rewritten
+    ops run the fused kernels (interpreted), within the same bounds."""
+    for out in run_ranks(_compiled_mlp, 2, False, "", timeout=600, env={"USE_COC_FUSED_KERNEL": "1"}):
+        assert out["y"] < 1e-5 and max(out["grads"].values()) < 1e-5, out
+        assert "matmul_all_reduce" in {pattern for pattern, ok in out["matched"] if ok}, out["matched"]
+        assert out["calls"] and {b for _, b in out["calls"]} == {"fused"}, out["calls"]
 
 
 def _dynamic_sp_mlp(rank: int, world: int, dynamic: bool | None) -> list[dict]:

@@ -460,3 +460,18 @@ def test_cache_key_covers_the_pattern_modules(monkeypatch):
     )
     inductor_pass.CocInductorPass().uuid()
     assert {inductor_pass.__file__, inductor_patterns.__file__, inductor_scaled.__file__} <= set(hashed)
+
+
+BACKEND_ENVS = {"chunked": {"COC_PARALLEL_NUM": "2"}, "fused": {"USE_COC_FUSED_KERNEL": "1"}}
+
+
+@pytest.mark.parametrize("backend", list(BACKEND_ENVS))
+@pytest.mark.parametrize(("mode", "gather"), [("tensor", "fp8"), ("row", "fp8"), ("tensor", "off"), ("row", "off")])
+def test_fp8_rewrites_run_on_the_chunked_and_fused_backends(mode, gather, backend):
+    """The rewritten FP8 ops (all-gather and reduce-scatter with sequence parallelism, all-reduce without) on the
+    backend the environment picks, within the same bound as on the sequential one."""
+    want_matched, want_ops = CASES[(mode, gather, "")]
+    for out in run_ranks(_fp8_block, 2, mode, gather, "", timeout=600, env=BACKEND_ENVS[backend]):
+        assert out["compiled"]["hid"] <= 1 and out["compiled"]["y"] <= 1, out
+        assert {p for _, p, ok, _ in out["report"] if ok} == want_matched, out["report"]
+        assert set(out["calls"]) == {(op, backend) for op in want_ops}, out["calls"]
