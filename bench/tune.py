@@ -90,7 +90,7 @@ class Case:
 def gpu_cases() -> list[Case]:
     """What a GPU run tunes, in this order (the budget cuts from the end): bf16, the FP8 scaling modes
     (e4m3 payloads: block, the DeepSeek-V3 recipe of 1x128 x / 128x128 weight scales, first), int8
-    weights with bf16 activations (per_group of 128, per_channel), then fp16."""
+    weights with bf16 activations (per_group of 128, per_channel), FP8 tensor, int8 per_tensor, then fp16."""
     from kernels.format import PLAIN, fp8, int8
 
     e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
@@ -101,6 +101,7 @@ def gpu_cases() -> list[Case]:
         Case(fp8("row"), e4m3),
         Case(int8("per_channel", 0, False), bf16),
         Case(fp8("tensor"), e4m3),
+        Case(int8("per_tensor", 0, False), bf16),
         Case(PLAIN, torch.float16),
     ]
 
@@ -124,6 +125,7 @@ def cpu_cases() -> list[Case]:
         Case(fp8("row"), e4m3),
         Case(int8("per_channel", 0, False), torch.float16),
         Case(fp8("tensor"), e4m3),
+        Case(int8("per_tensor", 0, False), torch.float16),
     ]
 
 

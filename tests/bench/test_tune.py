@@ -135,7 +135,7 @@ def test_gpu_shapes_are_llama70b_tp8_and_8192_cubed():
 
 def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monkeypatch):
     """The CPU run writes plain entries and, under ``format:``, FP8 (block, row, tensor) and int8 (per_group,
-    per_channel) entries for every op and shape; the lookup returns each for its own format: the bare
+    per_channel, per_tensor) entries for every op and shape; the lookup returns each for its own format: the bare
     matmul's plain entry through ``matmul_config``, every other through ``block_config`` (the local GEMM
     and the fused ops)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", tuned.ENV_TUNED_DIR)}
@@ -154,9 +154,14 @@ def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monke
     assert "no config ran" not in proc.stdout, proc.stdout
     entries = tuned.load(path)
     cases = {(c.fmt.encode(), tuned.dtype_name(c.dtype)) for c in tune.cpu_cases()}
-    assert {"fp8:block", "fp8:row", "fp8:tensor", f"int8:per_group:{tune.CPU_GROUP_SIZE}", "int8:per_channel:0"} < {
-        f for f, _ in cases
-    }
+    assert {
+        "fp8:block",
+        "fp8:row",
+        "fp8:tensor",
+        f"int8:per_group:{tune.CPU_GROUP_SIZE}",
+        "int8:per_channel:0",
+        "int8:per_tensor:0",
+    } < {f for f, _ in cases}
     shapes = {(s.m, s.n, s.k) for s in tune.cpu_shapes()}
     for case in cases:
         mine = [e for e in entries if (e.format, e.dtype) == case]
