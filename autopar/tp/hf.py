@@ -85,17 +85,27 @@ def _model_type(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
 
 
-def hf_plan_strings(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, str]:
-    """The model's transformers tp_plan (``model.tp_plan``, else a built-in one), plus, with
-    sequence parallelism, ``"sequence_parallel"`` for every norm outside the sharded modules."""
-    plan = dict(getattr(model, "tp_plan", None) or _BUILTIN_PLANS.get(_model_type(model) or "", {}))
+def hf_plan_strings(
+    model: nn.Module, *, sequence_parallel: bool = False, plan: dict[str, str] | None = None
+) -> dict[str, str]:
+    """``plan`` (default: the model's transformers tp_plan, ``model.tp_plan``, else a built-in one), plus,
+    with sequence parallelism, the entries it needs that ``plan`` does not name: ``"sequence_parallel"`` for
+    every norm of the residual stream, and the model type's own (an explicit entry wins)."""
+    explicit = plan is not None
+    plan = dict(
+        plan if explicit else getattr(model, "tp_plan", None) or _BUILTIN_PLANS.get(_model_type(model) or "", {})
+    )
     if not plan:
         raise ValueError(
             f"{type(model).__name__} (model_type={_model_type(model)!r}) declares no tp_plan; pass plan= "
             "(module-name patterns to tp_plan strings)"
         )
     if sequence_parallel:
-        plan.update(_SP_EXTRA.get(_model_type(model) or "", {}))
+        for key, style in _SP_EXTRA.get(_model_type(model) or "", {}).items():
+            if explicit:
+                plan.setdefault(key, style)
+            else:
+                plan[key] = style
         for name, module in model.named_modules():
             if _is_norm(module) and not any(_matches(name, key) for key in plan) and not _beside_linears(name, plan):
                 plan[name] = "sequence_parallel"
@@ -131,7 +141,7 @@ def hf_tp_plan(
 ) -> dict[str, ParallelStyle]:
     """A ``parallelize_module`` plan of CoC styles for a transformers model (``plan``: tp_plan
     strings to use instead of the model's own; ``fp8``: the FP8 recipe of its linears)."""
-    strings = dict(plan) if plan is not None else hf_plan_strings(model, sequence_parallel=sequence_parallel)
+    strings = hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan)
     recipe = resolve_recipe(fp8)
     return {key: coc_style(s, sequence_parallel=sequence_parallel, fp8=recipe) for key, s in strings.items()}
 
@@ -239,7 +249,7 @@ def parallelize_hf(
             raise RuntimeError("parallelize_hf: torch.distributed is not initialized and no device_mesh was given")
         device = next(model.parameters()).device.type
         device_mesh = init_device_mesh(device, (dist.get_world_size(),))
-    strings = dict(plan) if plan is not None else hf_plan_strings(model, sequence_parallel=sequence_parallel)
+    strings = hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan)
     retie = tied_weights_to_keep(model, strings)
     check_shardable(model, _sharded_modules(model, strings), device_mesh.size())
     if _model_type(model) == "gpt2":

@@ -189,11 +189,13 @@ def state_dict_roundtrip(rank: int, world: int, model_name: str, sp: bool) -> di
     return {"loaded": loaded, "gathered": gather_err, "missing": missing, "saved": saved_err}
 
 
-def family_vs_one_process(rank: int, world: int, family: str, sps: list[bool]) -> list[dict[str, Any]]:
+def family_vs_one_process(
+    rank: int, world: int, family: str, sps: list[bool], explicit_plan: bool = False
+) -> list[dict[str, Any]]:
     """One forward and backward of a tiny ``family`` model parallelized with ``parallelize_hf`` (sequence
     parallelism as in ``sps``) against the same model in one process: the max errors of the logits, the loss and
     every gradient (a DTensor's gathered), the parameters without a gradient, and whether every parameter is a
-    DTensor."""
+    DTensor. ``explicit_plan``: the model's plan strings (without sequence parallelism) passed as ``plan=``."""
     import autopar
 
     ref = build(family)
@@ -203,7 +205,9 @@ def family_vs_one_process(rank: int, world: int, family: str, sps: list[bool]) -
     want.loss.backward()
     rows = []
     for sp in sps:
-        tp = autopar.parallelize_hf(copy.deepcopy(ref), sequence_parallel=sp)
+        # GPT-2 declares no plan: the strings parallelize_hf uses for it without sequence parallelism.
+        plan = dict(ref.tp_plan or autopar.tp.hf.hf_plan_strings(ref)) if explicit_plan else None
+        tp = autopar.parallelize_hf(copy.deepcopy(ref), sequence_parallel=sp, plan=plan)
         got = tp(input_ids=ids, labels=ids)
         got.loss.backward()
         grads = {n: _full(p.grad) for n, p in tp.named_parameters()}

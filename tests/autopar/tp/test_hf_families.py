@@ -56,3 +56,15 @@ def test_family_matches_one_process(family: str, sps: list[bool]) -> None:
             assert not row["missing_grads"], (tag, row["missing_grads"])
             if row["sp"]:
                 assert row["dtensor_params"] == (family not in MIXED_UNDER_SP), tag
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_explicit_plan_with_sequence_parallelism_gets_the_norm_entries(family: str) -> None:
+    """``parallelize_hf(model, sequence_parallel=True, plan=model.tp_plan)``: the norms' sequence-parallel entries
+    (and GPT-2's position embedding) are added as without ``plan=``. Before: the explicit plan dropped them and
+    the forward raised on a DTensor beside a plain tensor."""
+    for rank, rows in enumerate(run_ranks(family_vs_one_process, 2, family, [True], True, timeout=300)):
+        for row in rows:
+            assert row["logits"] < TOL and row["loss"] < TOL, (family, rank, row["logits"], row["loss"])
+            assert max(row["grads"].values()) < TOL and not row["missing_grads"], (family, rank)
+            assert row["dtensor_params"], (family, rank)
