@@ -74,11 +74,46 @@ def coc_style(name: str, *, sequence_parallel: bool = False, fp8: Fp8Recipe | No
         # gradient on each rank covers its own heads only, summed over the mesh in the backward (the same sum
         # CocSequenceParallel makes over each rank's rows).
         return CocSequenceParallel(sequence_dim=SEQ_DIM, use_local_output=True)
+    why = REFUSED_PLAN_STRINGS.get(name, "not a transformers tp_plan string this version of autopar knows")
     raise ValueError(
-        f"tp_plan style {name!r} has no CoC equivalent; supported: colwise, colwise_gather_output, colwise_rep, "
-        "packed_colwise[:blocks], rowwise, rowwise_split_input, rowwise_rep, embedding_rowwise, sequence_parallel, "
-        "replicated_with_grad_allreduce"
+        f"tp_plan style {name!r} has no CoC equivalent: {why}. Supported: {', '.join(SUPPORTED_PLAN_STRINGS)}"
     )
+
+
+SUPPORTED_PLAN_STRINGS = (
+    "colwise",
+    "colwise_gather_output",
+    "colwise_rep",
+    "packed_colwise[:blocks]",
+    "rowwise",
+    "rowwise_split_input",
+    "rowwise_rep",
+    "embedding_rowwise",
+    "sequence_parallel",
+    "replicated_with_grad_allreduce",
+)
+_HF_OWN = (
+    "parallelize the model with transformers' own loader instead "
+    "(from_pretrained(..., distributed_config=DistributedConfig(tp_size=W)))"
+)
+_MOE = "mixture-of-experts layers are not supported yet; " + _HF_OWN
+# transformers' tp_plan strings (transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES) with no CoC style,
+# each with why and what to do instead; tests/autopar/tp/test_hf.py fails on a registered string in neither table.
+REFUSED_PLAN_STRINGS = {
+    "embedding_colwise": "an embedding sharded on the hidden dim has no GEMM to fuse; pass plan= with "
+    "'embedding_rowwise' (vocabulary-parallel) for it, or leave it out of the plan",
+    "packed_rowwise": _MOE,
+    "moe_tp_experts": _MOE,
+    "moe_identity_expert": _MOE,
+    "ep_dispatch_experts": _MOE,
+    "grouped_gemm": _MOE,
+    "mla_kv_a_proj": "DeepSeek-style MLA's kv_a_proj (a rope slice whose gradient is summed) is not supported yet; "
+    + _HF_OWN,
+    "all_reduce": "a module whose output is a partial sum to all-reduce is not supported yet; " + _HF_OWN,
+    "local_params": "modules that run on local parameter shards are not supported yet; " + _HF_OWN,
+    "replicate": "replicated parameters outside a sharded layer (a quantization scale) are not supported yet; "
+    + _HF_OWN,
+}
 
 
 def _model_type(model: nn.Module) -> str | None:

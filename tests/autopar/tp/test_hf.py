@@ -166,3 +166,25 @@ def test_plan_strings() -> None:
     assert coc_style("colwise_gather_output").output_layouts == (Replicate(),)
     with pytest.raises(ValueError, match="moe_tp_experts"):
         coc_style("moe_tp_experts")
+
+
+def test_every_registered_plan_string_is_mapped_or_refused_by_name() -> None:
+    """Every key of the installed transformers' style registry is a CoC style or refused by name with what to do
+    instead: a string a new transformers adds fails here until it is mapped or refused, never a silent gap."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    parallel_utils = pytest.importorskip("transformers.distributed.parallel_utils")
+    from autopar.tp.hf import REFUSED_PLAN_STRINGS, SUPPORTED_PLAN_STRINGS, coc_style
+
+    supported = {s.split("[")[0] for s in SUPPORTED_PLAN_STRINGS}
+    keys = set(parallel_utils.ALL_PARALLEL_STYLES.keys())
+    assert keys, "the registry is empty: transformers moved it"
+    unknown = keys - supported - set(REFUSED_PLAN_STRINGS)
+    assert not unknown, f"transformers registers plan strings autopar neither maps nor refuses: {sorted(unknown)}"
+    for key in sorted(keys):
+        for sp in (False, True):
+            if key in supported:
+                assert isinstance(coc_style(key, sequence_parallel=sp), ParallelStyle), key
+            else:
+                with pytest.raises(ValueError, match=f"'{key}' has no CoC equivalent: .*instead|'{key}'.*leave it out"):
+                    coc_style(key, sequence_parallel=sp)
