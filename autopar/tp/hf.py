@@ -10,7 +10,9 @@ every linear of the plan the FP8 recipe's GEMMs.
 
 from __future__ import annotations
 
+import datetime
 import fnmatch
+import itertools
 import types
 from typing import Any
 
@@ -331,6 +333,7 @@ def _save_pretrained_gathered(self: nn.Module, *args: Any, **kwargs: Any) -> Any
     """
     explicit = "state_dict" in kwargs or len(args) >= 3  # (save_directory, is_main_process, state_dict)
     if not explicit:
+        _every_rank_calls(self, "save_pretrained")
         kwargs["state_dict"] = full_state_dict(self)
     out = type(self).save_pretrained(self, *args, **kwargs)
     if not explicit:
@@ -340,6 +343,37 @@ def _save_pretrained_gathered(self: nn.Module, *args: Any, **kwargs: Any) -> Any
         if mesh is not None:
             dist.barrier(group=mesh.get_group())
     return out
+
+
+_ARRIVALS = itertools.count()
+
+
+def _every_rank_calls(model: nn.Module, what: str) -> None:
+    """Raise, naming the ranks that did not come, when a rank of the model's mesh does not call ``what`` within
+    ``COC_TIMEOUT``: ``what`` gathers the sharded parameters (collective), and called on one rank only (under
+    ``if rank == 0:``) it would wait for the others forever. Each rank marks its arrival in the default group's
+    store and waits for its peers' marks there, with the timeout."""
+    from torch.distributed.tensor import DTensor
+
+    from kernels.config import get_config
+
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None or mesh.size() == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    ranks = dist.get_process_group_ranks(mesh.get_group())
+    prefix = f"coc/{what}/{next(_ARRIVALS)}/"
+    store.set(f"{prefix}{dist.get_rank()}", "1")
+    timeout = get_config().timeout
+    try:
+        store.wait([f"{prefix}{r}" for r in ranks], datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:  # the store's timeout (DistStoreError, or RuntimeError from a FileStore)
+        missing = [r for r in ranks if not store.check([f"{prefix}{r}"])]
+        raise RuntimeError(
+            f"{what}: rank(s) {missing} of the tensor-parallel group did not call it within {timeout:g} s "
+            "(COC_TIMEOUT); it gathers the sharded parameters, so call it on every rank (transformers writes the "
+            "files on rank 0 only), not under `if rank == 0:`"
+        ) from e
 
 
 def full_state_dict(model: nn.Module) -> dict[str, Any]:

@@ -222,3 +222,22 @@ def family_vs_one_process(
             }
         )
     return rows
+
+
+def save_on_one_rank(rank: int, world: int) -> str | None:
+    """``save_pretrained`` under ``if rank == 0:``: rank 0's error message (None on the other ranks)."""
+    import autopar
+
+    tp = autopar.parallelize_hf(build("llama"))
+    if rank != 0:
+        return None
+    path = tempfile.mkdtemp(prefix="coc-hf-")
+    try:
+        tp.save_pretrained(path)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+    return "saved"

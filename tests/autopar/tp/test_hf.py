@@ -188,3 +188,13 @@ def test_every_registered_plan_string_is_mapped_or_refused_by_name() -> None:
             else:
                 with pytest.raises(ValueError, match=f"'{key}' has no CoC equivalent: .*instead|'{key}'.*leave it out"):
                     coc_style(key, sequence_parallel=sp)
+
+
+def test_save_pretrained_on_one_rank_raises_instead_of_hanging() -> None:
+    """The usual ``if rank == 0: model.save_pretrained(path)``: rank 0 raises within COC_TIMEOUT naming the rank
+    that did not call it. Before: rank 0 waited in the parameters' gather forever."""
+    from tests.autopar.tp.hf_cases import save_on_one_rank
+
+    messages = run_ranks(save_on_one_rank, 2, env={"COC_TIMEOUT": "3"}, timeout=300)
+    assert messages[1] is None
+    assert "rank(s) [1]" in messages[0] and "call it on every rank" in messages[0], messages[0]
