@@ -376,7 +376,7 @@ BACKEND_ENVS = {"chunked": {"COC_PARALLEL_NUM": "2"}, "fused": {"USE_COC_FUSED_K
 @pytest.mark.parametrize("backend", list(BACKEND_ENVS))
 @pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sp"])
 @pytest.mark.parametrize("mode", ["per_tensor", "per_channel", "per_group"])
-def test_int8_ops_on_the_chunked_and_fused_backends(mode, sp, backend):
+def test_int8_rewrites_run_on_the_other_backends(mode, sp, backend):
     """The rewritten int8 ops (all-reduce without SP, all-gather and reduce-scatter with it) on the backend the
     environment picks, within the same bound as on the sequential one."""
     want_matched, want_ops = _SP if sp else _NO_SP

@@ -467,7 +467,7 @@ BACKEND_ENVS = {"chunked": {"COC_PARALLEL_NUM": "2"}, "fused": {"USE_COC_FUSED_K
 
 @pytest.mark.parametrize("backend", list(BACKEND_ENVS))
 @pytest.mark.parametrize(("mode", "gather"), [("tensor", "fp8"), ("row", "fp8"), ("tensor", "off"), ("row", "off")])
-def test_fp8_rewrites_run_on_the_chunked_and_fused_backends(mode, gather, backend):
+def test_fp8_rewrites_run_on_the_other_backends(mode, gather, backend):
     """The rewritten FP8 ops (all-gather and reduce-scatter with sequence parallelism, all-reduce without) on the
     backend the environment picks, within the same bound as on the sequential one."""
     want_matched, want_ops = CASES[(mode, gather, "")]
