@@ -195,8 +195,10 @@ def family_vs_one_process(
     """One forward and backward of a tiny ``family`` model parallelized with ``parallelize_hf`` (sequence
     parallelism as in ``sps``) against the same model in one process: the max errors of the logits, the loss and
     every gradient (a DTensor's gathered), the parameters without a gradient, and whether every parameter is a
-    DTensor. ``explicit_plan``: the model's plan strings (without sequence parallelism) passed as ``plan=``."""
+    DTensor, and the backends the CoC ops ran on. ``explicit_plan``: the model's plan strings (without sequence
+    parallelism) passed as ``plan=``."""
     import autopar
+    from kernels.testing import backend_calls
 
     ref = build(family)
     ids = torch.randint(1, 128, (B, S), generator=torch.Generator().manual_seed(1))
@@ -208,8 +210,9 @@ def family_vs_one_process(
         # GPT-2 declares no plan: the strings parallelize_hf uses for it without sequence parallelism.
         plan = dict(ref.tp_plan or autopar.tp.hf.hf_plan_strings(ref)) if explicit_plan else None
         tp = autopar.parallelize_hf(copy.deepcopy(ref), sequence_parallel=sp, plan=plan)
-        got = tp(input_ids=ids, labels=ids)
-        got.loss.backward()
+        with backend_calls() as calls:
+            got = tp(input_ids=ids, labels=ids)
+            got.loss.backward()
         grads = {n: _full(p.grad) for n, p in tp.named_parameters()}
         rows.append(
             {
@@ -219,6 +222,7 @@ def family_vs_one_process(
                 "grads": {n: _max_diff(grads[n], p.grad) for n, p in one.named_parameters() if grads[n] is not None},
                 "missing_grads": sorted(n for n, g in grads.items() if g is None),
                 "dtensor_params": all(type(p).__name__ == "DTensor" for p in tp.parameters()),
+                "backends": sorted({b for _, b in calls}),
             }
         )
     return rows

@@ -45,11 +45,28 @@ FAMILIES = [
 MIXED_UNDER_SP = {"olmo2", "olmo3"}
 
 
+# The families the other backends run (the issue's list: Gemma's scaled embedding, Qwen3's and OLMo's q / k norms,
+# Phi-3's and GLM's split inputs, GPT-2's packed c_attn), with the environment that picks each backend.
+BACKEND_FAMILIES = ["llama", "gemma", "gemma2", "qwen3", "phi3", "glm", "olmo2", "gpt2"]
+BACKEND_ENVS = {"chunked": {"COC_PARALLEL_NUM": "2"}, "fused": {"USE_COC_FUSED_KERNEL": "1"}}
+
+
 @pytest.mark.parametrize(("family", "sps"), FAMILIES, ids=[f for f, _ in FAMILIES])
 def test_family_matches_one_process(family: str, sps: list[bool]) -> None:
-    for rank, rows in enumerate(run_ranks(family_vs_one_process, 2, family, sps, timeout=300)):
+    _check_family(family, sps, "sequential", {})
+
+
+@pytest.mark.parametrize("backend", list(BACKEND_ENVS))
+@pytest.mark.parametrize("family", BACKEND_FAMILIES)
+def test_family_on_the_other_backends(family: str, backend: str) -> None:
+    _check_family(family, [False, True], backend, BACKEND_ENVS[backend])
+
+
+def _check_family(family: str, sps: list[bool], backend: str, env: dict[str, str]) -> None:
+    for rank, rows in enumerate(run_ranks(family_vs_one_process, 2, family, sps, env=env, timeout=300)):
         for row in rows:
-            tag = f"{family} sp={row['sp']} rank {rank}"
+            tag = f"{family} {backend} sp={row['sp']} rank {rank}"
+            assert row["backends"] == [backend], (tag, row["backends"])
             worst = max(row["grads"].items(), key=lambda kv: kv[1])
             assert row["logits"] < TOL and row["loss"] < TOL, (tag, row["logits"], row["loss"])
             assert worst[1] < TOL, (tag, worst)
