@@ -7,6 +7,10 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+# The environment that picks each backend other than the default (sequential) for calls without backend=:
+# a chunked split of 2 (COC_PARALLEL_NUM) or the fused kernels (USE_COC_FUSED_KERNEL, MindSpeed's switches).
+BACKEND_ENVS: dict[str, dict[str, str]] = {"chunked": {"COC_PARALLEL_NUM": "2"}, "fused": {"USE_COC_FUSED_KERNEL": "1"}}
+
 
 @contextlib.contextmanager
 def backend_calls() -> Iterator[collections.Counter]:

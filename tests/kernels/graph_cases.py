@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kernels.testing import run_ranks
 from tests.kernels import op_cases
 
 FORMATS = ("fp8:tensor", "fp8:row", "fp8:block", "int8:per_tensor", "int8:per_channel", "int8:per_group")
@@ -65,3 +66,10 @@ def scripted_capture(rank: int, world: int, pattern: str, backend: str) -> list[
                 failures.append(f"{pattern} {fmt} {backend} W={world} replay {i}: max |graph - eager| = {diff}")
         torch.cuda.synchronize()
     return failures
+
+
+def check_scripted_capture(pattern: str, backend: str) -> None:
+    """:func:`scripted_capture` at W = 2 over NCCL with two GPUs, else W = 1 (the GEMM alone): no failure."""
+    world = min(torch.cuda.device_count(), 2)
+    per_rank = run_ranks(scripted_capture, world, pattern, backend, backend="nccl", timeout=600)
+    assert per_rank == [[]] * world, per_rank

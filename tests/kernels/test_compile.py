@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.testing import operator_calls, run_ranks
+from kernels.testing import BACKEND_ENVS, operator_calls, run_ranks
 
 BACKENDS = [("sequential", None), ("chunked", 2), ("chunked", 4), ("fused", None)]
 # Odd sizes: m_local = 3 rows per rank (5 for the all-reduce), k = 5, n = 7; the reduce-scatter
@@ -215,10 +215,6 @@ def test_compiled_world1_dynamic_shapes_decide_without_the_shape() -> None:
     assert counters["stats"]["unique_graphs"] == 1
 
 
-LINEAR_SETTINGS = {
-    "chunked": {"COC_PARALLEL_NUM": "2"},
-    "fused": {"USE_COC_FUSED_KERNEL": "1"},
-}
 # The column backward's two switches (configs/coc.yaml keys): default, no recompute, and the
 # overlapped op in the backward.
 COLUMN_CONFIGS = {
@@ -322,7 +318,7 @@ def test_linears_compile_forward_and_backward(world: int, backend: str, tmp_path
         str(tmp_path),
         configs,
         inductor_configs,
-        env=LINEAR_SETTINGS[backend],
+        env=BACKEND_ENVS[backend],
         timeout=900,
     )
     assert results == [[]] * world, results

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from kernels.testing import run_ranks
+from kernels.testing import BACKEND_ENVS, run_ranks
 
 BF16 = torch.bfloat16
 GROUP = 8
@@ -368,9 +368,6 @@ def test_dequantizations_left_to_the_plain_op_with_the_reason(build, s_shape, s_
     b = _dequant_graph(build, (8, 32), s_shape, s_dtype)
     with pytest.raises(LeftAlone, match=re.escape(reason)):
         int8_weight(b, BF16)
-
-
-BACKEND_ENVS = {"chunked": {"COC_PARALLEL_NUM": "2"}, "fused": {"USE_COC_FUSED_KERNEL": "1"}}
 
 
 @pytest.mark.parametrize("backend", list(BACKEND_ENVS))

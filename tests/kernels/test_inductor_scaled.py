@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from kernels.testing import run_ranks
+from kernels.testing import BACKEND_ENVS, run_ranks
 
 E4M3 = torch.float8_e4m3fn
 
@@ -460,9 +460,6 @@ def test_cache_key_covers_the_pattern_modules(monkeypatch):
     )
     inductor_pass.CocInductorPass().uuid()
     assert {inductor_pass.__file__, inductor_patterns.__file__, inductor_scaled.__file__} <= set(hashed)
-
-
-BACKEND_ENVS = {"chunked": {"COC_PARALLEL_NUM": "2"}, "fused": {"USE_COC_FUSED_KERNEL": "1"}}
 
 
 @pytest.mark.parametrize("backend", list(BACKEND_ENVS))

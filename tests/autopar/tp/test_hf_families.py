@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.testing import run_ranks
+from kernels.testing import BACKEND_ENVS, run_ranks
 from tests.autopar.tp.hf_cases import TOL, family_vs_one_process
 
 pytest.importorskip("transformers")
@@ -48,7 +48,6 @@ MIXED_UNDER_SP = {"olmo2", "olmo3"}
 # The families the other backends run (the issue's list: Gemma's scaled embedding, Qwen3's and OLMo's q / k norms,
 # Phi-3's and GLM's split inputs, GPT-2's packed c_attn), with the environment that picks each backend.
 BACKEND_FAMILIES = ["llama", "gemma", "gemma2", "qwen3", "phi3", "glm", "olmo2", "gpt2"]
-BACKEND_ENVS = {"chunked": {"COC_PARALLEL_NUM": "2"}, "fused": {"USE_COC_FUSED_KERNEL": "1"}}
 
 
 @pytest.mark.parametrize(("family", "sps"), FAMILIES, ids=[f for f, _ in FAMILIES])
