@@ -128,10 +128,9 @@ def hf_plan_strings(
     """``plan`` (default: the model's transformers tp_plan, ``model.tp_plan``, else a built-in one), plus,
     with sequence parallelism, the entries it needs that ``plan`` does not name: ``"sequence_parallel"`` for
     every norm of the residual stream, and the model type's own (an explicit entry wins)."""
-    explicit = plan is not None
-    plan = dict(
-        plan if explicit else getattr(model, "tp_plan", None) or _BUILTIN_PLANS.get(_model_type(model) or "", {})
-    )
+    if plan is None:
+        plan = getattr(model, "tp_plan", None) or _BUILTIN_PLANS.get(_model_type(model) or "", {})
+    plan = dict(plan)
     if not plan:
         raise ValueError(
             f"{type(model).__name__} (model_type={_model_type(model)!r}) declares no tp_plan; pass plan= "
@@ -139,10 +138,7 @@ def hf_plan_strings(
         )
     if sequence_parallel:
         for key, style in _SP_EXTRA.get(_model_type(model) or "", {}).items():
-            if explicit:
-                plan.setdefault(key, style)
-            else:
-                plan[key] = style
+            plan.setdefault(key, style)
         for name, module in model.named_modules():
             if _is_norm(module) and not any(_matches(name, key) for key in plan) and not _beside_linears(name, plan):
                 plan[name] = "sequence_parallel"
