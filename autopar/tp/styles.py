@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from . import comm
+from . import comm, strided_load
 from .comm import GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
 from .forward import _column_settings
 from .fp8 import Fp8Recipe, Fp8WeightCache, resolve_recipe
@@ -303,6 +303,7 @@ class CocColwiseParallel(ParallelStyle):
         if self.packed > 1:
             if _StridedShard is None:
                 raise RuntimeError("packed > 1 needs torch's _StridedShard placement (torch >= 2.5)")
+            strided_load.install()
             _distribute(
                 module, "weight", device_mesh, _StridedShard(wdim, split_factor=self.packed), self.src_data_rank
             )

@@ -189,6 +189,42 @@ def state_dict_roundtrip(rank: int, world: int, model_name: str, sp: bool) -> di
     return {"loaded": loaded, "gathered": gather_err, "missing": missing, "saved": saved_err}
 
 
+def broadcast_load(rank: int, world: int, model_name: str) -> dict[str, Any]:
+    """A full model and Adam state dict passed on rank 0 only (``broadcast_from_rank0=True``) loads into the sharded
+    model and its optimizer: the logits' error and, per optimizer moment, its gathered error (a copy, so exact)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import autopar
+
+    ids = torch.randint(1, 128, (B, S), generator=torch.Generator().manual_seed(1))
+    ref = build(model_name, seed=0)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    ref_opt.step()
+    full = StateDictOptions(full_state_dict=True)
+    ref_osd = get_optimizer_state_dict(ref, ref_opt, options=full)
+    tp = autopar.parallelize_hf(build(model_name, seed=1))
+    opt = torch.optim.Adam(tp.parameters(), lr=0.01)
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(tp, dict(ref.state_dict()) if rank == 0 else {}, options=broadcast)
+    set_optimizer_state_dict(tp, opt, ref_osd if rank == 0 else {}, options=broadcast)
+    with torch.no_grad():
+        logits = _max_diff(tp(input_ids=ids).logits, ref(input_ids=ids).logits)
+    got = get_optimizer_state_dict(tp, opt, options=full)["state"]
+    moments = {
+        f"{key}.{name}": _max_diff(_full(got[key][name]), value)
+        for key, state in ref_osd["state"].items()
+        for name, value in state.items()
+        if value.dim() > 0
+    }
+    return {"logits": logits, "moments": moments}
+
+
 def family_vs_one_process(
     rank: int, world: int, family: str, sps: list[bool], explicit_plan: bool = False
 ) -> list[dict[str, Any]]:
