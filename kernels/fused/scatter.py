@@ -145,12 +145,15 @@ def _reduce_slots_kernel(
     TILE: tl.constexpr,
     PROTO: tl.constexpr,
     ACC_DTYPE: tl.constexpr,
+    SLOT_DTYPE: tl.constexpr,
 ):
     # heap = (data table, signal table, RS offset, DONE offset, AR offset, pushed rows' base);
-    # OUT = (out, stride_om, stride_on, bias); dims = (ROWS_OWN, ROWS_VALID, N, LD);
-    # TILE = (BLOCK_M, BLOCK_N); PROTO = (WORLD, CHANNEL, PUSH, USE_GLOBALTIMER).
+    # OUT = (out, stride_om, stride_on, bias, residual, stride_rm, stride_rn): residual (None: none) is
+    # [ROWS_VALID, N], the owned rows of a term added after the reduction, as bias is;
+    # dims = (ROWS_OWN, ROWS_VALID, N, LD); TILE = (BLOCK_M, BLOCK_N); PROTO = (WORLD, CHANNEL, PUSH,
+    # USE_GLOBALTIMER). The slots hold SLOT_DTYPE, the output (and pushed rows) out's dtype.
     data_tab_ptr, sig_tab_ptr, cnt_offset, done_offset, push_offset, push_base = heap
-    out_ptr, stride_om, stride_on, bias_ptr = OUT
+    out_ptr, stride_om, stride_on, bias_ptr, res_ptr, stride_rm, stride_rn = OUT
     ROWS_OWN, ROWS_VALID, N, LD = dims
     BLOCK_M: tl.constexpr = TILE[0]
     BLOCK_N: tl.constexpr = TILE[1]
@@ -162,7 +165,7 @@ def _reduce_slots_kernel(
     offs_n = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask_m = offs_m < ROWS_VALID
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    slots = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty)
+    slots = signals.peer_ptr(data_tab_ptr, rank, SLOT_DTYPE)
     ok = True
     for src in tl.static_range(WORLD):
         ok = ok & signals.wait_signal(
@@ -183,6 +186,10 @@ def _reduce_slots_kernel(
             acc += tl.load(slots + offs, mask=mask_m[:, None] & col_mask, other=0.0).to(ACC_DTYPE)
         if bias_ptr is not None:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(ACC_DTYPE)[None, :]
+        if res_ptr is not None:
+            res_mask = mask_m[:, None] & (offs_n < N)[None, :]
+            res_offs = offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
+            acc += tl.load(res_ptr + res_offs, mask=res_mask, other=0.0).to(ACC_DTYPE)
         result = acc.to(out_ptr.dtype.element_ty)
         if PROTO[2]:
             epoch = signals.call_epoch(pad)
@@ -236,6 +243,29 @@ class Partials:
     def n(self) -> int:
         return self.ops.weights[0].shape[0]
 
+    @property
+    def m(self) -> int:
+        return self.ops.x.shape[0]
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The dtype of the reduced rows (the slots'; :class:`kernels.fused.all_reduce.Exchange`)."""
+        return self.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.ops.x.device
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.ops.biases[0]
+
+    residual = None
+
+    def produce(self, call: runtime.FusedCall, rows_own: int, broadcast: bool) -> int:
+        """:func:`scatter_partials` of these partials."""
+        return scatter_partials(call, self, rows_own, broadcast)
+
 
 def scatter_partials(call: runtime.FusedCall, partials: Partials, rows_own: int, broadcast: bool) -> int:
     """Launch the scatter GEMM; return the ``RS`` target (tiles per owner) every peer's counter must reach here.
@@ -281,9 +311,12 @@ def reduce_slots(
     *,
     cfg: BlockConfig,
     push_base: int | None = None,
+    residual: torch.Tensor | None = None,
+    slot_dtype: torch.dtype | None = None,
 ) -> int:
     """Launch the fixed-order reduce of the ``W`` slots (``rows``: rows per owner, rows this rank owns)
-    into ``out`` (its dtype is the slots'); with ``push_base`` push the rows to every rank instead.
+    into ``out``; with ``push_base`` push the rows to every rank instead. ``slot_dtype``: the slots'
+    (None: out's); ``residual``: the owned rows ``[rows_valid, n]`` of a term added after bias.
 
     Returns the ``AR`` target of the rows pushed (each owner's tile count; 0 unless pushing).
     """
@@ -303,7 +336,15 @@ def reduce_slots(
                 push_base if push else 0,
             ),
             # The kernel indexes bias with unit stride.
-            (out, out.stride(0), out.stride(1), None if bias is None else bias.contiguous()),
+            (
+                out,
+                out.stride(0),
+                out.stride(1),
+                None if bias is None else bias.contiguous(),
+                residual,
+                0 if residual is None else residual.stride(0),
+                0 if residual is None else residual.stride(1),
+            ),
             (rows_own, rows_valid, n, slot_stride(n)),
             call.rank,
             target,
@@ -311,6 +352,7 @@ def reduce_slots(
             TILE=(cfg.block_m, cfg.block_n),
             PROTO=(w, signals.CH_RS, push, call.use_globaltimer),
             ACC_DTYPE=acc_dtype(out.dtype),
+            SLOT_DTYPE=getattr(tl, str(slot_dtype or out.dtype).removeprefix("torch.")),
             num_warps=cfg.num_warps,
         )
     return grid[0] if push else 0

@@ -11,6 +11,7 @@ reduce_scatter         matmul_reduce_scatter, scaled_matmul_reduce_scatter,     
 all_reduce             matmul_all_reduce, scaled_matmul_all_reduce,                coc::matmul_all_reduce
                        quantized_matmul_all_reduce
 matmul                 scaled_matmul (local, no communication)                     coc::matmul
+all_reduce_rmsnorm     all_reduce_rmsnorm (no GEMM: the decode path's layer end)   coc::all_reduce_rmsnorm
 =====================  ==========================================================  ===========================
 
 :data:`TABLE` (``kernels.call.IMPLEMENTATIONS``, which each pattern module fills at import) maps each
@@ -19,6 +20,6 @@ registered operators and the tuner look an implementation up there, in one place
 """
 
 from ..call import IMPLEMENTATIONS as TABLE
-from . import all_gather, all_reduce, matmul, reduce_scatter
+from . import all_gather, all_reduce, all_reduce_rmsnorm, matmul, reduce_scatter
 
-__all__ = ["TABLE", "all_gather", "all_reduce", "matmul", "reduce_scatter"]
+__all__ = ["TABLE", "all_gather", "all_reduce", "all_reduce_rmsnorm", "matmul", "reduce_scatter"]

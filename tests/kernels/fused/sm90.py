@@ -121,10 +121,15 @@ def report_failures(failures: list[str], success: str) -> None:
     print(success)
 
 
-def reduce_slots_args(tab: Any, bias: Any, out: Any, shape: tuple, push: bool, cfg: Any, timeout: int) -> dict:
+def reduce_slots_args(
+    tab: Any, bias: Any, out: Any, shape: tuple, push: bool, cfg: Any, timeout: int, residual: Any = None
+) -> dict:
     """Example arguments of ``scatter._reduce_slots_kernel`` as the reduce-scatter (``push=False``) or
     the two-shot all-reduce (``push=True``) launches it; ``shape = (rows per owner, n, slot row
-    stride, world)``; the slot dtype is ``out``'s."""
+    stride, world)``; the slot dtype is ``out``'s, or the ``residual``'s where one is added (fp32 out:
+    all_reduce_rmsnorm)."""
+    import triton.language as tl
+
     from kernels.fused import blocks, signals
 
     rows, n, ld, world = shape
@@ -137,7 +142,7 @@ def reduce_slots_args(tab: Any, bias: Any, out: Any, shape: tuple, push: bool, c
             signals.channel_offset(signals.CH_AR, world),
             world * rows * ld,
         ),
-        OUT=(out, n, 1, bias),
+        OUT=(out, n, 1, bias, residual, 0 if residual is None else n, 1),
         dims=(rows, rows, n, ld),
         rank=world - 2,
         target=7 * world,
@@ -145,6 +150,7 @@ def reduce_slots_args(tab: Any, bias: Any, out: Any, shape: tuple, push: bool, c
         TILE=(cfg.block_m, cfg.block_n),
         PROTO=(world, signals.CH_RS, push, True),
         ACC_DTYPE=blocks.acc_dtype(out.dtype),
+        SLOT_DTYPE=getattr(tl, str((out if residual is None else residual).dtype).removeprefix("torch.")),
     )
 
 

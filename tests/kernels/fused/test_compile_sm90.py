@@ -412,6 +412,69 @@ def _plain_cases() -> list[Case]:
     return cases
 
 
+def _norm_cases() -> list[Case]:
+    """all_reduce_rmsnorm (kernels/fused/all_reduce_norm.py): the row push (one-shot, two-shot), the reduce into
+    fp32 with the residual (two-shot pushes), and the norm (bf16 out; fp32 out before FP8 quantization)."""
+    import torch
+
+    from kernels.fused import all_reduce_norm, scatter, signals
+
+    cases = []
+    cfg = all_reduce_norm.block_config(torch.device("cuda"))
+    bf16, tab = _t(torch.bfloat16), _t(torch.int64)
+    for w, m, n in ((8, 128, 8192), (2, 5, 4100)):
+        tag = f"W={w} m={m} n={n}"
+        ld = scatter.slot_stride(n)
+        for broadcast in (True, False):
+            rows = m if broadcast else -(-m // w)
+            cases.append(
+                Case(
+                    f"norm push broadcast={broadcast} {tag}",
+                    all_reduce_norm._push_rows_kernel,
+                    dict(
+                        X=(bf16, n, 1),
+                        heap=(
+                            tab,
+                            tab,
+                            signals.channel_offset(signals.CH_DONE, w),
+                            signals.channel_offset(signals.CH_RS, w),
+                        ),
+                        dims=(m, n, 0, ld, rows),
+                        rank=w - 2,
+                        timeout=TIMEOUT,
+                        TILE=cfg.tile(),
+                        PROTO=(w, broadcast, False, True),
+                    ),
+                    cfg.num_warps,
+                    1,
+                    narrow=n % 16 == 0,
+                )
+            )
+        reduce_args = reduce_slots_args(tab, None, _t(torch.float32), (-(-m // w), n, ld, w), True, cfg, TIMEOUT, bf16)
+        cases.append(Case(f"norm reduce residual {tag}", scatter._reduce_slots_kernel, reduce_args, cfg.num_warps, 1))
+        for quant, out in ((False, bf16), (True, _t(torch.float32))):
+            cases.append(
+                Case(
+                    f"rmsnorm quant={quant} {tag}",
+                    all_reduce_norm._rmsnorm_kernel,
+                    dict(
+                        H=(_t(torch.float32), n),
+                        OUT=(bf16, n, out, n),
+                        weight_ptr=bf16,
+                        dims=(m, n),
+                        eps=1e-6,
+                        BLOCK_M=1,
+                        BLOCK_N=1024,
+                        QUANT=quant,
+                    ),
+                    4,
+                    1,
+                    narrow=n % 16 == 0,
+                )
+            )
+    return cases
+
+
 def _fp8_cases() -> list[Case]:
     """The FP8 format: every kernel of the FP8 ops, and the fp32 specialization of the shared reductions."""
     import torch
@@ -443,7 +506,7 @@ def _fp8_cases() -> list[Case]:
 
 
 def _table(group: str) -> list[Case]:
-    return _plain_cases() if group == "plain" else _fp8_cases()
+    return _plain_cases() + _norm_cases() if group == "plain" else _fp8_cases()
 
 
 def _compile_case(job: tuple[str, int]) -> tuple[str, int, int, list[str], set[str], bool, Case]:

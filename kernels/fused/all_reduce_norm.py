@@ -1,0 +1,184 @@
+"""Fused all-reduce + residual add + RMSNorm over the symmetric heap: the decode path's layer boundary.
+
+Reference semantics (``x``, ``residual`` ``[m, n]`` in x's dtype, ``weight [n]``)::
+
+    h = x_0 + x_1 + ... + x_{W-1}              # fp32 (fp64 for fp64), in rank order
+    h = h + residual                            # fp32, before any rounding
+    residual_out = h.to(residual.dtype)
+    rstd = rsqrt(mean(h * h, over n) + eps)     # per row, from the fp32 h
+    quant None: y = (h * rstd).to(x.dtype) * weight            # rounded, then scaled (HF / vLLM RMSNorm)
+    quant set:  y32 = h * rstd * weight (fp32); y, scale = quantize_fp8(y32, quant)
+
+The exchange is :func:`kernels.fused.all_reduce.all_reduce_partials`, the one the fused GEMM + all-reduce
+uses, with the rows of ``x`` as the partials (:class:`Rows`): one-shot pushes every tile to every rank,
+two-shot pushes each owner its rows, the owners reduce and push the reduced fp32 rows back. Both sum
+the ``W`` slots in rank order in fp32 and add the residual in fp32, so ``h`` (and ``residual_out``) has
+the same bits on every rank, for both algorithms, and as the sequential reference computes it. The
+norm then runs as one kernel (:func:`_rmsnorm_kernel`) on ``h`` with a tile that depends on ``n``
+only, so the outputs are bitwise identical across algorithms and repeated calls. The FP8 quantization
+of ``y32`` runs after it, as the same torch twin the reference uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import runtime, signals
+from .all_reduce import all_reduce_partials
+from .blocks import BlockConfig
+from .scatter import push_tile, scatter_tile, slot_stride, tiles
+from .tile import round_to
+
+# Rows and columns of a push / reduce tile (small m: decode steps of 1 to 256 tokens).
+_CPU_BLOCKS = BlockConfig(block_m=8, block_n=32, block_k=16, num_warps=1, num_stages=1, ag_splits=1, group_m=1)
+_GPU_BLOCKS = BlockConfig(block_m=16, block_n=256, block_k=16, num_warps=4, num_stages=1, ag_splits=1, group_m=1)
+# Columns per step of the norm's two passes over a row.
+_NORM_BLOCK_N = {"cpu": 64, "cuda": 1024}
+
+
+@triton.jit(do_not_specialize=["rank", "timeout"])
+def _push_rows_kernel(X, heap, dims, rank, timeout: tl.int64, TILE: tl.constexpr, PROTO: tl.constexpr):
+    # X = (x, stride_xm, stride_xn); heap = (data table, signal table, DONE offset, RS offset);
+    # dims = (M, N, 0, LD, ROWS_OWN); PROTO = (WORLD, BROADCAST, 0, USE_GLOBALTIMER), as the scatter GEMM's.
+    x_ptr, stride_xm, stride_xn = X
+    owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, dims, TILE, PROTO)
+    # Columns [N, LD) load as zeros: the slot rows' padding, as the GEMM's masked columns.
+    values = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + offs_n[None, :] * stride_xn,
+        mask=mask_m[:, None] & mask_n[None, :],
+        other=0.0,
+    )
+    push_tile(values, heap, (owner, local_rows, mask_m, offs_n, dims[3], dims[4], rank, timeout), PROTO)
+
+
+@triton.jit
+def _rmsnorm_kernel(H, OUT, weight_ptr, dims, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
+    # H = (h, stride_hm); OUT = (residual_out, stride_rm, y, stride_ym); dims = (M, N). QUANT: y is the fp32
+    # y32 (weight applied before any rounding) instead of the rounded (h * rstd) times the weight.
+    h_ptr, stride_hm = H
+    res_ptr, stride_rm, y_ptr, stride_ym = OUT
+    M, N = dims
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    mask_m = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=h_ptr.dtype.element_ty)
+    # Fixed column steps and one final tree per row: the sum of squares has the same bits for every
+    # algorithm that hands this kernel the same h.
+    for start in range(0, N, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :], mask=mask, other=0.0)
+        acc += h * h
+        tl.store(
+            res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], round_to(h, res_ptr.dtype.element_ty), mask=mask
+        )
+    rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
+    for start in range(0, N, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :], mask=mask, other=0.0)
+        w = tl.load(weight_ptr + offs_n, mask=offs_n < N, other=0.0).to(h.dtype)
+        if QUANT:
+            y = h * rstd[:, None] * w[None, :]
+        else:
+            normed = round_to(h * rstd[:, None], y_ptr.dtype.element_ty).to(h.dtype)
+            y = normed * w[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], round_to(y, y_ptr.dtype.element_ty), mask=mask)
+
+
+def block_config(device: torch.device) -> BlockConfig:
+    """The push / reduce tile: fixed per device type (every rank of a group has the same)."""
+    return _GPU_BLOCKS if device.type == "cuda" else _CPU_BLOCKS
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows of ``x [m, n]`` as the partials of the all-reduce exchange (``all_reduce.Exchange``): pushed as
+    they are (x's dtype), reduced into fp32 (fp64 for fp64) with ``residual`` added."""
+
+    x: torch.Tensor
+    residual: torch.Tensor
+    cfg: BlockConfig
+    bias: None = None
+
+    @property
+    def m(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def n(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.x.dtype
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        return torch.float64 if self.x.dtype == torch.float64 else torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def produce(self, call: runtime.FusedCall, rows_own: int, broadcast: bool) -> int:
+        heap, w, x, cfg = call.heap, call.world_size, self.x, self.cfg
+        per_owner = tiles(rows_own, self.n, cfg)
+        grid = (per_owner * (1 if broadcast else w),)
+        if grid[0] > 0:
+            _push_rows_kernel[grid](
+                (x, x.stride(0), x.stride(1)),
+                (
+                    heap.data_ptrs,
+                    heap.sig_ptrs,
+                    signals.channel_offset(signals.CH_DONE, w),
+                    signals.channel_offset(signals.CH_RS, w),
+                ),
+                (self.m, self.n, 0, slot_stride(self.n), rows_own),
+                call.rank,
+                call.timeout_ticks,
+                TILE=cfg.tile(),
+                PROTO=(w, broadcast, False, call.use_globaltimer),
+                num_warps=cfg.num_warps,
+            )
+        return per_owner
+
+
+def reduced_rows(
+    x: torch.Tensor, residual: torch.Tensor, *, group: object, algorithm: str, descriptor: tuple[int, ...]
+) -> torch.Tensor:
+    """``h = sum over ranks of x (rank order) + residual``, fp32 (fp64 for fp64), ``[m, n]`` on every rank;
+    ``algorithm`` "one_shot" or "two_shot"; ``descriptor``: this rank's call, checked against the peers'."""
+    rows = Rows(x, residual, block_config(x.device))
+    if runtime.world_size(group) == 1:
+        return x.to(rows.out_dtype) + residual.to(rows.out_dtype)
+    return all_reduce_partials("all_reduce_rmsnorm", group, rows, algorithm, descriptor)
+
+
+def rmsnorm(
+    h: torch.Tensor, weight: torch.Tensor, *, eps: float, dtypes: tuple[torch.dtype, torch.dtype, bool]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, residual_out)`` of the module docstring from ``h`` (fp32 rows); ``dtypes = (x's, residual's,
+    quantized)``: y is fp32 ``y32`` when quantized, else in x's dtype."""
+    x_dtype, res_dtype, quantized = dtypes
+    m, n = h.shape
+    residual_out = torch.empty((m, n), dtype=res_dtype, device=h.device)
+    y = torch.empty((m, n), dtype=h.dtype if quantized else x_dtype, device=h.device)
+    block_m = 1 if h.device.type == "cuda" else 4
+    grid = (triton.cdiv(m, block_m),)
+    if grid[0] > 0:
+        _rmsnorm_kernel[grid](
+            (h, h.stride(0)),
+            (residual_out, residual_out.stride(0), y, y.stride(0)),
+            weight,
+            (m, n),
+            eps,
+            BLOCK_M=block_m,
+            BLOCK_N=min(_NORM_BLOCK_N[h.device.type], triton.next_power_of_2(max(n, 1))),
+            QUANT=quantized,
+            num_warps=4 if h.device.type == "cuda" else 1,
+        )
+    return y, residual_out

@@ -1,0 +1,183 @@
+"""All-reduce + residual + RMSNorm (+ FP8 quantization) (kernels/ops/all_reduce_rmsnorm.py) on every backend and
+fused algorithm, worlds 1-4 (fused: 1-3), against an fp64 reference, with the bit-level promises of its docstring.
+
+Bounds (u: the unit roundoff of x's dtype, 2^-8 bf16, 2^-11 fp16, 2^-24 fp32; fp32 accumulation):
+
+- ``residual_out`` is ``h`` rounded once: ``|r - h64| <= u |h64| + W 2^-24 S`` (S: the sum of the magnitudes of
+  the W terms and the residual, the fp32 sum's error);
+- ``out``: ``rstd`` carries the fp32 mean of n squares (``n 2^-24`` relative) and ``h``'s error, then two
+  roundings (the normalized value, its product with the weight): ``|y - y64| <= (2u + (n + 4W) 2^-24) |y64|``
+  plus ``h``'s absolute error scaled as ``h`` is, ``2 rstd |weight| W 2^-24 S`` (it dominates where h cancels);
+- FP8 ``out`` dequantized: e4m3 keeps 3 mantissa bits (relative error 2^-4) and its smallest subnormal step is
+  2^-9 of a scale: ``|q * s - y64| <= 2^-4 |y64| + 2^-9 s`` (plus the ``out`` bound of the fp32 value).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import kernels
+from kernels.fp8.quantize import expand_scale
+from kernels.testing import run_ranks
+
+# (dtype, u): u the unit roundoff of the dtype.
+DTYPES = {"float32": (torch.float32, 2.0**-24), "bfloat16": (torch.bfloat16, 2.0**-8)}
+SHAPES = ((5, 40), (9, 136), (0, 24))  # odd row counts, a second 128-column quant block, no rows
+
+
+def _inputs(rank: int, world: int, dtype: torch.dtype, shape: tuple[int, int]) -> tuple[Any, ...]:
+    """Every rank's x (seeded by rank) and the replicated residual and weight."""
+    g = torch.Generator().manual_seed(1000 + 17 * shape[0] + shape[1])
+    xs = [torch.randn(shape, generator=g).to(dtype) for _ in range(world)]
+    residual = torch.randn(shape, generator=g).to(dtype)
+    weight = (1 + 0.5 * torch.randn(shape[1], generator=g)).to(dtype)
+    return xs, residual, weight
+
+
+def _ranks_body(rank: int, world: int, runs: list[tuple[str, str, str, str | None, tuple[int, int]]]) -> list:
+    out = []
+    for backend, algorithm, dtype_name, quant, shape in runs:
+        xs, residual, weight = _inputs(rank, world, DTYPES[dtype_name][0], shape)
+        x = xs[rank].view(1, *shape)  # leading dims are kept
+        res = kernels.all_reduce_rmsnorm(
+            x, residual.view(1, *shape), weight, 1e-5, quant=quant, algorithm=algorithm, backend=backend
+        )
+        assert res.out.shape == x.shape and res.residual.shape == x.shape, (res.out.shape, x.shape)
+        assert res.residual.dtype == x.dtype
+        out.append((res.out.view(shape), res.residual.view(shape), res.scale))
+    return out
+
+
+def _check(world: int, run: tuple, got: tuple) -> None:
+    backend, algorithm, dtype_name, quant, shape = run
+    dtype, u = DTYPES[dtype_name]
+    xs, residual, weight = _inputs(0, world, dtype, shape)
+    terms = [t.double() for t in xs] + [residual.double()]
+    h64 = sum(terms)
+    magnitude = sum(t.abs() for t in terms)
+    rstd64 = torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    y64 = h64 * rstd64 * weight.double()
+    out, residual_out, scale = got
+    n = shape[1]
+    tag = f"{run} W={world}"
+    bound_h = u * h64.abs() + world * 2.0**-24 * magnitude
+    assert ((residual_out.double() - h64).abs() <= bound_h).all(), tag
+    rel = 2 * u + (n + 4 * world) * 2.0**-24
+    # h's own error (the fp32 sum's) passes through the scaling by rstd * weight, also where h cancels to ~0.
+    bound_y = rel * y64.abs() + 2 * rstd64 * weight.double().abs() * world * 2.0**-24 * magnitude
+    if quant is None:
+        assert out.dtype == dtype, tag
+        assert ((out.double() - y64).abs() <= bound_y).all(), (tag, (out.double() - y64).abs().max())
+        return
+    assert out.dtype == torch.float8_e4m3fn and scale is not None, tag
+    s = expand_scale(scale.reshape(shape[0], scale.shape[-1]) if scale.dim() else scale, quant, *shape).double()
+    deq = out.double() * s
+    bound_q = 2.0**-4 * y64.abs() + 2.0**-9 * s + bound_y
+    assert ((deq.double() - y64).abs() <= bound_q).all(), (tag, (deq.double() - y64).abs().max())
+
+
+def _grid(backends: tuple[str, ...], algorithms: tuple[str, ...], quants: tuple) -> list:
+    return [
+        (b, a, d, q, s)
+        for b in backends
+        for a in algorithms
+        for d in DTYPES
+        for q in quants
+        for s in SHAPES
+        if not (q is not None and s[0] == 0 and q == "tensor")
+    ]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_scripted_backends_match_fp64_and_each_other(world: int) -> None:
+    runs = _grid(("sequential", "chunked"), ("auto",), (None, "row", "block", "tensor"))
+    per_rank = run_ranks(_ranks_body, world, runs, timeout=600)
+    for rank_out in per_rank:
+        for run, got in zip(runs, rank_out, strict=True):
+            _check(world, run, got)
+    _same_bits(per_rank, runs, key=lambda run: run[2:])
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_fused_algorithms_match_fp64_and_each_other_bitwise(world: int) -> None:
+    """one-shot, two-shot and auto, twice each: the same bits on every rank and run; ``residual_out`` also the
+    reference's bits (the sum and the residual add are the same fp32 operations in the same order)."""
+    algorithms = ("one_shot", "two_shot", "auto", "one_shot")
+    runs = _grid(("fused",), algorithms, (None, "block"))
+    runs += _grid(("sequential",), ("auto",), (None, "block"))
+    per_rank = run_ranks(_ranks_body, world, runs, timeout=900)
+    for rank_out in per_rank:
+        for run, got in zip(runs, rank_out, strict=True):
+            _check(world, run, got)
+    fused_only = [(i, run) for i, run in enumerate(runs) if run[0] == "fused"]
+    _same_bits(
+        [[outs[i] for i, _ in fused_only] for outs in per_rank], [run for _, run in fused_only], lambda r: r[2:]
+    )
+    # residual_out: fused and reference alike.
+    for outs in per_rank:
+        first: dict[tuple, torch.Tensor] = {}
+        for run, got in zip(runs, outs, strict=True):
+            key = run[2:]
+            assert torch.equal(first.setdefault(key, got[1]), got[1]), run
+
+
+def _same_bits(per_rank: list, runs: list, key: Any) -> None:
+    """Every output of runs with the same ``key`` has the same bits, on every rank."""
+    first: dict[tuple, tuple] = {}
+    for outs in per_rank:
+        for run, got in zip(runs, outs, strict=True):
+            seen = first.setdefault(key(run), got)
+            for a, b in zip(seen, got, strict=True):
+                assert (a is None) == (b is None), run
+                if a is not None:
+                    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), run
+
+
+def _bad_calls() -> list[tuple[str, dict[str, Any], str]]:
+    x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    return [
+        ("residual shape", dict(x=x, residual=r[:2], weight=w), "residual must have x's shape"),
+        ("residual dtype", dict(x=x, residual=r.double(), weight=w), "residual must have x's shape and dtype"),
+        ("weight shape", dict(x=x, residual=r, weight=w[:4]), r"weight must be a floating \[n\] = \[8\]"),
+        ("eps nan", dict(x=x, residual=r, weight=w, eps=math.nan), "eps must be a finite number"),
+        ("eps inf", dict(x=x, residual=r, weight=w, eps=math.inf), "eps must be a finite number"),
+        ("quant", dict(x=x, residual=r, weight=w, quant="block2d"), "quant='block2d' is not one of"),
+        ("algorithm", dict(x=x, residual=r, weight=w, algorithm="ring"), "algorithm='ring' is not one of"),
+        ("x dtype", dict(x=x.int(), residual=r.int(), weight=w), "x must be"),
+    ]
+
+
+@pytest.mark.parametrize(("name", "kwargs", "match"), _bad_calls(), ids=[c[0] for c in _bad_calls()])
+def test_bad_arguments_are_named(name: str, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        kernels.all_reduce_rmsnorm(**kwargs)
+
+
+def _one_rank_bad(rank: int, world: int) -> str:
+    x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    try:
+        kernels.all_reduce_rmsnorm(x, r, w, math.nan if rank == 1 else 1e-6)
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return "no error"
+
+
+def _algorithms_differ(rank: int, world: int) -> str:
+    x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    try:
+        kernels.all_reduce_rmsnorm(x, r, w, algorithm="one_shot" if rank == 0 else "two_shot")
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return "no error"
+
+
+def test_one_ranks_bad_eps_and_differing_algorithms_raise_on_every_rank() -> None:
+    for message in run_ranks(_one_rank_bad, 2, timeout=300):
+        assert "eps must be a finite number" in message, message
+    for message in run_ranks(_algorithms_differ, 2, timeout=300):
+        assert "algorithm" in message and "one_shot" in message and "two_shot" in message, message
