@@ -95,7 +95,14 @@ def test_documented_signature_is_the_function_signature(name: str) -> None:
 def test_registered_operator_schemas() -> None:
     schemas = [line for block in _code_blocks(SECTION_1, "") for line in block.splitlines() if line.startswith("coc::")]
     names = {s.split("(")[0].removeprefix("coc::") for s in schemas}
-    assert names == {"all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "matmul", "all_reduce_rmsnorm"}
+    assert names == {
+        "all_gather_matmul",
+        "matmul_reduce_scatter",
+        "matmul_all_reduce",
+        "matmul",
+        "all_reduce_rmsnorm",
+        "grouped_matmul",
+    }
     for schema in schemas:
         op = getattr(torch.ops.coc, schema.split("(")[0].removeprefix("coc::"))
         assert str(op.default._schema) == schema
