@@ -13,9 +13,11 @@ from __future__ import annotations
 import datetime
 import fnmatch
 import itertools
+import os
 import types
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -23,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from .fp8 import Fp8Recipe, resolve_recipe
+from .hf_load import load_shards
 from .hf_sizes import check_shardable
 from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel, share_input_gather
 
@@ -260,6 +263,7 @@ def parallelize_hf(
     sequence_parallel: bool = False,
     plan: dict[str, str] | None = None,
     fp8: Fp8Recipe | None = None,
+    checkpoint: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Parallelize a transformers model in place with CoC styles; returns it.
 
@@ -275,12 +279,19 @@ def parallelize_hf(
 
     ``fp8``: an :class:`~autopar.Fp8Recipe`: every linear of the plan (the output head included) runs its
     forward, dgrad and wgrad GEMMs in FP8; None: the default recipe when ``COC_FP8=1``, else none.
+
+    ``checkpoint``: a ``save_pretrained`` directory (safetensors) whose weights each rank then reads, its
+    shards only (:func:`autopar.tp.hf_load.load_shards`), onto the mesh's device: build the model on the meta
+    device (``with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)``) and no rank ever
+    holds the full model.
     """
     recipe = resolve_recipe(fp8)
     if device_mesh is None:
         if not dist.is_initialized():
             raise RuntimeError("parallelize_hf: torch.distributed is not initialized and no device_mesh was given")
         device = next(model.parameters()).device.type
+        if device == "meta":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         device_mesh = init_device_mesh(device, (dist.get_world_size(),))
     strings = hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan)
     retie = tied_weights_to_keep(model, strings)
@@ -295,6 +306,11 @@ def parallelize_hf(
         owner, _, pname = source.rpartition(".")
         tmod, _, tname = target.rpartition(".")
         setattr(model.get_submodule(tmod), tname, getattr(model.get_submodule(owner), pname))
+    if checkpoint is not None:
+        local = torch.device(device_mesh.device_type)
+        if local.type == "cuda":
+            local = torch.device("cuda", torch.cuda.current_device())
+        load_shards(model, checkpoint, device=local)
     if callable(getattr(type(model), "save_pretrained", None)):
         # A bound method, not a closure: copy.deepcopy(model) rebinds it to the copy.
         model.save_pretrained = types.MethodType(_save_pretrained_gathered, model)
