@@ -45,6 +45,8 @@ from .tp import (
     unpatch_megatron,
 )
 from .tp.fp8 import Fp8Recipe
+from .tp.hf_registry import register_hf as register_hf
+from .tp.hf_registry import unregister_hf as unregister_hf
 
 __all__ = [
     "DistTensor",
