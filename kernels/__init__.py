@@ -29,6 +29,13 @@ from .ops.all_reduce import matmul_all_reduce, quantized_matmul_all_reduce, scal
 from .ops.all_reduce_rmsnorm import NormOutputs, all_reduce_rmsnorm
 from .ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from .ops.matmul import scaled_matmul
+from .ops.moe import (
+    MoeRouting,
+    all_gather_grouped_matmul,
+    all_gather_grouped_matmul_reference,
+    grouped_matmul_reduce_scatter,
+    grouped_matmul_reduce_scatter_reference,
+)
 from .ops.reduce_scatter import matmul_reduce_scatter, quantized_matmul_reduce_scatter, scaled_matmul_reduce_scatter
 from .quant import quantize_weight
 
@@ -61,6 +68,11 @@ __all__ = [
     "NormOutputs",
     "grouped_matmul",
     "grouped_matmul_reference",
+    "all_gather_grouped_matmul",
+    "all_gather_grouped_matmul_reference",
+    "grouped_matmul_reduce_scatter",
+    "grouped_matmul_reduce_scatter_reference",
+    "MoeRouting",
 ]
 
 

@@ -37,6 +37,8 @@ OPS = (
     "quantized_all_gather_matmul",
     "quantized_matmul_reduce_scatter",
     "all_reduce_rmsnorm",
+    "all_gather_grouped_matmul",
+    "grouped_matmul_reduce_scatter",
 )
 # all_reduce_rmsnorm's algorithms, its "comm_dim" word (it communicates along no dim).
 NORM_ALGORITHMS = ("auto", "one_shot", "two_shot")
@@ -98,7 +100,12 @@ _MUST_AGREE = {
     + ("m", "k", "return_gathered", "comm_dim", "outer", "quant_mode", "group_size"),
     "quantized_matmul_reduce_scatter": _REDUCING + ("comm_dim", "outer", "quant_mode", "group_size"),
     "all_reduce_rmsnorm": _REDUCING + ("comm_dim", "quant_mode"),
+    # The MoE ops: "group_size" holds the expert count E and "comm_dim" the top-k (_MOE_NAMES). The gather's
+    # n_local and the reducing op's n_local (its k) may differ between ranks, as for the dense ops.
+    "all_gather_grouped_matmul": _COMMON + ("m", "k", "group_size", "comm_dim"),
+    "grouped_matmul_reduce_scatter": _COMMON + ("m", "n", "deterministic", "group_size", "comm_dim"),
 }
+_MOE_NAMES = {"group_size": "num_experts", "comm_dim": "topk", "n": "k_out"}
 _GATHERING = ("all_gather_matmul", "all_gather_scaled_matmul", "quantized_all_gather_matmul")
 
 Descriptor = tuple[int, ...]
@@ -144,6 +151,8 @@ def describe_call(
         "scaled_matmul_reduce_scatter",
         "quantized_matmul_reduce_scatter",
         "all_reduce_rmsnorm",
+        "all_gather_grouped_matmul",
+        "grouped_matmul_reduce_scatter",
     )
     if parallel_num == "auto":
         num = _AUTO
@@ -245,6 +254,10 @@ _SCALED = ("all_gather_scaled_matmul", "scaled_matmul_reduce_scatter", "scaled_m
 def _field_name(name: str, op_code: int) -> str:
     """A descriptor field under the name the caller of ``op`` knows it by."""
     op = OPS[op_code] if 0 <= op_code < len(OPS) else None
+    if op in ("all_gather_grouped_matmul", "grouped_matmul_reduce_scatter") and name in _MOE_NAMES:
+        return _MOE_NAMES[name]
+    if op == "all_gather_grouped_matmul" and name == "m":
+        return "m_local"
     # all_gather_matmul's m is the local row count (the gathered one is W times larger).
     if name == "m" and op in _GATHERING:
         return "m_local"

@@ -102,6 +102,8 @@ def test_registered_operator_schemas() -> None:
         "matmul",
         "all_reduce_rmsnorm",
         "grouped_matmul",
+        "all_gather_grouped_matmul",
+        "grouped_matmul_reduce_scatter",
     }
     for schema in schemas:
         op = getattr(torch.ops.coc, schema.split("(")[0].removeprefix("coc::"))

@@ -1,0 +1,293 @@
+"""Routing for the tensor-parallel MoE ops (:mod:`kernels.ops.moe`): checks, the routing value, the call value.
+
+The gathered tokens' rows are grouped by expert with a stable sort of the flattened ``topk_ids`` (ties in
+``(token, slot)`` order)::
+
+    order = argsort(topk_ids_gathered.flatten(), stable=True)       # [M * topk], M = m_local * W
+    token_index, slot = order // topk, order % topk                 # row j is the pair (token_index[j], slot[j])
+    expert_offsets[e] = count(topk_ids_gathered <= e)               # cumulative end rows, last = M * topk
+
+Everything here runs on the device with shapes known on the host (sort, ``searchsorted``, index ops): no host
+read of the routing, except the value checks that :func:`kernels.fp8.scales.value_check_wanted` asks for.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .. import agree, checks
+from ..capture import capturing
+from ..config import get_config
+from ..fp8 import scales
+from .grouped_matmul import PLAIN_DTYPES
+
+ID_DTYPES = (torch.int32, torch.int64)
+_warned: set[tuple[str, str]] = set()
+
+
+class MoeRouting(NamedTuple):
+    """Where each row of :func:`kernels.all_gather_grouped_matmul`'s output comes from (all int64, on x's device).
+
+    ``expert_offsets [E]``: cumulative end row of each expert (``torch._grouped_mm``'s ``offs``);
+    ``token_index [M * topk]``: the gathered token of each row (rank ``r``'s local token ``i`` is
+    ``r * m_local + i``); ``slot [M * topk]``: which of that token's top-k choices the row is.
+    """
+
+    expert_offsets: torch.Tensor
+    token_index: torch.Tensor
+    slot: torch.Tensor
+
+
+@dataclass(frozen=True)
+class MoeCall:
+    """One MoE call without its tensors: the string the registered operators carry."""
+
+    backend: str
+    parallel_num: int
+    group_name: str
+    world: int
+
+    def encode(self) -> str:
+        return "|".join((self.backend, str(self.parallel_num), self.group_name, str(self.world)))
+
+    @staticmethod
+    def decode(text: str) -> MoeCall:
+        backend, num, name, world = text.split("|")
+        return MoeCall(backend, int(num), name, int(world))
+
+
+def _tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _forward_only(op: str, named: tuple[tuple[str, torch.Tensor], ...]) -> None:
+    needs_grad = [name for name, t in named if t.requires_grad]
+    if needs_grad and torch.is_grad_enabled():
+        # A detached result would drop the gradients silently.
+        raise TypeError(f"{op} is forward-only and {', '.join(needs_grad)} requires grad; call it under no_grad")
+
+
+def _same_device(x: torch.Tensor, named: tuple[tuple[str, torch.Tensor], ...]) -> None:
+    for name, t in named:
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def check_gather(x: object, topk_ids: object, weight: object, num_experts: object) -> int:
+    """``all_gather_grouped_matmul``'s metadata (``ValueError`` / ``TypeError`` naming the argument); returns E."""
+    x, topk_ids, weight = _tensor("x", x), _tensor("topk_ids", topk_ids), _tensor("weight", weight)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [m_local, k] (this rank's tokens), got shape {tuple(x.shape)}")
+    if x.dtype not in PLAIN_DTYPES:
+        raise TypeError(f"x dtype {x.dtype} is not accepted; use one of {[str(d) for d in PLAIN_DTYPES]}")
+    if weight.dim() != 3 or weight.shape[0] < 1:
+        raise ValueError(f"weight must be 3-D [E, n_local, k] with E >= 1 (one per expert), got {tuple(weight.shape)}")
+    if weight.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"k mismatch: x has k={x.shape[1]} (shape {tuple(x.shape)}) but weight has k={weight.shape[2]} "
+            f"(shape {tuple(weight.shape)}); weight must be [E, n_local, k] (F.linear layout per expert)"
+        )
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} does not match x dtype {x.dtype}")
+    if topk_ids.dtype not in ID_DTYPES:
+        raise TypeError(f"topk_ids dtype {topk_ids.dtype} is not accepted; use torch.int32 or torch.int64")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
+        raise ValueError(
+            f"topk_ids shape {tuple(topk_ids.shape)} does not fit x shape {tuple(x.shape)}: it must be "
+            f"[m_local, topk] = [{x.shape[0]}, topk] with topk >= 1 (one row of expert ids per token)"
+        )
+    num_e = weight.shape[0]
+    if num_experts is not None and (type(num_experts) is not int or num_experts != num_e):
+        raise ValueError(
+            f"E mismatch: num_experts={num_experts!r} but weight has E={num_e} experts (shape {tuple(weight.shape)})"
+        )
+    _same_device(x, (("topk_ids", topk_ids), ("weight", weight)))
+    _forward_only("all_gather_grouped_matmul", (("x", x), ("weight", weight)))
+    return num_e
+
+
+def check_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Every id in ``[0, E)``: a host read, where :func:`wanted` says so."""
+    if topk_ids.numel() == 0:
+        return
+    bad = (topk_ids < 0) | (topk_ids >= num_experts)
+    if bool(bad.any()):
+        token, slot = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"topk_ids[{token}, {slot}]={int(topk_ids[token, slot])} is out of range: expert ids must be in "
+            f"[0, E) = [0, {num_experts}) (E = weight.shape[0]); {int(bad.sum())} id(s) out of range"
+        )
+
+
+def check_scatter(h: object, weight: object, routing: object, topk_weights: object, world: int) -> tuple[int, int]:
+    """``grouped_matmul_reduce_scatter``'s metadata; returns ``(E, topk)``."""
+    h, weight, topk_weights = _tensor("h", h), _tensor("weight", weight), _tensor("topk_weights", topk_weights)
+    if not isinstance(routing, MoeRouting):
+        raise TypeError(
+            "routing must be the kernels.MoeRouting that all_gather_grouped_matmul returned, got "
+            f"{type(routing).__name__}"
+        )
+    offsets, token_index, slot = (_tensor(f"routing.{f}", t) for f, t in zip(MoeRouting._fields, routing, strict=True))
+    if h.dim() != 2:
+        raise ValueError(f"h must be 2-D [M * topk, n_local] (rows grouped by expert), got shape {tuple(h.shape)}")
+    if h.dtype not in PLAIN_DTYPES:
+        raise TypeError(f"h dtype {h.dtype} is not accepted; use one of {[str(d) for d in PLAIN_DTYPES]}")
+    if weight.dim() != 3 or weight.shape[2] != h.shape[1]:
+        raise ValueError(
+            f"weight must be [E, k_out, n_local] with n_local = h.shape[1] = {h.shape[1]} (F.linear layout per "
+            f"expert, the row shard), got {tuple(weight.shape)}"
+        )
+    if weight.dtype != h.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} does not match h dtype {h.dtype}")
+    for name, t in (("routing.expert_offsets", offsets), ("routing.token_index", token_index), ("routing.slot", slot)):
+        if t.dtype not in ID_DTYPES:
+            raise TypeError(f"{name} dtype {t.dtype} is not accepted; use torch.int32 or torch.int64")
+    if tuple(offsets.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"E mismatch: routing.expert_offsets has shape {tuple(offsets.shape)} but weight has E={weight.shape[0]} "
+            f"experts (shape {tuple(weight.shape)})"
+        )
+    rows = h.shape[0]
+    if tuple(token_index.shape) != (rows,) or tuple(slot.shape) != (rows,):
+        raise ValueError(
+            f"routing.token_index {tuple(token_index.shape)} and routing.slot {tuple(slot.shape)} must be [rows of h] "
+            f"= [{rows}]: the routing of the call that produced h's rows"
+        )
+    if topk_weights.dim() != 2 or not topk_weights.is_floating_point() or topk_weights.shape[1] < 1:
+        raise ValueError(
+            f"topk_weights must be a floating [M, topk] (the gathered tokens' weights, M = m_local * W), got "
+            f"{tuple(topk_weights.shape)} {topk_weights.dtype}"
+        )
+    tokens, topk = topk_weights.shape
+    if tokens * topk != rows or tokens % world:
+        raise ValueError(
+            f"topk_weights shape {tuple(topk_weights.shape)} does not fit h shape {tuple(h.shape)} and W={world}: it "
+            f"must be [M, topk] with M * topk = rows of h and M = m_local * W (every rank's tokens, rank order)"
+        )
+    named = (("weight", weight), ("topk_weights", topk_weights), ("routing.expert_offsets", offsets))
+    _same_device(h, named + (("routing.token_index", token_index), ("routing.slot", slot)))
+    _forward_only("grouped_matmul_reduce_scatter", (("h", h), ("weight", weight), ("topk_weights", topk_weights)))
+    return weight.shape[0], topk
+
+
+def check_routing_values(routing: MoeRouting, topk: int) -> None:
+    """The offsets non-decreasing with the last = rows, every (token, slot) pair once (a host read)."""
+    ends = routing.expert_offsets.tolist()
+    rows = routing.token_index.numel()
+    if any(b < a for a, b in zip([0] + ends[:-1], ends, strict=True)) or (ends and ends[-1] != rows):
+        raise ValueError(
+            f"routing.expert_offsets={ends} must be non-decreasing with the last = {rows} (rows of h); pass the "
+            "routing all_gather_grouped_matmul returned"
+        )
+    pairs = routing.token_index.long() * topk + routing.slot.long()
+    if rows and not torch.equal(torch.sort(pairs).values, torch.arange(rows, device=pairs.device)):
+        raise ValueError(
+            f"routing.token_index / routing.slot do not name every (token, slot) pair of M = {rows // topk} tokens "
+            f"and topk = {topk} (topk_weights.shape[1]) once; pass the routing all_gather_grouped_matmul returned"
+        )
+
+
+def wanted(device: torch.device) -> bool:
+    """Whether to read routing values on the host (CPU always; CUDA under ``COC_CHECK=1``; not in capture)."""
+    return scales.value_check_wanted(device) and not capturing(device)
+
+
+def describe(op: str, shape: tuple[int, int, int], dtype: torch.dtype, *, request: tuple, moe: tuple) -> tuple:
+    """The call descriptor (:mod:`kernels.agree`): ``shape = (m, k, n)`` as the op names them, ``request =
+    (backend, parallel_num)`` as asked, ``moe = (E, topk)``."""
+    backend, parallel_num = request
+    return agree.describe_call(
+        op,
+        *shape,
+        dtype,
+        bias=False,
+        flag=op == "grouped_matmul_reduce_scatter",  # its sum is always in rank order
+        backend=backend,
+        parallel_num=parallel_num,
+        group_size=moe[0],
+        comm_dim=moe[1],
+    )
+
+
+def resolve(op: str, request: tuple, shape: tuple[int, int, int], group: dist.ProcessGroup | None) -> MoeCall:
+    """The backend and split count that run: the argument, else the environment (``USE_COC_FUSED_KERNEL``,
+    ``COC_PARALLEL_NUM``, ``customized_coc``). ``"fused"`` and ``"auto"`` warn once by name and run chunked /
+    sequential: these ops have no fused kernels and no tuner entry yet."""
+    backend, parallel_num = request
+    config = get_config()
+    if backend is None and config.use_fused:
+        backend = "fused"
+    if backend == "fused":
+        _warn_once(op, "fused", "the fused backend is not built for the MoE ops yet; running the chunked path")
+        backend = "chunked"
+    num = parallel_num if parallel_num is not None else config.parallel_num_for(*shape)
+    if num == "auto":
+        _warn_once(op, "auto", "COC_PARALLEL_NUM=auto does not tune the MoE ops yet; running with parallel_num=1")
+        num = 1
+    assert isinstance(num, int)
+    if backend == "sequential":
+        num = 1
+    elif backend is None:
+        backend = "chunked" if num > 1 else "sequential"
+    from ..call import group_name
+
+    return MoeCall(backend, num, group_name(group), checks.world_of(group))
+
+
+def _warn_once(op: str, key: str, what: str) -> None:
+    if (op, key) in _warned:
+        return
+    _warned.add((op, key))
+    warnings.warn(f"{op}: {what} (this warning is shown once)", RuntimeWarning, stacklevel=4)
+
+
+def route(ids: torch.Tensor, num_experts: int) -> MoeRouting:
+    """The routing of the gathered ``ids [M, topk]`` (module docstring)."""
+    topk = ids.shape[1]
+    flat = ids.reshape(-1).to(torch.int64)
+    experts, order = torch.sort(flat, stable=True)
+    targets = torch.arange(num_experts, device=ids.device, dtype=torch.int64)
+    # A sorted search, not bincount: CUDA's bincount reads its input's max on the host.
+    offsets = torch.searchsorted(experts, targets, right=True)
+    return MoeRouting(offsets, order // topk, order % topk)
+
+
+def row_of_pair(routing: MoeRouting, topk: int) -> torch.Tensor:
+    """``[M, topk]``: the output row of each (token, slot) pair, the inverse of the routing's permutation."""
+    rows = routing.token_index.numel()
+    pos = torch.empty(rows, dtype=torch.int64, device=routing.token_index.device)
+    pos[routing.token_index.long() * topk + routing.slot.long()] = torch.arange(rows, device=pos.device)
+    return pos.view(rows // topk if topk else 0, topk)
+
+
+def piece_tokens(world: int, m_local: int, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """The gathered tokens of a piece, rank-major: rows ``[start, stop)`` of every rank's ``m_local``."""
+    ranks = torch.arange(world, device=device)[:, None] * m_local
+    return (ranks + torch.arange(start, stop, device=device)[None, :]).reshape(-1)
+
+
+def expert_of_rows(routing: MoeRouting) -> torch.Tensor:
+    """``[rows]``: the expert of each output row (E for rows past the last offset, which unchecked bad ids make)."""
+    offsets = routing.expert_offsets.to(torch.int64)
+    rows = torch.arange(routing.token_index.numel(), device=offsets.device)
+    return torch.searchsorted(offsets, rows, right=True)
+
+
+def piece_rows(
+    pair_rows: torch.Tensor, expert_of_row: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a piece's pairs ``pair_rows [p, topk]`` (their output rows): ``(rows, offsets, order)``.
+
+    ``rows``: the pairs' output rows ascending, so grouped by expert as the whole output is; ``offsets``: the
+    piece's own cumulative expert ends over ``rows``; ``order``: which flattened pair each of ``rows`` is.
+    """
+    rows, order = torch.sort(pair_rows.reshape(-1))
+    targets = torch.arange(num_experts, device=rows.device)
+    return rows, torch.searchsorted(expert_of_row[rows], targets, right=True), order
