@@ -30,6 +30,8 @@ setup(
             "matplotlib>=3.5",
             "ruff==0.17.6",
             "transformers>=5,<6",
+            # transformers' own tensor-parallel loading (tests/autopar/tp/test_hf_registry.py) requires it.
+            "accelerate>=1.0",
         ],
         # One CuPy wheel per CUDA major, matching torch.version.cuda: two of them installed side by side
         # would share one `cupy` package. The code imports `cupy` from whichever is installed.
