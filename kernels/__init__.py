@@ -26,7 +26,8 @@ from .fp8 import dequantize_fp8, quantize_fp8
 from .inductor_pass import disable_inductor_pass, enable_inductor_pass, use_inductor_pass
 from .ops.all_gather import all_gather_matmul, all_gather_scaled_matmul, quantized_all_gather_matmul
 from .ops.all_reduce import matmul_all_reduce, quantized_matmul_all_reduce, scaled_matmul_all_reduce
-from .ops.all_reduce_rmsnorm import NormOutputs, all_reduce_rmsnorm
+from .ops.all_reduce_rmsnorm import all_reduce_rmsnorm
+from .ops.norm import NormOutputs
 from .ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from .ops.matmul import scaled_matmul
 from .ops.moe import (

@@ -42,6 +42,10 @@ OPS = (
 )
 # all_reduce_rmsnorm's algorithms, its "comm_dim" word (it communicates along no dim).
 NORM_ALGORITHMS = ("auto", "one_shot", "two_shot")
+# The GEMM + all-reduce ops' epilogue after the reduction (kernels.call.OpCall.epilogue), their "comm_dim"
+# word: none (-1), residual + RMSNorm, and that with the normalized output quantized to FP8.
+EPILOGUES = ("rmsnorm", "rmsnorm:tensor", "rmsnorm:row", "rmsnorm:block")
+_ALL_REDUCING = ("matmul_all_reduce", "scaled_matmul_all_reduce", "quantized_matmul_all_reduce")
 FIELDS = (
     "version",
     "op",
@@ -90,12 +94,12 @@ _REDUCING = _COMMON + ("m", "n", "deterministic", "tiles")
 _MUST_AGREE = {
     "all_gather_matmul": _COMMON + ("m", "k", "return_gathered", "comm_dim", "outer"),
     "matmul_reduce_scatter": _REDUCING + ("comm_dim", "outer"),
-    "matmul_all_reduce": _REDUCING,
-    "quantized_matmul_all_reduce": _REDUCING + ("quant_mode", "group_size"),
+    "matmul_all_reduce": _REDUCING + ("comm_dim",),
+    "quantized_matmul_all_reduce": _REDUCING + ("quant_mode", "group_size", "comm_dim"),
     "all_gather_scaled_matmul": _COMMON
     + ("m", "k", "return_gathered", "comm_dim", "outer", "quant_mode", "fp8_dtypes"),
     "scaled_matmul_reduce_scatter": _REDUCING + ("comm_dim", "outer", "quant_mode", "fp8_dtypes"),
-    "scaled_matmul_all_reduce": _REDUCING + ("quant_mode", "fp8_dtypes"),
+    "scaled_matmul_all_reduce": _REDUCING + ("quant_mode", "fp8_dtypes", "comm_dim"),
     "quantized_all_gather_matmul": _COMMON
     + ("m", "k", "return_gathered", "comm_dim", "outer", "quant_mode", "group_size"),
     "quantized_matmul_reduce_scatter": _REDUCING + ("comm_dim", "outer", "quant_mode", "group_size"),
@@ -129,6 +133,7 @@ def describe_call(
     out_dtype: torch.dtype | None = None,
     tiles: tuple[int, int] | None = None,
     outer: int | None = None,
+    epilogue: str = "",
 ) -> Descriptor:
     """The descriptor of one call: ``DESCRIPTOR_LEN`` ints in the order of :data:`FIELDS`.
 
@@ -140,7 +145,8 @@ def describe_call(
     ``weight_dtype`` / ``out_dtype``: the FP8 ops' weight payload and output dtypes (``dtype`` is x's);
     ``tiles``: ``(block_m, block_n)`` of a fused reducing op's GEMM (None: not applicable);
     ``outer``: the product of x's dims before ``comm_dim`` (None: not known, as for the 2-D rows a
-    compiled graph's pass decides on; every rank of one call site knows it alike or not at all).
+    compiled graph's pass decides on; every rank of one call site knows it alike or not at all);
+    ``epilogue``: the all-reduce ops' (:data:`EPILOGUES`, ``""`` none), carried in the ``comm_dim`` word.
     """
     if op not in OPS:
         raise ValueError(f"op={op!r} is not accepted; use one of {OPS}")
@@ -177,11 +183,19 @@ def describe_call(
         num,
         _QUANT_MODES.index(quant_mode),
         int(group_size),
-        int(comm_dim) if has_dim else _NOT_APPLICABLE,
+        int(comm_dim) if has_dim else _epilogue_word(op, epilogue),
         fp8_dtypes,
         _NOT_APPLICABLE if tiles is None else tiles[0] * _TILE_CODE + tiles[1],
         int(outer) if has_dim and outer is not None else _NOT_APPLICABLE,
     )
+
+
+def _epilogue_word(op: str, epilogue: str) -> int:
+    if not epilogue:
+        return _NOT_APPLICABLE
+    if op not in _ALL_REDUCING or epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue={epilogue!r} is not one of {EPILOGUES} of the all-reduce ops (op {op!r})")
+    return EPILOGUES.index(epilogue)
 
 
 def _known(size: object) -> int:
@@ -264,6 +278,8 @@ def _field_name(name: str, op_code: int) -> str:
     if name == "comm_dim":
         if op == "all_reduce_rmsnorm":
             return "algorithm"
+        if op in _ALL_REDUCING:
+            return "epilogue"
         return "gather_dim" if op in _GATHERING else "scatter_dim"
     if name == "outer":
         return "prod(x.shape[:gather_dim])" if op in _GATHERING else "prod(x.shape[:scatter_dim])"
@@ -275,8 +291,11 @@ def _field_name(name: str, op_code: int) -> str:
 
 def _differences(name: str, op_code: int, a: int, b: int) -> list[tuple[str, str, str]]:
     """``(field as the caller names it, value a, value b)`` for each part of field ``name`` that differs."""
-    if name == "comm_dim" and 0 <= op_code < len(OPS) and OPS[op_code] == "all_reduce_rmsnorm":
-        return [("algorithm", *(NORM_ALGORITHMS[v] if 0 <= v < len(NORM_ALGORITHMS) else str(v) for v in (a, b)))]
+    op = OPS[op_code] if 0 <= op_code < len(OPS) else None
+    if name == "comm_dim" and op in ("all_reduce_rmsnorm",) + _ALL_REDUCING:
+        names = NORM_ALGORITHMS if op == "all_reduce_rmsnorm" else EPILOGUES
+        shown = ["none" if v == _NOT_APPLICABLE else names[v] if 0 <= v < len(names) else str(v) for v in (a, b)]
+        return [(_field_name(name, op_code), *shown)]
     if name != "fp8_dtypes" or _NOT_APPLICABLE in (a, b):
         return [(_field_name(name, op_code), _shown(name, a), _shown(name, b))]
     pairs = zip(("weight.dtype", "out_dtype"), divmod(a, len(_DTYPES)), divmod(b, len(_DTYPES)), strict=True)

@@ -64,6 +64,8 @@ class OpCall:
     world: int = 1
     backend: str | None = None
     parallel_num: int | str | None = None
+    # all_reduce: what follows the reduction (kernels.agree.EPILOGUES; "": nothing).
+    epilogue: str = ""
 
     @property
     def op_name(self) -> str:
@@ -85,6 +87,7 @@ class OpCall:
                 str(self.world),
                 self.backend or "",
                 "" if self.parallel_num is None else str(self.parallel_num),
+                self.epilogue,
             )
         )
 
@@ -121,6 +124,7 @@ class OpCall:
             out_dtype=self.out_dtype if fp8 else None,
             tiles=tiles,
             outer=outer,
+            epilogue=self.epilogue,
         )
 
 
@@ -145,7 +149,7 @@ def resolve_group(name: str) -> dist.ProcessGroup | None:
 @functools.lru_cache(maxsize=4096)
 def decode(text: str) -> OpCall:
     """Inverse of :meth:`OpCall.encode` (cached: the registered operators decode their string at each call)."""
-    pattern, fmt, out, rg, det, dim, group_name, world, backend, num = text.split("|")
+    pattern, fmt, out, rg, det, dim, group_name, world, backend, num, epilogue = text.split("|")
     parallel_num: int | str | None = None
     if num:
         parallel_num = num if num == "auto" else int(num)
@@ -160,6 +164,7 @@ def decode(text: str) -> OpCall:
         world=int(world),
         backend=backend or None,
         parallel_num=parallel_num,
+        epilogue=epilogue,
     )
 
 

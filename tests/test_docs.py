@@ -102,6 +102,7 @@ def test_registered_operator_schemas() -> None:
         "matmul",
         "all_reduce_rmsnorm",
         "grouped_matmul",
+        "matmul_all_reduce_rmsnorm",
         "all_gather_grouped_matmul",
         "grouped_matmul_reduce_scatter",
     }

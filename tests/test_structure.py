@@ -22,8 +22,9 @@ PACKAGES = ("kernels", "autopar", "bench")
 MAX_LINES = 600
 # Lowered as the positional parameters go (152 before issue 28); issue 28's goal is 40. 20 at its end, all
 # but 5 of them Triton kernels (launch bundles; rank, targets and timeouts stay separate arguments so that
-# Triton does not specialize on them); +2 for all_reduce_rmsnorm's row push and norm kernels.
-POSITIONAL_BUDGET = 22
+# Triton does not specialize on them); +2 for all_reduce_rmsnorm's row push and norm kernels, +1 for the
+# matmul_all_reduce_rmsnorm operator's implementation (a registered operator receives its schema positionally).
+POSITIONAL_BUDGET = 23
 
 
 def _modules() -> dict[str, Path]:

@@ -84,7 +84,7 @@ def tile_rows(algorithm: str, m: int, world_size: int) -> int:
     return m if algorithm == "one_shot" else triton.cdiv(m, world_size)
 
 
-def run(call: OpCall, ops: Operands, algorithm: str = "auto") -> torch.Tensor:
+def run(call: OpCall, ops: Operands, algorithm: str = "auto", *, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Fused GEMM + all-reduce of one weight over the group's symmetric heap: ``[m, n]``, the same bits
     on every rank.
 
@@ -102,12 +102,17 @@ def run(call: OpCall, ops: Operands, algorithm: str = "auto") -> torch.Tensor:
     ``"one_shot"`` or ``"two_shot"``. Always deterministic (``deterministic`` is compared across
     ranks and costs nothing). Raises RuntimeError naming the missing peer if a wait exceeds
     ``COC_TIMEOUT``, and on every rank when the ranks' calls differ.
+
+    ``residual`` (rows ``[m, n]``, the epilogue of ``kernels.ops.norm``): returns ``h = y + residual`` in fp32
+    (fp64 for fp64) instead, the residual added in the reduce after bias, before any rounding.
     """
     call = replace(call, backend="fused", parallel_num=None)
-    return all_reduce(call, matmul.row_operands(ops), algorithm, ops)
+    return all_reduce(call, matmul.row_operands(ops), algorithm, ops, residual=residual)
 
 
-def all_reduce(call: OpCall, ops: Operands, algorithm: str, described: Operands) -> torch.Tensor:
+def all_reduce(
+    call: OpCall, ops: Operands, algorithm: str, described: Operands, *, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """:func:`run` on 2-D ``ops`` (x's rows); ``described``: the operands the call descriptor describes."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm: {algorithm!r} is not one of {ALGORITHMS}")
@@ -116,7 +121,16 @@ def all_reduce(call: OpCall, ops: Operands, algorithm: str, described: Operands)
     group = runtime.group_of(call)
     w = runtime.world_size(group)
     if w == 1:
-        return matmul.gemm(call.fmt, ops, out_dtype=out_dtype)
+        if residual is None:
+            return matmul.gemm(call.fmt, ops, out_dtype=out_dtype)
+        # The partial in its exchange dtype, then bias and residual in the accumulator, as the reduce adds them.
+        partial_dtype = torch.float32 if call.fmt.partial_fp32 else x.dtype
+        partial = matmul.gemm(call.fmt, replace(ops, biases=(None,)), out_dtype=partial_dtype)
+        acc = torch.float64 if partial.dtype == torch.float64 else torch.float32
+        h = partial.to(acc)
+        if ops.biases[0] is not None:
+            h = h + ops.biases[0].to(acc)
+        return h + residual.to(acc)
     m, k = x.shape
     n = ops.weights[0].shape[0]
     size = torch.float32.itemsize if call.fmt.partial_fp32 else x.element_size()
@@ -125,7 +139,11 @@ def all_reduce(call: OpCall, ops: Operands, algorithm: str, described: Operands)
         algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
     cfg = block_config(call.fmt, x.device, tile_rows(algorithm, m, w), k, dtype=x.dtype, op="matmul_all_reduce", n=n)
     descriptor = call.descriptor(described, tiles=(cfg.block_m, cfg.block_n))
-    out = all_reduce_partials(call.op_name, group, Partials(call.fmt, ops, cfg), algorithm, descriptor)
+    out = all_reduce_partials(
+        call.op_name, group, Partials(call.fmt, ops, cfg, residual=residual), algorithm, descriptor
+    )
+    if residual is not None:
+        return out
     # FP8: the single rounding; every rank rounds the same fp32 bits.
     return out if out.dtype == out_dtype else out.to(out_dtype)
 

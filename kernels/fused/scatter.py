@@ -233,6 +233,8 @@ class Partials:
     ops: Operands
     cfg: BlockConfig
     outer: int = 1
+    # all-reduce epilogue: rows [m, n] added after the reduction, which then stays in fp32 (fp64 for fp64).
+    residual: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -249,8 +251,11 @@ class Partials:
 
     @property
     def out_dtype(self) -> torch.dtype:
-        """The dtype of the reduced rows (the slots'; :class:`kernels.fused.all_reduce.Exchange`)."""
-        return self.dtype
+        """The dtype of the reduced rows (:class:`kernels.fused.all_reduce.Exchange`): the slots', or with a
+        residual the accumulator's."""
+        if self.residual is None:
+            return self.dtype
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     @property
     def device(self) -> torch.device:
@@ -259,8 +264,6 @@ class Partials:
     @property
     def bias(self) -> torch.Tensor | None:
         return self.ops.biases[0]
-
-    residual = None
 
     def produce(self, call: runtime.FusedCall, rows_own: int, broadcast: bool) -> int:
         """:func:`scatter_partials` of these partials."""

@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, padding
-from ..call import IMPLEMENTATIONS, OpCall, Operands
-from ..format import bias_of, compute, dequantize_weight, dequantize_x
+from ..call import IMPLEMENTATIONS, OpCall, Operands, decode, resolve_group
+from ..format import OperandFormat, bias_of, compute, dequantize_weight, dequantize_x
+from ..op_registration import define_op
 from .entry import (
+    Request,
     define_one_weight_op,
     fp8_operands,
     fp8_values,
@@ -34,6 +36,7 @@ from .entry import (
     same_rows,
     submit,
 )
+from .norm import NormOutputs, accumulator, check_epilogue, finish, scale_shape
 
 
 def matmul_all_reduce(
@@ -45,7 +48,11 @@ def matmul_all_reduce(
     backend: str | None = None,
     parallel_num: int | None = None,
     deterministic: bool = False,
-) -> torch.Tensor:
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    quant: str | None = None,
+) -> torch.Tensor | NormOutputs:
     """``y = all_reduce(x @ weight.T) + bias``.
 
     Reference::
@@ -55,6 +62,11 @@ def matmul_all_reduce(
 
     ``deterministic=True`` sums the partials in rank order: repeated calls give identical bits and
     all ranks hold identical bits.
+
+    With ``residual`` and ``norm_weight`` (the decode path's layer end; :mod:`kernels.ops.norm`): returns
+    ``NormOutputs(out, residual, scale)`` of ``h = sum(partial_r, fp32, rank order) + bias + residual``, the
+    RMSNorm of ``h`` times ``norm_weight`` (FP8 e4m3 with its scales when ``quant`` is ``"tensor"`` / ``"row"``
+    / ``"block"``) and ``h`` rounded to the residual's dtype.
     """
     req = request(
         "all_reduce",
@@ -64,9 +76,11 @@ def matmul_all_reduce(
         backend=backend,
         parallel_num=parallel_num,
         deterministic=deterministic,
+        epilogue=_epilogue_name(residual, norm_weight, quant, "matmul_all_reduce"),
     )
-    call, ops = submit(req, lambda: plain_operands(x, weight, bias))
-    return _op(ops, call)
+    norm = (residual, norm_weight, eps, quant)
+    call, ops = submit(req, lambda: _checked(plain_operands(x, weight, bias), norm, req))
+    return _op(ops, call, norm)
 
 
 def scaled_matmul_all_reduce(
@@ -81,7 +95,11 @@ def scaled_matmul_all_reduce(
     backend: str | None = None,
     parallel_num: int | None = None,
     deterministic: bool = False,
-) -> torch.Tensor:
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    quant: str | None = None,
+) -> torch.Tensor | NormOutputs:
     """FP8 ``y = all_reduce(x @ weight.T) + bias``, rounded once to ``out_dtype``.
 
     Reference::
@@ -89,7 +107,9 @@ def scaled_matmul_all_reduce(
         partial = dequant(x) @ dequant(weight).T                     # fp32 [m, n] on every rank
         y = (all_reduce(partial) + bias).to(out_dtype)               # [m, n], fp32 sum
 
-    ``deterministic=True`` sums in rank order: identical bits on every call and every rank.
+    ``deterministic=True`` sums in rank order: identical bits on every call and every rank. ``residual``,
+    ``norm_weight``, ``eps``, ``quant``: the RMSNorm epilogue of :func:`matmul_all_reduce` (``residual`` in
+    ``out_dtype``).
     """
     req = request(
         "all_reduce",
@@ -100,9 +120,15 @@ def scaled_matmul_all_reduce(
         parallel_num=parallel_num,
         deterministic=deterministic,
         out_dtype=out_dtype,
+        epilogue=_epilogue_name(residual, norm_weight, quant, "scaled_matmul_all_reduce"),
     )
-    call, ops = submit(req, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype), fp8_values)
-    return _op(ops, call)
+    norm = (residual, norm_weight, eps, quant)
+    call, ops = submit(
+        req,
+        lambda: _checked(fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype), norm, req),
+        fp8_values,
+    )
+    return _op(ops, call, norm)
 
 
 def quantized_matmul_all_reduce(
@@ -117,7 +143,11 @@ def quantized_matmul_all_reduce(
     backend: str | None = None,
     parallel_num: int | None = None,
     deterministic: bool = False,
-) -> torch.Tensor:
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    quant: str | None = None,
+) -> torch.Tensor | NormOutputs:
     """w8A16 ``y = all_reduce(x @ dequant(qweight).T) + bias``.
 
     Reference::
@@ -128,7 +158,8 @@ def quantized_matmul_all_reduce(
 
     ``qweight`` int8 ``[n, k]`` and ``scale`` (``[]``, ``[n]`` or ``[n, G]``) as returned by
     :func:`kernels.quantize_weight`; ``x`` fp16 / bf16 (fp32 allowed on CPU). See ``kernels.quant`` for
-    the group and offset conventions.
+    the group and offset conventions. ``residual``, ``norm_weight``, ``eps``, ``quant``: the RMSNorm epilogue
+    of :func:`matmul_all_reduce`.
     """
     req = request(
         "all_reduce",
@@ -138,13 +169,47 @@ def quantized_matmul_all_reduce(
         backend=backend,
         parallel_num=parallel_num,
         deterministic=deterministic,
+        epilogue=_epilogue_name(residual, norm_weight, quant, "quantized_matmul_all_reduce"),
     )
-    call, ops = submit(req, lambda: int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset))
-    return _op(ops, call)
+    norm = (residual, norm_weight, eps, quant)
+    call, ops = submit(
+        req, lambda: _checked(int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset), norm, req)
+    )
+    return _op(ops, call, norm)
 
 
-def _op(ops: Operands, call: OpCall) -> torch.Tensor:
-    return operator(ops.x, ops.x_scale, ops.weights[0], ops.scale_of(0), ops.offset_of(0), ops.biases[0], call.encode())
+def _epilogue_name(residual: object, norm_weight: object, quant: object, op: str) -> str:
+    """The call's epilogue (kernels.agree.EPILOGUES; ``""``: none) from the arguments that ask for one."""
+    if residual is None and norm_weight is None:
+        if quant is not None:
+            raise ValueError(f"{op}: quant={quant!r} quantizes the RMSNorm epilogue; pass residual and norm_weight")
+        return ""
+    if residual is None or norm_weight is None:
+        missing = "residual" if residual is None else "norm_weight"
+        raise ValueError(f"{op}: the RMSNorm epilogue needs both residual and norm_weight; {missing} is None")
+    return "rmsnorm" if quant is None else f"rmsnorm:{quant}"
+
+
+def _checked(built: tuple[OperandFormat, Operands], norm: tuple, req: Request) -> tuple[OperandFormat, Operands]:
+    """``built``, after checking the epilogue's tensors against the output (its rows, ``n`` and dtype)."""
+    fmt, ops = built
+    if req.epilogue:
+        residual, norm_weight, eps, quant = norm
+        shape = tuple(ops.x.shape[:-1]) + (ops.weights[0].shape[0],)
+        dtype = req.out_dtype or ops.x.dtype
+        check_epilogue(
+            residual, norm_weight, eps, quant, shape=shape, dtype=dtype, names=(req.op_name, "residual", "norm_weight")
+        )
+    return fmt, ops
+
+
+def _op(ops: Operands, call: OpCall, norm: tuple) -> torch.Tensor | NormOutputs:
+    operands = (ops.x, ops.x_scale, ops.weights[0], ops.scale_of(0), ops.offset_of(0), ops.biases[0])
+    if not call.epilogue:
+        return operator(*operands, call.encode())
+    residual, norm_weight, eps, quant = norm
+    out, residual_out, scale = norm_operator(*operands, residual, norm_weight, float(eps), call.encode())
+    return NormOutputs(out, residual_out, scale if quant is not None else None)
 
 
 def _dequantized(call: OpCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -251,3 +316,79 @@ IMPL = IMPLEMENTATIONS["all_reduce"] = {"sequential": reference, "chunked": chun
 
 
 operator = define_one_weight_op("matmul_all_reduce", IMPL, same_rows)
+
+
+def reduced_reference(
+    call: OpCall, ops: Operands, group: dist.ProcessGroup | None, residual: torch.Tensor
+) -> torch.Tensor:
+    """``h = sum(partial_r in the accumulator, rank order) + bias + residual`` (fp32, fp64 for fp64): the
+    epilogue's input on the sequential and chunked backends (no pieces: the epilogue serves decode sizes)."""
+    xd, wd, bias = _dequantized(call, ops)
+    with compute(call.fmt):
+        partial = padding.linear(xd, wd)
+    acc = accumulator(partial.dtype)
+    # The partials travel in the accumulator, so the rank-order sum is the fused reduce's, operation by operation.
+    h = partial.to(acc)
+    if call.world > 1:
+        h = fixed_order_all_reduce(h, group, call.world)
+    if bias is not None:
+        h = h + bias.to(acc)
+    return h + residual.to(acc)
+
+
+def reduced_fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None, residual: torch.Tensor) -> torch.Tensor:
+    """:func:`reduced_reference` on the fused backend: the residual added in the reduce kernel."""
+    from ..fused import all_reduce
+
+    return all_reduce.run(call, ops, residual=residual)
+
+
+REDUCED = {"sequential": reduced_reference, "chunked": reduced_reference, "fused": reduced_fused}
+
+
+def _run_norm(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    w_offset: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    call_text: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    call = decode(call_text)
+    ops = Operands(
+        x=x,
+        weights=(weight,),
+        biases=(bias,),
+        x_scale=x_scale,
+        w_scales=() if w_scale is None else (w_scale,),
+        w_offsets=() if w_offset is None else (w_offset,),
+    )
+    h = REDUCED[call.backend](call, ops, resolve_group(call.group_name), rows_of(residual))
+    mode = call.epilogue.partition(":")[2] or None
+    dtypes = (residual.dtype, residual.dtype)
+    shape = tuple(residual.shape)
+    fused_norm = call.backend == "fused"
+    return finish(h, norm_weight, eps, dtypes=dtypes, quant=(mode, torch.float8_e4m3fn), fused=fused_norm, shape=shape)
+
+
+def _fake_norm(
+    x: torch.Tensor, x_scale: object, weight: torch.Tensor, *args: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    residual = args[3]
+    assert isinstance(residual, torch.Tensor)
+    mode = decode(str(args[-1])).epilogue.partition(":")[2] or None
+    out = residual.new_empty(residual.shape, dtype=torch.float8_e4m3fn if mode else residual.dtype)
+    scale = residual.new_empty(scale_shape(tuple(residual.shape), mode), dtype=torch.float32)
+    return out, residual.new_empty(residual.shape), scale
+
+
+norm_operator = define_op(
+    "matmul_all_reduce_rmsnorm(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset, "
+    "Tensor? bias, Tensor residual, Tensor norm_weight, float eps, str call) -> (Tensor, Tensor, Tensor)",
+    _run_norm,
+    _fake_norm,
+)

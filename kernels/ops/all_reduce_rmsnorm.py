@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,27 +33,16 @@ import torch.distributed as dist
 from .. import agree, callcheck, checks
 from ..call import group_name, resolve_group
 from ..config import get_config
-from ..fp8.quantize import quantize_fp8
-from ..fp8.scales import FP8_DTYPES, ceil_div
 from ..op_registration import define_op
 from .all_reduce import fixed_order_all_reduce
 from .entry import rows_of
+from .norm import NormOutputs, accumulator, check_epilogue, check_fp8_dtype, finish, scale_shape
 
-QUANT_MODES = (None, "tensor", "row", "block")
 ALGORITHMS = agree.NORM_ALGORITHMS
 # Pushed bytes up to which "auto" takes one-shot (kernels.fused.all_reduce's gate for its partials).
 ONE_SHOT_MAX_BYTES = 256 * 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _warned: set[str] = set()
-
-
-class NormOutputs(NamedTuple):
-    """``out`` (x's dtype, or the FP8 payload), ``residual`` (the updated residual stream) and ``scale`` (the
-    FP8 scales of ``out``: ``[]``, ``[..., 1]`` or ``[..., ceil(n / 128)]``; None without ``quant``)."""
-
-    out: torch.Tensor
-    residual: torch.Tensor
-    scale: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -117,34 +105,18 @@ def all_reduce_rmsnorm(
 def _check(
     x: object, residual: object, weight: object, eps: object, *, quant: object, fp8_dtype: object, algorithm: object
 ) -> None:
-    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"all_reduce_rmsnorm: {name} must be a tensor, got {type(t).__name__}")
-    assert isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor) and isinstance(weight, torch.Tensor)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"all_reduce_rmsnorm: x must be a tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.dtype not in _DTYPES:
         raise ValueError(f"all_reduce_rmsnorm: x must be [..., n] of {_DTYPES}, got {tuple(x.shape)} {x.dtype}")
-    if residual.shape != x.shape or residual.dtype != x.dtype:
+    names = ("all_reduce_rmsnorm", "residual", "weight")
+    check_epilogue(residual, weight, eps, quant, shape=tuple(x.shape), dtype=x.dtype, names=names)
+    devices = {t.device for t in (x, residual, weight)}  # type: ignore[union-attr]
+    if len(devices) > 1:
         raise ValueError(
-            f"all_reduce_rmsnorm: residual must have x's shape and dtype {tuple(x.shape)} {x.dtype}, got "
-            f"{tuple(residual.shape)} {residual.dtype}"
+            f"all_reduce_rmsnorm: x, residual and weight must be on one device, got {sorted(map(str, devices))}"
         )
-    n = x.shape[-1]
-    if weight.shape != (n,) or not weight.is_floating_point():
-        raise ValueError(
-            f"all_reduce_rmsnorm: weight must be a floating [n] = [{n}] (x's last dim), got "
-            f"{tuple(weight.shape)} {weight.dtype}"
-        )
-    if len({t.device for t in (x, residual, weight)}) > 1:
-        raise ValueError(
-            f"all_reduce_rmsnorm: x, residual and weight must be on one device, got {x.device}, "
-            f"{residual.device}, {weight.device}"
-        )
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"all_reduce_rmsnorm: eps must be a finite number >= 0, got {eps!r}")
-    if quant not in QUANT_MODES:
-        raise ValueError(f"all_reduce_rmsnorm: quant={quant!r} is not one of {QUANT_MODES}")
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(f"all_reduce_rmsnorm: fp8_dtype={fp8_dtype!r} is not one of {FP8_DTYPES}")
+    check_fp8_dtype(fp8_dtype, "all_reduce_rmsnorm")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce_rmsnorm: algorithm={algorithm!r} is not one of {ALGORITHMS}")
 
@@ -188,31 +160,17 @@ def _backend(backend: str | None, group: dist.ProcessGroup | None, device: torch
     return "sequential"
 
 
-def _accumulator(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: NormCall
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, residual_out)`` of the module docstring through torch.distributed (``y``: fp32 ``y32`` when
-    quantizing); ``x``, ``residual`` as rows ``[m, n]``."""
-    acc = _accumulator(x.dtype)
+def reference(x: torch.Tensor, residual: torch.Tensor, call: NormCall) -> torch.Tensor:
+    """``h = x_0 + ... + x_{W-1} + residual`` (module docstring) through torch.distributed; rows ``[m, n]``."""
+    acc = accumulator(x.dtype)
     h = x.to(acc)
     if call.world > 1:
         # Each rank's rows travel at fp32 so that the rank-order sum is the fused one's (same bits).
         h = fixed_order_all_reduce(h, resolve_group(call.group_name), call.world)
-    h = h + residual.to(acc)
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if call.quant is not None:
-        return h * rstd * weight.to(acc), h.to(residual.dtype)
-    y = ((h * rstd).to(x.dtype).to(acc) * weight.to(acc)).to(x.dtype)
-    return y, h.to(residual.dtype)
+    return h + residual.to(acc)
 
 
-def fused(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call: NormCall
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused(x: torch.Tensor, residual: torch.Tensor, call: NormCall) -> torch.Tensor:
     """:func:`reference` on the symmetric heap (:mod:`kernels.fused.all_reduce_norm`)."""
     from ..fused import all_reduce_norm
 
@@ -236,34 +194,22 @@ def fused(
         tiles=(cfg.block_m, cfg.block_n),
     )
     group = resolve_group(call.group_name)
-    h = all_reduce_norm.reduced_rows(x, residual, group=group, algorithm=algorithm, descriptor=descriptor)
-    dtypes = (x.dtype, residual.dtype, call.quant is not None)
-    return all_reduce_norm.rmsnorm(h, weight.contiguous(), eps=eps, dtypes=dtypes)
+    return all_reduce_norm.reduced_rows(x, residual, group=group, algorithm=algorithm, descriptor=descriptor)
 
 
 IMPL = {"sequential": reference, "fused": fused}
-
-
-def _scale_shape(shape: tuple[int, ...], quant: str | None) -> tuple[int, ...]:
-    if quant == "tensor":
-        return ()
-    if quant == "row":
-        return shape[:-1] + (1,)
-    if quant == "block":
-        return shape[:-1] + (ceil_div(shape[-1], 128),)
-    return (0,)
 
 
 def _run(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call_text: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call = NormCall.decode(call_text)
-    y, residual_out = IMPL[call.backend](rows_of(x), rows_of(residual), weight, eps, call)
-    residual_out = residual_out.view(x.shape)
-    if call.quant is None:
-        return y.view(x.shape), residual_out, x.new_empty((0,), dtype=torch.float32)
-    q, scale = quantize_fp8(y.view(x.shape), call.quant, dtype=call.fp8_dtype)
-    return q, residual_out, scale
+    h = IMPL[call.backend](rows_of(x), rows_of(residual), call)
+    quant = (call.quant, call.fp8_dtype)
+    shape = tuple(x.shape)
+    return finish(
+        h, weight, eps, dtypes=(x.dtype, residual.dtype), quant=quant, fused=call.backend == "fused", shape=shape
+    )
 
 
 def _fake(
@@ -271,7 +217,7 @@ def _fake(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call = NormCall.decode(call_text)
     out = x.new_empty(x.shape, dtype=call.fp8_dtype if call.quant else x.dtype)
-    scale = x.new_empty(_scale_shape(tuple(x.shape), call.quant), dtype=torch.float32)
+    scale = x.new_empty(scale_shape(tuple(x.shape), call.quant), dtype=torch.float32)
     return out, residual.new_empty(residual.shape), scale
 
 

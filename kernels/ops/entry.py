@@ -136,6 +136,8 @@ class Request:
     dim: tuple[str, int] | None = None
     # x's device, where x is a tensor: the admission's messages travel there.
     device: torch.device | None = None
+    # all_reduce: the epilogue after the reduction (kernels.call.OpCall.epilogue).
+    epilogue: str = ""
 
 
 def request(pattern: str, op_name: str, x: object, **fields: object) -> Request:
@@ -183,6 +185,7 @@ def submit(
             world=world,
             backend=request.backend,
             parallel_num=request.parallel_num,
+            epilogue=request.epilogue,
         )
         built.append((call, ops))
         return call.descriptor(ops)

@@ -115,9 +115,7 @@ def test_fused_algorithms_match_fp64_and_each_other_bitwise(world: int) -> None:
         for run, got in zip(runs, rank_out, strict=True):
             _check(world, run, got)
     fused_only = [(i, run) for i, run in enumerate(runs) if run[0] == "fused"]
-    _same_bits(
-        [[outs[i] for i, _ in fused_only] for outs in per_rank], [run for _, run in fused_only], lambda r: r[2:]
-    )
+    _same_bits([[outs[i] for i, _ in fused_only] for outs in per_rank], [run for _, run in fused_only], lambda r: r[2:])
     # residual_out: fused and reference alike.
     for outs in per_rank:
         first: dict[tuple, torch.Tensor] = {}
@@ -141,8 +139,12 @@ def _same_bits(per_rank: list, runs: list, key: Any) -> None:
 def _bad_calls() -> list[tuple[str, dict[str, Any], str]]:
     x, r, w = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
     return [
-        ("residual shape", dict(x=x, residual=r[:2], weight=w), "residual must have x's shape"),
-        ("residual dtype", dict(x=x, residual=r.double(), weight=w), "residual must have x's shape and dtype"),
+        (
+            "residual shape",
+            dict(x=x, residual=r[:2], weight=w),
+            r"residual must be \[3, 8\] torch.float32 .*got \[2, 8\]",
+        ),
+        ("residual dtype", dict(x=x, residual=r.double(), weight=w), r"residual must be .*got \[3, 8\] torch.float64"),
         ("weight shape", dict(x=x, residual=r, weight=w[:4]), r"weight must be a floating \[n\] = \[8\]"),
         ("eps nan", dict(x=x, residual=r, weight=w, eps=math.nan), "eps must be a finite number"),
         ("eps inf", dict(x=x, residual=r, weight=w, eps=math.inf), "eps must be a finite number"),

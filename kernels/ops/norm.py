@@ -1,0 +1,129 @@
+"""The RMSNorm epilogue shared by ``all_reduce_rmsnorm`` and the GEMM + all-reduce ops' ``residual=`` form.
+
+Both reduce into ``h`` (fp32, fp64 for fp64; the residual added before any rounding) and end here::
+
+    residual_out = h.to(residual.dtype)
+    rstd = rsqrt(mean(h * h, over n) + eps)
+    quant None:  out = (h * rstd).to(x.dtype) * weight                      # HF's / vLLM's RMSNorm
+    quant mode:  out, scale = quantize_fp8(h * rstd * weight, quant)        # fp32 product, one rounding
+
+:func:`finish` runs the norm as torch ops (the scripted backends) or as the fused backend's Triton kernel
+(``kernels.fused.all_reduce_norm.rmsnorm``), then the FP8 quantization (one function for every backend).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..fp8.quantize import quantize_fp8
+from ..fp8.scales import FP8_DTYPES, ceil_div
+
+QUANT_MODES = (None, "tensor", "row", "block")
+
+
+class NormOutputs(NamedTuple):
+    """``out`` (x's dtype, or the FP8 payload), ``residual`` (the updated residual stream) and ``scale`` (the
+    FP8 scales of ``out``: ``[]``, ``[..., 1]`` or ``[..., ceil(n / 128)]``; None without ``quant``)."""
+
+    out: torch.Tensor
+    residual: torch.Tensor
+    scale: torch.Tensor | None
+
+
+def check_epilogue(
+    residual: object,
+    weight: object,
+    eps: object,
+    quant: object,
+    *,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    names: tuple[str, str, str],
+) -> None:
+    """``residual`` of ``shape`` and ``dtype``, ``weight`` a floating ``[n]``, ``eps`` finite and >= 0, ``quant``
+    one of :data:`QUANT_MODES`; ``names``: (the op, the residual's and the weight's argument names)."""
+    op, residual_name, weight_name = names
+    for name, t in ((residual_name, residual), (weight_name, weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    assert isinstance(residual, torch.Tensor) and isinstance(weight, torch.Tensor)
+    if tuple(residual.shape) != tuple(shape) or residual.dtype != dtype:
+        raise ValueError(
+            f"{op}: {residual_name} must be {list(shape)} {dtype} (the output's shape and dtype), got "
+            f"{list(residual.shape)} {residual.dtype}"
+        )
+    n = shape[-1]
+    if weight.shape != (n,) or not weight.is_floating_point():
+        raise ValueError(
+            f"{op}: {weight_name} must be a floating [n] = [{n}] (the output's last dim), got "
+            f"{list(weight.shape)} {weight.dtype}"
+        )
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+    if quant not in QUANT_MODES:
+        raise ValueError(f"{op}: quant={quant!r} is not one of {QUANT_MODES}")
+
+
+def check_fp8_dtype(fp8_dtype: object, op: str) -> None:
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"{op}: fp8_dtype={fp8_dtype!r} is not one of {FP8_DTYPES}")
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``h`` is reduced into for an x of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _torch_norm(
+    h: torch.Tensor, weight: torch.Tensor, eps: float, *, x_dtype: torch.dtype, residual_dtype: torch.dtype, quant: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if quant:
+        return h * rstd * weight.to(h.dtype), h.to(residual_dtype)
+    return ((h * rstd).to(x_dtype).to(h.dtype) * weight.to(h.dtype)).to(x_dtype), h.to(residual_dtype)
+
+
+def finish(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    quant: tuple[str | None, torch.dtype],
+    fused: bool,
+    shape: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, residual_out, scale)`` of the module docstring from ``h [m, n]``, shaped ``shape``; ``dtypes =
+    (x's, the residual's)``, ``quant = (mode or None, FP8 dtype)``; ``scale`` is an empty fp32 tensor without
+    quantization (a registered operator returns tensors only)."""
+    x_dtype, residual_dtype = dtypes
+    mode, fp8_dtype = quant
+    if fused:
+        from ..fused import all_reduce_norm
+
+        y, residual_out = all_reduce_norm.rmsnorm(
+            h, weight.contiguous(), eps=eps, dtypes=(x_dtype, residual_dtype, mode is not None)
+        )
+    else:
+        y, residual_out = _torch_norm(
+            h, weight, eps, x_dtype=x_dtype, residual_dtype=residual_dtype, quant=mode is not None
+        )
+    residual_out = residual_out.view(shape)
+    if mode is None:
+        return y.view(shape), residual_out, h.new_empty((0,), dtype=torch.float32)
+    q, scale = quantize_fp8(y.view(shape), mode, dtype=fp8_dtype)
+    return q, residual_out, scale
+
+
+def scale_shape(shape: tuple[int, ...], quant: str | None) -> tuple[int, ...]:
+    """The shape of ``finish``'s ``scale`` for an output of ``shape`` (the registered operators' fakes)."""
+    if quant == "tensor":
+        return ()
+    if quant == "row":
+        return shape[:-1] + (1,)
+    if quant == "block":
+        return shape[:-1] + (ceil_div(shape[-1], 128),)
+    return (0,)
