@@ -27,7 +27,6 @@ from .inductor_pass import disable_inductor_pass, enable_inductor_pass, use_indu
 from .ops.all_gather import all_gather_matmul, all_gather_scaled_matmul, quantized_all_gather_matmul
 from .ops.all_reduce import matmul_all_reduce, quantized_matmul_all_reduce, scaled_matmul_all_reduce
 from .ops.all_reduce_rmsnorm import all_reduce_rmsnorm
-from .ops.norm import NormOutputs
 from .ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from .ops.matmul import scaled_matmul
 from .ops.moe import (
@@ -37,6 +36,7 @@ from .ops.moe import (
     grouped_matmul_reduce_scatter,
     grouped_matmul_reduce_scatter_reference,
 )
+from .ops.norm import NormOutputs
 from .ops.reduce_scatter import matmul_reduce_scatter, quantized_matmul_reduce_scatter, scaled_matmul_reduce_scatter
 from .quant import quantize_weight
 
