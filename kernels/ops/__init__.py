@@ -12,6 +12,9 @@ all_reduce             matmul_all_reduce, scaled_matmul_all_reduce,             
                        quantized_matmul_all_reduce
 matmul                 scaled_matmul (local, no communication)                     coc::matmul
 all_reduce_rmsnorm     all_reduce_rmsnorm (no GEMM: the decode path's layer end)   coc::all_reduce_rmsnorm
+grouped_matmul         grouped_matmul (local, rows grouped by expert)              coc::grouped_matmul
+moe                    all_gather_grouped_matmul, grouped_matmul_reduce_scatter    coc::all_gather_grouped_matmul,
+                       (tensor-parallel experts)                                   coc::grouped_matmul_reduce_scatter
 =====================  ==========================================================  ===========================
 
 :data:`TABLE` (``kernels.call.IMPLEMENTATIONS``, which each pattern module fills at import) maps each
