@@ -26,10 +26,8 @@ import torch.distributed as dist
 
 from .. import callcheck, checks, comm
 from ..call import resolve_group
-from ..format import PLAIN
 from ..op_registration import define_op
 from .all_gather import gather_rows
-from .grouped_matmul import kernel_runs_on
 from .moe_routing import (
     MoeCall,
     MoeRouting,
@@ -39,6 +37,8 @@ from .moe_routing import (
     check_scatter,
     describe,
     expert_of_rows,
+    grouped_mm,
+    grouped_mm_loop,
     piece_rows,
     piece_tokens,
     resolve,
@@ -66,11 +66,11 @@ def all_gather_grouped_matmul(
     ``x [m_local, k]`` (fp16 / bf16 / fp32) this rank's tokens; ``topk_ids [m_local, topk]`` (int32 / int64,
     values in ``[0, E)``) their experts; ``weight [E, n_local, k]`` (x's dtype); ``num_experts``: E, checked
     against ``weight.shape[0]`` when given; ``backend`` / ``parallel_num`` as the dense ops (``"fused"`` warns
-    and runs ``"chunked"``). Forward-only: inputs that require grad raise ``TypeError``.
+    and runs ``"chunked"``). Differentiable in ``x`` and ``weight``
+    (:class:`kernels.ops.moe_autograd.AllGatherGroupedMatmulFunction`).
     """
     call = _admit_gather(_GATHER, (x, topk_ids, weight), num_experts, group=group, request=(backend, parallel_num))
-    y, offsets, token_index, slot = gather_operator(x, topk_ids, weight, call.encode())
-    return y, MoeRouting(offsets, token_index, slot)
+    return _gather_apply(x, topk_ids, weight, call)
 
 
 def all_gather_grouped_matmul_reference(
@@ -99,8 +99,7 @@ def all_gather_grouped_matmul_reference(
     call = _admit_gather(
         f"{_GATHER}_reference", (x, topk_ids, weight), num_experts, group=group, request=("sequential", None)
     )
-    y, offsets, token_index, slot = _gather_sequential(x, topk_ids, weight, call)
-    return y, MoeRouting(offsets, token_index, slot)
+    return _gather_apply(x, topk_ids, weight, call)
 
 
 def grouped_matmul_reduce_scatter(
@@ -120,10 +119,12 @@ def grouped_matmul_reduce_scatter(
     the activation); ``weight [E, k_out, n_local]`` (h's dtype); ``routing``: the :class:`MoeRouting` that call
     returned; ``topk_weights [M, topk]`` (any floating dtype, used in fp32): the weights of the *gathered*
     tokens, ``M = m_local * W`` in rank order (every rank combines every token before the reduce-scatter).
-    Rank ``r`` gets tokens ``[r * m_local, (r + 1) * m_local)``. Forward-only.
+    Rank ``r`` gets tokens ``[r * m_local, (r + 1) * m_local)``. Differentiable in ``h``, ``weight`` and
+    ``topk_weights``, whose gradient is the whole one on every rank (it is replicated):
+    :class:`kernels.ops.moe_autograd.GroupedMatmulReduceScatterFunction`.
     """
     call = _admit_scatter(_SCATTER, (h, weight, routing, topk_weights), group=group, request=(backend, parallel_num))
-    return scatter_operator(h, weight, list(routing), topk_weights, call.encode())
+    return _scatter_apply(h, weight, routing, topk_weights, call)
 
 
 def grouped_matmul_reduce_scatter_reference(
@@ -149,7 +150,32 @@ def grouped_matmul_reduce_scatter_reference(
     """
     request = ("sequential", None)
     call = _admit_scatter(f"{_SCATTER}_reference", (h, weight, routing, topk_weights), group=group, request=request)
-    return _scatter_sequential(h, weight, tuple(routing), topk_weights, call)
+    return _scatter_apply(h, weight, routing, topk_weights, call)
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _gather_apply(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, call: MoeCall) -> tuple:
+    """The operator, through its autograd Function (:mod:`kernels.ops.moe_autograd`) where a gradient is needed."""
+    if _needs_grad(x, weight):
+        from .moe_autograd import AllGatherGroupedMatmulFunction
+
+        y, offsets, token_index, slot = AllGatherGroupedMatmulFunction.apply(x, topk_ids, weight, call.encode())
+    else:
+        y, offsets, token_index, slot = gather_operator(x, topk_ids, weight, call.encode())
+    return y, MoeRouting(offsets, token_index, slot)
+
+
+def _scatter_apply(
+    h: torch.Tensor, weight: torch.Tensor, routing: MoeRouting, topk_weights: torch.Tensor, call: MoeCall
+) -> torch.Tensor:
+    if _needs_grad(h, weight, topk_weights):
+        from .moe_autograd import GroupedMatmulReduceScatterFunction
+
+        return GroupedMatmulReduceScatterFunction.apply(h, weight, topk_weights, (tuple(routing), call.encode()))
+    return scatter_operator(h, weight, list(routing), topk_weights, call.encode())
 
 
 def _admit_gather(op: str, tensors: tuple, num_experts: object, *, group: object, request: tuple) -> MoeCall:
@@ -193,36 +219,12 @@ def _admit_scatter(op: str, tensors: tuple, *, group: object, request: tuple) ->
     return resolve(op, request, shape, group)  # type: ignore[arg-type]
 
 
-def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The per-expert ``torch.mm`` loop (a host read of the offsets), the products in ``out_dtype`` (fp32 for
-    the reducing op's partials: products of fp16 / bf16 values are exact there, the sums fp32)."""
-    out = torch.empty((x.shape[0], weight.shape[1]), dtype=out_dtype, device=x.device)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        out[start:end] = torch.mm(x[start:end].to(out_dtype), weight[e].to(out_dtype).T)
-        start = end
-    return out
-
-
-def _grouped_kernel(
-    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """The persistent grouped GEMM (no host read of the offsets; fp32 accumulation, stored in ``out_dtype``)
-    where it runs, else :func:`_grouped`."""
-    if not kernel_runs_on(x.device):
-        return _grouped(x, weight, offsets, out_dtype)
-    from ..fused import grouped
-
-    out = torch.empty((x.shape[0], weight.shape[1]), dtype=out_dtype, device=x.device)
-    return grouped.launch(PLAIN, x.contiguous(), weight.contiguous(), offsets.contiguous(), out)
-
-
 def _gather_sequential(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, call: MoeCall) -> tuple:
     group = resolve_group(call.group_name)
     xg = gather_rows(x.contiguous(), group, call.world)
     ids = gather_rows(topk_ids.to(torch.int64).contiguous(), group, call.world)
     routing = route(ids, weight.shape[0])
-    y = _grouped(xg[routing.token_index], weight, routing.expert_offsets, x.dtype)
+    y = grouped_mm_loop(xg[routing.token_index], weight, routing.expert_offsets, x.dtype)
     return (y, *routing)
 
 
@@ -258,7 +260,7 @@ def _gather_chunked(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tenso
         rows, offsets, _ = piece_rows(pair_rows[tokens], expert_of_row, num_e)
         # Gathered token t sits at row (t // m_local) * p + t % m_local - start of this piece's buffer.
         t = routing.token_index[rows]
-        y[rows] = _grouped_kernel(buf[(t // m_local) * p + t % m_local - start], weight, offsets, x.dtype)
+        y[rows] = grouped_mm(buf[(t // m_local) * p + t % m_local - start], weight, offsets, x.dtype)
     return (y, *routing)
 
 
@@ -278,7 +280,7 @@ def _scatter_sequential(
     routing = MoeRouting(*routing)
     group, world = resolve_group(call.group_name), call.world
     tokens, topk = topk_weights.shape
-    partial = _grouped(h, weight, routing.expert_offsets, torch.float32)
+    partial = grouped_mm_loop(h, weight, routing.expert_offsets, torch.float32)
     combined = _combine(partial, row_of_pair(routing, topk), topk_weights)
     if world == 1:
         return combined.to(h.dtype)
@@ -307,7 +309,7 @@ def _scatter_chunked(
     for start, stop in comm.split_rows(m_local, call.parallel_num):
         tokens = piece_tokens(world, m_local, start, stop, h.device)
         rows, offsets, order = piece_rows(pair_rows[tokens], expert_of_row, num_e)
-        partial = _grouped_kernel(h[rows], weight, offsets, torch.float32)
+        partial = grouped_mm(h[rows], weight, offsets, torch.float32)
         local = torch.empty_like(order)
         local[order] = torch.arange(order.numel(), device=order.device)
         combined = _combine(partial, local.view(-1, topk), topk_weights[tokens])

@@ -7,7 +7,9 @@ The gathered tokens' rows are grouped by expert with a stable sort of the flatte
     token_index, slot = order // topk, order % topk                 # row j is the pair (token_index[j], slot[j])
     expert_offsets[e] = count(topk_ids_gathered <= e)               # cumulative end rows, last = M * topk
 
-Everything here runs on the device with shapes known on the host (sort, ``searchsorted``, index ops): no host
+The ops' local grouped GEMMs are here too (:func:`grouped_mm`, :func:`grouped_mm_loop`), shared by the forward
+(:mod:`kernels.ops.moe`) and the backward (:mod:`kernels.ops.moe_autograd`). Everything else here runs on the
+device with shapes known on the host (sort, ``searchsorted``, index ops): no host
 read of the routing, except the value checks that :func:`kernels.fp8.scales.value_check_wanted` asks for.
 """
 
@@ -23,8 +25,9 @@ import torch.distributed as dist
 from .. import agree, checks
 from ..capture import capturing
 from ..config import get_config
+from ..format import PLAIN
 from ..fp8 import scales
-from .grouped_matmul import PLAIN_DTYPES
+from .grouped_matmul import PLAIN_DTYPES, kernel_runs_on
 
 ID_DTYPES = (torch.int32, torch.int64)
 _warned: set[tuple[str, str]] = set()
@@ -67,13 +70,6 @@ def _tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def _forward_only(op: str, named: tuple[tuple[str, torch.Tensor], ...]) -> None:
-    needs_grad = [name for name, t in named if t.requires_grad]
-    if needs_grad and torch.is_grad_enabled():
-        # A detached result would drop the gradients silently.
-        raise TypeError(f"{op} is forward-only and {', '.join(needs_grad)} requires grad; call it under no_grad")
-
-
 def _same_device(x: torch.Tensor, named: tuple[tuple[str, torch.Tensor], ...]) -> None:
     for name, t in named:
         if t.device != x.device:
@@ -109,7 +105,6 @@ def check_gather(x: object, topk_ids: object, weight: object, num_experts: objec
             f"E mismatch: num_experts={num_experts!r} but weight has E={num_e} experts (shape {tuple(weight.shape)})"
         )
     _same_device(x, (("topk_ids", topk_ids), ("weight", weight)))
-    _forward_only("all_gather_grouped_matmul", (("x", x), ("weight", weight)))
     return num_e
 
 
@@ -173,7 +168,6 @@ def check_scatter(h: object, weight: object, routing: object, topk_weights: obje
         )
     named = (("weight", weight), ("topk_weights", topk_weights), ("routing.expert_offsets", offsets))
     _same_device(h, named + (("routing.token_index", token_index), ("routing.slot", slot)))
-    _forward_only("grouped_matmul_reduce_scatter", (("h", h), ("weight", weight), ("topk_weights", topk_weights)))
     return weight.shape[0], topk
 
 
@@ -291,3 +285,27 @@ def piece_rows(
     rows, order = torch.sort(pair_rows.reshape(-1))
     targets = torch.arange(num_experts, device=rows.device)
     return rows, torch.searchsorted(expert_of_row[rows], targets, right=True), order
+
+
+def grouped_mm_loop(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The per-expert ``torch.mm`` loop (a host read of the offsets), the products in ``out_dtype`` (fp32 for
+    the reducing op's partials: products of fp16 / bf16 values are exact there, the sums fp32)."""
+    out = torch.empty((x.shape[0], weight.shape[1]), dtype=out_dtype, device=x.device)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        out[start:end] = torch.mm(x[start:end].to(out_dtype), weight[e].to(out_dtype).T)
+        start = end
+    return out
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The persistent grouped GEMM (no host read of the offsets; fp32 accumulation, stored in ``out_dtype``)
+    where it runs, else :func:`grouped_mm_loop`."""
+    if not kernel_runs_on(x.device):
+        return grouped_mm_loop(x, weight, offsets, out_dtype)
+    from ..fused import grouped
+
+    out = torch.empty((x.shape[0], weight.shape[1]), dtype=out_dtype, device=x.device)
+    return grouped.launch(PLAIN, x.contiguous(), weight.contiguous(), offsets.contiguous(), out)
