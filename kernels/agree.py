@@ -41,7 +41,7 @@ OPS = (
     "grouped_matmul_reduce_scatter",
 )
 # all_reduce_rmsnorm's algorithms, its "comm_dim" word (it communicates along no dim).
-NORM_ALGORITHMS = ("auto", "one_shot", "two_shot")
+NORM_ALGORITHMS = ("auto", "one_shot", "two_shot", "unfused")
 # The GEMM + all-reduce ops' epilogue after the reduction (kernels.call.OpCall.epilogue), their "comm_dim"
 # word: none (-1), residual + RMSNorm, and that with the normalized output quantized to FP8.
 EPILOGUES = ("rmsnorm", "rmsnorm:tensor", "rmsnorm:row", "rmsnorm:block")

@@ -158,6 +158,13 @@ def reduced_rows(
     return all_reduce_partials("all_reduce_rmsnorm", group, rows, algorithm, descriptor)
 
 
+def check_peers(group: object, device: torch.device, descriptor: tuple[int, ...]) -> None:
+    """The heap's call check alone (no data): every rank's descriptor compared, in the heap's call order."""
+    if runtime.world_size(group) > 1:
+        with runtime.fused_call("all_reduce_rmsnorm", group, device, 0, descriptor):
+            pass
+
+
 def rmsnorm(
     h: torch.Tensor, weight: torch.Tensor, *, eps: float, dtypes: tuple[torch.dtype, torch.dtype, bool]
 ) -> tuple[torch.Tensor, torch.Tensor]:

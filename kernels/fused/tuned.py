@@ -30,6 +30,13 @@ File layout (``version: 1``)::
         format: fp8:block               # optional: the operand format (kernels.format), default plain;
                                         # files without it (the tuner before formats) hold plain entries
 
+    all_reduce_gates:                   # optional: all_reduce_rmsnorm's size switch per world size
+      - world: 2
+        one_shot_max_bytes: 262144      # x's bytes up to which "auto" runs one-shot
+        fused_max_bytes: 8388608        # up to which it runs two-shot; above: the unfused torch.distributed path
+
+Gates (:func:`all_reduce_gates`): the entry of the call's world size, else :data:`DEFAULT_GATES`.
+
 Lookup (:func:`lookup`): the entry of the same op, dtype (x's: the FP8 payload's for FP8), operand
 format and shape family (:func:`gemm_configs.family`) nearest to the call's shape in
 ``|log2 m| + |log2 n| + |log2 k|`` (ties: the first in the file). Entries of another format than plain
@@ -60,6 +67,42 @@ FILE_VERSION = 1
 OPS = ("matmul", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
 FUSED_OPS = OPS[1:]
 DEFAULT_DIR = config_path("tuned")
+
+
+@dataclass(frozen=True)
+class Gates:
+    """``all_reduce_rmsnorm``'s size switch at ``world`` ranks: one-shot up to ``one_shot_max_bytes`` of x,
+    two-shot up to ``fused_max_bytes``, the unfused torch.distributed exchange above."""
+
+    world: int
+    one_shot_max_bytes: int
+    fused_max_bytes: int
+
+
+# Until the tuner measures a machine: one-shot up to the fused GEMM all-reduce's gate (256 KiB), two-shot up to
+# 8 MiB (a custom all-reduce's usual ceiling), the collective library above.
+DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
+DEFAULT_FUSED_MAX_BYTES = 8 * 1024 * 1024
+
+
+def _parse_gates(doc: dict, source: str) -> dict[int, Gates]:
+    raw = doc.get("all_reduce_gates", [])
+    if not isinstance(raw, list):
+        raise ValueError(f"{source}: all_reduce_gates must be a list, got {type(raw).__name__}")
+    out = {}
+    for i, g in enumerate(raw):
+        where = f"{source}: all_reduce_gates[{i}]"
+        if not isinstance(g, dict):
+            raise ValueError(f"{where} is not a mapping")
+        for key in ("world", "one_shot_max_bytes", "fused_max_bytes"):
+            if not isinstance(g.get(key), int) or isinstance(g.get(key), bool) or g[key] < 0:
+                raise ValueError(f"{where}.{key}: {g.get(key)!r} is not an integer >= 0")
+        if g["one_shot_max_bytes"] > g["fused_max_bytes"]:
+            raise ValueError(
+                f"{where}: one_shot_max_bytes {g['one_shot_max_bytes']} exceeds fused_max_bytes {g['fused_max_bytes']}"
+            )
+        out[g["world"]] = Gates(g["world"], g["one_shot_max_bytes"], g["fused_max_bytes"])
+    return out
 
 
 @dataclass(frozen=True)
@@ -187,27 +230,39 @@ def _format(text: object, config: GemmConfig, where: str) -> OperandFormat:
     return fmt
 
 
-_files: dict[str, tuple[int, list[Entry]]] = {}
+_files: dict[str, tuple[int, list[Entry], dict[int, Gates]]] = {}
+
+
+def _load(path: str) -> tuple[list[Entry], dict[int, Gates]]:
+    try:
+        mtime = os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return [], {}
+    cached = _files.get(path)
+    if cached is not None and cached[0] == mtime:
+        return cached[1], cached[2]
+    import yaml
+
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    entries = parse(doc, path)
+    gates = _parse_gates(doc, path)
+    _files[path] = (mtime, entries, gates)
+    for key in [key for key in _memo if key[0] == path]:
+        del _memo[key]
+    return entries, gates
 
 
 def load(path: Path | str) -> list[Entry]:
     """Entries of ``path`` (empty if it does not exist); re-read when its mtime changes."""
-    path = str(path)
-    try:
-        mtime = os.stat(path).st_mtime_ns
-    except FileNotFoundError:
-        return []
-    cached = _files.get(path)
-    if cached is not None and cached[0] == mtime:
-        return cached[1]
-    import yaml
+    return _load(str(path))[0]
 
-    with open(path) as f:
-        entries = parse(yaml.safe_load(f), path)
-    _files[path] = (mtime, entries)
-    for key in [key for key in _memo if key[0] == path]:
-        del _memo[key]
-    return entries
+
+def all_reduce_gates(device: torch.device, world: int) -> Gates:
+    """The size switch of ``all_reduce_rmsnorm`` at ``world`` ranks on ``device`` (module docstring)."""
+    path = _path(_env_dir(), device.type, device.index)
+    gates = {} if path is None else _load(path)[1]
+    return gates.get(world) or Gates(world, DEFAULT_ONE_SHOT_MAX_BYTES, DEFAULT_FUSED_MAX_BYTES)
 
 
 # (path, op, dtype, format, m, n, k) -> the lookup's answer for the file version in ``_files``.

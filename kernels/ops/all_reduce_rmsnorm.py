@@ -39,8 +39,6 @@ from .entry import rows_of
 from .norm import NormOutputs, accumulator, check_epilogue, check_fp8_dtype, finish, scale_shape
 
 ALGORITHMS = agree.NORM_ALGORITHMS
-# Pushed bytes up to which "auto" takes one-shot (kernels.fused.all_reduce's gate for its partials).
-ONE_SHOT_MAX_BYTES = 256 * 1024
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _warned: set[str] = set()
 
@@ -83,21 +81,26 @@ def all_reduce_rmsnorm(
 
     ``x`` and ``residual``: ``[..., n]``, the same shape and dtype (fp16, bf16, fp32, fp64) on every rank;
     ``weight [n]``; ``quant``: None, ``"tensor"``, ``"row"`` (per token) or ``"block"`` (1 x 128 per token, the
-    FP8 linears' activation layout); ``algorithm`` (fused backend): ``"auto"`` (one-shot up to
-    ``ONE_SHOT_MAX_BYTES`` of ``x``, else two-shot), ``"one_shot"`` or ``"two_shot"``; ``backend``: as the
-    other ops (``USE_COC_FUSED_KERNEL=1`` picks ``"fused"``). Bad arguments raise ``ValueError`` /
-    ``TypeError`` naming them before any communication, on every rank when only one rank's are bad.
+    FP8 linears' activation layout); ``algorithm`` (fused backend): ``"one_shot"``, ``"two_shot"``,
+    ``"unfused"`` (the torch.distributed exchange, then the fused norm) or ``"auto"``: by x's bytes and the
+    world size, from the gates of the tuned file (``kernels.fused.tuned.all_reduce_gates``; defaults: one-shot
+    up to 256 KiB, two-shot up to 8 MiB); ranks that choose differently (tuned files that differ) are refused
+    by name. ``backend``: as the other ops (``USE_COC_FUSED_KERNEL=1`` picks ``"fused"``). Bad arguments raise
+    ``ValueError`` / ``TypeError`` naming them before any communication, on every rank when only one rank's
+    are bad.
     """
     world = checks.world_of(group)
     device = x.device if isinstance(x, torch.Tensor) else None
+    chosen: list[str] = []
 
     def validate() -> agree.Descriptor:
         _check(x, residual, weight, eps, quant=quant, fp8_dtype=fp8_dtype, algorithm=algorithm)
         checks.check_backend(backend)
-        return _descriptor(x, backend, quant, algorithm)
+        chosen.append(choose_algorithm(algorithm, x, world))
+        return _descriptor(x, backend, quant, chosen[-1])
 
     callcheck.admit("all_reduce_rmsnorm", group, world, device, validate, backend=backend)
-    call = NormCall(quant, fp8_dtype, algorithm, _backend(backend, group, x.device), group_name(group), world)
+    call = NormCall(quant, fp8_dtype, chosen[-1], _backend(backend, group, x.device), group_name(group), world)
     out, residual_out, scale = operator(x, residual, weight, float(eps), call.encode())
     return NormOutputs(out, residual_out, scale if quant else None)
 
@@ -119,6 +122,19 @@ def _check(
     check_fp8_dtype(fp8_dtype, "all_reduce_rmsnorm")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce_rmsnorm: algorithm={algorithm!r} is not one of {ALGORITHMS}")
+
+
+def choose_algorithm(algorithm: str, x: torch.Tensor, world: int) -> str:
+    """``algorithm``, or for ``"auto"`` the one the gates of x's bytes at ``world`` ranks choose."""
+    if algorithm != "auto":
+        return algorithm
+    from ..fused import tuned
+
+    gates = tuned.all_reduce_gates(x.device, world)
+    size = x.numel() * x.element_size()
+    if size <= gates.one_shot_max_bytes:
+        return "one_shot"
+    return "two_shot" if size <= gates.fused_max_bytes else "unfused"
 
 
 def _descriptor(x: torch.Tensor, backend: str | None, quant: str | None, algorithm: str) -> agree.Descriptor:
@@ -175,10 +191,6 @@ def fused(x: torch.Tensor, residual: torch.Tensor, call: NormCall) -> torch.Tens
     from ..fused import all_reduce_norm
 
     m, n = x.shape
-    algorithm = call.algorithm
-    if algorithm == "auto":
-        # m and n are in the checked descriptor: every rank picks the same algorithm.
-        algorithm = "one_shot" if m * n * x.element_size() <= ONE_SHOT_MAX_BYTES else "two_shot"
     cfg = all_reduce_norm.block_config(x.device)
     descriptor = agree.describe_call(
         "all_reduce_rmsnorm",
@@ -194,7 +206,13 @@ def fused(x: torch.Tensor, residual: torch.Tensor, call: NormCall) -> torch.Tens
         tiles=(cfg.block_m, cfg.block_n),
     )
     group = resolve_group(call.group_name)
-    return all_reduce_norm.reduced_rows(x, residual, group=group, algorithm=algorithm, descriptor=descriptor)
+    if call.algorithm == "unfused":
+        # The fused backend's calls are compared by its kernels, not on the host (kernels.callcheck): the
+        # heap's check runs here too, so that a peer that chose a fused algorithm is refused by name instead
+        # of waiting for a rank that is inside a torch.distributed collective.
+        all_reduce_norm.check_peers(group, x.device, descriptor)
+        return reference(x, residual, call)
+    return all_reduce_norm.reduced_rows(x, residual, group=group, algorithm=call.algorithm, descriptor=descriptor)
 
 
 IMPL = {"sequential": reference, "fused": fused}

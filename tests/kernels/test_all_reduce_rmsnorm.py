@@ -15,6 +15,7 @@ Bounds (u: the unit roundoff of x's dtype, 2^-8 bf16, 2^-11 fp16, 2^-24 fp32; fp
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import pytest
@@ -105,11 +106,15 @@ def test_scripted_backends_match_fp64_and_each_other(world: int) -> None:
 @pytest.mark.triton
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_fused_algorithms_match_fp64_and_each_other_bitwise(world: int) -> None:
-    """one-shot, two-shot and auto, twice each: the same bits on every rank and run; ``residual_out`` also the
-    reference's bits (the sum and the residual add are the same fp32 operations in the same order)."""
-    algorithms = ("one_shot", "two_shot", "auto", "one_shot")
+    """one-shot, two-shot, unfused and auto, one-shot twice: the same bits on every rank and run;
+    ``residual_out`` also the reference's bits (the sum and the residual add are the same fp32 operations in the
+    same order)."""
+    algorithms = ("one_shot", "two_shot", "unfused", "auto", "one_shot")
     runs = _grid(("fused",), algorithms, (None, "block"))
     runs += _grid(("sequential",), ("auto",), (None, "block"))
+    if world == 3:
+        # Three interpreted ranks cost most: W = 3 (rows that do not split evenly) runs bf16, unquantized.
+        runs = [run for run in runs if run[2] == "bfloat16" and run[3] is None]
     per_rank = run_ranks(_ranks_body, world, runs, timeout=900)
     for rank_out in per_rank:
         for run, got in zip(runs, rank_out, strict=True):
@@ -183,3 +188,70 @@ def test_one_ranks_bad_eps_and_differing_algorithms_raise_on_every_rank() -> Non
         assert "eps must be a finite number" in message, message
     for message in run_ranks(_algorithms_differ, 2, timeout=300):
         assert "algorithm" in message and "one_shot" in message and "two_shot" in message, message
+
+
+def _gates_file(directory: str, one_shot: int, fused: int) -> None:
+    gates = f"all_reduce_gates:\n  - {{world: 2, one_shot_max_bytes: {one_shot}, fused_max_bytes: {fused}}}\n"
+    with open(os.path.join(directory, "cpu.yaml"), "w") as f:
+        f.write("version: 1\nentries: []\n" + gates)
+
+
+def _switch_body(rank: int, world: int, directory: str) -> list[str]:
+    """The path each size takes under the planted gates (100 and 1000 bytes of x)."""
+    from kernels.fused import all_reduce_norm
+    from kernels.ops import all_reduce_rmsnorm as op
+
+    os.environ["COC_TUNED_DIR"] = directory
+    ran: list[str] = []
+    real_rows, real_reference = all_reduce_norm.reduced_rows, op.reference
+    all_reduce_norm.reduced_rows = lambda *a, **k: ran.append(k["algorithm"]) or real_rows(*a, **k)
+    op.reference = lambda *a, **k: ran.append("unfused") or real_reference(*a, **k)
+    try:
+        for rows in (2, 5, 40):  # x of 2 x 8, 5 x 8, 40 x 8 fp32: 64, 160 and 1280 bytes
+            x, r, w = torch.randn(rows, 8), torch.randn(rows, 8), torch.randn(8)
+            kernels.all_reduce_rmsnorm(x, r, w, backend="fused")
+    finally:
+        all_reduce_norm.reduced_rows, op.reference = real_rows, real_reference
+        del os.environ["COC_TUNED_DIR"]
+    return ran
+
+
+@pytest.mark.triton
+def test_size_switch_follows_the_planted_tuned_gates(tmp_path: Any) -> None:
+    _gates_file(str(tmp_path), 100, 1000)
+    for ran in run_ranks(_switch_body, 2, str(tmp_path), timeout=600):
+        assert ran == ["one_shot", "two_shot", "unfused"], ran
+
+
+def _differing_gates_body(rank: int, world: int, directories: list[str]) -> str:
+    import torch.distributed as dist
+
+    os.environ["COC_TUNED_DIR"] = directories[rank]
+    # A group of its own: a failed fused call retires its group (kernels.fused.runtime), not the pool's.
+    group = dist.new_group(list(range(world)))
+    try:
+        x, r, w = torch.randn(5, 8), torch.randn(5, 8), torch.randn(8)
+        kernels.all_reduce_rmsnorm(x, r, w, group=group, backend="fused")
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        del os.environ["COC_TUNED_DIR"]
+    return "no error"
+
+
+def test_ranks_whose_tuned_gates_differ_are_refused_naming_the_algorithm(tmp_path: Any) -> None:
+    """Each rank reads its own tuned file: a one-shot rank beside an unfused one would wait forever."""
+    directories = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for d, gates in zip(directories, ((1000, 2000), (0, 0)), strict=True):
+        os.makedirs(d)
+        _gates_file(d, *gates)
+    for message in run_ranks(_differing_gates_body, 2, directories, timeout=300):
+        assert "algorithm" in message and "one_shot" in message and "unfused" in message, message
+
+
+def test_bad_gates_are_named(tmp_path: Any) -> None:
+    from kernels.fused import tuned
+
+    _gates_file(str(tmp_path), 2000, 1000)
+    with pytest.raises(ValueError, match="one_shot_max_bytes 2000 exceeds fused_max_bytes 1000"):
+        tuned.load(tmp_path / "cpu.yaml")
