@@ -23,6 +23,7 @@ reductions, so it may differ from the fused kernel's in the last bits of ``rstd`
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ class NormCall:
         return "|".join((self.quant or "", fp8, self.algorithm, self.backend, self.group_name, str(self.world)))
 
     @staticmethod
+    @functools.lru_cache(maxsize=1024)
     def decode(text: str) -> NormCall:
+        """Inverse of :meth:`encode` (cached: the registered operator decodes its string at each call)."""
         quant, fp8, algorithm, backend, name, world = text.split("|")
         return NormCall(quant or None, getattr(torch, fp8), algorithm, backend, name, int(world))
 
@@ -126,7 +129,7 @@ def _check(
 
 def choose_algorithm(algorithm: str, x: torch.Tensor, world: int) -> str:
     """``algorithm``, or for ``"auto"`` the one the gates of x's bytes at ``world`` ranks choose."""
-    if algorithm != "auto":
+    if algorithm != "auto" or world == 1:
         return algorithm
     from ..fused import tuned
 
