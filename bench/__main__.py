@@ -9,6 +9,7 @@ Examples::
     python -m bench --mode single --suite llama2-70b --world-sizes 8   # single GPU: GEMM core, fixed costs
     PYTHONPATH=. python3 -m bench --mode gpu-check --out-dir bench/results   # a GPU machine's whole report
     python -m bench --mode model --gpu H800 --suite flux-ref  # predictions only (no measurement)
+    python -m bench --mode hf-sweep --out-dir bench/results   # HF model families under parallelize_hf (CPU)
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from bench.suites import (
     Case,
     list_suites,
     load_suite,
-    parse_backend,
     parse_format,
     parse_op,
 )
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=("run", "single", "model", "gpu-check", "tune"),
+        choices=("run", "single", "model", "gpu-check", "tune", "hf-sweep"),
         default="run",
         help="run: distributed benchmark (default); single: one-GPU fixed costs (Triton GEMM core "
         "vs torch, fused op at world 1 vs bare GEMM, 4-way chunking at world 1); model: print "
@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         "command that writes a correctness and speed report of this GPU (bench/gpu_check.py; "
         "--allow-cpu runs it on CPU under the interpreter); tune: time the GEMM config space "
         "against cuBLAS and write configs/tuned/<gpu-name>.yaml, or into --out-dir when given "
-        "(bench/tune.py; --allow-cpu: tiny shapes under the interpreter, cpu.yaml always into --out-dir)",
+        "(bench/tune.py; --allow-cpu: tiny shapes under the interpreter, cpu.yaml always into --out-dir); "
+        "hf-sweep: transformers families vs one process, --backends from sequential,chunked,fused (bench/hf_sweep.py)",
     )
     p.add_argument(
         "--sections",
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--backends",
-        type=_csv(parse_backend),
+        type=_csv(str),
         default=None,
         metavar="LIST",
         help=f"comma list from {', '.join(BACKENDS)} (default: the suite's; sequential is always run as the reference)",
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--world-sizes",
+        "--world-size",
         type=_csv(int),
         default=None,
         metavar="LIST",
@@ -157,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fit the link model to collective-only timings of this run (always on for CPU runs)",
     )
     p.add_argument("--no-model", action="store_true", help="do not compute model predictions")
+    p.add_argument("--families", type=_csv(str), metavar="LIST", help="hf-sweep only: model types (default: all)")
     p.add_argument(
         "--out-dir", default="bench_results", help="directory for the report files (default: ./bench_results)"
     )
@@ -559,6 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     for f in args.format:
         if f not in ("json", "csv", "png", "txt"):
             raise SystemExit(f"error: --format: {f!r} not in json,csv,png,txt")
+    if args.mode == "hf-sweep":
+        from bench import hf_sweep
+
+        return hf_sweep.main(args)
+    if any(b not in BACKENDS for b in args.backends or []):
+        raise SystemExit(f"error: --backends {','.join(args.backends)}: accepted {', '.join(BACKENDS)}")
     if args.mode == "model":
         return main_model(args)
     if args.mode == "gpu-check":
