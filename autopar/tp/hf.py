@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from .fp8 import Fp8Recipe, resolve_recipe
 from .hf_load import load_shards
 from .hf_sizes import check_shardable
+from .moe import CocMoeExpertsParallel, check_moe_plan, parallelize_moe_blocks, without_expert_params
 from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel, share_input_gather
 
 # Models whose transformers config declares no plan; the names are their module paths.
@@ -74,6 +75,9 @@ def coc_style(name: str, *, sequence_parallel: bool = False, fp8: Fp8Recipe | No
         return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=local)
     if name == "sequence_parallel":
         return CocSequenceParallel(sequence_dim=SEQ_DIM, use_local_output=local)
+    if name == "moe_tp_experts":
+        # Under sequence parallelism parallelize_hf also puts CocMoeBlockSequenceParallel on the sparse block.
+        return CocMoeExpertsParallel()
     if name == "replicated_with_grad_allreduce":
         # Qwen3's q / k norms, on this rank's heads (a plain local tensor in both modes): replicated weights whose
         # gradient on each rank covers its own heads only, summed over the mesh in the backward (the same sum
@@ -96,22 +100,27 @@ SUPPORTED_PLAN_STRINGS = (
     "embedding_rowwise",
     "sequence_parallel",
     "replicated_with_grad_allreduce",
+    "moe_tp_experts",
 )
 _HF_OWN = (
     "parallelize the model with transformers' own loader instead "
     "(from_pretrained(..., distributed_config=DistributedConfig(tp_size=W)))"
 )
-_MOE = "mixture-of-experts layers are not supported yet; " + _HF_OWN
+_EP = (
+    "expert parallelism: issue 30 item 3; use the model's tensor-parallel plan (its tp_plan, whose "
+    "'moe_tp_experts' runs the CoC MoE ops) instead, or " + _HF_OWN
+)
 # transformers' tp_plan strings (transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES) with no CoC style,
 # each with why and what to do instead; tests/autopar/tp/test_hf.py fails on a registered string in neither table.
 REFUSED_PLAN_STRINGS = {
     "embedding_colwise": "an embedding sharded on the hidden dim has no GEMM to fuse; pass plan= with "
     "'embedding_rowwise' (vocabulary-parallel) for it, or leave it out of the plan",
-    "packed_rowwise": _MOE,
-    "moe_tp_experts": _MOE,
-    "moe_identity_expert": _MOE,
-    "ep_dispatch_experts": _MOE,
-    "grouped_gemm": _MOE,
+    "packed_rowwise": "weights packed along their input features (a parameter style no plan of a model this autopar "
+    "parallelizes uses) are not supported yet; " + _HF_OWN,
+    "moe_identity_expert": "identity (zero-computation) experts beside moe_tp_experts are not supported yet; "
+    + _HF_OWN,
+    "ep_dispatch_experts": _EP,
+    "grouped_gemm": _EP,
     "mla_kv_a_proj": "DeepSeek-style MLA's kv_a_proj (a rope slice whose gradient is summed) is not supported yet; "
     + _HF_OWN,
     "all_reduce": "a module whose output is a partial sum to all-reduce is not supported yet; " + _HF_OWN,
@@ -177,7 +186,7 @@ def hf_tp_plan(
 ) -> dict[str, ParallelStyle]:
     """A ``parallelize_module`` plan of CoC styles for a transformers model (``plan``: tp_plan
     strings to use instead of the model's own; ``fp8``: the FP8 recipe of its linears)."""
-    strings = hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan)
+    strings = without_expert_params(hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan))
     recipe = resolve_recipe(fp8)
     return {key: coc_style(s, sequence_parallel=sequence_parallel, fp8=recipe) for key, s in strings.items()}
 
@@ -293,15 +302,17 @@ def parallelize_hf(
         if device == "meta":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device_mesh = init_device_mesh(device, (dist.get_world_size(),))
-    strings = hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan)
+    strings = without_expert_params(hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan))
     retie = tied_weights_to_keep(model, strings)
     check_shardable(model, _sharded_modules(model, strings), device_mesh.size())
+    check_moe_plan(model, strings, device_mesh.size())
     if _model_type(model) == "gpt2":
         _adjust_gpt2(model, device_mesh.size())
     styles = {key: coc_style(s, sequence_parallel=sequence_parallel, fp8=recipe) for key, s in strings.items()}
     parallelize_module(model, device_mesh, styles)
     if sequence_parallel:
         _share_gathers(model)
+        parallelize_moe_blocks(model, device_mesh, SEQ_DIM)
     for target, source in retie:
         owner, _, pname = source.rpartition(".")
         tmod, _, tname = target.rpartition(".")

@@ -189,8 +189,9 @@ def test_plan_strings() -> None:
     row = coc_style("rowwise", sequence_parallel=True)
     assert isinstance(row, autopar.CocRowwiseParallel) and row.output_layouts == (Shard(1),)
     assert coc_style("colwise_gather_output").output_layouts == (Replicate(),)
-    with pytest.raises(ValueError, match="moe_tp_experts"):
-        coc_style("moe_tp_experts")
+    assert isinstance(coc_style("moe_tp_experts"), autopar.tp.moe.CocMoeExpertsParallel)
+    with pytest.raises(ValueError, match="'grouped_gemm' has no CoC equivalent: expert parallelism: issue 30 item 3"):
+        coc_style("grouped_gemm")
 
 
 def test_every_registered_plan_string_is_mapped_or_refused_by_name() -> None:
