@@ -291,7 +291,11 @@ def family_rows(rank: int, world: int, family: str, combos: list[tuple[str, bool
                 with backend_calls() as calls:
                     got = _step(tp, ids)
             except Exception as e:  # noqa: BLE001
-                rows.append({**row, "status": "error", "detail": "forward / backward: " + _text(e)})
+                # autopar's own error at the first forward (a layout its static checks cannot see) is a named
+                # refusal too, reported as one that came at the forward.
+                refused = _named_refusal(e)
+                detail = ("refused at the first forward: " if refused else "forward / backward: ") + _text(e)
+                rows.append({**row, "status": "refused" if refused else "error", "detail": detail})
                 continue
         row.update(_compare(got, want, noise))
         row["ran"] = sorted({b for _, b in calls})

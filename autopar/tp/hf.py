@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from .fp8 import Fp8Recipe, resolve_recipe
 from .hf_load import load_shards
+from .hf_regions import check_regions, check_sequence_parallel, name_mixed_layouts, sum_gradients_over
 from .hf_sizes import check_shardable
 from .moe import CocMoeExpertsParallel, check_moe_plan, parallelize_moe_blocks, without_expert_params
 from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel, share_input_gather
@@ -306,6 +307,9 @@ def parallelize_hf(
     retie = tied_weights_to_keep(model, strings)
     check_shardable(model, _sharded_modules(model, strings), device_mesh.size())
     check_moe_plan(model, strings, device_mesh.size())
+    summed = check_regions(model, strings)
+    if sequence_parallel:
+        check_sequence_parallel(model, strings)
     if _model_type(model) == "gpt2":
         _adjust_gpt2(model, device_mesh.size())
     styles = {key: coc_style(s, sequence_parallel=sequence_parallel, fp8=recipe) for key, s in strings.items()}
@@ -313,6 +317,7 @@ def parallelize_hf(
     if sequence_parallel:
         _share_gathers(model)
         parallelize_moe_blocks(model, device_mesh, SEQ_DIM)
+        name_mixed_layouts(model)
     for target, source in retie:
         owner, _, pname = source.rpartition(".")
         tmod, _, tname = target.rpartition(".")
@@ -322,6 +327,7 @@ def parallelize_hf(
         if local.type == "cuda":
             local = torch.device("cuda", torch.cuda.current_device())
         load_shards(model, checkpoint, device=local)
+    sum_gradients_over(model, summed, device_mesh.get_group())
     if callable(getattr(type(model), "save_pretrained", None)):
         # A bound method, not a closure: copy.deepcopy(model) rebinds it to the copy.
         model.save_pretrained = types.MethodType(_save_pretrained_gathered, model)
