@@ -36,6 +36,8 @@ from .ops.moe import (
     grouped_matmul_reduce_scatter,
     grouped_matmul_reduce_scatter_reference,
 )
+from .ops.moe_ep import moe_check_overflow, moe_combine, moe_combine_reference, moe_dispatch, moe_dispatch_reference
+from .ops.moe_ep_routing import MoeDispatchHandle
 from .ops.norm import NormOutputs
 from .ops.reduce_scatter import matmul_reduce_scatter, quantized_matmul_reduce_scatter, scaled_matmul_reduce_scatter
 from .quant import quantize_weight
@@ -74,6 +76,12 @@ __all__ = [
     "grouped_matmul_reduce_scatter",
     "grouped_matmul_reduce_scatter_reference",
     "MoeRouting",
+    "moe_dispatch",
+    "moe_dispatch_reference",
+    "moe_combine",
+    "moe_combine_reference",
+    "MoeDispatchHandle",
+    "moe_check_overflow",
 ]
 
 

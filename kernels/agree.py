@@ -39,6 +39,8 @@ OPS = (
     "all_reduce_rmsnorm",
     "all_gather_grouped_matmul",
     "grouped_matmul_reduce_scatter",
+    "moe_dispatch",
+    "moe_combine",
 )
 # all_reduce_rmsnorm's algorithms, its "comm_dim" word (it communicates along no dim).
 NORM_ALGORITHMS = ("auto", "one_shot", "two_shot", "unfused")
@@ -110,6 +112,12 @@ _MUST_AGREE = {
     "grouped_matmul_reduce_scatter": _COMMON + ("m", "n", "deterministic", "group_size", "comm_dim"),
 }
 _MOE_NAMES = {"group_size": "num_experts", "comm_dim": "topk", "n": "k_out"}
+# The expert-parallel ops (kernels.ops.moe_ep): m is the rank's own token count (it may differ between ranks), k
+# the row width (dispatch: x's k, combine: y's n), "n" the bounded mode's max_tokens (0: exact mode).
+_MUST_AGREE["moe_dispatch"] = _COMMON + ("k", "n", "group_size", "comm_dim")
+_MUST_AGREE["moe_combine"] = _COMMON + ("k", "n", "deterministic", "group_size", "comm_dim")
+_EP_WORDS = {"group_size": "num_experts", "comm_dim": "topk", "n": "max_tokens (0: exact mode)", "m": "m_local"}
+_EP_NAMES = {"moe_dispatch": _EP_WORDS, "moe_combine": {**_EP_WORDS, "k": "n (y.shape[1])"}}
 _GATHERING = ("all_gather_matmul", "all_gather_scaled_matmul", "quantized_all_gather_matmul")
 
 Descriptor = tuple[int, ...]
@@ -159,6 +167,8 @@ def describe_call(
         "all_reduce_rmsnorm",
         "all_gather_grouped_matmul",
         "grouped_matmul_reduce_scatter",
+        "moe_dispatch",
+        "moe_combine",
     )
     if parallel_num == "auto":
         num = _AUTO
@@ -268,6 +278,8 @@ _SCALED = ("all_gather_scaled_matmul", "scaled_matmul_reduce_scatter", "scaled_m
 def _field_name(name: str, op_code: int) -> str:
     """A descriptor field under the name the caller of ``op`` knows it by."""
     op = OPS[op_code] if 0 <= op_code < len(OPS) else None
+    if name in _EP_NAMES.get(op, {}):  # type: ignore[arg-type]
+        return _EP_NAMES[op][name]  # type: ignore[index]
     if op in ("all_gather_grouped_matmul", "grouped_matmul_reduce_scatter") and name in _MOE_NAMES:
         return _MOE_NAMES[name]
     if op == "all_gather_grouped_matmul" and name == "m":

@@ -1,0 +1,344 @@
+"""Expert-parallel mixture of experts: dispatch each (token, slot) pair's row to the rank of its expert, and
+combine the experts' outputs back into each token's top-k weighted sum.
+
+Public functions (docs/api.md, "Expert-parallel MoE"): :func:`moe_dispatch` and :func:`moe_combine`, with their
+twins :func:`moe_dispatch_reference` and :func:`moe_combine_reference` (the sequential backend called directly;
+their docstrings state the semantics). Registered operators::
+
+    coc::moe_dispatch(Tensor x, Tensor topk_ids, str call) -> (Tensor rows, Tensor[9] handle tensors)
+    coc::moe_combine(Tensor y, Tensor topk_weights, Tensor[] handle, str call) -> (Tensor out, Tensor returned)
+                                                    # call: kernels.ops.moe_ep_routing.EpCall.encode()
+
+Backends (results bitwise equal: the ops move rows and sum in a fixed order):
+
+- ``sequential``: one ``torch.distributed.all_to_all_single`` of the rows (exact mode: split sizes from the
+  all-gathered counts, read on the host; bounded mode: equal ``max_tokens`` blocks per peer), then the rows
+  placed in their expert-grouped order.
+- ``chunked``: every (source, destination) block cut in ``parallel_num`` pieces, all pieces' all-to-alls
+  started at once, and each piece placed in its final rows (the regrouping: an index copy) as it lands,
+  while the later pieces are in flight. That copy is the only local work the op itself holds, a small
+  fraction of the all-to-all's time: the overlap that matters, the all-to-all of one piece under the
+  caller's grouped GEMM of another, needs the fused kernels (rows written to their final place over the
+  heap and a per-expert ready signal the GEMM waits on), which are not built yet. ``"fused"`` warns once
+  by name and runs ``chunked``.
+
+The bounded mode's overflow (some rank would receive more than ``max_tokens`` rows) is found from the
+all-gathered counts, which every rank holds, so every rank raises the same ``RuntimeError`` before any row
+moves: where a host read is allowed (CPU always; CUDA under ``COC_CHECK=1``). Elsewhere (CUDA eager, CUDA-graph
+capture) the op reads nothing: the flag is computed on the device and kept, and the next eager dispatch on
+the group (or :func:`moe_check_overflow`) reads it and raises naming the call; the rows of an overflowing call
+are never silently kept (the flag is always read). A fused implementation would report it as
+:mod:`kernels.fused.runtime` reports timeouts: the kernel writes the flag to host-mapped memory, read at the
+next check.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import callcheck, checks
+from ..call import group_name, resolve_group
+from ..capture import capturing
+from ..config import get_config
+from ..op_registration import define_op
+from .all_gather import gather_rows
+from .moe_ep_routing import (
+    COMBINE,
+    DISPATCH,
+    EpCall,
+    MoeDispatchHandle,
+    check_combine,
+    check_dispatch,
+    check_id_range,
+    describe,
+    expert_counts,
+    layout,
+    my_rank,
+    overflow_message,
+    to_experts,
+    to_sources,
+    weighted_sum,
+)
+from .moe_routing import _warn_once, wanted
+
+# Bounded-mode overflow flags not read yet (device tensors), per group name: read by the next dispatch.
+_pending: dict[str, list[torch.Tensor]] = {}
+
+
+def moe_dispatch(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    *,
+    max_tokens: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+) -> tuple[torch.Tensor, MoeDispatchHandle]:
+    """``(rows [R, k], handle)``: the (token, slot) rows this rank's experts need from every rank, grouped by
+    local expert. Semantics: :func:`moe_dispatch_reference`.
+
+    ``x [m_local, k]`` (fp16 / bf16 / fp32) this rank's tokens (m_local may differ between ranks);
+    ``topk_ids [m_local, topk]`` (int32 / int64 in ``[0, num_experts)``); ``topk_weights [m_local, topk]``
+    (floating; kept in the handle for :func:`moe_combine`); ``num_experts``: E, a multiple of W (expert e lives
+    on rank ``e // (E / W)``); ``max_tokens``: None (exact mode, R = the rows received) or the most rows any
+    rank may receive (bounded mode: R = max_tokens, no host read, overflow raises by name on every rank);
+    ``backend`` / ``parallel_num`` as the dense ops. Differentiable in ``x``
+    (:class:`kernels.ops.moe_ep_autograd.MoeDispatchFunction`).
+    """
+    call = _admit_dispatch(
+        DISPATCH, (x, topk_ids, topk_weights), (num_experts, max_tokens), group, (backend, parallel_num)
+    )
+    return _dispatch_apply(x, topk_ids, topk_weights, call)
+
+
+def moe_dispatch_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    *,
+    max_tokens: int | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, MoeDispatchHandle]:
+    """The semantics of :func:`moe_dispatch`, in torch (validated and rank-checked the same way)::
+
+        E_l = E // W; dest(e) = e // E_l                              # expert e lives on rank dest(e)
+        order = argsort(topk_ids.flatten(), stable=True)              # pairs p = t * topk + s by (expert, t, s)
+        send = x[order // topk]                                       # dest-major blocks
+        counts = all_gather(count of each expert in topk_ids)         # [W, E]: every rank's counts
+        recv = all_to_all_single(send, splits from counts)            # from each src: (local expert, t, s)
+        rows = recv sorted stably by local expert                     # (local expert, src rank, token, slot)
+        expert_offsets[e] = rows of local experts <= e                # cumulative ends
+
+    Bounded mode (``max_tokens = C``): every peer block is C rows (equal splits; no host read), ``rows`` is
+    ``[C, k]`` with the rows past ``handle.valid`` zero, ``expert_offsets[-1] = C`` (the padding counted in the
+    last local expert, so the offsets feed ``kernels.grouped_matmul`` as they are); a rank that would receive
+    more than C rows makes every rank raise ``RuntimeError`` (``max_tokens ... overflow``) before rows move.
+    """
+    request = ("sequential", None)
+    call = _admit_dispatch(
+        f"{DISPATCH}_reference", (x, topk_ids, topk_weights), (num_experts, max_tokens), group, request
+    )
+    return _dispatch_apply(x, topk_ids, topk_weights, call)
+
+
+def moe_combine(
+    y: torch.Tensor,
+    handle: MoeDispatchHandle,
+    *,
+    deterministic: bool = True,
+    group: dist.ProcessGroup | None = None,
+    backend: str | None = None,
+    parallel_num: int | None = None,
+) -> torch.Tensor:
+    """``out [m_local, n]``: the experts' outputs ``y [R, n]`` (rows in the order :func:`moe_dispatch`
+    returned) sent back to their tokens' ranks and summed per token with the top-k weights. Semantics:
+    :func:`moe_combine_reference`.
+
+    The sum is in fp32 in slot order and rounded once to y's dtype: bitwise equal across runs, backends,
+    modes and W for the same expert outputs. ``deterministic=False`` is accepted and sums alike (no faster
+    unordered path exists). ``group``: None or the dispatch's group. Differentiable in ``y`` and the handle's
+    ``topk_weights`` (:class:`kernels.ops.moe_ep_autograd.MoeCombineFunction`).
+    """
+    call = _admit_combine(COMBINE, (y, handle, deterministic), group, (backend, parallel_num))
+    return _combine_apply(y, handle, call)
+
+
+def moe_combine_reference(
+    y: torch.Tensor, handle: MoeDispatchHandle, *, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The semantics of :func:`moe_combine`, in torch::
+
+    back = all_to_all_single(y in receive order, the dispatch's splits reversed)   # each pair's row, home
+    y_ts = back row of pair (t, s)                       # bounded mode: rows past handle.valid never sent
+    out[t] = w[t, 0] * y_t0 (fp32)                       # w = handle.topk_weights.float()
+    for s in 1 .. topk - 1: out[t] += w[t, s] * y_ts     # fp32, slot order
+    return out.to(y.dtype)                               # [m_local, n], one rounding
+    """
+    call = _admit_combine(f"{COMBINE}_reference", (y, handle, True), group, ("sequential", None))
+    return _combine_apply(y, handle, call)
+
+
+def moe_check_overflow(group: dist.ProcessGroup | None = None) -> None:
+    """Read the bounded-mode overflow flags of ``group``'s dispatches that were not checked on the host
+    (CUDA without ``COC_CHECK=1``, or captured) and raise the named ``RuntimeError`` if one overflowed.
+    Every rank holds the same flags (they come from the all-gathered counts), so every rank raises alike.
+    A host read: waits for the flagged calls' streams."""
+    flags = _pending.pop(group_name(group), [])
+    for flag in flags:
+        if bool(flag.item()):
+            raise RuntimeError(
+                f"{DISPATCH}: max_tokens overflow in an earlier bounded call on this group: a rank had more rows "
+                "routed to its experts than max_tokens (found from the all-gathered counts, read at this check; "
+                "rows past max_tokens were not kept). Raise max_tokens or use max_tokens=None (exact mode)"
+            )
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _dispatch_apply(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, call: EpCall) -> tuple:
+    if _needs_grad(x):
+        from .moe_ep_autograd import MoeDispatchFunction
+
+        out = MoeDispatchFunction.apply(x, topk_ids, call.encode())
+    else:
+        out = dispatch_operator(x, topk_ids, call.encode())
+    rows, *parts = out
+    return rows, MoeDispatchHandle(*parts, topk_weights=topk_weights, call=call.encode())
+
+
+def _handle_tensors(handle: MoeDispatchHandle) -> list[torch.Tensor]:
+    return [handle.recv_to_row, handle.send_index, handle.send_counts, handle.recv_counts]
+
+
+def _combine_apply(y: torch.Tensor, handle: MoeDispatchHandle, call: EpCall) -> torch.Tensor:
+    if _needs_grad(y, handle.topk_weights):
+        from .moe_ep_autograd import MoeCombineFunction
+
+        return MoeCombineFunction.apply(y, handle.topk_weights, tuple(_handle_tensors(handle)), call.encode())
+    return combine_operator(y, handle.topk_weights, _handle_tensors(handle), call.encode())[0]
+
+
+def _resolve(op: str, request: tuple, sizes: tuple[int, int], group: dist.ProcessGroup | None) -> EpCall:
+    """The backend and split count that run: the argument, else the environment (``USE_COC_FUSED_KERNEL``,
+    ``COC_PARALLEL_NUM``). ``"fused"`` and ``"auto"`` warn once by name and run chunked / 1 piece."""
+    backend, num = request
+    config = get_config()
+    if backend is None and config.use_fused:
+        backend = "fused"
+    if backend == "fused":
+        _warn_once(op, "fused", "the fused backend is not built for the expert-parallel ops yet; running chunked")
+        backend = "chunked"
+    if num is None:
+        num = config.parallel_num if isinstance(config.parallel_num, int) else 1
+        if config.parallel_num == "auto":
+            _warn_once(op, "auto", "COC_PARALLEL_NUM=auto does not tune the expert-parallel ops; parallel_num=1")
+    if backend == "sequential":
+        num = 1
+    elif backend is None:
+        backend = "chunked" if num > 1 else "sequential"
+    return EpCall(backend, num, group_name(group), checks.world_of(group), sizes[0], sizes[1])
+
+
+def _admit_dispatch(op: str, tensors: tuple, sizes: tuple, group: object, request: tuple) -> EpCall:
+    """Validate, compare with the peers (a rank's error reaches every rank before any communication)."""
+    x, topk_ids, topk_weights = tensors
+    num_experts, max_tokens = sizes
+    world = checks.world_of(group)
+    device = x.device if isinstance(x, torch.Tensor) else None
+
+    def validate() -> tuple[int, ...]:
+        check_dispatch(x, topk_ids, topk_weights, (num_experts, max_tokens, world))
+        checks.check_options(request[0], request[1], "deterministic", True)
+        ep = (num_experts, topk_ids.shape[1], max_tokens or 0, True)
+        return describe(DISPATCH, (x.shape[0], x.shape[1]), x.dtype, request=request, ep=ep)
+
+    def values() -> None:
+        if wanted(x.device):
+            check_id_range(topk_ids, num_experts)
+
+    callcheck.admit(op, group, world, device, validate, values=values, backend=request[0])  # type: ignore[arg-type]
+    return _resolve(op, request, (num_experts, max_tokens or 0), group)  # type: ignore[arg-type]
+
+
+def _admit_combine(op: str, tensors: tuple, group: object, request: tuple) -> EpCall:
+    y, handle, deterministic = tensors
+    device = y.device if isinstance(y, torch.Tensor) else None
+    if (
+        isinstance(handle, MoeDispatchHandle)
+        and group is not None
+        and group_name(group) != EpCall.decode(handle.call).group_name
+    ):
+        raise ValueError(f"{op}: group is not the group of the dispatch that made the handle")
+    group = resolve_group(EpCall.decode(handle.call).group_name) if isinstance(handle, MoeDispatchHandle) else group
+    world = checks.world_of(group)
+
+    def validate() -> tuple[int, ...]:
+        check_combine(y, handle, deterministic)
+        checks.check_options(request[0], request[1], "deterministic", deterministic)
+        sent = EpCall.decode(handle.call)
+        ep = (sent.num_experts, handle.topk_weights.shape[1], sent.max_tokens, deterministic)
+        return describe(COMBINE, (handle.topk_weights.shape[0], y.shape[1]), y.dtype, request=request, ep=ep)
+
+    callcheck.admit(op, group, world, device, validate, backend=request[0])  # type: ignore[arg-type]
+    sent = EpCall.decode(handle.call)
+    return _resolve(op, request, (sent.num_experts, sent.max_tokens), group)  # type: ignore[arg-type]
+
+
+def _read_pending(call: EpCall) -> None:
+    if _pending.get(call.group_name):
+        moe_check_overflow(resolve_group(call.group_name))
+
+
+def _dispatch_run(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tuple:
+    call = EpCall.decode(call_text)
+    group, topk = resolve_group(call.group_name), topk_ids.shape[1]
+    if not capturing(x.device):
+        _read_pending(call)
+    order, mine = expert_counts(topk_ids.reshape(-1).to(torch.int64), call.num_experts)
+    table = gather_rows(mine[None, :].contiguous(), group, call.world)  # [W, E]: every rank's counts
+    if call.bounded:
+        if wanted(x.device):
+            message = overflow_message(DISPATCH, table, call)
+            if message is not None:
+                raise RuntimeError(message)
+        else:
+            totals = table.view(call.world, call.world, -1).sum((0, 2))
+            _pending.setdefault(call.group_name, []).append((totals > call.max_tokens).any())
+    lay = layout(order, table, call, my_rank(call, group))
+    tensors = [lay.recv_to_row, lay.send_index, lay.send_counts, lay.recv_counts]
+    rows = to_experts(x.repeat_interleave(topk, 0), tensors, lay.rows, call)
+    pair_ids = torch.arange(x.shape[0] * topk, device=x.device)[:, None]
+    # The source pair of each row travels as the rows do (-1: padding), from which token and slot follow.
+    src_pair = to_experts(pair_ids + 1, tensors, lay.rows, call)[:, 0] - 1
+    token = torch.where(src_pair >= 0, src_pair // topk, -1)
+    slot = torch.where(src_pair >= 0, src_pair % topk, -1)
+    return (rows, lay.expert_offsets, lay.src_rank, token, slot, *tensors, lay.valid)
+
+
+def _dispatch_fake(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tuple:
+    call = EpCall.decode(call_text)
+    rows = call.max_tokens if call.bounded else torch.library.get_ctx().new_dynamic_size()
+    slots = call.world * call.max_tokens if call.bounded else rows
+    index = x.new_empty((rows,), dtype=torch.int64)
+    world = x.new_empty((call.world,), dtype=torch.int64)
+    return (
+        x.new_empty((rows, x.shape[1])),
+        x.new_empty((call.num_experts // call.world,), dtype=torch.int64),
+        index,
+        torch.empty_like(index),
+        torch.empty_like(index),
+        x.new_empty((slots,), dtype=torch.int64),
+        x.new_empty((topk_ids.numel(),), dtype=torch.int64),
+        world,
+        torch.empty_like(world),
+        x.new_empty((), dtype=torch.int64),
+    )
+
+
+def _combine_run(y: torch.Tensor, topk_weights: torch.Tensor, handle: list[torch.Tensor], call_text: str) -> tuple:
+    call = EpCall.decode(call_text)
+    returned = to_sources(y, list(handle), topk_weights.numel(), call)
+    return weighted_sum(returned, topk_weights, y.dtype), returned
+
+
+def _combine_fake(y: torch.Tensor, topk_weights: torch.Tensor, handle: list[torch.Tensor], call_text: str) -> tuple:
+    return y.new_empty((topk_weights.shape[0], y.shape[1])), y.new_empty((topk_weights.numel(), y.shape[1]))
+
+
+dispatch_operator = define_op(
+    "moe_dispatch(Tensor x, Tensor topk_ids, str call) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+    "Tensor, Tensor, Tensor)",
+    _dispatch_run,
+    _dispatch_fake,
+)
+combine_operator = define_op(
+    "moe_combine(Tensor y, Tensor topk_weights, Tensor[] handle, str call) -> (Tensor, Tensor)",
+    _combine_run,
+    _combine_fake,
+)
