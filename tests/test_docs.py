@@ -20,7 +20,9 @@ SECTION_1 = API[API.index("## 1. `kernels`") : API.index("## 2. `autopar`")]
 PUBLIC_OPS = {
     name
     for name in kernels.__all__
-    if name.endswith("matmul") or "matmul_" in name or name.startswith(("quantize_", "dequantize_", "all_reduce_"))
+    if name.endswith("matmul")
+    or "matmul_" in name
+    or name.startswith(("quantize_", "dequantize_", "all_reduce_", "moe_"))
 }
 
 
@@ -105,6 +107,8 @@ def test_registered_operator_schemas() -> None:
         "matmul_all_reduce_rmsnorm",
         "all_gather_grouped_matmul",
         "grouped_matmul_reduce_scatter",
+        "moe_dispatch",
+        "moe_combine",
     }
     for schema in schemas:
         op = getattr(torch.ops.coc, schema.split("(")[0].removeprefix("coc::"))
