@@ -25,6 +25,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -66,12 +67,16 @@ def check_regions(model: nn.Module, strings: dict[str, str]) -> list[str]:
                 continue
             for sub_name, sub in child.named_modules(prefix=prefix + child_name):
                 for pname, _ in sub.named_parameters(recurse=False):
+                    if _style(f"{sub_name}.{pname}", strings) is not None:
+                        continue
                     if _is_activation(sub_name, sub):
                         summed.append(f"{sub_name}.{pname}")
                     else:
                         refused.append(f"{sub_name}.{pname} ({type(sub).__name__})")
         for pname, _ in parent.named_parameters(recurse=False):
-            refused.append(f"{prefix}{pname} ({type(parent).__name__})")
+            # A parameter the plan names itself (transformers' "local_params" on attention sinks) is the plan's.
+            if _style(prefix + pname, strings) is None:
+                refused.append(f"{prefix}{pname} ({type(parent).__name__})")
     if refused:
         raise ValueError(
             "parallelize_hf: these parameters sit in a tensor-parallel region (between the column- and row-parallel "
@@ -82,21 +87,33 @@ def check_regions(model: nn.Module, strings: dict[str, str]) -> list[str]:
     return summed
 
 
+_hooked: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+
+
+def _sum_over(grad: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def _hook_parameters(module: nn.Module, args: Any, *, group: dist.ProcessGroup) -> None:
+    # At every forward, so that parameters a checkpoint load or a deep copy replaced are hooked too (a set of
+    # the hooked tensors, not an attribute, which a copy would carry without the hook).
+    for p in module.parameters(recurse=False):
+        if p.requires_grad and p not in _hooked:
+            p.register_hook(functools.partial(_sum_over, group=group))
+            _hooked.add(p)
+
+
 def sum_gradients_over(model: nn.Module, names: list[str], group: dist.ProcessGroup) -> None:
     """The gradient of each parameter ``names`` names all-reduced (summed) over ``group`` before it accumulates
-    (a tensor hook: once per backward, on the gradient of all its uses together). Call it after the parameters
-    are final (a checkpoint load replaces them)."""
-    params = [model.get_parameter(name) for name in names]
-
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    for p in params:
-        if not getattr(p, "_coc_grad_summed", False):
-            p.register_hook(hook)
-            p._coc_grad_summed = True  # type: ignore[attr-defined]
+    (a tensor hook: once per backward, on the gradient of all its uses together), hooked by its module at each
+    forward."""
+    for owner in sorted({name.rpartition(".")[0] for name in names}):
+        module = model.get_submodule(owner)
+        if not getattr(module, "_coc_sums_gradients", False):
+            module.register_forward_pre_hook(functools.partial(_hook_parameters, group=group))
+            module._coc_sums_gradients = True
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -176,21 +176,40 @@ def _wrap_distribute(mixin: type) -> None:
             sp = bool(getattr(distributed_config, "enable_sequence_parallel", False))
         if tp <= 1 or (args and args[0] is None):
             return func(cls, model, distributed_config, *args, **kwargs)
+        from .hf import hf_plan_strings
+        from .hf_regions import check_regions, check_sequence_parallel
+
         if sp:
             _with_sequence_parallel(model)
+        # Before anything is sharded, as parallelize_hf: what the plan leaves out is summed or refused by name.
+        strings = hf_plan_strings(model, sequence_parallel=sp)
+        summed = check_regions(model, strings)
+        if sp:
+            check_sequence_parallel(model, strings)
         _STATE["load_sp"] = sp
         try:
             model = func(cls, model, distributed_config, *args, **kwargs)
         finally:
             _STATE["load_sp"] = False
-        if sp:
-            from .hf import _share_gathers
-
-            _share_gathers(model)
+        _after_sharding(model, summed, sp)
         return model
 
     mixin.maybe_distribute_model = classmethod(maybe_distribute_model)
     _STATE["mixin"] = (mixin, original)
+
+
+def _after_sharding(model: Any, summed: list[str], sp: bool) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from .hf import _share_gathers
+    from .hf_regions import name_mixed_layouts, sum_gradients_over
+
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is not None:
+        sum_gradients_over(model, summed, mesh.get_group())
+    if sp:
+        _share_gathers(model)
+        name_mixed_layouts(model)
 
 
 def _mixin() -> type | None:

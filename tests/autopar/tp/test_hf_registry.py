@@ -11,6 +11,7 @@ parallelism the sequence-sharded ones), the parameters are the shards transforme
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -167,3 +168,27 @@ def test_a_layer_without_the_dtensor_api_is_refused_by_version() -> None:
 
     with pytest.raises(RuntimeError, match=rf"transformers {transformers.__version__}.*shard_param"):
         hf_registry._check_layer("colwise", OldLayer())
+
+
+def apertus_gradients(rank: int, world: int, path: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    import autopar
+
+    ids = torch.randint(1, 128, (B, S), generator=torch.Generator().manual_seed(1))
+    ref = _step(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), ids)
+    autopar.register_hf()
+    try:
+        got = _step(_load(path, world, False), ids)
+    finally:
+        autopar.unregister_hf()
+    return {n: _diff(got["grads"][n], g) for n, g in ref["grads"].items() if "act_fn" in n}
+
+
+def test_transformers_tp_loading_sums_the_activation_parameters_gradients(tmp_path: Any) -> None:
+    """Apertus' xIELU scalars sit between the column and row linears (autopar/tp/hf_regions.py): loaded through
+    transformers' own TP with autopar registered, their gradients are summed over the ranks as with parallelize_hf."""
+    pytest.importorskip("accelerate")
+    build("apertus").save_pretrained(tmp_path)
+    for rank, errors in enumerate(run_ranks(apertus_gradients, 2, str(tmp_path), timeout=300)):
+        assert errors and max(errors.values()) < TOL, (rank, errors)
