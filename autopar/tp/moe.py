@@ -202,6 +202,15 @@ class CocMoeBlockSequenceParallel(ParallelStyle):
                 f"CocMoeBlockSequenceParallel: {type(module).__name__}.experts must be parallelized with "
                 "moe_tp_experts (CocMoeExpertsParallel) first"
             )
+        sharded = [n for n, p in module.named_parameters() if isinstance(p, DTensor) and not n.startswith("experts.")]
+        if sharded:
+            # A plan-sharded child (GLM-4-MoE's shared expert) would take the block's local rows as its
+            # sequence shard under the styles' own layouts: refused, not guessed.
+            raise ValueError(
+                f"CocMoeBlockSequenceParallel: {type(module).__name__} holds parameters a plan style already "
+                f"sharded ({', '.join(sharded[:4])}); sequence parallelism around such a mixture-of-experts block "
+                "is not supported yet: use sequence_parallel=False"
+            )
         for owner, pname, param in _replicated_params(module):
             owner.register_parameter(
                 pname,

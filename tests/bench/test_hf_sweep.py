@@ -74,8 +74,7 @@ def test_families_are_enumerated_with_the_reasons_to_skip() -> None:
     families = hf_sweep.causal_lm_families()
     assert set(FAMILIES) <= set(families)
     assert "bert" not in families  # no plan
-    assert hf_sweep.skip_reason("mixtral") == hf_sweep.MOE
-    assert hf_sweep.skip_reason("gpt_oss") == hf_sweep.MOE  # its plan holds only the embedding: the EP plan says
+    assert hf_sweep.skip_reason("mixtral") is None  # mixtures of experts are swept (moe_tp_experts)
     assert hf_sweep.skip_reason("llama4").startswith("multimodal")
     assert hf_sweep.skip_reason("llama") is None
 
@@ -100,7 +99,7 @@ def test_status_rules() -> None:
         _row("b", "refused", detail="ValueError: tp_plan style 'x' has no CoC equivalent. Supported: y"),
         _row("c", "wrong", logits=0.5, grads=0.0, ran=["sequential"]),
         _row("d", "error", detail="RuntimeError: boom"),
-        {"family": "e", "status": "skipped", "detail": hf_sweep.MOE},
+        {"family": "e", "status": "skipped", "detail": hf_sweep.ONE_PROCESS},
     ]
     assert [r["family"] for r in hf_sweep.failed(rows)] == ["c", "d"]
     want = {"a": "ok", "b": "refused", "c": "wrong", "d": "error", "e": "skipped"}
@@ -109,7 +108,7 @@ def test_status_rules() -> None:
     text = hf_sweep_report.markdown(rows, backends=("sequential",), meta=meta)
     assert "**WRONG** 5.0e-01" in text and "refused [1]" in text and "error [2]" in text
     assert "1. refused: ValueError: tp_plan style 'x' has no CoC equivalent (b)" in text
-    assert "- MoE: issue 30 (1): e" in text
+    assert f"- {hf_sweep.ONE_PROCESS} (1): e" in text
 
 
 def _t(value: float):

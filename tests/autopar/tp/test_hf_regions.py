@@ -6,6 +6,8 @@
   forward on a shape mismatch before).
 - Bamba with sequence parallelism: its Mamba mixers hold linears the plan leaves whole: refused by name before
   anything is sharded (torch's mixed Tensor / DTensor error in the forward before).
+- GLM-4-MoE with sequence parallelism: its MoE block holds a shared expert the plan shards: refused by name (the
+  MoE block's sequence-parallel style crashed on it in torch's DTensor.from_local).
 - Qwen3.5 with sequence parallelism: a path the static check cannot see fails at the first forward with an error
   naming the cause (torch's bare mixed-layout error before).
 """
@@ -29,7 +31,7 @@ def test_activation_parameters_in_a_sharded_region_get_the_summed_gradient() -> 
 
 def _refusal(rank: int, world: int, family: str, sp: bool) -> str:
     import autopar
-    from tests.autopar.tp.hf_cases import build
+    from bench.hf_sweep import build
 
     try:
         autopar.parallelize_hf(build(family), sequence_parallel=sp)
@@ -43,6 +45,7 @@ def _refusal(rank: int, world: int, family: str, sp: bool) -> str:
     [
         ("doge", False, ["self_attn.A", "tensor-parallel region", "partial gradient"]),
         ("bamba", True, ["sequence_parallel=True", "mamba (BambaMixer)", "sequence_parallel=False"]),
+        ("glm4_moe", True, ["Glm4MoeMoE", "shared_experts.gate_proj.weight", "sequence_parallel=False"]),
     ],
 )
 def test_plans_that_leave_out_what_the_sharding_reaches_are_refused_by_name(
