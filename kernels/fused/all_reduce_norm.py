@@ -159,10 +159,17 @@ def reduced_rows(
 
 
 def check_peers(group: object, device: torch.device, descriptor: tuple[int, ...]) -> None:
-    """The heap's call check alone (no data): every rank's descriptor compared, in the heap's call order."""
+    """The heap's call check alone (no data): every rank's descriptor compared, in the heap's call order, and its
+    verdict read before returning. On a GPU the check kernel's verdict is otherwise read at a later call; the
+    caller is about to enter a torch.distributed collective, which a peer that chose a fused algorithm would never
+    join, so this one call waits for the device (the unfused path serves messages above the fused gate, where a
+    synchronization costs little beside the transfer)."""
     if runtime.world_size(group) > 1:
         with runtime.fused_call("all_reduce_rmsnorm", group, device, 0, descriptor):
             pass
+        if device.type == "cuda" and not runtime.capturing(device):
+            torch.cuda.current_stream(device).synchronize()
+            runtime.check_errors(group)
 
 
 def rmsnorm(
