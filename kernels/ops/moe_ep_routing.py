@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .. import agree
 from ..call import resolve_group
 from .grouped_matmul import PLAIN_DTYPES
-from .moe_routing import ID_DTYPES
+from .moe_routing import ID_DTYPES, check_id_values
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"
 
@@ -152,16 +152,8 @@ def check_combine(y: object, handle: object, deterministic: object) -> MoeDispat
 
 
 def check_id_range(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Every id in ``[0, E)`` (a host read, where :func:`kernels.ops.moe_routing.wanted` says so)."""
-    if topk_ids.numel() == 0:
-        return
-    bad = (topk_ids < 0) | (topk_ids >= num_experts)
-    if bool(bad.any()):
-        token, slot = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"topk_ids[{token}, {slot}]={int(topk_ids[token, slot])} is out of range: expert ids must be in "
-            f"[0, num_experts) = [0, {num_experts}); {int(bad.sum())} id(s) out of range"
-        )
+    """Every id in ``[0, num_experts)`` (a host read, where :func:`kernels.ops.moe_routing.wanted` says so)."""
+    check_id_values(topk_ids, num_experts, named="num_experts")
 
 
 def describe(op: str, shape: tuple[int, int], dtype: torch.dtype, *, request: tuple, ep: tuple) -> tuple:

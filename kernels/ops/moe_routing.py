@@ -108,16 +108,18 @@ def check_gather(x: object, topk_ids: object, weight: object, num_experts: objec
     return num_e
 
 
-def check_id_values(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Every id in ``[0, E)``: a host read, where :func:`wanted` says so."""
+def check_id_values(topk_ids: torch.Tensor, num_experts: int, *, named: str = "E") -> None:
+    """Every id in ``[0, E)``: a host read, where :func:`wanted` says so. ``named``: what the caller calls E
+    (``"E"``: weight.shape[0]; the expert-parallel ops: their ``num_experts`` argument)."""
     if topk_ids.numel() == 0:
         return
     bad = (topk_ids < 0) | (topk_ids >= num_experts)
     if bool(bad.any()):
         token, slot = (int(v) for v in bad.nonzero()[0])
+        source = " (E = weight.shape[0])" if named == "E" else ""
         raise ValueError(
             f"topk_ids[{token}, {slot}]={int(topk_ids[token, slot])} is out of range: expert ids must be in "
-            f"[0, E) = [0, {num_experts}) (E = weight.shape[0]); {int(bad.sum())} id(s) out of range"
+            f"[0, {named}) = [0, {num_experts}){source}; {int(bad.sum())} id(s) out of range"
         )
 
 
