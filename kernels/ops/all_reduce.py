@@ -30,6 +30,7 @@ from .entry import (
     fp8_operands,
     fp8_values,
     int8_operands,
+    one_weight_operands,
     plain_operands,
     request,
     rows_of,
@@ -359,14 +360,7 @@ def _run_norm(
     call_text: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call = decode(call_text)
-    ops = Operands(
-        x=x,
-        weights=(weight,),
-        biases=(bias,),
-        x_scale=x_scale,
-        w_scales=() if w_scale is None else (w_scale,),
-        w_offsets=() if w_offset is None else (w_offset,),
-    )
+    ops = one_weight_operands(x, weight, x_scale=x_scale, w_scale=w_scale, w_offset=w_offset, bias=bias)
     h = REDUCED[call.backend](call, ops, resolve_group(call.group_name), rows_of(residual))
     mode = call.epilogue.partition(":")[2] or None
     dtypes = (residual.dtype, residual.dtype)

@@ -218,6 +218,26 @@ def same_rows(x: torch.Tensor, call: OpCall, n: int) -> tuple[int, ...]:
     return tuple(x.shape[:-1]) + (n,)
 
 
+def one_weight_operands(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    x_scale: torch.Tensor | None,
+    w_scale: torch.Tensor | None,
+    w_offset: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> Operands:
+    """The :class:`Operands` of a one-weight registered operator's arguments (its schema's order)."""
+    return Operands(
+        x=x,
+        weights=(weight,),
+        biases=(bias,),
+        x_scale=x_scale,
+        w_scales=() if w_scale is None else (w_scale,),
+        w_offsets=() if w_offset is None else (w_offset,),
+    )
+
+
 def define_one_weight_op(
     name: str,
     impl: dict[str, Callable[..., torch.Tensor]],
@@ -242,14 +262,7 @@ def define_one_weight_op(
         call_text: str,
     ) -> torch.Tensor:
         call = decode(call_text)
-        ops = Operands(
-            x=x,
-            weights=(weight,),
-            biases=(bias,),
-            x_scale=x_scale,
-            w_scales=() if w_scale is None else (w_scale,),
-            w_offsets=() if w_offset is None else (w_offset,),
-        )
+        ops = one_weight_operands(x, weight, x_scale=x_scale, w_scale=w_scale, w_offset=w_offset, bias=bias)
         out = impl[call.backend](call, ops, resolve_group(call.group_name))
         out = out.to(call.out_dtype) if call.out_dtype is not None else out
         return out.view(out_shape(x, call, weight.shape[0]))
