@@ -37,7 +37,7 @@ from .entry import (
     same_rows,
     submit,
 )
-from .norm import NormOutputs, accumulator, check_epilogue, finish, scale_shape
+from .norm import NormOutputs, accumulator, cast_to, check_epilogue, finish, scale_shape
 
 
 def matmul_all_reduce(
@@ -329,12 +329,12 @@ def reduced_reference(
         partial = padding.linear(xd, wd)
     acc = accumulator(partial.dtype)
     # The partials travel in the accumulator, so the rank-order sum is the fused reduce's, operation by operation.
-    h = partial.to(acc)
+    h = cast_to(partial, acc)
     if call.world > 1:
         h = fixed_order_all_reduce(h, group, call.world)
     if bias is not None:
-        h = h + bias.to(acc)
-    return h + residual.to(acc)
+        h = h + cast_to(bias, acc)
+    return h + cast_to(residual, acc)
 
 
 def reduced_fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None, residual: torch.Tensor) -> torch.Tensor:

@@ -77,13 +77,20 @@ def accumulator(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def cast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # A same-dtype ``.to`` returns ``t`` but still costs a dispatcher round trip: the decode path's
+    # calls are host-bound, and the fp32 tail makes up to five of them per call.
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _torch_norm(
     h: torch.Tensor, weight: torch.Tensor, eps: float, *, x_dtype: torch.dtype, residual_dtype: torch.dtype, quant: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    w = cast_to(weight, h.dtype)
     if quant:
-        return h * rstd * weight.to(h.dtype), h.to(residual_dtype)
-    return ((h * rstd).to(x_dtype).to(h.dtype) * weight.to(h.dtype)).to(x_dtype), h.to(residual_dtype)
+        return h * rstd * w, cast_to(h, residual_dtype)
+    return cast_to(cast_to(cast_to(h * rstd, x_dtype), h.dtype) * w, x_dtype), cast_to(h, residual_dtype)
 
 
 def finish(
@@ -111,10 +118,11 @@ def finish(
         y, residual_out = _torch_norm(
             h, weight, eps, x_dtype=x_dtype, residual_dtype=residual_dtype, quant=mode is not None
         )
-    residual_out = residual_out.view(shape)
+    if tuple(h.shape) != shape:
+        y, residual_out = y.view(shape), residual_out.view(shape)
     if mode is None:
-        return y.view(shape), residual_out, h.new_empty((0,), dtype=torch.float32)
-    q, scale = quantize_fp8(y.view(shape), mode, dtype=fp8_dtype)
+        return y, residual_out, h.new_empty((0,), dtype=torch.float32)
+    q, scale = quantize_fp8(y, mode, dtype=fp8_dtype)
     return q, residual_out, scale
 
 
