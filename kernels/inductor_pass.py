@@ -24,6 +24,9 @@ The same patterns with ``aten._scaled_mm`` (FP8 payloads, tensorwise or rowwise 
 the mm become the same operators with an FP8 ``OpCall`` (docs/inductor.md, "FP8 matmuls"); an mm whose weight
 is an int8 weight dequantized in the graph becomes them with the int8 format (docs/inductor.md, "int8 weights").
 
+An all-reduce (sum) whose result is added to a residual and RMS-normalized becomes ``coc.all_reduce_rmsnorm``, or
+with a matmul before it the GEMM epilogue ``coc.matmul_all_reduce_rmsnorm`` (:mod:`kernels.inductor_norm`).
+
 The patterns are found by :mod:`kernels.inductor_patterns` (FP8: :mod:`kernels.inductor_scaled`, int8 weights:
 :mod:`kernels.inductor_int8`); this
 module rewrites them, records what it did and switches the pass on and off.
@@ -51,7 +54,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import dispatch, inductor_int8, inductor_patterns, inductor_scaled
+from . import dispatch, inductor_int8, inductor_norm, inductor_patterns, inductor_scaled
 from .call import OpCall, Operands
 from .format import PLAIN, OperandFormat, fp8
 from .inductor_int8 import Int8Matmul, int8_consumers, int8_reduced, op_operands
@@ -454,11 +457,19 @@ def rewrite(graph: fx.Graph) -> None:
                     continue
                 detail = _rewrite_any_gather(graph, g)
             else:
-                detail = _rewrite_reduce(graph, find_reduce(node, scaled_product))
+                try:
+                    detail = _rewrite_reduce(graph, find_reduce(node, scaled_product))
+                except LeftAlone:
+                    if name != "all_reduce" or not inductor_norm.norm_follows(node):
+                        raise
+                    pattern = "all_reduce_rmsnorm"  # not a matmul's, but a residual add and an RMSNorm follow
+                    detail = inductor_norm.rewrite_all_reduce(graph, node)
             changed = True
             _record(kind, pattern, True, detail)
         except LeftAlone as e:
             _record(kind, pattern, False, f"{node}: {e}")
+    # The norms after the matmul all-reduces rewritten above: their GEMM epilogue.
+    changed = inductor_norm.fuse_norms(graph, lambda *found: _record(kind, *found)) or changed
     if changed:
         stable_topological_sort(graph)
         graph.lint()
@@ -477,7 +488,7 @@ class CocInductorPass:
 
         # The chosen backend and split count are constants of the compiled code: a cached graph is
         # valid only for the environment it was compiled in, and for the code that found its patterns.
-        files = (__file__, inductor_patterns.__file__, inductor_scaled.__file__, inductor_int8.__file__)
+        files = (__file__, *(m.__file__ for m in (inductor_patterns, inductor_scaled, inductor_int8, inductor_norm)))
         return get_hash_for_files(files, repr(get_config())).hex()
 
 
