@@ -11,7 +11,8 @@ this module the packed weights and their optimizer moments load silently wrong (
 ``_StridedShard`` placement is overwritten with the local shard ``distribute_tensor(full, mesh, placements,
 src_data_rank=None)`` computes from the same full tensor (every rank holds it, so no communication). The other
 keys are left exactly as torch made them. Where torch's internals no longer have that function, ``install`` warns
-that such loads are unchecked rather than pretending to fix them.
+that such loads are unchecked rather than pretending to fix them. It also installs :mod:`autopar.tp.strided_dcp`
+(``dcp.save`` / ``dcp.load`` of the same strided shards), so every style that makes one corrects both.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from . import strided_dcp
 
 try:  # private, stable since 2.5
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -57,7 +60,9 @@ def _with_strided_shards(original: Callable[..., None]) -> Callable[..., None]:
 
 def install() -> bool:
     """Make broadcast-from-rank-0 full state dict loads place strided shards right (idempotent). Returns whether
-    the correction is in place; warns when torch's internals changed so that it cannot be."""
+    the correction is in place; warns when torch's internals changed so that it cannot be. The DCP correction
+    (:func:`autopar.tp.strided_dcp.install`) is installed beside it and warns on its own."""
+    strided_dcp.install()
     try:
         from torch.distributed import _state_dict_utils as utils
     except ImportError:  # pragma: no cover
