@@ -10,6 +10,7 @@ Examples::
     PYTHONPATH=. python3 -m bench --mode gpu-check --out-dir bench/results   # a GPU machine's whole report
     python -m bench --mode model --gpu H800 --suite flux-ref  # predictions only (no measurement)
     python -m bench --mode hf-sweep --out-dir bench/results   # HF model families under parallelize_hf (CPU)
+    python -m bench --mode moe --suite tiny   # MoE ops (configs/moe-bench.yaml); --gpu H800 without CUDA: model only
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--mode",
-        choices=("run", "single", "model", "gpu-check", "tune", "hf-sweep"),
+        choices=("run", "single", "model", "gpu-check", "tune", "hf-sweep", "moe"),
         default="run",
         help="run: distributed benchmark (default); single: one-GPU fixed costs (Triton GEMM core "
         "vs torch, fused op at world 1 vs bare GEMM, 4-way chunking at world 1); model: print "
@@ -77,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-cpu runs it on CPU under the interpreter); tune: time the GEMM config space "
         "against cuBLAS and write configs/tuned/<gpu-name>.yaml, or into --out-dir when given "
         "(bench/tune.py; --allow-cpu: tiny shapes under the interpreter, cpu.yaml always into --out-dir); "
-        "hf-sweep: transformers families vs one process, --backends from sequential,chunked,fused (bench/hf_sweep.py)",
+        "hf-sweep: transformers families vs one process, --backends from sequential,chunked,fused (bench/hf_sweep.py); "
+        "moe: the MoE suites of configs/moe-bench.yaml (bench/moe.py; --gpu GEN without CUDA: the model alone)",
     )
     p.add_argument(
         "--sections",
@@ -390,6 +392,7 @@ def main_model(args: argparse.Namespace) -> int:
 
 def main_single(args: argparse.Namespace, device_type: str) -> int:
     from bench import launch
+    from bench.moe import count as _count
     from bench.runner import RunOptions
     from bench.single import run_single, single_table
 
@@ -419,16 +422,9 @@ def main_single(args: argparse.Namespace, device_type: str) -> int:
     return 0
 
 
-def _count(cli: int | None, suite: int | None, device_type: str, cpu: int, gpu: int) -> int:
-    if cli is not None:
-        return cli
-    if suite is not None:
-        return suite
-    return gpu if device_type == "cuda" else cpu
-
-
 def main_run(args: argparse.Namespace, device_type: str) -> int:
     from bench import launch
+    from bench.moe import count as _count
     from bench.runner import RunOptions, run_world
 
     torchrun = launch.under_torchrun()
@@ -589,6 +585,10 @@ def main(argv: list[str] | None = None) -> int:
     if device_type == "cpu":
         # Must precede any import of triton in this process (world size 1 runs here).
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.mode == "moe":
+        from bench import moe
+
+        return moe.main(args, device_type)
     if args.mode == "single":
         return main_single(args, device_type)
     return main_run(args, device_type)

@@ -47,6 +47,8 @@ TOTAL_BUDGET_S = {"cuda": 525.0, "cpu": 900.0}
 # Upper bounds per section; the speed section is kept its reserve, the tests get the rest.
 TUNE_BUDGET_S = {"cuda": 150.0, "cpu": 120.0}
 SPEED_RESERVE_S = {"cuda": 80.0, "cpu": 120.0}
+# The speed section's last seconds go to the MoE rows (bench.moe), which the dense rows would otherwise spend.
+MOE_RESERVE_S = {"cuda": 30.0, "cpu": 30.0}
 PER_TEST_S = {"cuda": 240, "cpu": 120}
 # Node-id prefixes run first, in this order: the claims a GPU run exists to prove.
 PRIORITY = (
@@ -144,9 +146,10 @@ def section_main(name: str, device_type: str, deadline: float, out: str, tuned_d
         _append(out, {"item": item})
 
     if name == "speed":
-        from bench import gpu_check_speed
+        from bench import gpu_check_speed, moe
 
-        gpu_check_speed.run(device_type, deadline, emit)
+        gpu_check_speed.run(device_type, deadline - MOE_RESERVE_S[device_type], emit)
+        moe.gpu_check_items(device_type, deadline, emit)
         return 0
     try:
         from bench import tune
@@ -249,11 +252,13 @@ def budget_for(name: str, device_type: str, left: float, chosen: list[str]) -> f
 def summary_line(sec: dict[str, Any], cuda: bool) -> str:
     """The section's verdict and counts; for speed on a GPU the targets as numbers (CPU times mean nothing)."""
     from bench.gpu_check_speed import summary
+    from bench.moe import moe_summary
 
     c = sec["counts"]
     parts = [f"{c[s]} {s}" for s in STATUS_ORDER if c.get(s)]
     line = f"{sec['verdict']}: " + (", ".join(parts) if parts else "nothing checked")
-    extra = summary(sec["items"]) if sec["section"] == "speed" and cuda else ""
+    speed = sec["section"] == "speed" and cuda
+    extra = "; ".join(x for x in (summary(sec["items"]), moe_summary(sec["items"])) if x) if speed else ""
     fails = [it["name"] for it in sec["items"] if it["status"] == "fail"]
     return line + (f"; {extra}" if extra else "") + (f"; first failure: {fails[0]}" if fails else "")
 
