@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from . import decode
 from .fp8 import Fp8Recipe, resolve_recipe
 from .hf_load import load_shards
 from .hf_regions import check_regions, check_sequence_parallel, name_mixed_layouts, sum_gradients_over
@@ -48,13 +49,16 @@ _SP_EXTRA: dict[str, dict[str, str]] = {"gpt2": {"transformer.wpe": "embedding_r
 SEQ_DIM = 1  # [batch, sequence, hidden], as transformers' models lay out activations
 
 
-def coc_style(name: str, *, sequence_parallel: bool = False, fp8: Fp8Recipe | None = None) -> ParallelStyle:
+def coc_style(
+    name: str, *, sequence_parallel: bool = False, fp8: Fp8Recipe | None = None, fuse_norm: bool = False
+) -> ParallelStyle:
     """The CoC style for one of transformers' tp_plan strings.
 
     With ``sequence_parallel`` the residual stream is sequence-sharded (``Shard(1)`` DTensors
     between the blocks): row outputs reduce-scatter, column inputs all-gather, embeddings
     reduce-scatter their lookups. ``fp8``: the FP8 recipe of the linear styles (None: the
     default recipe when ``COC_FP8=1``, as for the styles); embeddings and norms have no GEMM.
+    ``fuse_norm``: the row-parallel linears' ``fuse_norm`` (:class:`CocRowwiseParallel`).
     """
     seq = Shard(SEQ_DIM)
     out = seq if sequence_parallel else Replicate()
@@ -66,12 +70,15 @@ def coc_style(name: str, *, sequence_parallel: bool = False, fp8: Fp8Recipe | No
     if name.startswith("packed_colwise"):
         _, _, blocks = name.partition(":")
         return CocColwiseParallel(packed=int(blocks or 2), fp8=fp8)
+    fuse = fuse_norm and not sequence_parallel
     if name == "rowwise":
-        return CocRowwiseParallel(output_layouts=out, use_local_output=local, fp8=fp8)
+        return CocRowwiseParallel(output_layouts=out, use_local_output=local, fp8=fp8, fuse_norm=fuse)
     if name in ("rowwise_split_input", "rowwise_rep"):
         # Under SP the residual it is added to is sequence-sharded: its output must be too (a plain replicated
         # tensor beside a Shard(1) DTensor fails in the add).
-        return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=local, fp8=fp8)
+        return CocRowwiseParallel(
+            input_layouts=Replicate(), output_layouts=out, use_local_output=local, fp8=fp8, fuse_norm=fuse
+        )
     if name == "embedding_rowwise":
         return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=local)
     if name == "sequence_parallel":
@@ -274,6 +281,7 @@ def parallelize_hf(
     plan: dict[str, str] | None = None,
     fp8: Fp8Recipe | None = None,
     checkpoint: str | os.PathLike | None = None,
+    fuse_norm: bool = True,
 ) -> nn.Module:
     """Parallelize a transformers model in place with CoC styles; returns it.
 
@@ -312,8 +320,14 @@ def parallelize_hf(
         check_sequence_parallel(model, strings)
     if _model_type(model) == "gpt2":
         _adjust_gpt2(model, device_mesh.size())
-    styles = {key: coc_style(s, sequence_parallel=sequence_parallel, fp8=recipe) for key, s in strings.items()}
+    fuse = fuse_norm and not sequence_parallel and recipe is None
+    styles = {
+        key: coc_style(s, sequence_parallel=sequence_parallel, fp8=recipe, fuse_norm=fuse)
+        for key, s in strings.items()
+    }
     parallelize_module(model, device_mesh, styles)
+    if fuse:
+        install_norm_fusion(model)
     if sequence_parallel:
         _share_gathers(model)
         parallelize_moe_blocks(model, device_mesh, SEQ_DIM)
@@ -332,6 +346,15 @@ def parallelize_hf(
         # A bound method, not a closure: copy.deepcopy(model) rebinds it to the copy.
         model.save_pretrained = types.MethodType(_save_pretrained_gathered, model)
     return model
+
+
+def install_norm_fusion(model: nn.Module) -> None:
+    """The norms of Llama's form run pending layer ends fused (:func:`autopar.tp.decode.fuse_rmsnorm`); the
+    model's outputs hold no pending value (:func:`autopar.tp.decode.resolve_outputs`)."""
+    norms = [m for m in model.modules() if decode.is_llama_rmsnorm(m)]
+    for norm in norms:
+        decode.fuse_rmsnorm(norm)
+    model.register_forward_hook(decode.resolve_outputs)
 
 
 # Sibling projections that read one input in the transformers models with a plan (Llama, Qwen2, Mistral, ...).

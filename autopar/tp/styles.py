@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
-from . import comm, strided_load
+from . import comm, decode, strided_load
 from .comm import GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
 from .forward import _column_settings
 from .fp8 import Fp8Recipe, Fp8WeightCache, resolve_recipe
@@ -376,6 +376,10 @@ class CocRowwiseParallel(ParallelStyle):
     ``fp8``: an :class:`~autopar.Fp8Recipe` for FP8 GEMMs (``kernels.scaled_matmul_all_reduce`` /
     ``scaled_matmul_reduce_scatter``; None: the default recipe when ``COC_FP8=1``).
 
+    ``fuse_norm=True`` (an ``nn.Linear`` with ``Replicate()`` output and no FP8 recipe): under
+    ``torch.no_grad()`` the output is returned pending (:mod:`autopar.tp.decode`), so the residual add and an
+    RMSNorm installed with :func:`autopar.tp.decode.fuse_rmsnorm` after it run fused with the all-reduce.
+
     On ``nn.Embedding`` (vocabulary-parallel, as torch's): weight ``Shard(0)``, token ids
     replicated; each rank looks up its rows and the partial sums are all-reduced (``Replicate``) or
     reduce-scattered along the sequence (``Shard(d)``) with torch's collectives (no GEMM to fuse,
@@ -389,12 +393,14 @@ class CocRowwiseParallel(ParallelStyle):
         output_layouts: Placement | None = None,
         use_local_output: bool = True,
         fp8: Fp8Recipe | None = None,
+        fuse_norm: bool = False,
     ) -> None:
         super().__init__()
         self.input_layouts = (_one(input_layouts, Shard(-1), "input_layouts"),)
         self.output_layouts = (_one(output_layouts, Replicate(), "output_layouts"),)
         self.use_local_output = use_local_output
         self.fp8 = resolve_recipe(fp8)
+        self.fuse_norm = fuse_norm
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         world = device_mesh.size()
@@ -439,6 +445,11 @@ class CocRowwiseParallel(ParallelStyle):
         elif d is not None:
             raise ValueError(f"CocRowwiseParallel: output_layouts {out} shards the output features; use Replicate()")
         if d is None:
+            if self.fuse_norm and self.use_local_output and self.fp8 is None and isinstance(module, nn.Linear):
+                if not torch.is_autocast_enabled(x.device.type):
+                    pending = decode.defer(x, weight, bias, group)
+                    if pending is not None:
+                        return pending
             y = RowParallelLinearFunction.apply(x, weight, bias, _options(module, self.fp8, group, 0))
         else:
             if bias is not None:

@@ -17,29 +17,33 @@ def backend_calls() -> Iterator[collections.Counter]:
     """Counts every backend run by ``(public op name, backend)`` while the block runs: what the registered
     operators executed after the backend choice (a fallback shows up as another backend; the tuner's
     timing runs count too). A run with several weights counts as ``"<op>[<n> weights]"`` (one gather
-    feeding several GEMMs). Wraps the entries of ``kernels.call.IMPLEMENTATIONS``, which the operators
-    look up at each call, and restores them after."""
+    feeding several GEMMs); a GEMM + all-reduce with the RMSNorm epilogue counts as ``"<op>+<epilogue>"``
+    (``"matmul_all_reduce+rmsnorm"``). Wraps the entries of ``kernels.call.IMPLEMENTATIONS`` and of
+    ``kernels.ops.all_reduce.REDUCED``, which the operators look up at each call, and restores them after."""
     from kernels.call import IMPLEMENTATIONS
+    from kernels.ops.all_reduce import REDUCED
 
     calls: collections.Counter = collections.Counter()
-    saved = {pattern: dict(table) for pattern, table in IMPLEMENTATIONS.items()}
+    tables = [*IMPLEMENTATIONS.values(), REDUCED]
+    saved = [dict(table) for table in tables]
 
     def spy(backend: str, fn: Any) -> Any:
-        def run(call: Any, ops: Any, group: Any = None) -> Any:
+        def run(call: Any, ops: Any, group: Any = None, *rest: Any) -> Any:
             n = len(ops.weights)
-            calls[(call.op_name if n == 1 else f"{call.op_name}[{n} weights]", backend)] += 1
-            return fn(call, ops, group)
+            name = call.op_name if n == 1 else f"{call.op_name}[{n} weights]"
+            calls[(f"{name}+{call.epilogue}" if call.epilogue else name, backend)] += 1
+            return fn(call, ops, group, *rest)
 
         return run
 
-    for table in IMPLEMENTATIONS.values():
+    for table in tables:
         for backend, fn in list(table.items()):
             table[backend] = spy(backend, fn)
     try:
         yield calls
     finally:
-        for pattern, table in saved.items():
-            IMPLEMENTATIONS[pattern].update(table)
+        for table, entries in zip(tables, saved, strict=True):
+            table.update(entries)
 
 
 @contextlib.contextmanager
