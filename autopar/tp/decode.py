@@ -62,6 +62,7 @@ class PendingReduce(torch.Tensor):
     _operands: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dist.ProcessGroup | None]
     _residual: torch.Tensor | None
     _value: torch.Tensor | None
+    _versions: tuple[int, ...]
 
     @staticmethod
     def __new__(
@@ -75,6 +76,7 @@ class PendingReduce(torch.Tensor):
         self._operands = operands
         self._residual = residual
         self._value = None
+        self._versions = _versions(operands, residual)
         return self
 
     def __repr__(self, *, tensor_contents: object = None) -> str:
@@ -83,6 +85,7 @@ class PendingReduce(torch.Tensor):
     def materialize(self) -> torch.Tensor:
         """The value, reduced now if no norm has fused it (collective: every rank reaches it in the same place)."""
         if self._value is None:
+            self._check_unchanged()
             x, weight, bias, group = self._operands
             y = kernels.matmul_all_reduce(x, weight, bias, group=group)
             self._value = y if self._residual is None else self._residual + y
@@ -95,12 +98,23 @@ class PendingReduce(torch.Tensor):
     def normalize(self, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm(residual + reduced) times ``weight``, in one fused call; keeps the sum as this value."""
         assert self._residual is not None and self._value is None
+        self._check_unchanged()
         x, w, bias, group = self._operands
         out, residual, _ = kernels.matmul_all_reduce(
             x, w, bias, group=group, residual=self._residual, norm_weight=weight, eps=eps
         )
         self._value = residual
         return out
+
+    def _check_unchanged(self) -> None:
+        # The operands are read when the value is needed, not when the linear ran: an in-place write in between
+        # (which the unfused model would not have seen) must not change the result silently.
+        if _versions(self._operands, self._residual) != self._versions:
+            raise RuntimeError(
+                "autopar decode path: a row-parallel linear's input, weight, bias or the residual added to its "
+                "output was modified in place before the output was used; the deferred all-reduce would read the "
+                "new values. Pass fuse_norm=False to parallelize_hf for this model"
+            )
 
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -120,6 +134,10 @@ class PendingReduce(torch.Tensor):
     def __torch_dispatch__(cls, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         args, kwargs = tree_map(_plain, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+def _versions(operands: tuple, residual: torch.Tensor | None) -> tuple[int, ...]:
+    return tuple(t._version for t in (*operands[:3], residual) if t is not None)
 
 
 def _plain(value: Any) -> Any:
