@@ -275,10 +275,13 @@ def moe_items(records: list[dict]) -> list[dict]:
                 detail += f"{ratio:.3f}x (target >= 1.0)"
                 items.append({"name": name, "status": "pass", "detail": detail, "kind": "moe_grouped", "ratio": ratio})
             else:
-                why = kernel.get("reason") or (
-                    "checked in the interpreter, not timed" if kernel.get("interpreted") else ""
-                )
-                items.append({"name": name, "status": "pass" if kernel["status"] == "ok" else "skip", "detail": why})
+                parts = [f"kernel {kernel['ms']['median']:.3f} ms" if "ms" in kernel else kernel.get("reason", "")]
+                if kernel.get("interpreted"):
+                    parts = ["checked in the interpreter, not timed"]
+                if ref["status"] == "skipped":
+                    parts.append(f"torch._grouped_mm: {ref.get('reason')}")
+                detail = "; ".join(p for p in parts if p)
+                items.append({"name": name, "status": "pass" if kernel["status"] == "ok" else "skip", "detail": detail})
             continue
         fused, bare = by["fused"], rec["parts_ms"].get(f"gemm@{rec['tokens']}")
         if "ms" in fused and bare:

@@ -219,10 +219,13 @@ def test_gpu_check_items_and_summary_from_gpu_records():
         ],
     }
     wrong = {**tp, "op": RS, "backends": [{"backend": "fused", "status": "incorrect", "reason": "differs"}]}
-    items = moe.moe_items([grouped, tp, wrong])
-    assert [it["status"] for it in items] == ["pass", "pass", "fail"]
+    no_torch = {**grouped, "backends": [dict(grouped["backends"][2])]}
+    no_torch["backends"].insert(0, {"backend": "torch._grouped_mm", "status": "skipped", "reason": "not in this torch"})
+    items = moe.moe_items([grouped, tp, wrong, no_torch])
+    assert [it["status"] for it in items] == ["pass", "pass", "fail", "pass"]
+    assert items[3]["detail"] == "kernel 1.000 ms; torch._grouped_mm: not in this torch"
     assert items[0]["ratio"] == pytest.approx(1.1) and items[1]["ratio"] == pytest.approx(1.05)
-    assert moe.moe_summary(items) == (
+    assert moe.moe_summary(items[:3]) == (
         "MoE grouped GEMM / torch._grouped_mm speed min 1.10x (target >= 1.0); "
         "MoE fused W=1 / grouped GEMM max 1.050 (target <= 1.05)"
     )
