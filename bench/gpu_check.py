@@ -46,9 +46,11 @@ TITLES = {
 TOTAL_BUDGET_S = {"cuda": 525.0, "cpu": 900.0}
 # Upper bounds per section; the speed section is kept its reserve, the tests get the rest.
 TUNE_BUDGET_S = {"cuda": 150.0, "cpu": 120.0}
-SPEED_RESERVE_S = {"cuda": 80.0, "cpu": 120.0}
+SPEED_RESERVE_S = {"cuda": 100.0, "cpu": 120.0}
 # The speed section's last seconds go to the MoE rows (bench.moe), which the dense rows would otherwise spend.
 MOE_RESERVE_S = {"cuda": 30.0, "cpu": 30.0}
+# And the seconds after those to the decode rows (bench.decode_check).
+DECODE_RESERVE_S = {"cuda": 25.0, "cpu": 30.0}
 PER_TEST_S = {"cuda": 240, "cpu": 120}
 # Node-id prefixes run first, in this order: the claims a GPU run exists to prove.
 PRIORITY = (
@@ -146,10 +148,12 @@ def section_main(name: str, device_type: str, deadline: float, out: str, tuned_d
         _append(out, {"item": item})
 
     if name == "speed":
-        from bench import gpu_check_speed, moe
+        from bench import decode_check, gpu_check_speed, moe
 
-        gpu_check_speed.run(device_type, deadline - MOE_RESERVE_S[device_type], emit)
-        moe.gpu_check_items(device_type, deadline, emit)
+        decode_at = deadline - DECODE_RESERVE_S[device_type]
+        gpu_check_speed.run(device_type, decode_at - MOE_RESERVE_S[device_type], emit)
+        moe.gpu_check_items(device_type, decode_at, emit)
+        decode_check.gpu_check_items(device_type, deadline, emit)
         return 0
     try:
         from bench import tune
