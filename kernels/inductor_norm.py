@@ -15,9 +15,9 @@ which is :mod:`kernels.ops.norm`'s epilogue with ``quant=None``: ``out = (h * rs
 
 * after a functional all-reduce (sum) of anything: into ``coc.all_reduce_rmsnorm`` (:func:`rewrite_all_reduce`,
   called by the pass when the all-reduce is not a matmul's);
-* after a ``coc.matmul_all_reduce`` that the pass made of a matmul and its all-reduce: into the GEMM epilogue
-  ``coc.matmul_all_reduce_rmsnorm``, the same call with ``epilogue="rmsnorm"`` (:func:`fuse_norms`, run after the
-  other rewrites; plain, FP8 and int8 formats alike).
+* after a ``coc.matmul_all_reduce`` that the pass has just made of a matmul and its all-reduce: into the GEMM
+  epilogue ``coc.matmul_all_reduce_rmsnorm``, the same call with ``epilogue="rmsnorm"`` (:func:`fuse_norm`; plain,
+  FP8 and int8 formats alike).
 
 Both ops return ``(out, residual_out, scale)``; ``residual_out`` replaces ``h`` for its other users. The ops add
 the residual to the fp32 sum before rounding it and normalize that fp32 ``h``; a bf16 / fp16 graph rounds the sum
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -161,7 +160,7 @@ def find_norm(reduced: fx.Node) -> NormTail:
     if add is None:
         raise LeftAlone("no RMSNorm reads the sum of the reduced tensor and a residual")
     start = view if view is not None else reduced
-    _only(reduced, {start}, "the reduced tensor")
+    _only(reduced, {view if view is not None else add}, "the reduced tensor")
     if view is not None:
         _only(view, {add}, "the reshaped reduced tensor")
     if view is not None and (meta_val(view).shape[-1] != n or meta_val(view).numel() != rv.numel()):
@@ -267,7 +266,7 @@ def _residual_rows(graph: fx.Graph, tail: NormTail, new: list[fx.Node]) -> fx.No
 
 def rewrite_all_reduce(graph: fx.Graph, coll: fx.Node) -> str:
     """``coll`` (a functional all-reduce) -> wait -> add -> RMSNorm as ``coc.all_reduce_rmsnorm``, or
-    :class:`LeftAlone`. Called when the all-reduce is not a matmul's (else :func:`fuse_norms` fuses it)."""
+    :class:`LeftAlone`. Called when the all-reduce is not a matmul's (else :func:`fuse_norm` fuses it)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     x, reduce_op, name = coll.args[0], arg(coll, 1, "reduce_op"), arg(coll, 2, "group_name")
@@ -310,21 +309,19 @@ def _fuse(graph: fx.Graph, node: fx.Node) -> str:
         _replace(graph, tail, op, new)
     _erase(graph, tail.replaced())
     return (
-        f"coc matmul_all_reduce ({call.fmt.kind}, {call.backend}) -> {tuple(meta_val(tail.add).shape)} -> add residual "
-        f"-> RMSNorm(eps={tail.eps:g}) -> coc matmul_all_reduce_rmsnorm (the GEMM epilogue)"
+        f"-> {tuple(meta_val(tail.add).shape)} + residual -> RMSNorm(eps={tail.eps:g}): "
+        "coc matmul_all_reduce_rmsnorm (the GEMM epilogue)"
     )
 
 
-def fuse_norms(graph: fx.Graph, record: Callable[[str, bool, str], None]) -> bool:
-    """Fuse the RMSNorm after every ``coc.matmul_all_reduce`` of ``graph`` whose norm matches; ``record(pattern,
-    matched, detail)`` for each one an RMSNorm follows. Returns whether the graph changed."""
-    changed = False
-    for node in list(graph.nodes):
-        if node.target is not all_reduce.operator or decode(node.args[-1]).epilogue or not norm_follows(node):
-            continue
-        try:
-            record("matmul_all_reduce_rmsnorm", True, _fuse(graph, node))
-            changed = True
-        except LeftAlone as e:
-            record("matmul_all_reduce_rmsnorm", False, f"{node}: {e}")
-    return changed
+def fuse_norm(graph: fx.Graph, node: fx.Node, pattern: str, detail: str) -> tuple[str, str]:
+    """After the pass made ``node``, a ``coc.matmul_all_reduce`` (``pattern``, its report ``detail``): fuse the
+    RMSNorm after it into the GEMM epilogue. Returns the rewrite's pattern and detail for the report, the norm's
+    part added (or, when a norm follows and differs, the reason it stays: the matmul all-reduce is rewritten all
+    the same), so that the report keeps one entry per collective."""
+    if node.target is not all_reduce.operator or decode(node.args[-1]).epilogue or not norm_follows(node):
+        return pattern, detail
+    try:
+        return "matmul_all_reduce_rmsnorm", f"{detail}; {_fuse(graph, node)}"
+    except LeftAlone as e:
+        return pattern, f"{detail}; the RMSNorm after it left alone: {e}"

@@ -327,7 +327,8 @@ def _kind(mm: Matmul, note: str = "") -> str:
     return f"FP8 {mm.mode}-scaled ({', '.join(notes + ([note] if note else []))}) "
 
 
-def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
+def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> tuple[str, fx.Node]:
+    """The reduce's rewrite: its report detail and the coc op's node."""
     r.mm, note = int8_reduced(r.mm)
     bias, bias_how = reduce_bias(r)
     out_node = r.wait
@@ -361,7 +362,7 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
         call = _decide(r.op, xv, [meta_val(b)], r, fmt=fmt, out_dtype=out_dtype)
         backend, num = call.backend, call.parallel_num
         target = reduce_scatter.operator if r.op == "matmul_reduce_scatter" else all_reduce.operator
-        y = _call(graph, target, x, x_scale, w, w_scale, None, bias, call.encode())
+        y = op = _call(graph, target, x, x_scale, w, w_scale, None, bias, call.encode())
         new.append(y)
         if r.op == "matmul_all_reduce":
             if mm.post is not None:
@@ -384,7 +385,7 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> str:
     return (
         f"{what} {tuple(xv.shape)} x {tuple(meta_val(b).shape)} -> "
         f"{r.op}(dim={r.dim}) -> {tuple(wv.shape)}; {bias_how}; {backend}, parallel_num={num}"
-    ) + (f"; {note}" if note else "")
+    ) + (f"; {note}" if note else ""), op
 
 
 def _rewrite_any_gather(graph: fx.Graph, g: Gather) -> str:
@@ -458,7 +459,9 @@ def rewrite(graph: fx.Graph) -> None:
                 detail = _rewrite_any_gather(graph, g)
             else:
                 try:
-                    detail = _rewrite_reduce(graph, find_reduce(node, scaled_product))
+                    detail, op = _rewrite_reduce(graph, find_reduce(node, scaled_product))
+                    # An RMSNorm after a matmul all-reduce joins it as the GEMM epilogue (or says why not).
+                    pattern, detail = inductor_norm.fuse_norm(graph, op, pattern, detail)
                 except LeftAlone:
                     if name != "all_reduce" or not inductor_norm.norm_follows(node):
                         raise
@@ -468,8 +471,6 @@ def rewrite(graph: fx.Graph) -> None:
             _record(kind, pattern, True, detail)
         except LeftAlone as e:
             _record(kind, pattern, False, f"{node}: {e}")
-    # The norms after the matmul all-reduces rewritten above: their GEMM epilogue.
-    changed = inductor_norm.fuse_norms(graph, lambda *found: _record(kind, *found)) or changed
     if changed:
         stable_topological_sort(graph)
         graph.lint()
