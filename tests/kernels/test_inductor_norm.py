@@ -221,3 +221,15 @@ def test_find_norm_checks_each_step(fn: object, shapes: list, reason: str | None
         return
     with pytest.raises(LeftAlone, match=reason):
         find_norm(y)
+
+
+def test_rewrites_run_on_the_fused_backend() -> None:
+    """``USE_COC_FUSED_KERNEL=1``: the pass gives both ops the fused backend (the interpreted Triton kernels on the
+    shared-memory heap), within the same bounds."""
+    cases = [("mm", torch.float32), ("mm", torch.bfloat16), ("not_mm", torch.float32)]
+    runs = [{("matmul_all_reduce+rmsnorm", "fused"): 1}] * 2 + [{("all_reduce_rmsnorm", "fused"): 1}]
+    ranks = run_ranks(_compiled_cases, 2, cases, timeout=600, env={"USE_COC_FUSED_KERNEL": "1"})
+    for rank in ranks:
+        for row, want in zip(rank, runs, strict=True):
+            assert row["ratio"] <= 1 and row["runs"] == want, row
+            assert [m for _, m, _ in row["records"]] == [True], row["records"]
