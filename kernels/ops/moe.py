@@ -13,10 +13,12 @@ Registered operators::
     coc::grouped_matmul_reduce_scatter(Tensor h, Tensor weight, Tensor[] routing, Tensor topk_weights, str call)
         -> Tensor                                       # call: kernels.ops.moe_routing.MoeCall.encode()
 
-Backends: ``sequential`` (the reference, through torch.distributed and a per-expert ``torch.mm`` loop) and
+Backends: ``sequential`` (the reference, through torch.distributed and a per-expert ``torch.mm`` loop),
 ``chunked`` (the rows split in ``parallel_num`` pieces, the collective of one piece in flight while another
 computes, with the grouped GEMM kernel of :mod:`kernels.fused.grouped` where it runs: CUDA, or the CPU under
-``TRITON_INTERPRET=1``). ``"fused"`` warns once by name and runs ``chunked`` (no fused kernels yet).
+``TRITON_INTERPRET=1``) and ``fused`` (:mod:`kernels.fused.moe`: the exchanges over the symmetric heap, checked
+across ranks by the heap's call check; the gather is gather-then-GEMM for now). A fused request where the fused
+kernels cannot run (:func:`kernels.fused.unavailable_reason`) warns once per reason and runs ``chunked``.
 """
 
 from __future__ import annotations
@@ -65,9 +67,8 @@ def all_gather_grouped_matmul(
 
     ``x [m_local, k]`` (fp16 / bf16 / fp32) this rank's tokens; ``topk_ids [m_local, topk]`` (int32 / int64,
     values in ``[0, E)``) their experts; ``weight [E, n_local, k]`` (x's dtype); ``num_experts``: E, checked
-    against ``weight.shape[0]`` when given; ``backend`` / ``parallel_num`` as the dense ops (``"fused"`` warns
-    and runs ``"chunked"``). Differentiable in ``x`` and ``weight``
-    (:class:`kernels.ops.moe_autograd.AllGatherGroupedMatmulFunction`).
+    against ``weight.shape[0]`` when given; ``backend`` / ``parallel_num`` as the dense ops. Differentiable in
+    ``x`` and ``weight`` (:class:`kernels.ops.moe_autograd.AllGatherGroupedMatmulFunction`).
     """
     call = _admit_gather(_GATHER, (x, topk_ids, weight), num_experts, group=group, request=(backend, parallel_num))
     return _gather_apply(x, topk_ids, weight, call)
@@ -196,7 +197,8 @@ def _admit_gather(op: str, tensors: tuple, num_experts: object, *, group: object
             check_id_values(topk_ids, weight.shape[0])
 
     callcheck.admit(op, group, world, device, validate, values=values, backend=request[0])  # type: ignore[arg-type]
-    return resolve(op, request, (x.shape[0], x.shape[1], weight.shape[1]), group)  # type: ignore[arg-type]
+    shape = (x.shape[0], x.shape[1], weight.shape[1])
+    return resolve(op, request, shape, group, device=x.device)  # type: ignore[arg-type]
 
 
 def _admit_scatter(op: str, tensors: tuple, *, group: object, request: tuple) -> MoeCall:
@@ -216,7 +218,7 @@ def _admit_scatter(op: str, tensors: tuple, *, group: object, request: tuple) ->
 
     callcheck.admit(op, group, world, device, validate, values=values, backend=request[0])  # type: ignore[arg-type]
     shape = (topk_weights.shape[0], h.shape[1], weight.shape[1])
-    return resolve(op, request, shape, group)  # type: ignore[arg-type]
+    return resolve(op, request, shape, group, device=h.device)  # type: ignore[arg-type]
 
 
 def _gather_sequential(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, call: MoeCall) -> tuple:
@@ -321,8 +323,43 @@ def _scatter_chunked(
     return out.to(h.dtype)
 
 
-GATHER_IMPL = {"sequential": _gather_sequential, "chunked": _gather_chunked}
-SCATTER_IMPL = {"sequential": _scatter_sequential, "chunked": _scatter_chunked}
+def _gather_fused(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, call: MoeCall) -> tuple:
+    """:func:`_gather_sequential`'s result over the symmetric heap (:func:`kernels.fused.moe.gather`)."""
+    from ..fused import moe as fused_moe
+
+    shape = (x.shape[0], x.shape[1], weight.shape[1])
+    moe = (weight.shape[0], topk_ids.shape[1])
+    descriptor = describe(_GATHER, shape, x.dtype, request=("fused", None), moe=moe)
+    group = resolve_group(call.group_name)
+    return fused_moe.gather(x, topk_ids, weight, group=group, descriptor=descriptor)
+
+
+def _scatter_fused(
+    h: torch.Tensor, weight: torch.Tensor, routing: tuple, topk_weights: torch.Tensor, call: MoeCall
+) -> torch.Tensor:
+    """:func:`_scatter_sequential`'s result over the symmetric heap (:func:`kernels.fused.moe.reduce_scatter`):
+    the same combine and rank-order sum, the grouped GEMM's fp32 partials summed in the kernel's order."""
+    from ..fused import moe as fused_moe
+
+    routing = MoeRouting(*routing)
+    cfg = fused_moe.tile_config(h.device)
+    shape = (topk_weights.shape[0], h.shape[1], weight.shape[1])
+    moe = (weight.shape[0], topk_weights.shape[1])
+    tiles = (cfg.block_m, cfg.block_n)
+    descriptor = describe(_SCATTER, shape, h.dtype, request=("fused", None), moe=moe, tiles=tiles)
+    return fused_moe.reduce_scatter(
+        h,
+        weight,
+        tuple(routing),
+        topk_weights,
+        pair_rows=row_of_pair(routing, topk_weights.shape[1]),
+        group=resolve_group(call.group_name),
+        descriptor=descriptor,
+    )
+
+
+GATHER_IMPL = {"sequential": _gather_sequential, "chunked": _gather_chunked, "fused": _gather_fused}
+SCATTER_IMPL = {"sequential": _scatter_sequential, "chunked": _scatter_chunked, "fused": _scatter_fused}
 
 
 def _gather_run(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, call_text: str) -> tuple:

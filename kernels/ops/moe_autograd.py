@@ -10,6 +10,10 @@ Replicated inputs follow the column-parallel convention (Megatron's ``f``): ``to
 tokens on every rank, and its gradient is the whole one (summed over the ranks) on every rank, so a router that
 runs replicated trains as in one process. The weight gradients are per-expert ``torch.mm`` products in fp32
 (a host read of the offsets: not for CUDA-graph capture), exact to fp32 accumulation.
+
+Backends: each Function's forward is the registered operator with the call's backend (``"fused"``: the kernels of
+:mod:`kernels.fused.moe`); the backward's dgrad of ``x`` is the reducing operator on that same backend, every
+other exchange of the backward goes through torch.distributed whatever the backend.
 """
 
 from __future__ import annotations

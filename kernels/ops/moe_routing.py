@@ -195,9 +195,17 @@ def wanted(device: torch.device) -> bool:
     return scales.value_check_wanted(device) and not capturing(device)
 
 
-def describe(op: str, shape: tuple[int, int, int], dtype: torch.dtype, *, request: tuple, moe: tuple) -> tuple:
+def describe(
+    op: str,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    *,
+    request: tuple,
+    moe: tuple,
+    tiles: tuple[int, int] | None = None,
+) -> tuple:
     """The call descriptor (:mod:`kernels.agree`): ``shape = (m, k, n)`` as the op names them, ``request =
-    (backend, parallel_num)`` as asked, ``moe = (E, topk)``."""
+    (backend, parallel_num)`` as asked, ``moe = (E, topk)``; ``tiles``: the fused reduce's push tile."""
     backend, parallel_num = request
     return agree.describe_call(
         op,
@@ -209,19 +217,34 @@ def describe(op: str, shape: tuple[int, int, int], dtype: torch.dtype, *, reques
         parallel_num=parallel_num,
         group_size=moe[0],
         comm_dim=moe[1],
+        tiles=tiles,
     )
 
 
-def resolve(op: str, request: tuple, shape: tuple[int, int, int], group: dist.ProcessGroup | None) -> MoeCall:
+def resolve(
+    op: str,
+    request: tuple,
+    shape: tuple[int, int, int],
+    group: dist.ProcessGroup | None,
+    *,
+    device: torch.device | None = None,
+) -> MoeCall:
     """The backend and split count that run: the argument, else the environment (``USE_COC_FUSED_KERNEL``,
-    ``COC_PARALLEL_NUM``, ``customized_coc``). ``"fused"`` and ``"auto"`` warn once by name and run chunked /
-    sequential: these ops have no fused kernels and no tuner entry yet."""
+    ``COC_PARALLEL_NUM``, ``customized_coc``). ``"fused"`` runs :mod:`kernels.fused.moe` where the fused kernels
+    can run on ``group`` and ``device`` (:func:`kernels.fused.unavailable_reason`: a collective at the group's
+    first ask), else warns once per reason and runs chunked. ``"auto"`` warns once and runs ``parallel_num=1``:
+    these ops have no tuner entry yet."""
     backend, parallel_num = request
     config = get_config()
     if backend is None and config.use_fused:
         backend = "fused"
     if backend == "fused":
-        _warn_once(op, "fused", "the fused backend is not built for the MoE ops yet; running the chunked path")
+        reason = _fused_unavailable(group, device)
+        if reason is None:
+            from ..call import group_name
+
+            return MoeCall("fused", 1, group_name(group), checks.world_of(group))
+        _warn_once(op, reason, f"the fused backend cannot run here ({reason}); running the chunked path")
         backend = "chunked"
     num = parallel_num if parallel_num is not None else config.parallel_num_for(*shape)
     if num == "auto":
@@ -235,6 +258,15 @@ def resolve(op: str, request: tuple, shape: tuple[int, int, int], group: dist.Pr
     from ..call import group_name
 
     return MoeCall(backend, num, group_name(group), checks.world_of(group))
+
+
+def _fused_unavailable(group: dist.ProcessGroup | None, device: torch.device | None) -> str | None:
+    """None when the fused kernels can run on ``group`` and ``device``, else why not."""
+    if device is None:
+        return "the device of the call is unknown"
+    from .. import fused
+
+    return fused.unavailable_reason(group, device)
 
 
 def _warn_once(op: str, key: str, what: str) -> None:

@@ -32,8 +32,10 @@ from kernels.testing import run_ranks
 DTYPES = {"float32": (torch.float32, 2.0**-23), "bfloat16": (torch.bfloat16, 2.0**-7)}
 G = 2.0**-24
 K, N, K_OUT = 16, 12, 10  # N (the intermediate) splits over W = 1, 2, 3, 4
-# name: (m_local, E, topk); "skewed" sends ~70 % of the pairs to expert 2 and none to experts 4 and 5.
-CASES = {"skewed": (5, 6, 2), "top1": (3, 3, 1), "even": (4, 4, 2)}
+# name: (m_local, E, topk); "skewed" sends ~70 % of the pairs to expert 2 and none to experts 4 and 5; "single"
+# (the fused tests, tests/kernels/fused/test_moe.py) sends every pair to expert 1.
+CASES = {"skewed": (5, 6, 2), "top1": (3, 3, 1), "even": (4, 4, 2), "single": (7, 4, 2)}
+BASE_CASES = ("skewed", "top1", "even")
 
 
 def _inputs(world: int, case: str, dtype: torch.dtype) -> dict[str, Any]:
@@ -44,6 +46,8 @@ def _inputs(world: int, case: str, dtype: torch.dtype) -> dict[str, Any]:
     if case == "skewed":
         ids = torch.tensor([0, 1, 3])[torch.randint(0, 3, (tokens, topk), generator=g)]
         ids = torch.where(torch.rand(tokens, topk, generator=g) < 0.7, 2, ids)
+    elif case == "single":
+        ids = torch.ones(tokens, topk, dtype=torch.int64)
     else:
         ids = torch.randint(0, num_e, (tokens, topk), generator=g)
     return {
@@ -148,7 +152,7 @@ def _runs(dtypes: tuple[str, ...], cases: tuple[str, ...]) -> list[tuple[str, st
 def test_both_ops_and_their_chain_match_fp64(world: int) -> None:
     """Every case (skewed routing with empty experts, top-1, odd m_local) in fp32 and bf16, both backends; the
     chunked path runs the grouped GEMM kernel (interpreted) on 2 pieces (4 asked for 3 tokens per rank: 3)."""
-    runs = _runs(tuple(DTYPES), tuple(CASES))
+    runs = _runs(tuple(DTYPES), BASE_CASES)
     per_rank = run_ranks(_ranks_body, world, runs, timeout=300)
     worst: dict[str, float] = {}
     for rank, outs in enumerate(per_rank):
@@ -189,18 +193,30 @@ def test_reference_twins_and_registered_operators() -> None:
     assert fout.shape == (5, K_OUT)
 
 
-def test_fused_request_warns_by_name_and_runs_chunked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_request_runs_fused_and_warns_by_name_where_it_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the fused kernels run (here: W = 1 under the interpreter) ``"fused"`` runs them without a warning;
+    where they cannot, the call warns once with the reason and runs chunked (the same result)."""
+    import warnings
+
     from kernels.ops import moe_routing
 
     inp = _inputs(1, "even", torch.float32)
-    monkeypatch.setattr(moe_routing, "_warned", set())
-    with torch.no_grad(), pytest.warns(RuntimeWarning, match="all_gather_grouped_matmul: the fused backend is not"):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
         y, routing = kernels.all_gather_grouped_matmul(inp["x"], inp["ids"], inp["w1"], backend="fused")
+        out = kernels.grouped_matmul_reduce_scatter(y, inp["w2"], routing, inp["tw"], backend="fused")
+    assert moe_routing.resolve("op", ("fused", None), (1, 1, 1), None, device=y.device).backend == "fused"
+    monkeypatch.setattr(moe_routing, "_warned", set())
+    monkeypatch.setattr(moe_routing, "_fused_unavailable", lambda group, device: "no peer access (test)")
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match=r"all_gather_grouped_matmul: the fused backend cannot"):
+        y2, routing2 = kernels.all_gather_grouped_matmul(inp["x"], inp["ids"], inp["w1"], backend="fused")
     monkeypatch.setenv("USE_COC_FUSED_KERNEL", "1")
-    with torch.no_grad(), pytest.warns(RuntimeWarning, match="grouped_matmul_reduce_scatter: the fused backend"):
-        kernels.grouped_matmul_reduce_scatter(y, inp["w2"], routing, inp["tw"])
-    with pytest.warns(RuntimeWarning, match="op: the fused backend"):
-        assert moe_routing.resolve("op", (None, None), (1, 1, 1), None).backend == "chunked"
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match=r"reduce_scatter: .*\(no peer access \(test\)\)"):
+        out2 = kernels.grouped_matmul_reduce_scatter(y2, inp["w2"], routing2, inp["tw"])
+    assert all(torch.equal(a, b) for a, b in zip(routing, routing2, strict=True))
+    # The same grouped GEMM kernel (W = 1) on both paths; the combines add in the same order.
+    torch.testing.assert_close(y2, y, rtol=0, atol=0)
+    torch.testing.assert_close(out2, out, rtol=2**-22, atol=1e-6)
 
 
 def _bad_calls() -> list[tuple[str, Any, type, str]]:

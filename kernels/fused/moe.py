@@ -1,0 +1,302 @@
+"""Fused tensor-parallel MoE over the symmetric heap: all-gather + grouped GEMM, grouped GEMM + top-k combine +
+reduce-scatter (the ``"fused"`` backend of :mod:`kernels.ops.moe`).
+
+Both reuse the dense fused ops' protocol and kernels: the call check of :func:`runtime.fused_call`, the grouped
+GEMM of :mod:`grouped`, the all-gather's push kernel and flags (:mod:`all_gather`), the reduce-scatter's slot
+pushes and fixed-order reduce (:mod:`scatter`), the all-reduce-norm's fixed push / reduce tile.
+
+:func:`gather` (``all_gather_grouped_matmul``), launch sequence on rank ``r`` for call epoch ``e``, heap region
+``G [W * m_local, k]`` of x's dtype then ``I [W * m_local, topk]`` fp32 (16-byte aligned after it):
+
+1. call check (:func:`runtime.begin`), as every fused op;
+2. push: :mod:`all_gather`'s push kernel copies x's rows into ``G`` and the expert ids into ``I`` of every peer,
+   chunk by chunk, one flag ``AG[r, c] = e`` per chunk covering both (the ids travel as the FP8 ops' scale rows
+   do: as fp32, exact for ids below 2^24);
+3. collect (:func:`_collect_kernel`): one program per (source, chunk), own rows first from x and the ids, then
+   every peer's chunk once its flag is ``>= e``, copied into ``x_gathered [M, k]`` and ``ids [M, topk]`` int64;
+4. the routing (:func:`kernels.ops.moe_routing.route`'s arithmetic: a stable sort and a sorted search on the
+   device, no host read) and the grouped GEMM (:func:`grouped.launch`) on the gathered rows taken in routing
+   order; then :func:`runtime.finish` (``DONE``, or NaN in ``y`` after a failure).
+
+This first fused version gathers, then multiplies: the pushes of every rank run at once, but the grouped GEMM
+starts once every row is here (the routing needs every rank's ids). The chunked backend overlaps piece by piece;
+a fused version that does (ids first, one grouped GEMM per chunk after its flags) is not built yet.
+
+:func:`reduce_scatter` (``grouped_matmul_reduce_scatter``), heap region ``slots [W, m_local, ld]`` fp32:
+
+1. call check; the grouped GEMM (:func:`grouped.launch`) of ``h`` into fp32 partials ``[M * topk, k_out]`` (not
+   rounded);
+2. combine + push (:func:`_combine_push_kernel`): a program takes a tile of one owner's tokens (owners
+   ``r + 1, ..., r``, own last, as the dense scatter GEMM), sums ``topk_weights[t, s] * partial[row(t, s)]`` over
+   the slots ``s = 0, 1, ...`` in that order in fp32, and pushes the tile into slot ``[r]`` of the owner
+   (:func:`scatter.push_tile`: ``DONE >= e - 1`` wait, store, release-add ``RS[r]``);
+3. reduce (:func:`scatter.reduce_slots`): the owner sums its ``W`` slots in rank order in fp32 and rounds once to
+   h's dtype; then :func:`runtime.finish`.
+
+The combine and the rank-order sum are the sequential reference's, in the same order, so the result is bitwise
+the same on repeated calls; it differs from the reference only by the grouped GEMM's summation order (fp32) and,
+on a GPU, by FMA contraction of the combine (each product-add rounded once instead of twice).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..format import PLAIN
+from . import grouped, runtime, signals
+from .all_gather import _push_kernel, scale_base
+from .all_reduce_norm import block_config
+from .blocks import BlockConfig, chunk_rows
+from .scatter import push_tile, reduce_slots, scatter_tile, slot_stride, tiles
+from .tile import copy_rows, grouped_tile, round_to
+
+# Columns per copy step of the collect kernel (the push kernel's, :func:`all_gather.push_cols`).
+_COPY_COLS = {"cpu": 64, "cuda": 128}
+
+
+@triton.jit
+def _combine_tile(P, ROUTE, tile, TILE: tl.constexpr):
+    """``sum over s = 0, 1, ..., topk - 1 of w[t, s] * partial[row(t, s), n]`` for the tile's tokens and columns,
+    fp32; columns ``n >= N`` are zeros.
+
+    ``P = (partial, stride_pm, rows, N)``; ``ROUTE = (pair_rows, stride_rm, weights, stride_wm, topk)``; ``tile =
+    (offs_m, mask_m, offs_n)``. A row index outside ``[0, rows)`` (routing whose values no host check read, on a
+    GPU) is clamped: wrong values, never an access outside the partials.
+    """
+    p_ptr, stride_pm, rows, N = P
+    rows_ptr, stride_rm, w_ptr, stride_wm, topk = ROUTE
+    offs_m, mask_m, offs_n = tile
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    acc = tl.zeros((TILE[0], TILE[1]), dtype=tl.float32)
+    # Slot order, one product-add per slot, in fp32: the reference's order (kernels.ops.moe._combine).
+    for s in range(topk):
+        row = tl.load(rows_ptr + offs_m * stride_rm + s, mask=mask_m, other=0).to(tl.int64)
+        row = tl.minimum(tl.maximum(row, 0), rows - 1)
+        weight = tl.load(w_ptr + offs_m * stride_wm + s, mask=mask_m, other=0.0).to(tl.float32)
+        part = tl.load(p_ptr + row[:, None] * stride_pm + offs_n[None, :], mask=mask, other=0.0)
+        acc += part * weight[:, None]
+    # Zeros past N whatever the weights hold (a NaN weight times a masked zero is NaN).
+    return tl.where(mask, acc, 0.0)
+
+
+@triton.jit(do_not_specialize=["rank", "timeout"])
+def _combine_push_kernel(OPERANDS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
+    # OPERANDS = (P, ROUTE, dims) with dims = (M, N, 0, LD, ROWS_OWN) as the scatter GEMM's; heap = (data table,
+    # signal table, DONE offset, RS offset); CONFIG = (TILE, PROTO), PROTO = (WORLD, False, 0, USE_GLOBALTIMER).
+    P, ROUTE, dims = OPERANDS
+    TILE: tl.constexpr = CONFIG[0]
+    PROTO: tl.constexpr = CONFIG[1]
+    owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, dims, TILE, PROTO)
+    # offs_n runs to the slot row's padding [N, LD): those columns are zeros (the reduce never copies them out).
+    values = _combine_tile(P, ROUTE, (offs_m, mask_m, offs_n), TILE)
+    push_tile(values, heap, (owner, local_rows, mask_m, offs_n, dims[3], dims[4], rank, timeout), PROTO)
+
+
+@triton.jit
+def _combine_kernel(P, ROUTE, OUT, TILE: tl.constexpr):
+    # W = 1: the combine stored in out's dtype (one rounding). OUT = (out, stride_om, M).
+    out_ptr, stride_om, M = OUT
+    offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, P[3], TILE)
+    acc = _combine_tile(P, ROUTE, (offs_m, mask_m, offs_n), TILE)
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(acc, out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+@triton.jit(do_not_specialize=["rank", "timeout"])
+def _collect_kernel(ROWS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
+    # ROWS = (x, stride_xm, stride_xk, ids, stride_im, stride_ik, x_gathered, ids_gathered, dims), dims = (M_LOCAL,
+    # K, TOPK, chunk_rows, n_chunks); heap = (data table, signal table, AG offset, I base);
+    # CONFIG = (WORLD, FLAG_STRIDE, BLOCK_R, BLOCK_K, BLOCK_S, USE_GLOBALTIMER).
+    x_ptr, stride_xm, stride_xk, ids_ptr, stride_im, stride_ik, xg_ptr, idg_ptr, dims = ROWS
+    data_tab_ptr, sig_tab_ptr, flag_offset, i_base = heap
+    M_LOCAL, K, TOPK, chunk, n_chunks = dims
+    WORLD: tl.constexpr = CONFIG[0]
+    BLOCK_R: tl.constexpr = CONFIG[2]
+    pid = tl.program_id(0)
+    # Own rows first (already here), then the ring r + 1, r + 2, ...: roughly the order the peers' flags arrive.
+    src = (rank + pid // n_chunks) % WORLD
+    c = pid % n_chunks
+    end = tl.minimum(c * chunk + chunk, M_LOCAL)
+    pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
+    if src == rank:
+        # No flag to wait for; skipped after a failed check (the call's outputs are then NaN).
+        if signals.failed(pad) == 0:
+            for r0 in range(c * chunk, end, BLOCK_R):
+                rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+                mask_r = rows < end
+                g_rows = rank * M_LOCAL + rows
+                copy_rows((x_ptr, stride_xm, stride_xk, rows), (xg_ptr, g_rows), mask_r, K, CONFIG[3])
+                copy_rows((ids_ptr, stride_im, stride_ik, rows), (idg_ptr, g_rows), mask_r, TOPK, CONFIG[4])
+    else:
+        epoch = signals.call_epoch(pad)
+        flag = pad + flag_offset + src * CONFIG[1] + c
+        # The acquire in wait_signal orders the loads below after the peer's chunk (its release-store of the flag).
+        if signals.wait_signal(flag, epoch, pad, timeout, 1 + src + WORLD * signals.CH_AG, CONFIG[5]):
+            g = signals.peer_ptr(data_tab_ptr, rank, xg_ptr.dtype.element_ty)
+            # i_base: fp32 elements, a multiple of 4 (all_gather.scale_base): 16-byte aligned.
+            ids_region = signals.peer_ptr(data_tab_ptr, rank, tl.float32) + tl.multiple_of(i_base, 4)
+            for r0 in range(c * chunk, end, BLOCK_R):
+                rows = src * M_LOCAL + r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+                mask_r = rows < src * M_LOCAL + end
+                copy_rows((g, K, 1, rows), (xg_ptr, rows), mask_r, K, CONFIG[3])
+                # fp32 ids stored into int64: exact (the pushed values are integers below 2^24).
+                copy_rows((ids_region, TOPK, 1, rows), (idg_ptr, rows), mask_r, TOPK, CONFIG[4])
+
+
+def _route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(expert_offsets, token_index, slot)`` of the gathered ids: :func:`kernels.ops.moe_routing.route`'s
+    arithmetic (a stable sort, then a sorted search, not ``bincount``, which reads its input's max on the host)."""
+    topk = ids.shape[1]
+    experts, order = torch.sort(ids.reshape(-1), stable=True)
+    targets = torch.arange(num_experts, device=ids.device, dtype=torch.int64)
+    return torch.searchsorted(experts, targets, right=True), order // topk, order % topk
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return grouped.launch(PLAIN, x.contiguous(), weight.contiguous(), offsets, out)
+
+
+def _collect(call: runtime.FusedCall, x: torch.Tensor, ids: torch.Tensor, i_base: int) -> tuple:
+    """Launch the push and the collect: ``(x_gathered [M, k], ids [M, topk] int64)``."""
+    heap, w, rank = call.heap, call.world_size, call.rank
+    m_local, k = x.shape
+    topk = ids.shape[1]
+    chunk = chunk_rows(x.device, m_local)
+    n_chunks = triton.cdiv(m_local, chunk)
+    gpu = x.device.type == "cuda"
+    cols = _COPY_COLS[x.device.type]
+    block_s = min(triton.next_power_of_2(topk), 64)
+    x_gathered = torch.empty((w * m_local, k), dtype=x.dtype, device=x.device)
+    # Zeros, not empty: after a failed check the collect copies nothing, and the routing must still see ids the
+    # grouped GEMM can address (its outputs are then NaN).
+    ids_gathered = torch.zeros((w * m_local, topk), dtype=torch.int64, device=x.device)
+    if n_chunks == 0:
+        return x_gathered, ids_gathered
+    ids_f32 = ids.to(torch.float32)
+    # The push kernel of all_gather_matmul, the ids as its fp32 "scale rows": pushed before the collect, in
+    # stream order; it waits for nothing but the call check, so no peer's collect can keep it from finishing.
+    _push_kernel[((w - 1) * n_chunks,)](
+        (x, x.stride(0), x.stride(1), ids_f32, ids_f32.stride(0), ids_f32.stride(1)),
+        (heap.data_ptrs, heap.sig_ptrs, i_base),
+        (m_local, k, topk, chunk, n_chunks),
+        rank,
+        PROTO=(w, signals.channel_offset(signals.CH_AG, w), signals.AG_MAX_SPLITS),
+        BLOCKS=(32 if gpu else 16, cols, block_s),
+        num_warps=4 if gpu else 1,
+    )
+    _collect_kernel[(w * n_chunks,)](
+        (
+            x,
+            x.stride(0),
+            x.stride(1),
+            ids,
+            ids.stride(0),
+            ids.stride(1),
+            x_gathered,
+            ids_gathered,
+            (m_local, k, topk, chunk, n_chunks),
+        ),
+        (heap.data_ptrs, heap.sig_ptrs, signals.channel_offset(signals.CH_AG, w), i_base),
+        rank,
+        call.timeout_ticks,
+        CONFIG=(w, signals.AG_MAX_SPLITS, 32 if gpu else 16, cols, block_s, call.use_globaltimer),
+        num_warps=4 if gpu else 1,
+    )
+    return x_gathered, ids_gathered
+
+
+def gather(
+    x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, *, group: object, descriptor: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y [M * topk, n_local], expert_offsets, token_index, slot)``: :func:`kernels.ops.moe.
+    all_gather_grouped_matmul_reference`'s result over the heap (module docstring). ``x [m_local, k]`` and
+    ``weight [E, n_local, k]`` of one dtype, ``topk_ids [m_local, topk]`` int32 / int64 (validated by the caller);
+    ``descriptor``: this rank's call, checked against every peer's before any data moves."""
+    group = runtime.resolve_group(group)
+    w = runtime.world_size(group)
+    num_experts, n_local, _ = weight.shape
+    x = x.contiguous()
+    ids = topk_ids.contiguous()
+    if w == 1:
+        offsets, token_index, slot = _route(ids.to(torch.int64), num_experts)
+        y = torch.empty((token_index.numel(), n_local), dtype=x.dtype, device=x.device)
+        return _grouped(x[token_index], weight, offsets, y), offsets, token_index, slot
+    m_local, k = x.shape
+    topk = ids.shape[1]
+    payload = w * m_local * k * x.element_size()
+    i_base = scale_base(payload)
+    data_bytes = i_base * 4 + w * m_local * topk * 4
+    with runtime.fused_call("all_gather_grouped_matmul", group, x.device, data_bytes, descriptor) as call:
+        x_gathered, ids_gathered = _collect(call, x, ids, i_base)
+        offsets, token_index, slot = _route(ids_gathered, num_experts)
+        y = torch.empty((token_index.numel(), n_local), dtype=x.dtype, device=x.device)
+        call.outputs = (y,)
+        _grouped(x_gathered[token_index], weight, offsets, y)
+    return y, offsets, token_index, slot
+
+
+def tile_config(device: torch.device) -> BlockConfig:
+    """The combine / push / reduce tile: fixed per device type, so every rank counts the same tiles (signal
+    targets); the call descriptor carries it all the same."""
+    return block_config(device)
+
+
+def reduce_scatter(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_weights: torch.Tensor,
+    *,
+    pair_rows: torch.Tensor,
+    group: object,
+    descriptor: tuple[int, ...],
+) -> torch.Tensor:
+    """``out [m_local, k_out]`` in h's dtype: :func:`kernels.ops.moe.grouped_matmul_reduce_scatter_reference`'s
+    result over the heap (module docstring). ``routing = (expert_offsets, token_index, slot)``; ``pair_rows
+    [M, topk]``: the output row of each (token, slot) pair (:func:`kernels.ops.moe_routing.row_of_pair`);
+    ``topk_weights [M, topk]`` (any floating dtype, read as fp32); ``descriptor`` as :func:`gather`'s."""
+    group = runtime.resolve_group(group)
+    w = runtime.world_size(group)
+    offsets = routing[0]
+    tokens, topk = topk_weights.shape
+    k_out = weight.shape[1]
+    m_local = tokens // w
+    partial = torch.empty((h.shape[0], k_out), dtype=torch.float32, device=h.device)
+    pair_rows = pair_rows.contiguous()
+    tw = topk_weights.contiguous()
+    cfg = tile_config(h.device)
+    P = (partial, partial.stride(0), max(partial.shape[0], 1), k_out)
+    ROUTE = (pair_rows, pair_rows.stride(0), tw, tw.stride(0), topk)
+    out = torch.empty((m_local, k_out), dtype=h.dtype, device=h.device)
+    if w == 1:
+        _grouped(h, weight, offsets, partial)
+        grid = (tiles(m_local, k_out, cfg),)
+        if grid[0] > 0:
+            _combine_kernel[grid](P, ROUTE, (out, out.stride(0), m_local), TILE=cfg.tile(), num_warps=cfg.num_warps)
+        return out
+    ld = slot_stride(k_out)
+    with runtime.fused_call("grouped_matmul_reduce_scatter", group, h.device, w * m_local * ld * 4, descriptor) as call:
+        call.outputs = (out,)
+        _grouped(h, weight, offsets, partial)
+        heap = call.heap
+        per_owner = tiles(m_local, k_out, cfg)
+        if per_owner > 0:
+            _combine_push_kernel[(per_owner * w,)](
+                (P, ROUTE, (tokens, k_out, 0, ld, m_local)),
+                (
+                    heap.data_ptrs,
+                    heap.sig_ptrs,
+                    signals.channel_offset(signals.CH_DONE, w),
+                    signals.channel_offset(signals.CH_RS, w),
+                ),
+                call.rank,
+                call.timeout_ticks,
+                CONFIG=(cfg.tile(), (w, False, 0, call.use_globaltimer)),
+                num_warps=cfg.num_warps,
+            )
+        reduce_slots(call, out, None, (m_local, m_local), per_owner, cfg=cfg, slot_dtype=torch.float32)
+    return out
