@@ -1,4 +1,4 @@
-"""All-reduce -> residual add -> RMSNorm in the coc Inductor pass (docs/inductor.md, "All-reduce, residual, RMSNorm").
+"""All-reduce -> residual add -> RMSNorm in the Inductor pass (docs/inductor.md, "All-reduce, residual add, RMSNorm").
 
 A tensor-parallel decoder layer ends with a row-parallel linear whose all-reduce is added to the residual stream and
 RMS-normalized for the next block. Inductor's post-grad graph holds the norm decomposed, as HF's ``LlamaRMSNorm``
