@@ -68,8 +68,10 @@ def _combine_tile(P, ROUTE, tile, TILE: tl.constexpr):
     p_ptr, stride_pm, rows, N = P
     rows_ptr, stride_rm, w_ptr, stride_wm, topk = ROUTE
     offs_m, mask_m, offs_n = tile
+    BLOCK_M: tl.constexpr = TILE[0]
+    BLOCK_N: tl.constexpr = TILE[1]
     mask = mask_m[:, None] & (offs_n < N)[None, :]
-    acc = tl.zeros((TILE[0], TILE[1]), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Slot order, one product-add per slot, in fp32: the reference's order (kernels.ops.moe._combine).
     for s in range(topk):
         row = tl.load(rows_ptr + offs_m * stride_rm + s, mask=mask_m, other=0).to(tl.int64)
