@@ -147,10 +147,14 @@ def hf_plan_strings(
 ) -> dict[str, str]:
     """``plan`` (default: the model's transformers tp_plan, ``model.tp_plan``, else a built-in one), plus,
     with sequence parallelism, the entries it needs that ``plan`` does not name: ``"sequence_parallel"`` for
-    every norm of the residual stream, and the model type's own (an explicit entry wins)."""
+    every norm of the residual stream, the input embedding (:func:`_input_embedding_entry`) and the model
+    type's own (an explicit entry wins)."""
+    own = plan is None
     if plan is None:
         plan = getattr(model, "tp_plan", None) or _BUILTIN_PLANS.get(_model_type(model) or "", {})
     plan = dict(plan)
+    if plan and (own or sequence_parallel):
+        plan.update(_input_embedding_entry(model, plan, any_name=sequence_parallel))
     if not plan:
         raise ValueError(
             f"{type(model).__name__} (model_type={_model_type(model)!r}) declares no tp_plan; pass plan= "
@@ -163,6 +167,40 @@ def hf_plan_strings(
             if _is_norm(module) and not any(_matches(name, key) for key in plan) and not _beside_linears(name, plan):
                 plan[name] = "sequence_parallel"
     return plan
+
+
+def _input_embedding_entry(model: nn.Module, plan: dict[str, str], *, any_name: bool) -> dict[str, str]:
+    """``{name: "embedding_rowwise"}`` for the input embedding when the plan names no style for it: the base
+    model's ``embed_tokens`` (``any_name``: whatever ``get_input_embeddings()`` returns, GPT-NeoX's ``embed_in``).
+
+    transformers adds the ``embed_tokens`` entry to every model's own plan in recent 5.x
+    (``init_parallel_plans``), not in 5.17, which this package supports: added here so that every version shards
+    the same modules. Under sequence parallelism (``any_name``) the entry is what makes the residual stream a
+    ``Shard(1)`` DTensor from its start: without it the first norm would take the full embedding output for this
+    rank's sequence shard (the sequence doubled, silently where nothing checks its length)."""
+    base = getattr(model, "base_model", model)
+    embedding = getattr(base, "embed_tokens", None)
+    if any_name and not isinstance(embedding, nn.Embedding):
+        try:
+            embedding = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            embedding = None
+    if not isinstance(embedding, nn.Embedding):
+        if (
+            any_name
+            and embedding is not None
+            and not any(_matches(n, key) for n, m in model.named_modules() if m is embedding for key in plan)
+        ):
+            raise ValueError(
+                f"parallelize_hf: sequence parallelism starts the sequence-sharded residual stream at the input "
+                f"embedding, and {type(embedding).__name__} is not an nn.Embedding the plan could shard; name its "
+                "style in plan= or run without sequence_parallel"
+            )
+        return {}
+    name = next(n for n, m in model.named_modules() if m is embedding)
+    if any(_matches(name, key) for key in plan):
+        return {}
+    return {name: "embedding_rowwise"}
 
 
 def _beside_linears(name: str, plan: dict[str, str]) -> bool:
@@ -322,8 +360,7 @@ def parallelize_hf(
         _adjust_gpt2(model, device_mesh.size())
     fuse = fuse_norm and not sequence_parallel and recipe is None
     styles = {
-        key: coc_style(s, sequence_parallel=sequence_parallel, fp8=recipe, fuse_norm=fuse)
-        for key, s in strings.items()
+        key: coc_style(s, sequence_parallel=sequence_parallel, fp8=recipe, fuse_norm=fuse) for key, s in strings.items()
     }
     parallelize_module(model, device_mesh, styles)
     if fuse:

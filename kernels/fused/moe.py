@@ -14,7 +14,7 @@ pushes and fixed-order reduce (:mod:`scatter`), the all-reduce-norm's fixed push
    do: as fp32, exact for ids below 2^24);
 3. collect (:func:`_collect_kernel`): one program per (source, chunk), own rows first from x and the ids, then
    every peer's chunk once its flag is ``>= e``, copied into ``x_gathered [M, k]`` and ``ids [M, topk]`` int64;
-4. the routing (:func:`kernels.ops.moe_routing.route`'s arithmetic: a stable sort and a sorted search on the
+4. the routing (the caller's :func:`kernels.ops.moe_routing.route`: a stable sort and a sorted search on the
    device, no host read) and the grouped GEMM (:func:`grouped.launch`) on the gathered rows taken in routing
    order; then :func:`runtime.finish` (``DONE``, or NaN in ``y`` after a failure).
 
@@ -24,8 +24,8 @@ a fused version that does (ids first, one grouped GEMM per chunk after its flags
 
 :func:`reduce_scatter` (``grouped_matmul_reduce_scatter``), heap region ``slots [W, m_local, ld]`` fp32:
 
-1. call check; the grouped GEMM (:func:`grouped.launch`) of ``h`` into fp32 partials ``[M * topk, k_out]`` (not
-   rounded);
+1. the grouped GEMM (:func:`grouped.launch`) of ``h`` into fp32 partials ``[M * topk, k_out]`` (not rounded),
+   then the call check;
 2. combine + push (:func:`_combine_push_kernel`): a program takes a tile of one owner's tokens (owners
    ``r + 1, ..., r``, own last, as the dense scatter GEMM), sums ``topk_weights[t, s] * partial[row(t, s)]`` over
    the slots ``s = 0, 1, ...`` in that order in fp32, and pushes the tile into slot ``[r]`` of the owner
@@ -39,6 +39,8 @@ on a GPU, by FMA contraction of the combine (each product-add rounded once inste
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -149,15 +151,6 @@ def _collect_kernel(ROWS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
                 copy_rows((ids_region, TOPK, 1, rows), (idg_ptr, rows), mask_r, TOPK, CONFIG[4])
 
 
-def _route(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(expert_offsets, token_index, slot)`` of the gathered ids: :func:`kernels.ops.moe_routing.route`'s
-    arithmetic (a stable sort, then a sorted search, not ``bincount``, which reads its input's max on the host)."""
-    topk = ids.shape[1]
-    experts, order = torch.sort(ids.reshape(-1), stable=True)
-    targets = torch.arange(num_experts, device=ids.device, dtype=torch.int64)
-    return torch.searchsorted(experts, targets, right=True), order // topk, order % topk
-
-
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return grouped.launch(PLAIN, x.contiguous(), weight.contiguous(), offsets, out)
 
@@ -212,19 +205,27 @@ def _collect(call: runtime.FusedCall, x: torch.Tensor, ids: torch.Tensor, i_base
 
 
 def gather(
-    x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, *, group: object, descriptor: tuple[int, ...]
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    route: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    group: object,
+    descriptor: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y [M * topk, n_local], expert_offsets, token_index, slot)``: :func:`kernels.ops.moe.
     all_gather_grouped_matmul_reference`'s result over the heap (module docstring). ``x [m_local, k]`` and
     ``weight [E, n_local, k]`` of one dtype, ``topk_ids [m_local, topk]`` int32 / int64 (validated by the caller);
-    ``descriptor``: this rank's call, checked against every peer's before any data moves."""
+    ``route(ids [M, topk] int64, E)``: the routing (:func:`kernels.ops.moe_routing.route`, the ops layer's, so
+    every backend groups the rows alike; it must read nothing on the host); ``descriptor``: this rank's call,
+    checked against every peer's before any data moves."""
     group = runtime.resolve_group(group)
     w = runtime.world_size(group)
     num_experts, n_local, _ = weight.shape
     x = x.contiguous()
     ids = topk_ids.contiguous()
     if w == 1:
-        offsets, token_index, slot = _route(ids.to(torch.int64), num_experts)
+        offsets, token_index, slot = route(ids.to(torch.int64), num_experts)
         y = torch.empty((token_index.numel(), n_local), dtype=x.dtype, device=x.device)
         return _grouped(x[token_index], weight, offsets, y), offsets, token_index, slot
     m_local, k = x.shape
@@ -234,7 +235,7 @@ def gather(
     data_bytes = i_base * 4 + w * m_local * topk * 4
     with runtime.fused_call("all_gather_grouped_matmul", group, x.device, data_bytes, descriptor) as call:
         x_gathered, ids_gathered = _collect(call, x, ids, i_base)
-        offsets, token_index, slot = _route(ids_gathered, num_experts)
+        offsets, token_index, slot = route(ids_gathered, num_experts)
         y = torch.empty((token_index.numel(), n_local), dtype=x.dtype, device=x.device)
         call.outputs = (y,)
         _grouped(x_gathered[token_index], weight, offsets, y)
@@ -280,10 +281,12 @@ def reduce_scatter(
         if grid[0] > 0:
             _combine_kernel[grid](P, ROUTE, (out, out.stride(0), m_local), TILE=cfg.tile(), num_warps=cfg.num_warps)
         return out
+    # Before the call check: the partials need no peer, and on a GPU the GEMM then hides the check's wait for
+    # late peers (stream order keeps it before the combine).
+    _grouped(h, weight, offsets, partial)
     ld = slot_stride(k_out)
     with runtime.fused_call("grouped_matmul_reduce_scatter", group, h.device, w * m_local * ld * 4, descriptor) as call:
         call.outputs = (out,)
-        _grouped(h, weight, offsets, partial)
         heap = call.heap
         per_owner = tiles(m_local, k_out, cfg)
         if per_owner > 0:

@@ -331,7 +331,7 @@ def _gather_fused(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor,
     moe = (weight.shape[0], topk_ids.shape[1])
     descriptor = describe(_GATHER, shape, x.dtype, request=("fused", None), moe=moe)
     group = resolve_group(call.group_name)
-    return fused_moe.gather(x, topk_ids, weight, group=group, descriptor=descriptor)
+    return fused_moe.gather(x, topk_ids, weight, route=route, group=group, descriptor=descriptor)
 
 
 def _scatter_fused(
