@@ -1,6 +1,7 @@
 """The fused backend of the tensor-parallel MoE ops (kernels/fused/moe.py), interpreted over the shared-memory heap:
 both ops and their chain against fp64 at W = 1, 2, 3 (4 for two cases), the routing bit for bit, the fused reduce
-bitwise repeatable, the autograd chain at W = 2, and ranks that disagree refused by the heap's call check.
+bitwise repeatable, the autograd chain at W = 2, the reducing op replayed as a captured graph, and ranks that
+disagree refused by the heap's call check.
 
 Bounds: :mod:`tests.kernels.test_moe_tp`'s (its docstring derives them). They hold for the fused path unchanged: the
 gather copies rows bit for bit and its grouped GEMM is the chunked backend's kernel (fp32 accumulation of k
@@ -23,7 +24,8 @@ import torch.nn.functional as F
 
 import kernels
 from kernels.heap import peek_heap
-from kernels.testing import run_ranks
+from kernels.testing import run_ranks, scramble
+from tests.kernels.fused.graph_replay import InterpretedGraph
 from tests.kernels.test_moe_tp import CASES, DTYPES, _check, _inputs, _ranks_body, _shard
 
 FUSED_CASES = ("skewed", "top1", "even", "single")
@@ -150,3 +152,42 @@ def test_fused_ranks_that_disagree_on_topk_are_refused_by_name(op: str) -> None:
         assert re.search(r"^fused grouped|^fused all_gather_grouped", text), text
         assert re.search(r"ranks disagree: rank \d has topk=\d, rank \d has topk=\d", text), text
         assert "topk=1" in text and "topk=2" in text and "before any data moved" in text, text
+
+
+def _graph_body(rank: int, world: int) -> list[str]:
+    """The fused reducing op captured once (:class:`InterpretedGraph`: its launches recorded, then rerun as they
+    were) and replayed on new h copied in place, the heap scrambled before each replay and each eager call after
+    it: every replay must give the eager call's bits on the same h (no per-call host value in the launches, no
+    stale heap read). The gather op is not replayed: its routing runs torch ops between its launches, which this
+    stand-in cannot replay (a GPU graph would)."""
+    group = dist.new_group(list(range(world)))
+    m_local = CASES["skewed"][0]
+    inp = _inputs(world, "skewed", torch.float32)
+    own, cols = slice(rank * m_local, (rank + 1) * m_local), _shard(world, rank)
+    w1, w2 = inp["w1"][:, cols].contiguous(), inp["w2"][:, :, cols].contiguous()
+    opts = {"backend": "fused", "group": group}
+    problems = []
+    with torch.no_grad():
+        y, routing = kernels.all_gather_grouped_matmul(inp["x"][own], inp["ids"][own], w1, **opts)
+        static_h = y.clone()
+        kernels.grouped_matmul_reduce_scatter(static_h, w2, routing, inp["tw"], **opts)  # warm-up: the heap exists
+        graph = InterpretedGraph()
+        with graph.capture():
+            static_out = kernels.grouped_matmul_reduce_scatter(static_h, w2, routing, inp["tw"], **opts)
+        for i in range(1, 4):
+            new_h = torch.randn(y.shape, generator=torch.Generator().manual_seed(10 * i + rank))
+            static_h.copy_(new_h)
+            scramble(group, "cpu")
+            graph.replay()
+            replayed = static_out.clone()
+            scramble(group, "cpu")
+            eager = kernels.grouped_matmul_reduce_scatter(new_h, w2, routing, inp["tw"], **opts)
+            if not torch.equal(replayed, eager):
+                problems.append(f"replay {i}: {(replayed - eager).abs().max().item()} from the eager call")
+    kernels.check_errors(group)
+    return problems
+
+
+def test_fused_reduce_replays_as_a_captured_graph() -> None:
+    for rank, problems in enumerate(run_ranks(_graph_body, 2, timeout=300)):
+        assert not problems, (rank, problems)
