@@ -18,9 +18,13 @@ pushes and fixed-order reduce (:mod:`scatter`), the all-reduce-norm's fixed push
    device, no host read) and the grouped GEMM (:func:`grouped.launch`) on the gathered rows taken in routing
    order; then :func:`runtime.finish` (``DONE``, or NaN in ``y`` after a failure).
 
-This first fused version gathers, then multiplies: the pushes of every rank run at once, but the grouped GEMM
-starts once every row is here (the routing needs every rank's ids). The chunked backend overlaps piece by piece;
-a fused version that does (ids first, one grouped GEMM per chunk after its flags) is not built yet.
+This first fused version gathers, then multiplies: every rank's pushes run at once (one launch, waiting on nothing
+but the check), but the grouped GEMM starts once every row is here. Overlap by pieces, as the chunked backend does,
+is left out on purpose: a piece holds a share of every expert's rows, so with many experts its tiles are mostly
+partial (Qwen3-30B-A3B's E = 128 and top-8 with 4096 tokens at W = 8, one piece per source rank: 32 rows per
+expert and piece, against 128-row tiles).
+The fused form that overlaps without that cost is a grouped GEMM whose tiles load their rows by token index from
+the heap and wait on those rows' chunk flags; it is not built.
 
 :func:`reduce_scatter` (``grouped_matmul_reduce_scatter``), heap region ``slots [W, m_local, ld]`` fp32:
 
