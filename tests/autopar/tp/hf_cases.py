@@ -226,13 +226,13 @@ def broadcast_load(rank: int, world: int, model_name: str) -> dict[str, Any]:
 
 
 def family_vs_one_process(
-    rank: int, world: int, family: str, sps: list[bool], explicit_plan: bool = False
+    rank: int, world: int, family: str, sps: list[bool], explicit_plan: bool = False, *, drop: str = ""
 ) -> list[dict[str, Any]]:
     """One forward and backward of a tiny ``family`` model parallelized with ``parallelize_hf`` (sequence
     parallelism as in ``sps``) against the same model in one process: the max errors of the logits, the loss and
     every gradient (a DTensor's gathered), the parameters without a gradient, and whether every parameter is a
     DTensor, and the backends the CoC ops ran on. ``explicit_plan``: the model's plan strings (without sequence
-    parallelism) passed as ``plan=``."""
+    parallelism) passed as ``plan=``, less the entries whose key ends with ``drop`` (when given)."""
     import autopar
     from kernels.testing import backend_calls
 
@@ -245,6 +245,8 @@ def family_vs_one_process(
     for sp in sps:
         # GPT-2 declares no plan: the strings parallelize_hf uses for it without sequence parallelism.
         plan = dict(ref.tp_plan or autopar.tp.hf.hf_plan_strings(ref)) if explicit_plan else None
+        if plan is not None and drop:
+            plan = {key: style for key, style in plan.items() if not key.endswith(drop)}
         tp = autopar.parallelize_hf(copy.deepcopy(ref), sequence_parallel=sp, plan=plan)
         with backend_calls() as calls:
             got = tp(input_ids=ids, labels=ids)

@@ -84,3 +84,15 @@ def test_explicit_plan_with_sequence_parallelism_gets_the_norm_entries(family: s
             assert row["logits"] < TOL and row["loss"] < TOL, (family, rank, row["logits"], row["loss"])
             assert max(row["grads"].values()) < TOL and not row["missing_grads"], (family, rank)
             assert row["dtensor_params"], (family, rank)
+
+
+@pytest.mark.parametrize(("family", "embedding"), [("llama", "embed_tokens"), ("gpt_neox", "embed_in")])
+def test_plan_without_the_input_embedding_under_sequence_parallelism(family: str, embedding: str) -> None:
+    """A plan that does not name the input embedding (transformers 5.17's own plans: it added ``embed_tokens``
+    later; GPT-NeoX's ``embed_in``) gets it under sequence parallelism: the residual stream is sequence-sharded from
+    the embedding on. Before: the first norm took each rank's full embedding output for its sequence shard, and
+    the attention saw the sequence twice (a size error in these families, silently wrong where nothing checks)."""
+    for rank, rows in enumerate(run_ranks(family_vs_one_process, 2, family, [True], True, drop=embedding, timeout=300)):
+        for row in rows:
+            assert row["logits"] < TOL and row["loss"] < TOL, (family, rank, row["logits"], row["loss"])
+            assert max(row["grads"].values()) < TOL and not row["missing_grads"], (family, rank)
