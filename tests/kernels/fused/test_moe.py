@@ -191,3 +191,45 @@ def _graph_body(rank: int, world: int) -> list[str]:
 def test_fused_reduce_replays_as_a_captured_graph() -> None:
     for rank, problems in enumerate(run_ranks(_graph_body, 2, timeout=300)):
         assert not problems, (rank, problems)
+
+
+def _gpu_body(rank: int, world: int, runs: list[tuple[str, str, str, int]]) -> list:
+    """:func:`tests.kernels.test_moe_tp._ranks_body` with every tensor on this rank's GPU (compiled kernels, the
+    CUDA IPC heap), the results brought back to the CPU for the same checks."""
+    from tests.kernels.fused.cases import gpu_device
+
+    dev = gpu_device()
+    out = []
+    for backend, dtype_name, case, parallel_num in runs:
+        inp = {key: t.to(dev) for key, t in _inputs(world, case, DTYPES[dtype_name][0]).items()}
+        m_local = CASES[case][0]
+        own, cols = slice(rank * m_local, (rank + 1) * m_local), _shard(world, rank)
+        opts = {"backend": backend, "parallel_num": parallel_num}
+        w1, w2 = inp["w1"][:, cols].contiguous(), inp["w2"][:, :, cols].contiguous()
+        with torch.no_grad():
+            y, routing = kernels.all_gather_grouped_matmul(inp["x"][own], inp["ids"][own], w1, **opts)
+            alone = kernels.grouped_matmul_reduce_scatter(inp["h"][:, cols], w2, routing, inp["tw"], **opts)
+            chained = kernels.grouped_matmul_reduce_scatter(F.silu(y), w2, routing, inp["tw"], **opts)
+        torch.cuda.synchronize(dev)
+        kernels.check_errors()
+        out.append(
+            tuple(
+                t.cpu() if isinstance(t, torch.Tensor) else tuple(r.cpu() for r in t)
+                for t in (y, tuple(routing), alone, chained)
+            )
+        )
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_on_gpu_matches_fp64(world: int) -> None:
+    """The fused cases on one GPU shared by W processes (gloo between them, the CUDA IPC heap), bf16 and fp32,
+    against the same fp64 bounds."""
+    pytest.importorskip("cupy", reason="the CUDA heap needs CuPy")
+    from tests.kernels.fused.cases import run_gpu_ranks
+
+    runs = _runs(tuple(DTYPES), FUSED_CASES)
+    for rank, outs in enumerate(run_gpu_ranks(_gpu_body, world, runs, timeout=300)):
+        for run, got in zip(runs, outs, strict=True):
+            _check(world, rank, run, got)
