@@ -14,10 +14,12 @@ where the module's forward uses it.
 **Sequence parallelism.** With ``sequence_parallel=True`` the residual stream between the blocks is a
 sequence-sharded DTensor, so every block child that holds linears must take it through a plan entry; a child
 the plan leaves whole (a Mamba mixer, a linear-attention layer of a hybrid model) would meet a DTensor with plain
-weights. :func:`check_sequence_parallel` refuses such a plan by name before anything is sharded. What that static
-check cannot see (a model-level projection of the embeddings, two streams added outside the blocks) fails in the
-first forward inside torch's DTensor dispatch; :func:`name_mixed_layouts` turns that error into one that names the
-cause and the way out.
+weights. :func:`check_sequence_parallel` refuses such a plan by name before anything is sharded, and as well any
+parameter no plan entry reaches (a gated delta net's ``A_log``, a model-level initial state) outside what computes
+on plain tensors anyway (a sharded region's activation, a norm of its sibling linears' local outputs, a sparse MoE
+block, whose experts' style gathers the sequence). What no static check can see (a parameter-free computation
+mixing the streams, a hook) fails in the first forward inside torch's DTensor dispatch; :func:`name_mixed_layouts`
+turns that error into one that names the cause and the way out.
 """
 
 from __future__ import annotations
@@ -130,8 +132,9 @@ def _holds_linears(module: nn.Module) -> bool:
 
 
 def check_sequence_parallel(model: nn.Module, strings: dict[str, str]) -> None:
-    """Refuse (``ValueError``) a sequence-parallel plan that leaves a block child with linears unsharded (module
-    docstring), naming the children and their types."""
+    """Refuse (``ValueError``) a sequence-parallel plan that leaves a block child with linears unsharded, or any
+    other parameter where the sequence-sharded stream would meet it as a plain tensor (module docstring), naming
+    them and their types."""
     whole = []
     for block_name, block in _blocks(model):
         for child_name, child in block.named_children():
@@ -142,12 +145,58 @@ def check_sequence_parallel(model: nn.Module, strings: dict[str, str]) -> None:
             if not inside:
                 whole.append(f"{name} ({type(child).__name__})")
     if whole:
-        shown = ", ".join(whole[:6]) + (f" and {len(whole) - 6} more" if len(whole) > 6 else "")
         raise ValueError(
             f"parallelize_hf: sequence_parallel=True needs every block module that holds linears to be in the plan; "
-            f"these are not: {shown}. Their input would be a sequence-sharded DTensor beside plain weights; use "
-            "sequence_parallel=False, or add plan entries for them (plan=...)"
+            f"these are not: {_shown(whole)}. Their input would be a sequence-sharded DTensor beside plain weights; "
+            "use sequence_parallel=False, or add plan entries for them (plan=...)"
         )
+    loose = _uncovered_parameters(model, strings)
+    if loose:
+        raise ValueError(
+            "parallelize_hf: sequence_parallel=True needs every parameter on the residual stream's path to be in the "
+            f"plan; these are not: {_shown(loose)}. The forward would combine them, plain tensors, with the "
+            "sequence-sharded stream (a DTensor); use sequence_parallel=False, or add plan entries for them (plan=...)"
+        )
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def _uncovered_parameters(model: nn.Module, strings: dict[str, str]) -> list[str]:
+    """Parameters no plan entry reaches (the entry of their module or of an ancestor) outside what computes on
+    plain tensors under sequence parallelism anyway: the sharded regions' activations (:func:`check_regions`), a
+    norm beside the planned linears of its parent (it normalizes their outputs, local tensors: OLMo's q / k norms)
+    and the sparse
+    MoE blocks (their experts' style gathers the sequence for the whole block)."""
+    summed = set(check_regions(model, strings))
+    names = [n for n, _ in model.named_modules()]
+    planned = {n for n in names if _style(n, strings) is not None}
+    moe_blocks = {n.rpartition(".")[0] for n in names if _style(n, strings) in _SEQUENCE_GATHERING_EXPERTS}
+    loose = []
+    for pname, _ in model.named_parameters():
+        owner = pname.rpartition(".")[0]
+        atoms = owner.split(".") if owner else []
+        ancestors = {".".join(atoms[:i]) for i in range(len(atoms) + 1)}
+        if pname in summed or _style(pname, strings) is not None or ancestors & (planned | moe_blocks):
+            continue
+        if owner and _is_norm(model.get_submodule(owner)) and _beside_planned_linears(owner, planned):
+            continue
+        loose.append(f"{pname} ({type(model.get_submodule(owner)).__name__})")
+    return loose
+
+
+# The experts styles whose block parallelize_hf wraps in CocMoeBlockSequenceParallel (the sequence gathered).
+_SEQUENCE_GATHERING_EXPERTS = ("moe_tp_experts", "ep_dispatch_experts")
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def _beside_planned_linears(owner: str, planned: set[str]) -> bool:
+    parent = owner.rpartition(".")[0]
+    return any(p.rpartition(".")[0] == parent for p in planned if p != owner)
 
 
 _MIXED = "got mixed torch.Tensor and DTensor"

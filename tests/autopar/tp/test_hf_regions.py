@@ -8,7 +8,10 @@
   anything is sharded (torch's mixed Tensor / DTensor error in the forward before).
 - GLM-4-MoE with sequence parallelism: its MoE block holds a shared expert the plan shards: refused by name (the
   MoE block's sequence-parallel style crashed on it in torch's DTensor.from_local).
-- Qwen3.5 with sequence parallelism: a path the static check cannot see fails at the first forward with an error
+- Qwen3.5 and HRM with sequence parallelism: parameters outside the plan on the residual stream's path (Qwen3.5's
+  gated-delta-net A_log / dt_bias / conv, HRM's model-level initial state) are refused by name before anything
+  is sharded (they failed at the first forward before, on torch's mixed Tensor / DTensor error).
+- A path no static check can see (here a hook adding a plain tensor) fails at the first forward with an error
   naming the cause (torch's bare mixed-layout error before).
 """
 
@@ -46,6 +49,8 @@ def _refusal(rank: int, world: int, family: str, sp: bool) -> str:
         ("doge", False, ["self_attn.A", "tensor-parallel region", "partial gradient"]),
         ("bamba", True, ["sequence_parallel=True", "mamba (BambaMixer)", "sequence_parallel=False"]),
         ("glm4_moe", True, ["Glm4MoeMoE", "shared_experts.gate_proj.weight", "sequence_parallel=False"]),
+        ("qwen3_5_text", True, ["every parameter on the residual stream's path", "linear_attn.A_log"]),
+        ("hrm_text", True, ["every parameter on the residual stream's path", "model.z_L_init"]),
     ],
 )
 def test_plans_that_leave_out_what_the_sharding_reaches_are_refused_by_name(
@@ -61,7 +66,9 @@ def _first_forward(rank: int, world: int) -> str:
     import autopar
     from tests.autopar.tp.hf_cases import build
 
-    model = autopar.parallelize_hf(build("qwen3_5_text"), sequence_parallel=True)
+    model = autopar.parallelize_hf(build("llama"), sequence_parallel=True)
+    # A plain tensor added to the sequence-sharded stream by code no plan describes.
+    model.model.layers[0].register_forward_hook(lambda module, args, out: out + torch.ones(out.shape[-1]))
     ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     try:
         model(input_ids=ids, labels=ids, use_cache=False)
