@@ -30,6 +30,7 @@ from .hf_load import load_shards
 from .hf_regions import check_regions, check_sequence_parallel, name_mixed_layouts, sum_gradients_over
 from .hf_sizes import check_shardable
 from .moe import CocMoeExpertsParallel, check_moe_plan, parallelize_moe_blocks, without_expert_params
+from .moe_ep import CocEpDispatchExpertsParallel, check_ep_plan, with_ep_plan
 from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel, share_input_gather
 
 # Models whose transformers config declares no plan; the names are their module paths.
@@ -86,6 +87,10 @@ def coc_style(
     if name == "moe_tp_experts":
         # Under sequence parallelism parallelize_hf also puts CocMoeBlockSequenceParallel on the sparse block.
         return CocMoeExpertsParallel()
+    if name == "ep_dispatch_experts":
+        # Whole experts per rank over the same mesh (transformers' ep_size == tp_size); under sequence parallelism
+        # the sparse block gets CocMoeBlockSequenceParallel too.
+        return CocEpDispatchExpertsParallel()
     if name == "replicated_with_grad_allreduce":
         # Qwen3's q / k norms, on this rank's heads (a plain local tensor in both modes): replicated weights whose
         # gradient on each rank covers its own heads only, summed over the mesh in the backward (the same sum
@@ -109,14 +114,11 @@ SUPPORTED_PLAN_STRINGS = (
     "sequence_parallel",
     "replicated_with_grad_allreduce",
     "moe_tp_experts",
+    "ep_dispatch_experts",
 )
 _HF_OWN = (
     "parallelize the model with transformers' own loader instead "
     "(from_pretrained(..., distributed_config=DistributedConfig(tp_size=W)))"
-)
-_EP = (
-    "expert parallelism: issue 30 item 3; use the model's tensor-parallel plan (its tp_plan, whose "
-    "'moe_tp_experts' runs the CoC MoE ops) instead, or " + _HF_OWN
 )
 # transformers' tp_plan strings (transformers.distributed.parallel_utils.ALL_PARALLEL_STYLES) with no CoC style,
 # each with why and what to do instead; tests/autopar/tp/test_hf.py fails on a registered string in neither table.
@@ -127,8 +129,8 @@ REFUSED_PLAN_STRINGS = {
     "parallelizes uses) are not supported yet; " + _HF_OWN,
     "moe_identity_expert": "identity (zero-computation) experts beside moe_tp_experts are not supported yet; "
     + _HF_OWN,
-    "ep_dispatch_experts": _EP,
-    "grouped_gemm": _EP,
+    "grouped_gemm": "it shards an experts module's gate_up_proj / down_proj by expert only beside "
+    "'ep_dispatch_experts' on that module; use the model's ep_plan instead (parallelize_hf(expert_parallel=True))",
     "mla_kv_a_proj": "DeepSeek-style MLA's kv_a_proj (a rope slice whose gradient is summed) is not supported yet; "
     + _HF_OWN,
     "all_reduce": "a module whose output is a partial sum to all-reduce is not supported yet; " + _HF_OWN,
@@ -320,6 +322,7 @@ def parallelize_hf(
     fp8: Fp8Recipe | None = None,
     checkpoint: str | os.PathLike | None = None,
     fuse_norm: bool = True,
+    expert_parallel: bool = False,
 ) -> nn.Module:
     """Parallelize a transformers model in place with CoC styles; returns it.
 
@@ -340,6 +343,11 @@ def parallelize_hf(
     shards only (:func:`autopar.tp.hf_load.load_shards`), onto the mesh's device: build the model on the meta
     device (``with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)``) and no rank ever
     holds the full model.
+
+    ``expert_parallel``: the model's expert-parallel plan (``model.ep_plan``, transformers' ``base_model_ep_plan``)
+    replaces the TP entries of its experts: each rank holds E / W whole experts and tokens reach them through
+    ``kernels.moe_dispatch`` / ``moe_combine`` (:mod:`autopar.tp.moe_ep`), over the same mesh as the rest of the
+    plan. ``plan=`` may name ``"ep_dispatch_experts"`` / ``"grouped_gemm"`` itself.
     """
     recipe = resolve_recipe(fp8)
     if device_mesh is None:
@@ -349,10 +357,12 @@ def parallelize_hf(
         if device == "meta":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device_mesh = init_device_mesh(device, (dist.get_world_size(),))
-    strings = without_expert_params(hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan))
+    strings = hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan)
+    strings = without_expert_params(with_ep_plan(model, strings) if expert_parallel else strings)
     retie = tied_weights_to_keep(model, strings)
     check_shardable(model, _sharded_modules(model, strings), device_mesh.size())
     check_moe_plan(model, strings, device_mesh.size())
+    check_ep_plan(model, strings, device_mesh.size())
     summed = check_regions(model, strings)
     if sequence_parallel:
         check_sequence_parallel(model, strings)

@@ -24,6 +24,17 @@ but does not act on). For it :func:`register_hf` also wraps ``DistributedMixin.m
 that applies the plans): the norms of the residual stream get ``sequence_parallel`` entries (as in
 :func:`autopar.parallelize_hf`) and sibling projections share one all-gather.
 
+Expert parallelism: where transformers has ``transformers.distributed.expert_parallel.EPImplementationInterface``
+(5.24 does), :func:`register_hf` also registers the implementation ``"coc"`` (:data:`EP_IMPLEMENTATION`), so
+``DistributedConfig(tp_size=W, ep_size=W, ep_implementation="coc")`` runs each ``"ep_dispatch_experts"`` module as
+``kernels.moe_dispatch`` -> the grouped GEMMs of this rank's experts -> ``kernels.moe_combine``
+(:func:`autopar.tp.moe_ep.coc_ep_forward`; transformers still shards the experts with ``"grouped_gemm"``). The ranks
+of a TP group share one batch: each dispatches its slice of it over the EP group and the slices' outputs are
+gathered over the TP group. Refused by name when the implementation is built (at load): experts modules of a
+layout the CoC grouped GEMMs do not compute (biases, transposed or interleaved weights, their own gating: use
+``ep_implementation="auto"``), an expert count the EP size does not divide, and sequence parallelism (the sparse
+block would see the sequence-sharded stream, which the EP entry does not lay out).
+
 Needs the DTensor API (``shard_param`` / ``install_forward``, transformers 5.x since the ``distributed`` package;
 tested on 5.24); older versions (``partition_tensor`` / ``prepare_module_tp``) raise ``RuntimeError`` naming
 the installed version. Models already loaded keep their CoC forwards after :func:`unregister_hf`.
@@ -50,8 +61,10 @@ COC_PLAN_STRINGS = (
     "replicated_with_grad_allreduce",
 )
 
+EP_IMPLEMENTATION = "coc"
+
 # What register_hf replaced, to restore: {"styles": {key: original}, "sp": bool | None, "load_sp": bool,
-# "mixin": (class, original attribute) or None}.
+# "mixin": (class, original attribute) or None, "ep": the EPImplementationInterface class it registered in}.
 _STATE: dict[str, Any] = {}
 _warned: set[str] = set()
 
@@ -212,6 +225,53 @@ def _after_sharding(model: Any, summed: list[str], sp: bool) -> None:
         name_mixed_layouts(model)
 
 
+def _ep_interface() -> type | None:
+    try:
+        from transformers.distributed.expert_parallel import EPImplementationInterface
+    except ImportError:
+        return None
+    return EPImplementationInterface
+
+
+def _coc_ep_implementation() -> type:
+    """transformers' ``EPImplementation`` on the CoC expert-parallel ops (module docstring)."""
+    from transformers.distributed.expert_parallel import EPImplementation
+
+    from .moe_ep import check_ep_experts, coc_ep_forward
+    from .styles import _local
+
+    class CocEP(EPImplementation):
+        """``kernels.moe_dispatch`` over the EP group, this rank's experts on the CoC grouped GEMM,
+        ``kernels.moe_combine``; a TP group's shared batch split over it first and gathered after."""
+
+        def __init__(self, experts: Any, ep_mesh: Any, tp_mesh: Any) -> None:
+            super().__init__(experts, ep_mesh, tp_mesh)
+            where = f"ep_implementation={EP_IMPLEMENTATION!r}"
+            if _load_sequence_parallel():
+                raise NotImplementedError(
+                    f"autopar.register_hf: {where} under sequence parallelism is not supported: the sparse block would "
+                    "see the sequence-sharded residual stream; load without enable_sequence_parallel, or use "
+                    "autopar.parallelize_hf(model, sequence_parallel=True, expert_parallel=True)"
+                )
+            # The experts' count is the global one (transformers' grouped_gemm placeholders keep the global shape).
+            check_ep_experts(experts, ep_mesh.size(), where=where)
+            self.experts = experts
+
+        def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+            experts = self.experts
+            weights = (_local(experts.gate_up_proj), _local(experts.down_proj))
+            split = self.tp_mesh.get_group() if self.tp_mesh.size() > 1 else None
+            return coc_ep_forward(
+                experts,
+                (hidden_states, top_k_index, top_k_weights),
+                weights,
+                ep_group=self.ep_mesh.get_group(),
+                split_group=split,
+            )
+
+    return CocEP
+
+
 def _mixin() -> type | None:
     try:
         from transformers.distributed.mixin import DistributedMixin
@@ -226,6 +286,9 @@ def register_hf(*, sequence_parallel: bool | None = None) -> None:
     tp_size=W, enable_sequence_parallel=...))``, or ``tp_plan="auto"``) run the plan's linears, embeddings and
     norms on the CoC ops; transformers still shards the parameters on load. Idempotent (a second call only sets
     ``sequence_parallel``); :func:`unregister_hf` restores transformers' layers.
+
+    Where transformers has ``EPImplementationInterface``, ``ep_implementation="coc"`` becomes available too
+    (expert parallelism on ``kernels.moe_dispatch`` / ``moe_combine``; module docstring).
 
     ``sequence_parallel``: None follows each load's ``DistributedConfig.enable_sequence_parallel``; True / False
     fix it for every load. Raises ``RuntimeError`` naming the transformers version where its API is missing.
@@ -252,6 +315,10 @@ def register_hf(*, sequence_parallel: bool | None = None) -> None:
         _STATE["registry"] = registry
         if mixin is not None:
             _wrap_distribute(mixin)
+        interface = _ep_interface()
+        if interface is not None:
+            interface.register(EP_IMPLEMENTATION, _coc_ep_implementation())
+            _STATE["ep"] = interface
     _STATE["sp"] = sequence_parallel
 
 
@@ -268,6 +335,9 @@ def unregister_hf() -> None:
     if saved is not None:
         cls, attr = saved
         cls.maybe_distribute_model = attr
+    interface = _STATE.pop("ep", None)
+    if interface is not None:
+        interface._global_mapping.pop(EP_IMPLEMENTATION, None)
     _STATE.clear()
 
 
@@ -275,4 +345,4 @@ def is_hf_registered() -> bool:
     return "styles" in _STATE
 
 
-__all__ = ["COC_PLAN_STRINGS", "is_hf_registered", "register_hf", "unregister_hf"]
+__all__ = ["COC_PLAN_STRINGS", "EP_IMPLEMENTATION", "is_hf_registered", "register_hf", "unregister_hf"]

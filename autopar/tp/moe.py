@@ -14,8 +14,8 @@ DTensor), ``"rowwise"`` on ``experts.down_proj`` (``Shard(2)``) and ``"moe_tp_ex
 (autograd: :mod:`kernels.ops.moe_autograd`). The ops take each rank's own tokens: without sequence parallelism
 the replicated tokens are split over the ranks first (padded with zero-weight rows to a multiple of W) and the
 output rows gathered after; with it (:class:`CocMoeBlockSequenceParallel` on the sparse block) each rank's
-sequence shard goes in and comes out as it is. Expert parallelism (``"grouped_gemm"``, ``"ep_dispatch_experts"``)
-is issue 30 item 3.
+sequence shard goes in and comes out as it is. Expert parallelism (``"grouped_gemm"``, ``"ep_dispatch_experts"``):
+:mod:`autopar.tp.moe_ep`, whose experts style the sparse block's sequence-parallel style takes as well.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from .styles import _AllReduceGrad, _distribute, _group, _install, _local, _Stri
 
 # The parameter entries transformers' plans give a "moe_tp_experts" module, which its style shards itself.
 EXPERT_PARAM_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+# The same for an "ep_dispatch_experts" module (transformers' ep_plan; autopar.tp.moe_ep).
+EP_PARAM_STYLES = {"gate_up_proj": "grouped_gemm", "down_proj": "grouped_gemm"}
+_PARAM_STYLES = {"moe_tp_experts": EXPERT_PARAM_STYLES, "ep_dispatch_experts": EP_PARAM_STYLES}
 
 
 class _SplitRows(torch.autograd.Function):
@@ -87,7 +90,7 @@ class _GatherRows(torch.autograd.Function):
         return (grad if world == 1 else grad.chunk(world)[comm.rank_of(ctx.group)].contiguous()), None
 
 
-def check_experts_module(module: nn.Module, world: int, where: str = "") -> None:
+def check_experts_module(module: nn.Module, world: int, where: str = "", style: str = "moe_tp_experts") -> None:
     """What the style computes in the module's place: the stacked gate / up layout with the default gating, no
     biases, no norm after the experts (``NotImplementedError`` otherwise, naming the module), and an intermediate
     size the mesh size divides (``ValueError`` naming the config field)."""
@@ -95,7 +98,7 @@ def check_experts_module(module: nn.Module, world: int, where: str = "") -> None
     gate_up, down = module._parameters.get("gate_up_proj"), module._parameters.get("down_proj")
     if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3 or not hasattr(module, "act_fn"):
         raise NotImplementedError(
-            f"moe_tp_experts: {name} is not a transformers experts module with 3-D gate_up_proj [E, 2I, H], down_proj "
+            f"{style}: {name} is not a transformers experts module with 3-D gate_up_proj [E, 2I, H], down_proj "
             "[E, H, I] and act_fn; leave it out of the plan or use transformers' own TP loader instead"
         )
     layout = {"has_bias": False, "is_transposed": False, "is_concatenated": True, "has_gate": True}
@@ -107,7 +110,7 @@ def check_experts_module(module: nn.Module, world: int, where: str = "") -> None
     experts, inter2, hidden = gate_up.shape
     if odd or tuple(down.shape) != (experts, hidden, inter2 // 2) or inter2 % 2:
         raise NotImplementedError(
-            f"moe_tp_experts: {name} has a layout this style does not compute ({', '.join(odd) or 'shapes'}: "
+            f"{style}: {name} has a layout this style does not compute ({', '.join(odd) or 'shapes'}: "
             f"gate_up_proj {tuple(gate_up.shape)}, down_proj {tuple(down.shape)}); leave it out of the plan or use "
             "transformers' own TP loader instead"
         )
@@ -115,7 +118,7 @@ def check_experts_module(module: nn.Module, world: int, where: str = "") -> None
         config = getattr(module, "config", None)
         field = next((f for f in ("moe_intermediate_size", "intermediate_size") if hasattr(config, f)), "intermediate")
         raise ValueError(
-            f"moe_tp_experts: {name}: {field}={inter2 // 2} (each expert's intermediate size) does not divide by the "
+            f"{style}: {name}: {field}={inter2 // 2} (each expert's intermediate size) does not divide by the "
             f"mesh size W={world}; the plan shards it over the ranks"
         )
 
@@ -200,7 +203,7 @@ class CocMoeBlockSequenceParallel(ParallelStyle):
         if not hasattr(experts, "_coc_tokens_sharded"):
             raise ValueError(
                 f"CocMoeBlockSequenceParallel: {type(module).__name__}.experts must be parallelized with "
-                "moe_tp_experts (CocMoeExpertsParallel) first"
+                "moe_tp_experts (CocMoeExpertsParallel) or ep_dispatch_experts (CocEpDispatchExpertsParallel) first"
             )
         sharded = [n for n, p in module.named_parameters() if isinstance(p, DTensor) and not n.startswith("experts.")]
         if sharded:
@@ -270,21 +273,22 @@ def _matches(name: str, key: str) -> bool:
 
 
 def without_expert_params(strings: dict[str, str]) -> dict[str, str]:
-    """``strings`` without the parameter entries of its ``"moe_tp_experts"`` modules (``<experts>.gate_up_proj``,
-    ``<experts>.down_proj``: the experts style shards them, and torch's ``parallelize_module`` resolves module
-    names only). An entry that asks another layout of them than transformers' plan (``EXPERT_PARAM_STYLES``)
-    raises ``ValueError``: the style would shard them otherwise than asked."""
-    experts = {k for k, s in strings.items() if s == "moe_tp_experts"}
+    """``strings`` without the parameter entries of its ``"moe_tp_experts"`` and ``"ep_dispatch_experts"`` modules
+    (``<experts>.gate_up_proj``, ``<experts>.down_proj``: the experts styles shard them, and torch's
+    ``parallelize_module`` resolves module names only). An entry that asks another layout of them than
+    transformers' plans (``EXPERT_PARAM_STYLES``, ``EP_PARAM_STYLES``) raises ``ValueError``: the style would shard
+    them otherwise than asked."""
+    experts = {k: s for k, s in strings.items() if s in _PARAM_STYLES}
     kept = {}
     for key, style in strings.items():
         parent, _, leaf = key.rpartition(".")
         if parent not in experts:
             kept[key] = style
-        elif EXPERT_PARAM_STYLES.get(leaf) != style:
+        elif _PARAM_STYLES[experts[parent]].get(leaf) != style:
+            wanted = _PARAM_STYLES[experts[parent]]
             raise ValueError(
-                f"tp_plan entry {key!r}: {style!r} on a parameter of the moe_tp_experts module {parent!r}; the CoC "
-                f"experts style shards them as transformers' plan does ({EXPERT_PARAM_STYLES}): pass those or leave "
-                "the entry out"
+                f"tp_plan entry {key!r}: {style!r} on a parameter of the {experts[parent]} module {parent!r}; the CoC "
+                f"experts style shards them as transformers' plan does ({wanted}): pass those or leave the entry out"
             )
     return kept
 
@@ -300,7 +304,7 @@ def check_moe_plan(model: nn.Module, strings: dict[str, str], world: int) -> Non
 
 def parallelize_moe_blocks(model: nn.Module, mesh: DeviceMesh, sequence_dim: int) -> None:
     """Under sequence parallelism: :class:`CocMoeBlockSequenceParallel` on the parent of every experts module
-    :class:`CocMoeExpertsParallel` parallelized."""
+    :class:`CocMoeExpertsParallel` or :class:`autopar.tp.moe_ep.CocEpDispatchExpertsParallel` parallelized."""
     for module in list(model.modules()):
         if hasattr(getattr(module, "experts", None), "_coc_tokens_sharded"):
             CocMoeBlockSequenceParallel(sequence_dim=sequence_dim)._apply(module, mesh)

@@ -190,7 +190,7 @@ def test_plan_strings() -> None:
     assert isinstance(row, autopar.CocRowwiseParallel) and row.output_layouts == (Shard(1),)
     assert coc_style("colwise_gather_output").output_layouts == (Replicate(),)
     assert isinstance(coc_style("moe_tp_experts"), autopar.tp.moe.CocMoeExpertsParallel)
-    with pytest.raises(ValueError, match="'grouped_gemm' has no CoC equivalent: expert parallelism: issue 30 item 3"):
+    with pytest.raises(ValueError, match="'grouped_gemm' has no CoC equivalent: it shards an experts module's"):
         coc_style("grouped_gemm")
 
 

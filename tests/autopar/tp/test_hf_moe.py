@@ -205,7 +205,7 @@ def _refused(rank: int, world: int, plan_change: dict[str, str], overrides: dict
 @pytest.mark.parametrize(
     ("plan_change", "overrides", "named"),
     [
-        ({"model.layers.*.mlp.experts": "ep_dispatch_experts"}, {}, "expert parallelism: issue 30 item 3"),
+        ({"model.layers.*.mlp.experts": "ep_dispatch_experts"}, {}, "on a parameter of the ep_dispatch_experts"),
         ({"model.layers.*.mlp.experts.gate_up_proj": "grouped_gemm"}, {}, "'grouped_gemm' on a parameter"),
         ({}, {"moe_intermediate_size": 33}, "moe_intermediate_size=33"),
     ],
