@@ -18,6 +18,9 @@ CoC style refuses (not an ``nn.Linear`` / ``nn.Embedding``, a size the mesh size
 forward) keeps transformers' forward too, with a warning, except under sequence parallelism (raised there: the
 residual stream's layout would differ).
 
+Without sequence parallelism the row-parallel linears and the norms of Llama's form run the decode path under
+``torch.no_grad()`` (:mod:`autopar.tp.decode`, as :func:`autopar.parallelize_hf` with ``fuse_norm=True``).
+
 Sequence parallelism: ``register_hf(sequence_parallel=True / False)`` fixes it for every load; ``None`` (default)
 follows ``DistributedConfig.enable_sequence_parallel`` of each ``from_pretrained`` (a field transformers declares
 but does not act on). For it :func:`register_hf` also wraps ``DistributedMixin.maybe_distribute_model`` (the step
@@ -123,7 +126,8 @@ class _CocForward:
         from .hf import coc_style
 
         sp = _load_sequence_parallel()
-        style = coc_style(self._coc_plan_string, sequence_parallel=sp)
+        # fuse_norm: the decode path (autopar.tp.decode), its norms installed after sharding (_after_sharding).
+        style = coc_style(self._coc_plan_string, sequence_parallel=sp, fuse_norm=not sp)
         try:
             # The parameters are transformers' DTensor placeholders already: the style's distribute_tensor keeps a
             # DTensor of the same layout as it is and raises ValueError on another one.
@@ -214,7 +218,7 @@ def _wrap_distribute(mixin: type) -> None:
 def _after_sharding(model: Any, summed: list[str], sp: bool) -> None:
     from torch.distributed.tensor import DTensor
 
-    from .hf import _share_gathers
+    from .hf import _share_gathers, install_norm_fusion
     from .hf_regions import name_mixed_layouts, sum_gradients_over
 
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
@@ -223,6 +227,8 @@ def _after_sharding(model: Any, summed: list[str], sp: bool) -> None:
     if sp:
         _share_gathers(model)
         name_mixed_layouts(model)
+    else:
+        install_norm_fusion(model)
 
 
 def _ep_interface() -> type | None:

@@ -78,7 +78,8 @@ def load_and_compare(rank: int, world: int, path: str, sp: bool) -> dict:
         model = _load(path, world, sp)
         with coc_op_counter() as calls:
             got = _step(model, ids)
-        generated = _generate(model, ids)
+        with coc_op_counter() as generate_calls:
+            generated = _generate(model, ids)
     finally:
         autopar.unregister_hf()
     layer = model.model.layers[0]
@@ -91,6 +92,7 @@ def load_and_compare(rank: int, world: int, path: str, sp: bool) -> dict:
         "grads": max(_diff(got["grads"][n], g) for n, g in ref["grads"].items()),
         "missing_grads": sorted(set(ref["grads"]) - set(got["grads"])),
         "calls": dict(calls),
+        "generate_calls": dict(generate_calls),
         "shapes": {
             "q_proj": _local_shape(layer.self_attn.q_proj.weight),
             "o_proj": _local_shape(layer.self_attn.o_proj.weight),
@@ -143,6 +145,8 @@ def test_transformers_tp_loading_runs_coc_ops(saved: dict[str, str], model: str,
             assert row["norm_dtensor"], tag
         else:
             assert "matmul_all_reduce" in ops, (tag, ops)
+            # generate() runs the decode path: the layer ends fused (autopar.tp.decode)
+            assert any(op == "matmul_all_reduce+rmsnorm" for op, _ in row["generate_calls"]), (tag, row)
         # hidden 64, 4 heads of 16, vocab 128: each rank holds half of every sharded dim
         embed = (64, 64) if row["embed_planned"] else (128, 64)
         assert row["shapes"] == {"q_proj": (32, 64), "o_proj": (64, 32), "embed": embed, "lm_head": (64, 64)}, (
