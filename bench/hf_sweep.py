@@ -76,6 +76,21 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
+# Mixture-of-experts sizes a tiny config caps (only fields the family's default config has): the defaults keep the
+# full model's expert count (up to hundreds), which makes a CPU sweep of the MoE families take the better part
+# of an hour for nothing the comparison needs. Group-limited routing (DeepSeek-style) gets one group.
+MOE_CAPS: dict[str, int] = {
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+
 def _transformers() -> Any:
     import transformers
 
@@ -112,12 +127,14 @@ def causal_lm_families() -> list[str]:
 
 
 def tiny_config(model_type: str, *, layers: int = 2) -> Any:
-    """A tiny config of ``model_type``: :data:`TINY`, the family's :data:`OVERRIDES`, ``layers`` layers and no
-    dropout. A config with ``layer_types`` gets one layer of each kind its default config uses (a hybrid model
-    keeps its attention layers), so it may have more than ``layers`` layers (never with ``layers=1``)."""
+    """A tiny config of ``model_type``: :data:`TINY`, the expert sizes capped (:data:`MOE_CAPS`), the family's
+    :data:`OVERRIDES`, ``layers`` layers and no dropout. A config with ``layer_types`` gets one layer of each kind
+    its default config uses (a hybrid model keeps its attention layers), so it may have more than ``layers``
+    layers (never with ``layers=1``)."""
     t = _transformers()
-    fields = {**TINY, **OVERRIDES.get(model_type, {})}
     default = t.AutoConfig.for_model(model_type)
+    caps = {k: min(v, getattr(default, k)) for k, v in MOE_CAPS.items() if isinstance(getattr(default, k, None), int)}
+    fields = {**TINY, **caps, **OVERRIDES.get(model_type, {})}
     kinds = list(dict.fromkeys(getattr(default, "layer_types", None) or []))
     if len(kinds) > 1 and layers > 1:
         layers = max(layers, len(kinds))

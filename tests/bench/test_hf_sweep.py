@@ -115,3 +115,18 @@ def _t(value: float):
     import torch
 
     return torch.full((2,), value)
+
+
+def test_tiny_configs_cap_the_expert_counts() -> None:
+    """The MoE families' tiny configs keep at most 4 experts, top-2 (their defaults: 60 experts, top-4, for
+    Qwen2-MoE); fields a family's config does not have are not added, and a dense family is unchanged."""
+    import transformers
+
+    moe = hf_sweep.tiny_config("qwen2_moe")
+    default = transformers.AutoConfig.for_model("qwen2_moe")
+    assert default.num_experts > 4 and (moe.num_experts, moe.num_experts_per_tok) == (4, 2)
+    assert moe.moe_intermediate_size == 32 and not hasattr(moe, "n_routed_experts")
+    mixtral = hf_sweep.tiny_config("mixtral")
+    assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (4, 2)
+    llama = hf_sweep.tiny_config("llama")
+    assert not any(hasattr(llama, k) for k in ("num_experts", "num_local_experts", "moe_intermediate_size"))
