@@ -24,14 +24,12 @@ metadata) and ``.md`` (the table) under ``--out-dir``; :mod:`bench.hf_sweep_repo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 TOL = 1e-5
@@ -169,24 +167,6 @@ def backend_env(backend: str) -> dict[str, str | None]:
     return env
 
 
-@contextlib.contextmanager
-def _environment(env: dict[str, str | None]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in env}
-    try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _text(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:600]
@@ -275,7 +255,7 @@ def family_rows(rank: int, world: int, family: str, combos: list[tuple[str, bool
     import torch
 
     import autopar
-    from kernels.testing import backend_calls
+    from kernels.testing import backend_calls, environment
 
     warnings.simplefilter("ignore")
     ids = torch.randint(1, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))
@@ -295,7 +275,7 @@ def family_rows(rank: int, world: int, family: str, combos: list[tuple[str, bool
             continue
         model, want, noise = refs[layers]
         row["layers"] = model.config.num_hidden_layers
-        with _environment(backend_env(backend)):
+        with environment(backend_env(backend)):
             try:
                 tp = autopar.parallelize_hf(copy.deepcopy(model), sequence_parallel=sp)
             except Exception as e:  # noqa: BLE001

@@ -17,7 +17,7 @@
 docs/testing.md describes how tests use it.
 """
 
-from kernels.testing.calls import BACKEND_ENVS, backend_calls, operator_calls
+from kernels.testing.calls import BACKEND_ENVS, backend_calls, environment, operator_calls
 from kernels.testing.heap import heap_device, presize, scramble
 from kernels.testing.ranks import REPO_ROOT, RankFailure, assert_no_errors, close_pools, run_ranks
 from kernels.testing.reference import (
@@ -41,6 +41,7 @@ __all__ = [
     "BACKEND_ENVS",
     "backend_calls",
     "close_pools",
+    "environment",
     "heap_device",
     "make_inputs",
     "operator_calls",

@@ -4,12 +4,33 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
 # The environment that picks each backend other than the default (sequential) for calls without backend=:
 # a chunked split of 2 (COC_PARALLEL_NUM) or the fused kernels (USE_COC_FUSED_KERNEL, MindSpeed's switches).
 BACKEND_ENVS: dict[str, dict[str, str]] = {"chunked": {"COC_PARALLEL_NUM": "2"}, "fused": {"USE_COC_FUSED_KERNEL": "1"}}
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str | None]) -> Iterator[None]:
+    """``env`` set in ``os.environ`` for the block (None unsets a variable), the previous values restored after:
+    the backend switches are read per call, so a block picks the backend of the calls inside it."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager

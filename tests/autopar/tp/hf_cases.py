@@ -15,12 +15,11 @@ import copy
 import os
 import tempfile
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from kernels.testing import backend_calls
+from kernels.testing import backend_calls, environment
 
 TOL = 1e-5
 B, S = 2, 8
@@ -50,21 +49,6 @@ def build(model_name: str, seed: int = 0, layers: int = 2, **overrides: Any) -> 
     fields.update(head_dim=16)
     cfg = T.AutoConfig.for_model(model_name, **{**fields, **overrides})
     return T.AutoModelForCausalLM.from_config(cfg)
-
-
-@contextlib.contextmanager
-def environment(env: dict[str, str]) -> Iterator[None]:
-    """``env`` set in ``os.environ`` for the block (the backend switches are read per call)."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def coc_op_counter() -> contextlib.AbstractContextManager[collections.Counter]:
