@@ -51,17 +51,12 @@ from typing import Any
 
 from torch.distributed.tensor.parallel import parallelize_module
 
-COC_PLAN_STRINGS = (
-    "colwise",
-    "colwise_gather_output",
-    "colwise_rep",
-    "packed_colwise",
-    "rowwise",
-    "rowwise_split_input",
-    "rowwise_rep",
-    "embedding_rowwise",
-    "sequence_parallel",
-    "replicated_with_grad_allreduce",
+from .hf import SUPPORTED_PLAN_STRINGS
+
+# parallelize_hf's strings but the experts' (transformers keeps its own MoE layers; expert parallelism goes through
+# its EPImplementationInterface below); the registry's keys carry no "[:blocks]".
+COC_PLAN_STRINGS = tuple(
+    s.partition("[")[0] for s in SUPPORTED_PLAN_STRINGS if s not in ("moe_tp_experts", "ep_dispatch_experts")
 )
 
 EP_IMPLEMENTATION = "coc"
