@@ -5,7 +5,7 @@ Public functions (docs/api.md, "Expert-parallel MoE"): :func:`moe_dispatch` and 
 twins :func:`moe_dispatch_reference` and :func:`moe_combine_reference` (the sequential backend called directly;
 their docstrings state the semantics). Registered operators::
 
-    coc::moe_dispatch(Tensor x, Tensor topk_ids, str call) -> (Tensor rows, Tensor[9] handle tensors)
+    coc::moe_dispatch(Tensor x, Tensor topk_ids, str call) -> (Tensor rows, Tensor[11] handle tensors)
     coc::moe_combine(Tensor y, Tensor topk_weights, Tensor[] handle, str call) -> (Tensor out, Tensor returned)
                                                     # call: kernels.ops.moe_ep_routing.EpCall.encode()
 
@@ -18,18 +18,21 @@ Backends (results bitwise equal: the ops move rows and sum in a fixed order):
   started at once, and each piece placed in its final rows (the regrouping: an index copy) as it lands,
   while the later pieces are in flight. That copy is the only local work the op itself holds, a small
   fraction of the all-to-all's time: the overlap that matters, the all-to-all of one piece under the
-  caller's grouped GEMM of another, needs the fused kernels (rows written to their final place over the
-  heap and a per-expert ready signal the GEMM waits on), which are not built yet. ``"fused"`` warns once
-  by name and runs ``chunked``.
+  caller's grouped GEMM of another, needs a per-expert ready signal the GEMM waits on (not built).
+- ``fused`` (:mod:`kernels.fused.moe_ep`, W > 1; a group of one runs the local movement): the counts exchanged
+  through the symmetric heap, each row written by its sender straight to its final row in the receiver's heap,
+  and the combine's rows read back from the experts' ranks; the same placement (:func:`layout`) and the same
+  weighted sum (:func:`weighted_sum`), so the same bits. Where the fused kernels cannot run
+  (:func:`kernels.fused.unavailable_reason`) it warns once per reason and runs ``chunked``. The backward passes
+  run the chunked movement.
 
-The bounded mode's overflow (some rank would receive more than ``max_tokens`` rows) is found from the
-all-gathered counts, which every rank holds, so every rank raises the same ``RuntimeError`` before any row
-moves: where a host read is allowed (CPU always; CUDA under ``COC_CHECK=1``). Elsewhere (CUDA eager, CUDA-graph
-capture) the op reads nothing: the flag is computed on the device and kept, and the next eager dispatch on
-the group (or :func:`moe_check_overflow`) reads it and raises naming the call; the rows of an overflowing call
-are never silently kept (the flag is always read). A fused implementation would report it as
-:mod:`kernels.fused.runtime` reports timeouts: the kernel writes the flag to host-mapped memory, read at the
-next check.
+The bounded mode's overflow (some rank would receive more than ``max_tokens`` rows) is found from the count
+table [W, E] (all-gathered, or exchanged over the heap by the fused backend), which every rank holds, so every
+rank raises the same ``RuntimeError`` before any row moves: where a host read is allowed (CPU always; CUDA under
+``COC_CHECK=1``). Elsewhere (CUDA eager, CUDA-graph capture) the op reads nothing: the flag is computed on the
+device and kept, and the next eager dispatch on the group (or :func:`moe_check_overflow`) reads it and raises
+naming the call; the rows of an overflowing call are never silently kept (the flag is always read; the rows past
+``max_tokens`` are dropped, and a combine after it sums zeros for them).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from .moe_ep_routing import (
     to_sources,
     weighted_sum,
 )
-from .moe_routing import _warn_once, wanted
+from .moe_routing import _fused_unavailable, _warn_once, wanted
 
 # Bounded-mode overflow flags not read yet (device tensors), per group name: read by the next dispatch.
 _pending: dict[str, list[torch.Tensor]] = {}
@@ -193,7 +196,15 @@ def _dispatch_apply(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 
 
 def _handle_tensors(handle: MoeDispatchHandle) -> list[torch.Tensor]:
-    return [handle.recv_to_row, handle.send_index, handle.send_counts, handle.recv_counts]
+    """What the combine's movement needs: the all-to-all's four (:func:`to_sources`) and the fused pull's two."""
+    return [
+        handle.recv_to_row,
+        handle.send_index,
+        handle.send_counts,
+        handle.recv_counts,
+        handle.pair_dest,
+        handle.rows_bound,
+    ]
 
 
 def _combine_apply(y: torch.Tensor, handle: MoeDispatchHandle, call: EpCall) -> torch.Tensor:
@@ -204,15 +215,21 @@ def _combine_apply(y: torch.Tensor, handle: MoeDispatchHandle, call: EpCall) -> 
     return combine_operator(y, handle.topk_weights, _handle_tensors(handle), call.encode())[0]
 
 
-def _resolve(op: str, request: tuple, sizes: tuple[int, int], group: dist.ProcessGroup | None) -> EpCall:
+def _resolve(op: str, request: tuple, sizes: tuple, group: dist.ProcessGroup | None) -> EpCall:
     """The backend and split count that run: the argument, else the environment (``USE_COC_FUSED_KERNEL``,
-    ``COC_PARALLEL_NUM``). ``"fused"`` and ``"auto"`` warn once by name and run chunked / 1 piece."""
+    ``COC_PARALLEL_NUM``). ``sizes = (E, max_tokens or 0, device)``. ``"fused"`` runs :mod:`kernels.fused.moe_ep`
+    where the fused kernels can run on the group and device (:func:`kernels.fused.unavailable_reason`), else warns
+    once per reason and runs chunked; ``"auto"`` warns once and runs 1 piece."""
     backend, num = request
+    num_e, cap, device = sizes
     config = get_config()
     if backend is None and config.use_fused:
         backend = "fused"
     if backend == "fused":
-        _warn_once(op, "fused", "the fused backend is not built for the expert-parallel ops yet; running chunked")
+        reason = _fused_unavailable(group, device)
+        if reason is None:
+            return EpCall("fused", 1, group_name(group), checks.world_of(group), num_e, cap)
+        _warn_once(op, reason, f"the fused backend cannot run here ({reason}); running the chunked path")
         backend = "chunked"
     if num is None:
         num = config.parallel_num if isinstance(config.parallel_num, int) else 1
@@ -222,7 +239,7 @@ def _resolve(op: str, request: tuple, sizes: tuple[int, int], group: dist.Proces
         num = 1
     elif backend is None:
         backend = "chunked" if num > 1 else "sequential"
-    return EpCall(backend, num, group_name(group), checks.world_of(group), sizes[0], sizes[1])
+    return EpCall(backend, num, group_name(group), checks.world_of(group), num_e, cap)
 
 
 def _admit_dispatch(op: str, tensors: tuple, sizes: tuple, group: object, request: tuple) -> EpCall:
@@ -243,7 +260,7 @@ def _admit_dispatch(op: str, tensors: tuple, sizes: tuple, group: object, reques
             check_id_range(topk_ids, num_experts)
 
     callcheck.admit(op, group, world, device, validate, values=values, backend=request[0])  # type: ignore[arg-type]
-    return _resolve(op, request, (num_experts, max_tokens or 0), group)  # type: ignore[arg-type]
+    return _resolve(op, request, (num_experts, max_tokens or 0, device), group)  # type: ignore[arg-type]
 
 
 def _admit_combine(op: str, tensors: tuple, group: object, request: tuple) -> EpCall:
@@ -267,12 +284,26 @@ def _admit_combine(op: str, tensors: tuple, group: object, request: tuple) -> Ep
 
     callcheck.admit(op, group, world, device, validate, backend=request[0])  # type: ignore[arg-type]
     sent = EpCall.decode(handle.call)
-    return _resolve(op, request, (sent.num_experts, sent.max_tokens), group)  # type: ignore[arg-type]
+    return _resolve(op, request, (sent.num_experts, sent.max_tokens, device), group)  # type: ignore[arg-type]
 
 
 def _read_pending(call: EpCall) -> None:
     if _pending.get(call.group_name):
         moe_check_overflow(resolve_group(call.group_name))
+
+
+def _check_table(table: torch.Tensor, call: EpCall, device: torch.device) -> None:
+    """The bounded mode's overflow, from the count table every rank holds: raised now where a host read is
+    allowed, else kept on the device for the next check (module docstring)."""
+    if not call.bounded:
+        return
+    if wanted(device):
+        message = overflow_message(DISPATCH, table, call)
+        if message is not None:
+            raise RuntimeError(message)
+    else:
+        totals = table.view(call.world, call.world, -1).sum((0, 2))
+        _pending.setdefault(call.group_name, []).append((totals > call.max_tokens).any())
 
 
 def _dispatch_run(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tuple:
@@ -281,24 +312,38 @@ def _dispatch_run(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tu
     if not capturing(x.device):
         _read_pending(call)
     order, mine = expert_counts(topk_ids.reshape(-1).to(torch.int64), call.num_experts)
-    table = gather_rows(mine[None, :].contiguous(), group, call.world)  # [W, E]: every rank's counts
-    if call.bounded:
-        if wanted(x.device):
-            message = overflow_message(DISPATCH, table, call)
-            if message is not None:
-                raise RuntimeError(message)
-        else:
-            totals = table.view(call.world, call.world, -1).sum((0, 2))
-            _pending.setdefault(call.group_name, []).append((totals > call.max_tokens).any())
-    lay = layout(order, table, call, my_rank(call, group))
-    tensors = [lay.recv_to_row, lay.send_index, lay.send_counts, lay.recv_counts]
-    rows = to_experts(x.repeat_interleave(topk, 0), tensors, lay.rows, call)
-    pair_ids = torch.arange(x.shape[0] * topk, device=x.device)[:, None]
-    # The source pair of each row travels as the rows do (-1: padding), from which token and slot follow.
-    src_pair = to_experts(pair_ids + 1, tensors, lay.rows, call)[:, 0] - 1
+    me = my_rank(call, group)
+    if call.backend == "fused" and call.world > 1:
+        from ..fused import moe_ep as fused_ep
+
+        descriptor = describe(
+            DISPATCH,
+            tuple(x.shape),
+            x.dtype,
+            request=("fused", None),
+            ep=(call.num_experts, topk, call.max_tokens, True),
+        )
+        rows, src_pair, lay = fused_ep.dispatch(
+            x,
+            (order, mine, topk),
+            call,
+            plan=lambda table: layout(order, table, call, me),
+            check_table=lambda table: _check_table(table, call, x.device),
+            descriptor=descriptor,
+        )
+        tensors = [lay.recv_to_row, lay.send_index, lay.send_counts, lay.recv_counts]
+    else:
+        table = gather_rows(mine[None, :].contiguous(), group, call.world)  # [W, E]: every rank's counts
+        _check_table(table, call, x.device)
+        lay = layout(order, table, call, me)
+        tensors = [lay.recv_to_row, lay.send_index, lay.send_counts, lay.recv_counts]
+        rows = to_experts(x.repeat_interleave(topk, 0), tensors, lay.rows, call)
+        pair_ids = torch.arange(x.shape[0] * topk, device=x.device)[:, None]
+        # The source pair of each row travels as the rows do (-1: padding), from which token and slot follow.
+        src_pair = to_experts(pair_ids + 1, tensors, lay.rows, call)[:, 0] - 1
     token = torch.where(src_pair >= 0, src_pair // topk, -1)
     slot = torch.where(src_pair >= 0, src_pair % topk, -1)
-    return (rows, lay.expert_offsets, lay.src_rank, token, slot, *tensors, lay.valid)
+    return (rows, lay.expert_offsets, lay.src_rank, token, slot, *tensors, lay.valid, lay.pair_dest, lay.rows_bound)
 
 
 def _dispatch_fake(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tuple:
@@ -318,12 +363,24 @@ def _dispatch_fake(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> t
         world,
         torch.empty_like(world),
         x.new_empty((), dtype=torch.int64),
+        x.new_empty((topk_ids.numel(),), dtype=torch.int64),
+        x.new_empty((), dtype=torch.int64),
     )
 
 
 def _combine_run(y: torch.Tensor, topk_weights: torch.Tensor, handle: list[torch.Tensor], call_text: str) -> tuple:
     call = EpCall.decode(call_text)
-    returned = to_sources(y, list(handle), topk_weights.numel(), call)
+    if call.backend == "fused" and call.world > 1:
+        from ..fused import moe_ep as fused_ep
+
+        m, topk = topk_weights.shape
+        ep = (call.num_experts, topk, call.max_tokens, True)
+        descriptor = describe(COMBINE, (m, y.shape[1]), y.dtype, request=("fused", None), ep=ep)
+        # Exact mode: the heap region's rows, the same on every rank, read on the host (bounded: max_tokens).
+        bound = call.max_tokens if call.bounded else int(handle[5])
+        returned = fused_ep.combine(y, handle[4], bound, group_name=call.group_name, descriptor=descriptor)
+    else:
+        returned = to_sources(y, list(handle[:4]), topk_weights.numel(), call)
     return weighted_sum(returned, topk_weights, y.dtype), returned
 
 
@@ -333,7 +390,7 @@ def _combine_fake(y: torch.Tensor, topk_weights: torch.Tensor, handle: list[torc
 
 dispatch_operator = define_op(
     "moe_dispatch(Tensor x, Tensor topk_ids, str call) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-    "Tensor, Tensor, Tensor)",
+    "Tensor, Tensor, Tensor, Tensor, Tensor)",
     _dispatch_run,
     _dispatch_fake,
 )

@@ -81,8 +81,9 @@ class MoeCombineFunction(torch.autograd.Function):
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
             weighted = (topk_weights.to(torch.float32)[:, :, None] * g[:, None, :]).to(returned.dtype)
-            grad_y = to_experts(weighted.reshape(m * topk, -1), handle, ctx.rows, call)
+            # The all-to-all movement's four handle tensors (the fused pull's two are not needed here).
+            grad_y = to_experts(weighted.reshape(m * topk, -1), handle[:4], ctx.rows, call)
         if ctx.needs_input_grad[1]:
-            dots = (returned.view(m, topk, -1).to(torch.float32) * g[:, None, :]).sum(-1)
+            dots = (returned.view(m, topk, returned.shape[1]).to(torch.float32) * g[:, None, :]).sum(-1)
             grad_w = dots.to(topk_weights.dtype)
         return grad_y, grad_w, None, None

@@ -43,8 +43,10 @@ class MoeDispatchHandle(NamedTuple):
     ``recv_to_row [Q]`` int64: the row of each receive-buffer position (``R`` for an empty one);
     ``send_index [S]`` int64: where each of this rank's pairs sits in the send buffer; ``send_counts``,
     ``recv_counts [W]`` int64: rows this rank sends to / receives from each rank; ``valid`` (0-d int64): the
-    rows that hold data (``R`` in exact mode); ``topk_weights [m, topk]``: as given; ``call``: the dispatch's
-    :class:`EpCall` text.
+    rows that hold data (``R`` in exact mode); ``pair_dest [S]`` int64: ``row * W + rank`` of each of this rank's
+    pairs, its row on the rank of its expert (-1: dropped by a bounded overflow); ``rows_bound`` (0-d int64): the
+    most rows any rank holds (``max_tokens`` in bounded mode; the same on every rank); ``topk_weights [m, topk]``:
+    as given; ``call``: the dispatch's :class:`EpCall` text.
     """
 
     expert_offsets: torch.Tensor
@@ -56,6 +58,8 @@ class MoeDispatchHandle(NamedTuple):
     send_counts: torch.Tensor
     recv_counts: torch.Tensor
     valid: torch.Tensor
+    pair_dest: torch.Tensor
+    rows_bound: torch.Tensor
     topk_weights: torch.Tensor
     call: str
 
@@ -190,6 +194,8 @@ class Layout(NamedTuple):
     send_counts: torch.Tensor
     recv_counts: torch.Tensor
     valid: torch.Tensor
+    pair_dest: torch.Tensor
+    rows_bound: torch.Tensor
     rows: int
 
 
@@ -258,7 +264,37 @@ def layout(order: torch.Tensor, table: torch.Tensor, call: EpCall, me: int) -> L
         offsets = torch.cat([offsets[:-1].clamp(max=cap), offsets.new_full((1,), cap)])
     src_rank = torch.full((rows + 1,), -1, dtype=torch.int64, device=dev)
     src_rank[recv_to_row] = torch.where(ok, src, -1)
-    return Layout(send_index, recv_to_row, offsets, src_rank[:rows], send_counts, recv_counts, valid, rows)
+    pair_dest, rows_bound = pair_destinations(order, table, call, me)
+    return Layout(
+        send_index, recv_to_row, offsets, src_rank[:rows], send_counts, recv_counts, valid, pair_dest, rows_bound, rows
+    )
+
+
+def pair_destinations(
+    order: torch.Tensor, table: torch.Tensor, call: EpCall, me: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pair_dest [S], rows_bound)`` (:class:`MoeDispatchHandle`), on the device: the row of a pair on the rank
+    ``d`` of its expert ``e = d * E_l + j`` is an exclusive scan of the counts over (local expert, source), the
+    rows of ``d``'s experts below ``j`` plus the rows of expert ``e`` from sources below this rank, plus the pair's
+    rank among this rank's pairs of ``e`` (``layout``'s receive-side row, computed at the sender)."""
+    world, num_e = call.world, call.num_experts
+    e_l = num_e // world
+    per = table.view(world, world, e_l)  # [src, dest, local expert]
+    base = (_exclusive(per.sum(0), 1) + _exclusive(per, 0)[me]).reshape(num_e)
+    mine = table[me]
+    ends = torch.cumsum(mine, 0)
+    pos = torch.arange(order.numel(), device=table.device)
+    expert = torch.searchsorted(ends, pos, right=True).clamp(max=num_e - 1)
+    row = base[expert] + pos - (ends - mine)[expert]
+    if call.bounded:
+        keep = row < call.max_tokens
+        rows_bound = torch.full((), call.max_tokens, dtype=torch.int64, device=table.device)
+    else:
+        keep = torch.ones_like(row, dtype=torch.bool)
+        rows_bound = per.sum((0, 2)).max()
+    pair_dest = torch.empty_like(order)
+    pair_dest[order] = torch.where(keep, row * world + expert // e_l, -1)
+    return pair_dest, rows_bound
 
 
 def overflow_message(op: str, table: torch.Tensor, call: EpCall) -> str | None:
@@ -363,7 +399,7 @@ def weighted_sum(pair_rows: torch.Tensor, topk_weights: torch.Tensor, dtype: tor
     """``out[t] = sum over s, in slot order, of w[t, s] * pair_rows[t * topk + s]`` in fp32, rounded once: an
     explicit loop (not ``sum(dim)``), so every backend adds in the same order."""
     m, topk = topk_weights.shape
-    w, rows = topk_weights.to(torch.float32), pair_rows.view(m, topk, -1).to(torch.float32)
+    w, rows = topk_weights.to(torch.float32), pair_rows.view(m, topk, pair_rows.shape[1]).to(torch.float32)
     acc = rows[:, 0] * w[:, 0:1]
     for s in range(1, topk):
         acc += rows[:, s] * w[:, s : s + 1]

@@ -271,15 +271,21 @@ def test_reference_twins_fused_request_and_fakes(monkeypatch: pytest.MonkeyPatch
     from kernels.ops import moe_routing
 
     monkeypatch.setattr(moe_routing, "_warned", set())
-    with pytest.warns(RuntimeWarning, match="moe_dispatch: the fused backend is not built"):
-        rows_fused, _ = kernels.moe_dispatch(*args, backend="fused")
-    assert torch.equal(rows_fused, rows)
+    rows_fused, h_fused = kernels.moe_dispatch(*args, backend="fused")  # a group of one: the local movement
+    assert torch.equal(rows_fused, rows) and EpCall.decode(h_fused.call).backend == "fused"
+    # Where the fused kernels cannot run, a fused request warns once by name and runs chunked.
+    monkeypatch.setattr(moe_ep, "_fused_unavailable", lambda group, device: "no peer memory here")
+    with pytest.warns(RuntimeWarning, match=r"moe_dispatch: the fused backend cannot run here \(no peer memory"):
+        rows_fused, h_fused = kernels.moe_dispatch(*args, backend="fused")
+    assert torch.equal(rows_fused, rows) and EpCall.decode(h_fused.call).backend == "chunked"
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     call = EpCall("sequential", 1, "", 1, inp["E"], 16).encode()
     with FakeTensorMode() as mode:
         x, ids = mode.from_tensor(inp["x"]), mode.from_tensor(inp["ids"])
         out = torch.ops.coc.moe_dispatch(x, ids, call)
-        combined, returned = torch.ops.coc.moe_combine(out[0][:, :N], mode.from_tensor(inp["tw"]), list(out[5:9]), call)
+        handle = [*out[5:9], *out[10:12]]
+        combined, returned = torch.ops.coc.moe_combine(out[0][:, :N], mode.from_tensor(inp["tw"]), handle, call)
     assert out[0].shape == (16, K) and out[1].shape == (inp["E"],) and out[5].shape == (16,)
+    assert len(out) == 12 and out[10].shape == (10,) and out[11].shape == ()
     assert combined.shape == (5, N) and returned.shape == (10, N)
