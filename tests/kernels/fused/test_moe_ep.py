@@ -17,7 +17,9 @@ Cases (``m_local`` per rank, hidden ``k``, experts per rank, top-k, dtype):
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -197,3 +199,61 @@ def _grad_body(rank: int, world: int) -> list[bool]:
 def test_fused_autograd_has_the_sequential_gradients() -> None:
     for rank, flags in enumerate(run_ranks(_grad_body, 2, timeout=120)):
         assert flags == [True, True], (rank, flags)
+
+
+class HostRead(Exception):
+    """A tensor's value was read on the host."""
+
+
+@contextlib.contextmanager
+def _no_host_reads() -> Iterator[None]:
+    """Every way Python code reads a tensor's value on the host raises :class:`HostRead` meanwhile (a CUDA sync
+    on a GPU, impossible inside graph capture)."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise HostRead
+
+    names = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    for name in names:
+        setattr(torch.Tensor, name, refuse)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def _host_read_body(rank: int, world: int) -> list[str]:
+    """Bounded mode where no host read is allowed (as on CUDA without COC_CHECK), after a warm-up call: a dispatch
+    and a combine read no tensor value on the host (what a CUDA-graph capture needs), and give the sequential bits;
+    exact mode reads (its output's size), as documented."""
+    inp = _inputs(world, rank, "skewed")
+    ref = _one(inp, _cap(world), "sequential")
+    original = moe_ep.wanted
+    moe_ep.wanted = lambda device: False
+    seen = []
+    try:
+        # Warm-up, as before a capture: the first call of a signature is compared across ranks on the host.
+        _one(inp, _cap(world), "fused")
+        _one(inp, None, "fused")
+        kernels.moe_check_overflow()  # nothing pending: the next dispatch has nothing to read
+        with _no_host_reads():
+            got = _one(inp, _cap(world), "fused")
+        seen.append(",".join(_same(ref, got)) or "same bits")
+        try:
+            with _no_host_reads():
+                _one(inp, None, "fused")
+            seen.append("exact mode read nothing")
+        except HostRead:
+            seen.append("exact mode reads on the host")
+    finally:
+        moe_ep.wanted = original
+    # The exact call raised between its fused calls (after its counts call): the group goes on.
+    seen.append(",".join(_same(_one(inp, None, "sequential"), _one(inp, None, "fused"))) or "same bits")
+    return seen
+
+
+def test_fused_bounded_mode_reads_nothing_on_the_host() -> None:
+    for rank, seen in enumerate(run_ranks(_host_read_body, 2, timeout=120)):
+        assert seen == ["same bits", "exact mode reads on the host", "same bits"], (rank, seen)
