@@ -38,11 +38,13 @@ the same from call to call, so it can be captured in a CUDA graph.
 1. call check;
 2. publish (:func:`_publish_kernel`, ``CHUNKS`` programs): copy this rank's ``y`` into its own ``Y`` and
    release-add 1 to ``RS[r]`` of every rank, this one included;
-3. pull (:func:`_pull_kernel`): for each pair of this rank's tokens, wait for ``RS[d] >= CHUNKS`` of the rank
-   ``d`` of its expert and load its row (``handle.pair_dest``: rank and row, from the dispatch) from ``d``'s ``Y``
-   into ``returned [S, n]`` (pairs a bounded overflow dropped stay zero); then :func:`runtime.finish`;
-4. the top-k weighted sum of ``returned`` (:func:`kernels.ops.moe_ep_routing.weighted_sum`, the other backends'
-   own function: fp32, slot order, rounded once), so the result has their bits.
+3. pull and sum (:func:`_pull_kernel`, a program per tile of tokens x columns): wait for ``RS[d] >= CHUNKS`` of
+   every rank ``d``, then for the slots ``s = 0, 1, ..., topk - 1`` in that order load each pair's row from the
+   ``Y`` of its expert's rank (``handle.pair_dest``: rank and row, from the dispatch; zero for pairs a bounded
+   overflow dropped), store it into ``returned [S, n]`` and add ``w[t, s] * row`` to an fp32 accumulator (the
+   product rounded alone, ``mul.rn.f32``, never an FMA), then round once to y's dtype; then :func:`runtime.finish`.
+   These are :func:`kernels.ops.moe_ep_routing.weighted_sum`'s order and roundings (its product and its add are two
+   torch kernels), so ``out`` has the other backends' bits.
 
 A pull, not a push: a push would write into a region of the owner sized by the owner's ``S``, which ranks need not
 share, while the heap size must be the same on every rank; ``Y`` is ``B`` rows on every rank.
@@ -61,9 +63,8 @@ every peer's descriptor of ``e``, published only after that peer's stream finish
 read its rows, its pull read every ``Y``). After a failed check no program stores into a peer or signals, every
 wait fails at once, and the outputs are NaN.
 
-Not fused yet: the combine's weighted sum is a torch op after the pull (a fused sum needs uncontracted ``mul.rn``
-products on a GPU to keep the other backends' bits); the backward passes run the chunked movement; FP8 payloads
-are not carried.
+Not fused yet: the backward passes run the chunked movement; FP8 payloads are not carried; the caller's grouped
+GEMM does not start on the experts whose rows have landed (it would wait on per-expert counters).
 """
 
 from __future__ import annotations
@@ -77,13 +78,15 @@ import triton.language as tl
 
 from ..call import resolve_group as resolve_group_name
 from . import runtime, signals
-from .tile import copy_rows
+from .tile import copy_rows, round_to
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"
 # Programs per (source, destination) pair of the row pushes, and of a combine's publish: the receiver's counter
 # target, so the same on every rank (it depends on the device type only).
 _CHUNKS = {"cpu": 2, "cuda": 16}
 _COUNTS_FLAG = tl.constexpr(0)
+# The interpreter has no inline PTX (and numpy never contracts a product into an FMA).
+_INTERPRETED = tl.constexpr(runtime.triton_interpreted())
 
 
 def _align(nbytes: int) -> int:
@@ -219,26 +222,76 @@ def _publish_kernel(Y, heap, rank, CONFIG: tl.constexpr):
             )
 
 
+@triton.jit
+def _mul_rn(a, b):
+    """``a * b`` in fp32, rounded once and never contracted into an FMA with a later add: the other backends'
+    ``acc += row * w`` is a product kernel then an add kernel, two roundings (the interpreter multiplies alone)."""
+    if _INTERPRETED:
+        p = a * b
+    else:
+        p = tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return p
+
+
+@triton.jit
+def _pull_slot(OUT, ROUTE, tile, s, CONFIG: tl.constexpr):
+    """Slot ``s`` of the tile's tokens: the pair rows read from their experts' ranks (zero where dropped), stored
+    into ``returned`` and returned times their weights (fp32, one rounding). ``tile = (data table, tokens, mask_m,
+    cols, mask_n)``."""
+    out_ptr, ret_ptr, M, N = OUT
+    dest_ptr, w_ptr, stride_wm, topk = ROUTE
+    data_tab_ptr, tokens, mask_m, cols, mask_n = tile
+    WORLD: tl.constexpr = CONFIG[0]
+    BLOCK_M: tl.constexpr = CONFIG[2]
+    BLOCK_N: tl.constexpr = CONFIG[3]
+    pairs = tokens * topk + s
+    where = tl.load(dest_ptr + pairs, mask=mask_m, other=-1)
+    row = tl.where(where >= 0, where // WORLD, 0)
+    mask = mask_m[:, None] & mask_n[None, :]
+    vals = tl.zeros((BLOCK_M, BLOCK_N), dtype=ret_ptr.dtype.element_ty)
+    # One masked load per source rank (a lane loads from the one rank that holds its pair): scalar peer pointers.
+    for d in tl.static_range(WORLD):
+        g = signals.peer_ptr(data_tab_ptr, d, ret_ptr.dtype.element_ty)
+        here = mask & ((where >= 0) & (where % WORLD == d))[:, None]
+        vals = tl.where(here, tl.load(g + row[:, None] * N + cols[None, :], mask=here, other=0.0), vals)
+    tl.store(ret_ptr + pairs[:, None] * N + cols[None, :], vals, mask=mask)
+    weight = tl.load(w_ptr + tokens * stride_wm + s, mask=mask_m, other=0.0).to(tl.float32)
+    return _mul_rn(vals.to(tl.float32), tl.broadcast_to(weight[:, None], (BLOCK_M, BLOCK_N)))
+
+
 @triton.jit(do_not_specialize=["rank", "timeout"])
-def _pull_kernel(OUT, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
-    # OUT = (returned [S, N] zeroed, pair_dest [S] int64 (row * W + rank, -1 dropped), S, N); heap = (data table,
-    # signal table, RS offset); CONFIG = (WORLD, CHUNKS, BLOCK_R, BLOCK_N, USE_GLOBALTIMER).
-    ret_ptr, dest_ptr, S, N = OUT
+def _pull_kernel(OPERANDS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
+    # OPERANDS = (OUT, ROUTE): OUT = (out [M, N], returned [M * topk, N], M, N); ROUTE = (pair_dest [M * topk] int64
+    # (row * W + rank, -1 dropped), topk_weights, stride_wm, topk); heap = (data table, signal table, RS offset);
+    # CONFIG = (WORLD, CHUNKS, BLOCK_M, BLOCK_N, USE_GLOBALTIMER). Program: a tile of tokens x columns.
+    OUT, ROUTE = OPERANDS
+    M, N = OUT[2], OUT[3]
     data_tab_ptr, sig_tab_ptr, rs_offset = heap
     WORLD: tl.constexpr = CONFIG[0]
-    BLOCK_R: tl.constexpr = CONFIG[2]
+    BLOCK_M: tl.constexpr = CONFIG[2]
+    BLOCK_N: tl.constexpr = CONFIG[3]
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tokens = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    tile = (data_tab_ptr, tokens, tokens < M, cols, cols < N)
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
-    pairs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    where = tl.load(dest_ptr + pairs, mask=pairs < S, other=-1)
-    row = tl.where(where >= 0, where // WORLD, 0)
+    ready = True
     # Own rows last: its own publish ran before this launch, the peers' flags arrive meanwhile.
     for step in tl.static_range(1, WORLD + 1):
         d = (rank + step) % WORLD
         flag = pad + signals.counter(pad, rs_offset, d, WORLD)
-        if signals.wait_signal(flag, CONFIG[1], pad, timeout, 1 + d + WORLD * signals.CH_RS, CONFIG[4]):
-            g = signals.peer_ptr(data_tab_ptr, d, ret_ptr.dtype.element_ty)
-            mine = (where >= 0) & (where % WORLD == d)
-            copy_rows((g, N, 1, row), (ret_ptr, pairs), mine, N, CONFIG[3])
+        ready = ready & signals.wait_signal(flag, CONFIG[1], pad, timeout, 1 + d + WORLD * signals.CH_RS, CONFIG[4])
+    if ready:
+        # Slot order, one product and one add per slot in fp32, rounded once: weighted_sum's order and roundings.
+        acc = _pull_slot(OUT, ROUTE, tile, 0, CONFIG)
+        for s in range(1, ROUTE[3]):
+            acc = acc + _pull_slot(OUT, ROUTE, tile, s, CONFIG)
+        out_ptr = OUT[0]
+        mask = tile[2][:, None] & tile[4][None, :]
+        tl.store(out_ptr + tokens[:, None] * N + cols[None, :], round_to(acc, out_ptr.dtype.element_ty), mask=mask)
 
 
 def _exchange_counts(call: runtime.FusedCall, mine: torch.Tensor) -> torch.Tensor:
@@ -334,27 +387,30 @@ def dispatch(
 
 def combine(
     y: torch.Tensor,
+    topk_weights: torch.Tensor,
     pair_dest: torch.Tensor,
     bound: int,
     *,
     group_name: str,
     descriptor: tuple[int, ...],
-) -> torch.Tensor:
-    """``returned [S, n]``: the row of each of this rank's pairs, read from its expert's rank (module docstring);
-    zero for pairs a bounded overflow dropped. ``pair_dest [S]``: ``row * W + rank`` of each pair (-1: dropped);
-    ``bound``: the rows of ``Y`` (the same on every rank: max_tokens, or the most rows any rank received)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [m, n], returned [S, n])``: each pair's row read from its expert's rank (zero for pairs a bounded
+    overflow dropped) and each token's top-k weighted sum (module docstring). ``topk_weights [m, topk]`` (any
+    floating dtype, read as fp32); ``pair_dest [S]``: ``row * W + rank`` of each pair (-1: dropped); ``bound``:
+    the rows of ``Y`` (the same on every rank: max_tokens, or the most rows any rank received)."""
     group = runtime.resolve_group(resolve_group_name(group_name))
     w = runtime.world_size(group)
     y = y.contiguous()
+    tw = topk_weights.contiguous()
+    m, topk = tw.shape
     n = y.shape[1]
     chunks = _CHUNKS[y.device.type]
     block_r, block_c, warps = _blocks(y.device)
-    pairs = pair_dest.numel()
-    returned = torch.zeros((pairs, n), dtype=y.dtype, device=y.device)
-    with runtime.fused_call(
-        COMBINE, group, y.device, max(_align(bound * n * y.element_size()), 16), descriptor
-    ) as call:
-        call.outputs = (returned,)
+    returned = torch.empty((m * topk, n), dtype=y.dtype, device=y.device)
+    out = torch.empty((m, n), dtype=y.dtype, device=y.device)
+    region = max(_align(bound * n * y.element_size()), 16)
+    with runtime.fused_call(COMBINE, group, y.device, region, descriptor) as call:
+        call.outputs = (out, returned)
         heap = call.heap
         bases = (heap.data_ptrs, heap.sig_ptrs, signals.channel_offset(signals.CH_RS, w))
         _publish_kernel[(chunks,)](
@@ -364,12 +420,13 @@ def combine(
             CONFIG=(w, chunks, block_r, block_c),
             num_warps=warps,
         )
-        _pull_kernel[(max(triton.cdiv(pairs, block_r), 1),)](
-            (returned, pair_dest.contiguous(), pairs, n),
+        tiles = triton.cdiv(m, block_r) * max(triton.cdiv(n, block_c), 1)
+        _pull_kernel[(max(tiles, 1),)](
+            ((out, returned, m, n), (pair_dest.contiguous(), tw, tw.stride(0), topk)),
             bases,
             call.rank,
             call.timeout_ticks,
             CONFIG=(w, chunks, block_r, block_c, call.use_globaltimer),
             num_warps=warps,
         )
-    return returned
+    return out, returned

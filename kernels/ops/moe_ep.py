@@ -21,8 +21,8 @@ Backends (results bitwise equal: the ops move rows and sum in a fixed order):
   caller's grouped GEMM of another, needs a per-expert ready signal the GEMM waits on (not built).
 - ``fused`` (:mod:`kernels.fused.moe_ep`, W > 1; a group of one runs the local movement): the counts exchanged
   through the symmetric heap, each row written by its sender straight to its final row in the receiver's heap,
-  and the combine's rows read back from the experts' ranks; the same placement (:func:`layout`) and the same
-  weighted sum (:func:`weighted_sum`), so the same bits. Where the fused kernels cannot run
+  and the combine's rows read back from the experts' ranks and summed in the same kernel; the same placement
+  (:func:`layout`) and :func:`weighted_sum`'s order and roundings, so the same bits. Where the fused kernels cannot run
   (:func:`kernels.fused.unavailable_reason`) it warns once per reason and runs ``chunked``. The backward passes
   run the chunked movement.
 
@@ -378,9 +378,8 @@ def _combine_run(y: torch.Tensor, topk_weights: torch.Tensor, handle: list[torch
         descriptor = describe(COMBINE, (m, y.shape[1]), y.dtype, request=("fused", None), ep=ep)
         # Exact mode: the heap region's rows, the same on every rank, read on the host (bounded: max_tokens).
         bound = call.max_tokens if call.bounded else int(handle[5])
-        returned = fused_ep.combine(y, handle[4], bound, group_name=call.group_name, descriptor=descriptor)
-    else:
-        returned = to_sources(y, list(handle[:4]), topk_weights.numel(), call)
+        return fused_ep.combine(y, topk_weights, handle[4], bound, group_name=call.group_name, descriptor=descriptor)
+    returned = to_sources(y, list(handle[:4]), topk_weights.numel(), call)
     return weighted_sum(returned, topk_weights, y.dtype), returned
 
 

@@ -1,9 +1,9 @@
-"""The fused expert-parallel kernels (kernels/fused/moe_ep.py: counts, row push, collect, publish, pull) compile for
-sm_90a without a GPU, as a launch on an H100 would compile them, with no spills. The interpreter does not type-check
-like the compiler (the int64 row arithmetic on loaded counts, the per-source waits unrolled over W, the
-``%globaltimer`` spins), so this is the check that their GPU build exists. Same method as
-tests/kernels/fused/test_moe_compile_sm90.py (:mod:`tests.kernels.fused.sm90`), at DeepSeek-V3-like sizes (W = 8,
-hidden 7168, top-8, 256 experts).
+"""The fused expert-parallel kernels (kernels/fused/moe_ep.py: counts, row push, collect, publish, pull + weighted
+sum) compile for sm_90a without a GPU, as a launch on an H100 would compile them, with no spills. The interpreter
+does not type-check like the compiler (the int64 row arithmetic on loaded counts, the per-source waits unrolled over
+W, the ``%globaltimer`` spins, the inline ``mul.rn.f32``), so this is the check that their GPU build exists. Same
+method as tests/kernels/fused/test_moe_compile_sm90.py (:mod:`tests.kernels.fused.sm90`), at DeepSeek-V3-like sizes
+(W = 8, hidden 7168, top-8, 256 experts).
 """
 
 from __future__ import annotations
@@ -75,7 +75,10 @@ def main() -> None:
         "pull": (
             moe_ep._pull_kernel,
             dict(
-                OUT=(torch.empty(64, dtype=bf16), idx, 4096 * topk, k),
+                OPERANDS=(
+                    (torch.empty(64, dtype=bf16), torch.empty(64, dtype=bf16), 4096, k),
+                    (idx, torch.empty(64, dtype=torch.float32), topk, topk),
+                ),
                 heap=(tab, tab, rs),
                 rank=world - 2,
                 timeout=10**9,
