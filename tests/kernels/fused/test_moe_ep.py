@@ -2,7 +2,8 @@
 shared-memory heap at W = 1, 2, 3: every output of the dispatch (rows and handle) and the combine bit for bit equal
 to the sequential backend's, in exact and bounded mode, with uneven routing, hidden sizes that are not tile
 multiples, repeated calls over a scrambled heap, the bounded overflow raised by name on every rank (and kept for
-``moe_check_overflow`` where no host read is allowed), and the autograd chain.
+``moe_check_overflow`` where no host read is allowed), no host read in bounded mode, ranks that disagree refused by
+the heap's call check, every launch's programs run in reverse order, and the autograd chain.
 
 Bitwise equality is the claim, not a tolerance: the dispatch copies rows and the combine sums the same returned rows
 with the same function (fp32, slot order, one rounding), so any difference is a wrong row.
@@ -257,3 +258,32 @@ def _host_read_body(rank: int, world: int) -> list[str]:
 def test_fused_bounded_mode_reads_nothing_on_the_host() -> None:
     for rank, seen in enumerate(run_ranks(_host_read_body, 2, timeout=120)):
         assert seen == ["same bits", "exact mode reads on the host", "same bits"], (rank, seen)
+
+
+def _mismatch_body(rank: int, world: int) -> str:
+    """On a fresh group (its heap made by a first, matching call), rank 1 asks for another max_tokens: the heap's
+    call check (in the kernels; the host check is skipped once the heap exists) refuses it by name on every rank."""
+    group = dist.new_group(list(range(world)))
+    inp = _inputs(world, rank, "skewed")
+    args = (inp["x"], inp["ids"], inp["tw"], inp["E"])
+    kernels.moe_dispatch(*args, max_tokens=_cap(world), backend="fused", group=group)
+    try:
+        kernels.moe_dispatch(*args, max_tokens=_cap(world) + rank, backend="fused", group=group)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fused_ranks_that_disagree_are_refused_by_name() -> None:
+    for text in run_ranks(_mismatch_body, 2, timeout=120, env={"COC_CHECK": None}):
+        assert text.startswith("fused moe_dispatch: ranks disagree"), text
+        assert re.search(r"rank \d has max_tokens \(0: exact mode\)=2[78], rank \d has max_tokens", text), text
+        assert "=27" in text and "=28" in text, text
+        assert "before any data moved" in text, text
+
+
+def test_fused_any_program_order() -> None:
+    """The launches' programs run last first: no program waits on a later program of its own launch."""
+    for rank, results in enumerate(run_ranks(_body, 3, timeout=300, env={"COC_TEST_PROGRAM_ORDER": "reverse"})):
+        for case, cap, first, again, calls, _ in results:
+            assert first == [] and again == [] and calls == 2, (case, cap, rank, first, again, calls)
