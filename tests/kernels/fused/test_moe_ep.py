@@ -114,8 +114,8 @@ def _equal(u: torch.Tensor, v: torch.Tensor) -> bool:
 
 def _body(rank: int, world: int) -> list[tuple]:
     """Per (case, mode): the outputs that differ from the sequential backend's on the first fused call and on a
-    repeat over a scrambled heap, and how many fused dispatch / combine runs the first made (2 at W > 1, none
-    fell back; 0 at W = 1: a group of one moves rows locally)."""
+    repeat over a scrambled heap (with a fused combine of the sequential handle), and how many fused dispatch /
+    combine runs the first made (2 at W > 1, none fell back; 0 at W = 1: a group of one moves rows locally)."""
     results = []
     for case in CASES:
         inp = _inputs(world, rank, case)
@@ -126,8 +126,11 @@ def _body(rank: int, world: int) -> list[tuple]:
             calls = count.runs
             if world > 1:
                 scramble(dist.group.WORLD, "cpu")
-            again = _one(inp, cap, "fused")
-            results.append((case, cap, _same(ref, first), _same(ref, again), calls, int(first[1].valid)))
+            again = _same(ref, _one(inp, cap, "fused"))
+            # A fused combine of the sequential dispatch's handle (every backend's handle carries pair_dest).
+            if not _equal(kernels.moe_combine(_experts(ref[0]), ref[1], backend="fused"), ref[2]):
+                again.append("fused combine of a sequential handle")
+            results.append((case, cap, _same(ref, first), again, calls, int(first[1].valid)))
     return results
 
 
