@@ -29,9 +29,10 @@ Backends (results bitwise equal: the ops move rows and sum in a fixed order):
 The bounded mode's overflow (some rank would receive more than ``max_tokens`` rows) is found from the count
 table [W, E] (all-gathered, or exchanged over the heap by the fused backend), which every rank holds, so every
 rank raises the same ``RuntimeError`` before any row moves: where a host read is allowed (CPU always; CUDA under
-``COC_CHECK=1``). Elsewhere (CUDA eager, CUDA-graph capture) the op reads nothing: the flag is computed on the
-device and kept, and the next eager dispatch on the group (or :func:`moe_check_overflow`) reads it and raises
-naming the call; the rows of an overflowing call are never silently kept (the flag is always read; the rows past
+``COC_CHECK=1``). Elsewhere (CUDA eager, CUDA-graph capture) the op reads nothing: the verdict is computed on the
+device and ORed into the group's sticky flag (in place, so every replay of a captured dispatch sets it again), and
+the next eager dispatch on the group (or :func:`moe_check_overflow`) reads it, clears it and raises naming the
+call; the rows of an overflowing call are never silently kept (the flag is always read; the rows past
 ``max_tokens`` are dropped, and a combine after it sums zeros for them).
 """
 
@@ -65,8 +66,12 @@ from .moe_ep_routing import (
 )
 from .moe_routing import _fused_unavailable, _warn_once, wanted
 
-# Bounded-mode overflow flags not read yet (device tensors), per group name: read by the next dispatch.
-_pending: dict[str, list[torch.Tensor]] = {}
+# Bounded-mode overflow not read on the host yet: one sticky device flag per (group name, device) that every such
+# dispatch ORs its verdict into in place, so a dispatch captured in a CUDA graph sets it again at every replay; the
+# groups whose flag may be set since its last read (captured: always, since replays run without the host).
+_pending: dict[tuple[str, str], torch.Tensor] = {}
+_unread: set[str] = set()
+_captured: set[str] = set()
 
 
 def moe_dispatch(
@@ -166,17 +171,22 @@ def moe_combine_reference(
 
 
 def moe_check_overflow(group: dist.ProcessGroup | None = None) -> None:
-    """Read the bounded-mode overflow flags of ``group``'s dispatches that were not checked on the host
-    (CUDA without ``COC_CHECK=1``, or captured) and raise the named ``RuntimeError`` if one overflowed.
-    Every rank holds the same flags (they come from the all-gathered counts), so every rank raises alike.
-    A host read: waits for the flagged calls' streams."""
-    flags = _pending.pop(group_name(group), [])
-    for flag in flags:
-        if bool(flag.item()):
+    """Read the bounded-mode overflow flag of ``group``'s dispatches that were not checked on the host
+    (CUDA without ``COC_CHECK=1``, or captured: every replay of a captured dispatch sets it again) and raise the
+    named ``RuntimeError`` if one overflowed since the last read (the flag is then cleared). Every rank holds the
+    same flag (it comes from the count table every rank holds), so every rank raises alike. A host read: waits
+    for the flagged calls' streams."""
+    name = group_name(group)
+    if name not in _unread and name not in _captured:
+        return
+    _unread.discard(name)
+    for key, flag in _pending.items():
+        if key[0] == name and bool(flag.item()):
+            flag.zero_()
             raise RuntimeError(
                 f"{DISPATCH}: max_tokens overflow in an earlier bounded call on this group: a rank had more rows "
-                "routed to its experts than max_tokens (found from the all-gathered counts, read at this check; "
-                "rows past max_tokens were not kept). Raise max_tokens or use max_tokens=None (exact mode)"
+                "routed to its experts than max_tokens (found from the count table every rank holds, read at this "
+                "check; rows past max_tokens were not kept). Raise max_tokens or use max_tokens=None (exact mode)"
             )
 
 
@@ -288,7 +298,7 @@ def _admit_combine(op: str, tensors: tuple, group: object, request: tuple) -> Ep
 
 
 def _read_pending(call: EpCall) -> None:
-    if _pending.get(call.group_name):
+    if call.group_name in _unread or call.group_name in _captured:
         moe_check_overflow(resolve_group(call.group_name))
 
 
@@ -302,8 +312,13 @@ def _check_table(table: torch.Tensor, call: EpCall, device: torch.device) -> Non
         if message is not None:
             raise RuntimeError(message)
     else:
+        key = (call.group_name, str(table.device))
+        flag = _pending.get(key)
+        if flag is None:
+            flag = _pending[key] = torch.zeros((), dtype=torch.bool, device=table.device)
         totals = table.view(call.world, call.world, -1).sum((0, 2))
-        _pending.setdefault(call.group_name, []).append((totals > call.max_tokens).any())
+        flag.logical_or_((totals > call.max_tokens).any())
+        (_captured if capturing(device) else _unread).add(call.group_name)
 
 
 def _dispatch_run(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tuple:

@@ -173,17 +173,37 @@ def _overflow_body(rank: int, world: int) -> list[str]:
         kernels.moe_check_overflow()
     except RuntimeError as e:
         seen.append(str(e))
+    # As if captured (no host read, and replays run without the host): the flag is sticky and read at every check
+    # (on a fresh group: from now on every dispatch on it reads the flag).
+    group = dist.new_group(list(range(world)))
+    saved = moe_ep.wanted, moe_ep.capturing
+    moe_ep.wanted, moe_ep.capturing = (lambda device: False), (lambda device: True)
+    try:
+        for cap in (8 * world, 5):
+            kernels.moe_dispatch(x, ids, tw, 2 * world, max_tokens=cap, backend="fused", group=group)
+            try:
+                kernels.moe_check_overflow(group)
+                seen.append(f"cap {cap}: no overflow")
+            except RuntimeError as e:
+                seen.append(f"cap {cap}: {e}")
+        kernels.moe_check_overflow(group)
+        seen.append("read and cleared")
+    finally:
+        moe_ep.wanted, moe_ep.capturing = saved
     return seen
 
 
 def test_fused_bounded_overflow_raises_by_name_on_every_rank() -> None:
     world = 2
     for rank, seen in enumerate(run_ranks(_overflow_body, world, timeout=120)):
-        assert len(seen) == 4, (rank, seen)
+        assert len(seen) == 7, (rank, seen)
         assert re.search(rf"max_tokens=5 overflow: rank 0 would receive {8 * world} rows", seen[0]), seen[0]
         assert seen[1] == ("0" if rank else str(8 * world)), seen[1]
         assert seen[2] == ("0 True" if rank else "5 True"), seen[2]
         assert "max_tokens overflow in an earlier bounded call" in seen[3], seen[3]
+        assert seen[4] == f"cap {8 * world}: no overflow", seen[4]
+        assert seen[5].startswith("cap 5: moe_dispatch: max_tokens overflow in an earlier bounded call"), seen[5]
+        assert seen[6] == "read and cleared", seen[6]
 
 
 def _grad_body(rank: int, world: int) -> list[bool]:
