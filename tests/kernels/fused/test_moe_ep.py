@@ -310,3 +310,41 @@ def test_fused_any_program_order() -> None:
     for rank, results in enumerate(run_ranks(_body, 3, timeout=300, env={"COC_TEST_PROGRAM_ORDER": "reverse"})):
         for case, cap, first, again, calls, _ in results:
             assert first == [] and again == [] and calls == 2, (case, cap, rank, first, again, calls)
+
+
+def _gpu_body(rank: int, world: int) -> list[tuple]:
+    """The cases with every tensor on this rank's GPU (compiled kernels, the CUDA IPC heap): the fused outputs,
+    brought back, against the sequential backend run on the CPU copies (gloo), bit for bit; the bounded calls 20
+    times over (each with the same bits)."""
+    from tests.kernels.fused.cases import gpu_device
+
+    dev = gpu_device()
+    results = []
+    for case in CASES:
+        inp = _inputs(world, rank, case)
+        on_gpu = {key: v.to(dev) if isinstance(v, torch.Tensor) else v for key, v in inp.items()}
+        for cap in (None, _cap(world)):
+            ref = _one(inp, cap, "sequential")
+            outs = [_one(on_gpu, cap, "fused") for _ in range(1 if cap is None else 20)]
+            torch.cuda.synchronize(dev)
+            kernels.check_errors()
+            kernels.moe_check_overflow()
+            differ = set()
+            for rows, h, out in outs:
+                moved = h._replace(**{f: getattr(h, f).cpu() for f in h._fields if f not in ("call", "topk_weights")})
+                differ.update(_same(ref, (rows.cpu(), moved._replace(topk_weights=ref[1].topk_weights), out.cpu())))
+            results.append((case, cap, sorted(differ)))
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_on_gpu_has_the_sequential_bits(world: int) -> None:
+    """On one GPU shared by W processes: the fused kernels compiled (the combine's products uncontracted, mul.rn)
+    give the CPU sequential backend's bits."""
+    pytest.importorskip("cupy", reason="the CUDA heap needs CuPy")
+    from tests.kernels.fused.cases import run_gpu_ranks
+
+    for rank, results in enumerate(run_gpu_ranks(_gpu_body, world, timeout=300)):
+        for case, cap, differ in results:
+            assert differ == [], (case, cap, world, rank, differ)
