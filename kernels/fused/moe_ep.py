@@ -27,11 +27,13 @@ x's dtype and ``PAIRS [B]`` int64, ``B = cap`` (bounded) or the most rows any ra
 5. collect (:func:`_collect_kernel`): wait for ``RS[src] >= CHUNKS`` of every source, then copy ``ROWS`` and
    ``PAIRS`` below ``valid`` into the outputs (rows past it stay zero, pair ids -1); then :func:`runtime.finish`.
 
-Exact mode reads the received totals on the host to size ``B`` and the output (as the other backends do), so its
-counts travel in a call of their own (steps 1-2, then ``finish``) and steps 1 and 4-5 follow in a second call
-whose heap size, the largest total, is the same on every rank (a heap that grows, grows by a collective every rank
-must enter with one size). Bounded mode is one call of fixed size and reads nothing on the host: its launches are
-the same from call to call, so it can be captured in a CUDA graph.
+Exact mode reads the received totals on the host after step 2 to size ``B`` and the output (as the other backends
+do). When the heap already holds ``ROWS`` and ``PAIRS`` of that ``B`` (the steady state), steps 3-5 follow in the
+same call; otherwise the call ends after step 2 and steps 1 and 4-5 follow in a second call, which grows the heap
+to the largest total. Every rank takes the same branch: the heap has one size on every rank and every rank holds
+the same table (a heap grows by a collective every rank must enter with one size). Bounded mode is one call of
+fixed size and reads nothing on the host: its launches are the same from call to call, so it can be captured in a
+CUDA graph.
 
 :func:`combine`, call epoch ``e``; heap region ``Y [B, n]`` of y's dtype:
 
@@ -377,11 +379,17 @@ def dispatch(
         return rows, pairs, lay
     with runtime.fused_call(DISPATCH, group, x.device, counts_bytes, descriptor) as call:
         table = _exchange_counts(call, mine)
-    lay = plan(table)  # exact mode: reads the received total on the host (the output's rows)
-    bound = int(lay.rows_bound)
-    pairs_at = _align(bound * k * item)
-    with runtime.fused_call(DISPATCH, group, x.device, max(pairs_at + bound * 8, 16), descriptor) as call:
-        rows, pairs = _move_rows(call, x, (order, lay, topk), (0, pairs_at, lay.rows))
+        lay = plan(table)  # exact mode: reads the received total on the host (the output's rows)
+        bound = int(lay.rows_bound)
+        pairs_at = _align(counts_bytes + bound * k * item)
+        # Every rank's heap has the same size and every rank holds the same table, so every rank takes the same
+        # branch: rows in this call when they fit (the steady state), else in a second call that grows the heap.
+        if call.heap.data_bytes >= pairs_at + bound * 8:
+            rows, pairs = _move_rows(call, x, (order, lay, topk), (counts_bytes, pairs_at, lay.rows))
+            return rows, pairs, lay
+    # The same regions as above (COUNTS kept in front, unused here), so that the grown heap fits the next call.
+    with runtime.fused_call(DISPATCH, group, x.device, pairs_at + bound * 8, descriptor) as call:
+        rows, pairs = _move_rows(call, x, (order, lay, topk), (counts_bytes, pairs_at, lay.rows))
     return rows, pairs, lay
 
 

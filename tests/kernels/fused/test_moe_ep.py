@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import kernels
 from kernels.fused import moe_ep as fused_ep
+from kernels.heap import peek_heap
 from kernels.ops import moe_ep
 from kernels.testing import run_ranks, scramble
 
@@ -88,6 +89,12 @@ class _Count:
         fused_ep.dispatch, fused_ep.combine = self.saved
 
 
+def _heap_calls() -> int:
+    """The calls opened on the default group's CPU heap (0 without one)."""
+    heap = peek_heap(dist.group.WORLD, torch.device("cpu")) if dist.is_initialized() else None
+    return 0 if heap is None else heap.calls
+
+
 def _one(inp: dict[str, Any], cap: int | None, backend: str) -> tuple:
     rows, h = kernels.moe_dispatch(inp["x"], inp["ids"], inp["tw"], inp["E"], max_tokens=cap, backend=backend)
     return rows, h, kernels.moe_combine(_experts(rows), h, backend=backend)
@@ -126,7 +133,11 @@ def _body(rank: int, world: int) -> list[tuple]:
             calls = count.runs
             if world > 1:
                 scramble(dist.group.WORLD, "cpu")
+            opened = _heap_calls()
             again = _same(ref, _one(inp, cap, "fused"))
+            if world > 1 and _heap_calls() - opened != 2:
+                # The heap fits by now: one call for the dispatch (exact mode too), one for the combine.
+                again.append(f"{_heap_calls() - opened} heap calls for a dispatch and a combine")
             # A fused combine of the sequential dispatch's handle (every backend's handle carries pair_dest).
             if not _equal(kernels.moe_combine(_experts(ref[0]), ref[1], backend="fused"), ref[2]):
                 again.append("fused combine of a sequential handle")
