@@ -129,6 +129,16 @@ def _gate(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     return module.act_fn(gate) * up
 
 
+def check_plain_expert_inputs(style: str, hidden: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+    """The experts styles take plain tensors: a DTensor means the sparse block around them was not parallelized
+    for sequence parallelism (``TypeError`` naming ``style``)."""
+    if isinstance(hidden, DTensor) or isinstance(top_k_weights, DTensor):
+        raise TypeError(
+            f"{style}: the experts take plain tensors; a DTensor input means its sparse block was not "
+            "parallelized for sequence parallelism (parallelize_hf(sequence_parallel=True) does it)"
+        )
+
+
 class CocMoeExpertsParallel(ParallelStyle):
     """transformers' ``"moe_tp_experts"`` (with ``"packed_colwise"`` on ``gate_up_proj`` and ``"rowwise"`` on
     ``down_proj``) on the CoC MoE ops (module docstring). Parameters: ``gate_up_proj``
@@ -156,11 +166,7 @@ class CocMoeExpertsParallel(ParallelStyle):
         """``hidden [T, H]``: every token (replicated) or, inside :class:`CocMoeBlockSequenceParallel` with a
         sequence-sharded input, this rank's tokens; the result is laid out as ``hidden``."""
         group = _group(mesh)
-        if isinstance(hidden, DTensor) or isinstance(top_k_weights, DTensor):
-            raise TypeError(
-                "moe_tp_experts: the experts take plain tensors; a DTensor input means its sparse block was not "
-                "parallelized for sequence parallelism (parallelize_hf(sequence_parallel=True) does it)"
-            )
+        check_plain_expert_inputs("moe_tp_experts", hidden, top_k_weights)
         gate_up, down = _local(module.gate_up_proj), _local(module.down_proj)
         if module._coc_tokens_sharded:
             # The ops combine every rank's tokens on every rank: the top-k weights of all of them, gathered.
@@ -313,6 +319,7 @@ def parallelize_moe_blocks(model: nn.Module, mesh: DeviceMesh, sequence_dim: int
 __all__ = [
     "CocMoeBlockSequenceParallel",
     "CocMoeExpertsParallel",
+    "check_plain_expert_inputs",
     "check_moe_plan",
     "parallelize_moe_blocks",
     "without_expert_params",

@@ -29,13 +29,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 import kernels
 
 from . import comm
-from .moe import _gate, _GatherRows, _matches, _SplitRows, check_experts_module
+from .moe import _gate, _GatherRows, _matches, _SplitRows, check_experts_module, check_plain_expert_inputs
 from .styles import _distribute, _group, _install, _local
 
 _STYLE = "ep_dispatch_experts"
@@ -167,11 +167,7 @@ class CocEpDispatchExpertsParallel(ParallelStyle):
         """``hidden [T, H]``: every token (replicated) or, inside ``CocMoeBlockSequenceParallel`` with a
         sequence-sharded input, this rank's tokens; the result is laid out as ``hidden``."""
         group = _group(mesh)
-        if isinstance(hidden, DTensor) or isinstance(top_k_weights, DTensor):
-            raise TypeError(
-                f"{_STYLE}: the experts take plain tensors; a DTensor input means its sparse block was not "
-                "parallelized for sequence parallelism (parallelize_hf(sequence_parallel=True) does it)"
-            )
+        check_plain_expert_inputs(_STYLE, hidden, top_k_weights)
         weights = (_local(module.gate_up_proj), _local(module.down_proj))
         split = None if module._coc_tokens_sharded else group
         return coc_ep_forward(module, (hidden, top_k_index, top_k_weights), weights, ep_group=group, split_group=split)

@@ -92,6 +92,24 @@ def _train(model: torch.nn.Module, ids: torch.Tensor, clip: bool) -> dict[str, A
     return first
 
 
+def train_errors(got: dict[str, Any], want: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """The max errors of a parallelized model's :func:`_train` results ``got`` against one process's ``want``
+    (logits, loss, every gradient, the parameters after the steps, the clipped norms), whether greedy generate gave
+    the same tokens and whether every parameter of ``model`` is a DTensor."""
+    return {
+        "logits": _max_diff(got["logits"], want["logits"]),
+        "loss": _max_diff(got["loss"], want["loss"]),
+        "grads": max(_max_diff(_full(got["grads"][n]), g) for n, g in want["grads"].items()),
+        "params": max(_max_diff(got["params"][n], p) for n, p in want["params"].items()),
+        "grad_norm": max(
+            (_max_diff(a, b) for a, b in zip(got.get("norms", []), want.get("norms", []), strict=True)),
+            default=0.0,
+        ),
+        "generate_equal": torch.equal(got["generated"], want["generated"]),
+        "dtensor_params": all(type(p).__name__ == "DTensor" for p in model.parameters()),
+    }
+
+
 def compare_models(
     rank: int, world: int, model_name: str, combos: list[tuple[bool, dict[str, str]]], layers: int = 2
 ) -> list[dict[str, Any]]:

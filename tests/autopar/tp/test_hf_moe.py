@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kernels.testing import run_ranks
-from tests.autopar.tp.hf_cases import TOL, B, S, _full, _max_diff, _train, build, environment
+from tests.autopar.tp.hf_cases import TOL, B, S, _train, build, environment, train_errors
 
 pytest.importorskip("transformers")
 
@@ -138,17 +138,8 @@ def moe_vs_one_process(
             {
                 "sp": sp,
                 "backend": backend,
-                "logits": _max_diff(got["logits"], want["logits"]),
-                "loss": _max_diff(got["loss"], want["loss"]),
-                "grads": max(_max_diff(_full(got["grads"][n]), g) for n, g in want["grads"].items()),
-                "params": max(_max_diff(got["params"][n], p) for n, p in want["params"].items()),
-                "grad_norm": max(
-                    (_max_diff(a, b) for a, b in zip(got.get("norms", []), want.get("norms", []), strict=True)),
-                    default=0.0,
-                ),
-                "generate_equal": torch.equal(got["generated"], want["generated"]),
+                **train_errors(got, want, tp),
                 "calls": dict(calls),
-                "dtensor_params": all(type(p).__name__ == "DTensor" for p in tp.parameters()),
                 "same_layout": same_layout,
                 "loads": loads,
             }

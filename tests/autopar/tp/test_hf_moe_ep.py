@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kernels.testing import run_ranks
-from tests.autopar.tp.hf_cases import NEW_TOKENS, TOL, B, S, _full, _max_diff, _train, build, environment
+from tests.autopar.tp.hf_cases import NEW_TOKENS, TOL, B, S, _full, _max_diff, _train, build, environment, train_errors
 from tests.autopar.tp.test_hf_moe import BACKENDS, MOE_CONFIGS, _expert_loads, _imbalanced
 
 pytest.importorskip("transformers")
@@ -105,17 +105,8 @@ def ep_vs_one_process(
             {
                 "sp": sp,
                 "backend": backend,
-                "logits": _max_diff(got["logits"], want["logits"]),
-                "loss": _max_diff(got["loss"], want["loss"]),
-                "grads": max(_max_diff(_full(got["grads"][n]), g) for n, g in want["grads"].items()),
-                "params": max(_max_diff(got["params"][n], p) for n, p in want["params"].items()),
-                "grad_norm": max(
-                    (_max_diff(a, b) for a, b in zip(got.get("norms", []), want.get("norms", []), strict=True)),
-                    default=0.0,
-                ),
-                "generate_equal": torch.equal(got["generated"], want["generated"]),
+                **train_errors(got, want, tp),
                 "calls": dict(calls),
-                "dtensor_params": all(type(p).__name__ == "DTensor" for p in tp.parameters()),
                 "same_layout": same_layout,
                 "loads": loads,
             }
