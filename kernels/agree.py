@@ -113,11 +113,15 @@ _MUST_AGREE = {
 }
 _MOE_NAMES = {"group_size": "num_experts", "comm_dim": "topk", "n": "k_out"}
 # The expert-parallel ops (kernels.ops.moe_ep): m is the rank's own token count (it may differ between ranks), k
-# the row width (dispatch: x's k, combine: y's n), "n" the bounded mode's max_tokens (0: exact mode).
-_MUST_AGREE["moe_dispatch"] = _COMMON + ("k", "n", "group_size", "comm_dim")
+# the row width (dispatch: x's k, combine: y's n), "n" the bounded mode's max_tokens (0: exact mode), "quant_mode"
+# an FP8 dispatch's scale layout (row / block; dtype is the payload's).
+_MUST_AGREE["moe_dispatch"] = _COMMON + ("k", "n", "group_size", "comm_dim", "quant_mode")
 _MUST_AGREE["moe_combine"] = _COMMON + ("k", "n", "deterministic", "group_size", "comm_dim")
 _EP_WORDS = {"group_size": "num_experts", "comm_dim": "topk", "n": "max_tokens (0: exact mode)", "m": "m_local"}
-_EP_NAMES = {"moe_dispatch": _EP_WORDS, "moe_combine": {**_EP_WORDS, "k": "n (y.shape[1])"}}
+_EP_NAMES = {
+    "moe_dispatch": {**_EP_WORDS, "dtype": "x.dtype", "quant_mode": "x_scale layout"},
+    "moe_combine": {**_EP_WORDS, "k": "n (y.shape[1])"},
+}
 _GATHERING = ("all_gather_matmul", "all_gather_scaled_matmul", "quantized_all_gather_matmul")
 
 Descriptor = tuple[int, ...]

@@ -65,8 +65,11 @@ every peer's descriptor of ``e``, published only after that peer's stream finish
 read its rows, its pull read every ``Y``). After a failed check no program stores into a peer or signals, every
 wait fails at once, and the outputs are NaN.
 
-Not fused yet: the backward passes run the chunked movement; FP8 payloads are not carried; the caller's grouped
-GEMM does not start on the experts whose rows have landed (it would wait on per-expert counters).
+FP8 payloads need nothing here: the op hands :func:`dispatch` each row's payload and scale bytes packed into one
+``uint8`` row (:mod:`kernels.ops.moe_ep_payload`), which ``ROWS`` holds and the kernels copy like any row.
+
+Not fused yet: the backward passes run the chunked movement; the caller's grouped GEMM does not start on the
+experts whose rows have landed (it would wait on per-expert counters).
 """
 
 from __future__ import annotations
@@ -356,7 +359,8 @@ def dispatch(
     descriptor: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """``(rows [R, k], pair ids [R], layout)``: :func:`kernels.ops.moe_ep.moe_dispatch_reference`'s rows over the
-    heap (module docstring), W > 1. ``routing = (order, counts, topk)``: this rank's pairs sorted by expert (stable)
+    heap (module docstring), W > 1. ``x``: the rows as they move (an FP8 dispatch's packed ``uint8`` rows);
+    ``routing = (order, counts, topk)``: this rank's pairs sorted by expert (stable)
     and its per-expert counts ``[E]`` (:func:`kernels.ops.moe_ep_routing.expert_counts`); ``ep``: the
     :class:`~kernels.ops.moe_ep_routing.EpCall`; ``plan(table)``: the layout from the count table (its
     ``pair_dest``, ``send_counts``, ``valid``, ``rows_bound``, ``rows`` are used here); ``check_table(table)``:

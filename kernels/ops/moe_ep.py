@@ -5,7 +5,8 @@ Public functions (docs/api.md, "Expert-parallel MoE"): :func:`moe_dispatch` and 
 twins :func:`moe_dispatch_reference` and :func:`moe_combine_reference` (the sequential backend called directly;
 their docstrings state the semantics). Registered operators::
 
-    coc::moe_dispatch(Tensor x, Tensor topk_ids, str call) -> (Tensor rows, Tensor[11] handle tensors)
+    coc::moe_dispatch(Tensor x, Tensor? x_scale, Tensor topk_ids, str call)
+        -> (Tensor rows, Tensor rows_scale, Tensor[11] handle tensors)      # rows_scale [R, 0]: plain rows
     coc::moe_combine(Tensor y, Tensor topk_weights, Tensor[] handle, str call) -> (Tensor out, Tensor returned)
                                                     # call: kernels.ops.moe_ep_routing.EpCall.encode()
 
@@ -26,6 +27,10 @@ Backends (results bitwise equal: the ops move rows and sum in a fixed order):
   (:func:`kernels.fused.unavailable_reason`) it warns once per reason and runs ``chunked``. The backward passes
   run the chunked movement.
 
+Payloads (:mod:`kernels.ops.moe_ep_payload`): plain rows, or FP8 rows with their per-row / per-1x128 scales packed
+into one ``uint8`` row that every backend moves as it moves plain rows (the format is a field of the call value),
+unpacked on arrival; bounded mode's padding rows get scale 1.0.
+
 The bounded mode's overflow (some rank would receive more than ``max_tokens`` rows) is found from the count
 table [W, E] (all-gathered, or exchanged over the heap by the fused backend), which every rank holds, so every
 rank raises the same ``RuntimeError`` before any row moves: where a host read is allowed (CPU always; CUDA under
@@ -38,6 +43,8 @@ call; the rows of an overflowing call are never silently kept (the flag is alway
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -45,8 +52,10 @@ from .. import callcheck, checks
 from ..call import group_name, resolve_group
 from ..capture import capturing
 from ..config import get_config
+from ..format import OperandFormat, pack_rows
 from ..op_registration import define_op
 from .all_gather import gather_rows
+from .moe_ep_payload import scale_cols, split_x, unpack
 from .moe_ep_routing import (
     COMBINE,
     DISPATCH,
@@ -75,7 +84,7 @@ _captured: set[str] = set()
 
 
 def moe_dispatch(
-    x: torch.Tensor,
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     num_experts: int,
@@ -84,33 +93,35 @@ def moe_dispatch(
     group: dist.ProcessGroup | None = None,
     backend: str | None = None,
     parallel_num: int | None = None,
-) -> tuple[torch.Tensor, MoeDispatchHandle]:
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], MoeDispatchHandle]:
     """``(rows [R, k], handle)``: the (token, slot) rows this rank's experts need from every rank, grouped by
     local expert. Semantics: :func:`moe_dispatch_reference`.
 
-    ``x [m_local, k]`` (fp16 / bf16 / fp32) this rank's tokens (m_local may differ between ranks);
+    ``x [m_local, k]`` (fp16 / bf16 / fp32) this rank's tokens (m_local may differ between ranks), or an FP8
+    pair ``(x_fp8, x_scale)`` (:mod:`kernels.ops.moe_ep_payload`; then ``rows`` is ``(rows_fp8 [R, k],
+    rows_scale [R, s])``, not differentiable);
     ``topk_ids [m_local, topk]`` (int32 / int64 in ``[0, num_experts)``); ``topk_weights [m_local, topk]``
     (floating; kept in the handle for :func:`moe_combine`); ``num_experts``: E, a multiple of W (expert e lives
     on rank ``e // (E / W)``); ``max_tokens``: None (exact mode, R = the rows received) or the most rows any
     rank may receive (bounded mode: R = max_tokens, no host read, overflow raises by name on every rank);
-    ``backend`` / ``parallel_num`` as the dense ops. Differentiable in ``x``
+    ``backend`` / ``parallel_num`` as the dense ops. Differentiable in plain ``x``
     (:class:`kernels.ops.moe_ep_autograd.MoeDispatchFunction`).
     """
     call = _admit_dispatch(
         DISPATCH, (x, topk_ids, topk_weights), (num_experts, max_tokens), group, (backend, parallel_num)
     )
-    return _dispatch_apply(x, topk_ids, topk_weights, call)
+    return _dispatch_apply(split_x(x), topk_ids, topk_weights, call)
 
 
 def moe_dispatch_reference(
-    x: torch.Tensor,
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     num_experts: int,
     *,
     max_tokens: int | None = None,
     group: dist.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, MoeDispatchHandle]:
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], MoeDispatchHandle]:
     """The semantics of :func:`moe_dispatch`, in torch (validated and rank-checked the same way)::
 
         E_l = E // W; dest(e) = e // E_l                              # expert e lives on rank dest(e)
@@ -125,12 +136,15 @@ def moe_dispatch_reference(
     ``[C, k]`` with the rows past ``handle.valid`` zero, ``expert_offsets[-1] = C`` (the padding counted in the
     last local expert, so the offsets feed ``kernels.grouped_matmul`` as they are); a rank that would receive
     more than C rows makes every rank raise ``RuntimeError`` (``max_tokens ... overflow``) before rows move.
+
+    FP8 ``x = (x_fp8, x_scale)``: each row moves with its scale row (the same placement), so ``rows_fp8[j]`` and
+    ``rows_scale[j]`` are the bytes of its source row; bounded mode's padding rows are zero with scale 1.0.
     """
     request = ("sequential", None)
     call = _admit_dispatch(
         f"{DISPATCH}_reference", (x, topk_ids, topk_weights), (num_experts, max_tokens), group, request
     )
-    return _dispatch_apply(x, topk_ids, topk_weights, call)
+    return _dispatch_apply(split_x(x), topk_ids, topk_weights, call)
 
 
 def moe_combine(
@@ -194,15 +208,19 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _dispatch_apply(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, call: EpCall) -> tuple:
-    if _needs_grad(x):
+def _dispatch_apply(x: tuple, topk_ids: torch.Tensor, topk_weights: torch.Tensor, call: EpCall) -> tuple:
+    """``x = (payload, scale or None)``. An FP8 payload never requires grad (torch refuses it) and a scale that
+    does is refused by the checks, so FP8 calls never enter autograd."""
+    x, x_scale = x
+    if x_scale is None and _needs_grad(x):
         from .moe_ep_autograd import MoeDispatchFunction
 
         out = MoeDispatchFunction.apply(x, topk_ids, call.encode())
     else:
-        out = dispatch_operator(x, topk_ids, call.encode())
-    rows, *parts = out
-    return rows, MoeDispatchHandle(*parts, topk_weights=topk_weights, call=call.encode())
+        out = dispatch_operator(x, x_scale, topk_ids, call.encode())
+    rows, rows_scale, *parts = out
+    handle = MoeDispatchHandle(*parts, topk_weights=topk_weights, call=call.encode())
+    return ((rows, rows_scale) if x_scale is not None else rows), handle
 
 
 def _handle_tensors(handle: MoeDispatchHandle) -> list[torch.Tensor]:
@@ -254,23 +272,26 @@ def _resolve(op: str, request: tuple, sizes: tuple, group: dist.ProcessGroup | N
 
 def _admit_dispatch(op: str, tensors: tuple, sizes: tuple, group: object, request: tuple) -> EpCall:
     """Validate, compare with the peers (a rank's error reaches every rank before any communication)."""
-    x, topk_ids, topk_weights = tensors
+    given, topk_ids, topk_weights = tensors
+    x = split_x(given)[0]
     num_experts, max_tokens = sizes
     world = checks.world_of(group)
     device = x.device if isinstance(x, torch.Tensor) else None
+    formats: list[OperandFormat] = []
 
     def validate() -> tuple[int, ...]:
-        check_dispatch(x, topk_ids, topk_weights, (num_experts, max_tokens, world))
+        formats.append(check_dispatch(given, topk_ids, topk_weights, (num_experts, max_tokens, world)))
         checks.check_options(request[0], request[1], "deterministic", True)
         ep = (num_experts, topk_ids.shape[1], max_tokens or 0, True)
-        return describe(DISPATCH, (x.shape[0], x.shape[1]), x.dtype, request=request, ep=ep)
+        return describe(DISPATCH, (x.shape[0], x.shape[1]), x.dtype, request=request, ep=ep, fmt=formats[-1])
 
     def values() -> None:
         if wanted(x.device):
             check_id_range(topk_ids, num_experts)
 
     callcheck.admit(op, group, world, device, validate, values=values, backend=request[0])  # type: ignore[arg-type]
-    return _resolve(op, request, (num_experts, max_tokens or 0, device), group)  # type: ignore[arg-type]
+    call = _resolve(op, request, (num_experts, max_tokens or 0, device), group)  # type: ignore[arg-type]
+    return replace(call, fmt=formats[-1].encode())
 
 
 def _admit_combine(op: str, tensors: tuple, group: object, request: tuple) -> EpCall:
@@ -321,9 +342,12 @@ def _check_table(table: torch.Tensor, call: EpCall, device: torch.device) -> Non
         (_captured if capturing(device) else _unread).add(call.group_name)
 
 
-def _dispatch_run(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tuple:
+def _dispatch_run(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids: torch.Tensor, call_text: str) -> tuple:
     call = EpCall.decode(call_text)
+    fmt = OperandFormat.decode(call.fmt)
     group, topk = resolve_group(call.group_name), topk_ids.shape[1]
+    # The rows that move: x, or FP8 payload and scale bytes packed in one uint8 row (the same movement below).
+    packed = pack_rows(fmt, x, x_scale)
     if not capturing(x.device):
         _read_pending(call)
     order, mine = expert_counts(topk_ids.reshape(-1).to(torch.int64), call.num_experts)
@@ -337,9 +361,10 @@ def _dispatch_run(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tu
             x.dtype,
             request=("fused", None),
             ep=(call.num_experts, topk, call.max_tokens, True),
+            fmt=fmt,
         )
-        rows, src_pair, lay = fused_ep.dispatch(
-            x,
+        moved, src_pair, lay = fused_ep.dispatch(
+            packed,
             (order, mine, topk),
             call,
             plan=lambda table: layout(order, table, call, me),
@@ -352,23 +377,27 @@ def _dispatch_run(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tu
         _check_table(table, call, x.device)
         lay = layout(order, table, call, me)
         tensors = [lay.recv_to_row, lay.send_index, lay.send_counts, lay.recv_counts]
-        rows = to_experts(x.repeat_interleave(topk, 0), tensors, lay.rows, call)
+        moved = to_experts(packed.repeat_interleave(topk, 0), tensors, lay.rows, call)
         pair_ids = torch.arange(x.shape[0] * topk, device=x.device)[:, None]
         # The source pair of each row travels as the rows do (-1: padding), from which token and slot follow.
         src_pair = to_experts(pair_ids + 1, tensors, lay.rows, call)[:, 0] - 1
     token = torch.where(src_pair >= 0, src_pair // topk, -1)
     slot = torch.where(src_pair >= 0, src_pair % topk, -1)
-    return (rows, lay.expert_offsets, lay.src_rank, token, slot, *tensors, lay.valid, lay.pair_dest, lay.rows_bound)
+    rows, rows_scale = unpack(fmt, moved, x, lay.valid if call.bounded else None)
+    handle = (lay.expert_offsets, lay.src_rank, token, slot, *tensors, lay.valid, lay.pair_dest, lay.rows_bound)
+    return (rows, rows_scale, *handle)
 
 
-def _dispatch_fake(x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tuple:
+def _dispatch_fake(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids: torch.Tensor, call_text: str) -> tuple:
     call = EpCall.decode(call_text)
+    cols = scale_cols(OperandFormat.decode(call.fmt), x.shape[1])
     rows = call.max_tokens if call.bounded else torch.library.get_ctx().new_dynamic_size()
     slots = call.world * call.max_tokens if call.bounded else rows
     index = x.new_empty((rows,), dtype=torch.int64)
     world = x.new_empty((call.world,), dtype=torch.int64)
     return (
         x.new_empty((rows, x.shape[1])),
+        x.new_empty((rows, cols), dtype=torch.float32),
         x.new_empty((call.num_experts // call.world,), dtype=torch.int64),
         index,
         torch.empty_like(index),
@@ -403,8 +432,8 @@ def _combine_fake(y: torch.Tensor, topk_weights: torch.Tensor, handle: list[torc
 
 
 dispatch_operator = define_op(
-    "moe_dispatch(Tensor x, Tensor topk_ids, str call) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-    "Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "moe_dispatch(Tensor x, Tensor? x_scale, Tensor topk_ids, str call) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
+    "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
     _dispatch_run,
     _dispatch_fake,
 )

@@ -17,7 +17,7 @@ from .moe_ep_routing import EpCall, to_experts, to_sources, weighted_sum
 
 
 class MoeDispatchFunction(torch.autograd.Function):
-    """``rows, handle = moe_dispatch(x, topk_ids, ...)``.
+    """``rows, handle = moe_dispatch(x, topk_ids, ...)`` for plain x (an FP8 dispatch is not differentiable).
 
     - forward, one ``coc::moe_dispatch``::
 
@@ -31,11 +31,11 @@ class MoeDispatchFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tuple:
-        out = torch.ops.coc.moe_dispatch(x, topk_ids, call_text)
+        out = torch.ops.coc.moe_dispatch(x, None, topk_ids, call_text)
         ctx.mark_non_differentiable(*out[1:])
         ctx.call_text, ctx.shape = call_text, tuple(topk_ids.shape)
-        # recv_to_row, send_index, send_counts, recv_counts
-        ctx.save_for_backward(*out[5:9])
+        # recv_to_row, send_index, send_counts, recv_counts (after rows, rows_scale and four of the handle's)
+        ctx.save_for_backward(*out[6:10])
         return out
 
     @staticmethod

@@ -28,7 +28,9 @@ import torch.distributed as dist
 
 from .. import agree
 from ..call import resolve_group
+from ..format import OperandFormat
 from .grouped_matmul import PLAIN_DTYPES
+from .moe_ep_payload import check_payload, split_x
 from .moe_routing import ID_DTYPES, check_id_values
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"
@@ -67,7 +69,8 @@ class MoeDispatchHandle(NamedTuple):
 @dataclass(frozen=True)
 class EpCall:
     """One dispatch / combine call without its tensors: the string the registered operators carry.
-    ``max_tokens`` 0 is the exact mode."""
+    ``max_tokens`` 0 is the exact mode; ``fmt`` the dispatch's payload format
+    (:meth:`kernels.format.OperandFormat.encode`: ``plain``, ``fp8:row``, ``fp8:block``; a combine's is plain)."""
 
     backend: str
     parallel_num: int
@@ -75,15 +78,24 @@ class EpCall:
     world: int
     num_experts: int
     max_tokens: int
+    fmt: str = "plain"
 
     def encode(self) -> str:
-        fields = (self.backend, self.parallel_num, self.group_name, self.world, self.num_experts, self.max_tokens)
+        fields = (
+            self.backend,
+            self.parallel_num,
+            self.group_name,
+            self.world,
+            self.num_experts,
+            self.max_tokens,
+            self.fmt,
+        )
         return "|".join(str(f) for f in fields)
 
     @staticmethod
     def decode(text: str) -> EpCall:
-        backend, num, name, world, num_e, cap = text.split("|")
-        return EpCall(backend, int(num), name, int(world), int(num_e), int(cap))
+        backend, num, name, world, num_e, cap, fmt = text.split("|")
+        return EpCall(backend, int(num), name, int(world), int(num_e), int(cap), fmt)
 
     @property
     def bounded(self) -> bool:
@@ -96,14 +108,16 @@ def _tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def check_dispatch(x: object, topk_ids: object, topk_weights: object, sizes: tuple[object, object, int]) -> None:
-    """``moe_dispatch``'s metadata; ``sizes = (num_experts, max_tokens, W)``."""
+def check_dispatch(
+    x: object, topk_ids: object, topk_weights: object, sizes: tuple[object, object, int]
+) -> OperandFormat:
+    """``moe_dispatch``'s metadata and its payload format; ``x`` as given (a tensor or an ``(x_fp8, x_scale)``
+    pair, :mod:`kernels.ops.moe_ep_payload`), ``sizes = (num_experts, max_tokens, W)``."""
     num_experts, max_tokens, world = sizes
-    x, ids, tw = _tensor("x", x), _tensor("topk_ids", topk_ids), _tensor("topk_weights", topk_weights)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [m_local, k] (this rank's tokens), got shape {tuple(x.shape)}")
-    if x.dtype not in PLAIN_DTYPES:
-        raise TypeError(f"x dtype {x.dtype} is not accepted; use one of {[str(d) for d in PLAIN_DTYPES]}")
+    payload, x_scale = split_x(x)
+    fmt = check_payload(payload, x_scale)
+    assert isinstance(payload, torch.Tensor)
+    x, ids, tw = payload, _tensor("topk_ids", topk_ids), _tensor("topk_weights", topk_weights)
     if ids.dtype not in ID_DTYPES:
         raise TypeError(f"topk_ids dtype {ids.dtype} is not accepted; use torch.int32 or torch.int64")
     if ids.dim() != 2 or ids.shape[0] != x.shape[0] or ids.shape[1] < 1:
@@ -131,6 +145,7 @@ def check_dispatch(x: object, topk_ids: object, topk_weights: object, sizes: tup
     for name, t in (("topk_ids", ids), ("topk_weights", tw)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    return fmt
 
 
 def check_combine(y: object, handle: object, deterministic: object) -> MoeDispatchHandle:
@@ -149,7 +164,10 @@ def check_combine(y: object, handle: object, deterministic: object) -> MoeDispat
             f"shape {tuple(y.shape)}"
         )
     if y.dtype not in PLAIN_DTYPES:
-        raise TypeError(f"y dtype {y.dtype} is not accepted; use one of {[str(d) for d in PLAIN_DTYPES]}")
+        raise TypeError(
+            f"y dtype {y.dtype} is not accepted; use one of {[str(d) for d in PLAIN_DTYPES]} (the combine moves and "
+            "sums y in its own dtype: its payloads are never FP8, even after an FP8 dispatch)"
+        )
     if y.device != handle.src_rank.device:
         raise ValueError(f"y is on {y.device} but the handle's tensors are on {handle.src_rank.device}")
     return handle
@@ -160,10 +178,20 @@ def check_id_range(topk_ids: torch.Tensor, num_experts: int) -> None:
     check_id_values(topk_ids, num_experts, named="num_experts")
 
 
-def describe(op: str, shape: tuple[int, int], dtype: torch.dtype, *, request: tuple, ep: tuple) -> tuple:
+def describe(
+    op: str,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    *,
+    request: tuple,
+    ep: tuple,
+    fmt: OperandFormat | None = None,
+) -> tuple:
     """The call descriptor (:mod:`kernels.agree`): ``shape = (m_local, k)`` (combine: ``(m_local, n)``),
-    ``request = (backend, parallel_num)``, ``ep = (E, topk, max_tokens or 0, deterministic)``. Words: "n" holds
-    ``max_tokens`` (the mode), "group_size" E, "comm_dim" top-k (names in ``agree._EP_NAMES``)."""
+    ``dtype`` x's (an FP8 dispatch: the payload's), ``request = (backend, parallel_num)``,
+    ``ep = (E, topk, max_tokens or 0, deterministic)``, ``fmt`` a dispatch's payload format (its scale layout is
+    the "quant_mode" word). Words: "n" holds ``max_tokens`` (the mode), "group_size" E, "comm_dim" top-k (names
+    in ``agree._EP_NAMES``)."""
     num_e, topk, cap, deterministic = ep
     return agree.describe_call(
         op,
@@ -177,6 +205,7 @@ def describe(op: str, shape: tuple[int, int], dtype: torch.dtype, *, request: tu
         parallel_num=request[1],
         group_size=num_e,
         comm_dim=topk,
+        quant_mode=None if fmt is None else fmt.mode,
     )
 
 

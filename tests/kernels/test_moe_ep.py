@@ -283,9 +283,9 @@ def test_reference_twins_fused_request_and_fakes(monkeypatch: pytest.MonkeyPatch
     call = EpCall("sequential", 1, "", 1, inp["E"], 16).encode()
     with FakeTensorMode() as mode:
         x, ids = mode.from_tensor(inp["x"]), mode.from_tensor(inp["ids"])
-        out = torch.ops.coc.moe_dispatch(x, ids, call)
-        handle = [*out[5:9], *out[10:12]]
+        out = torch.ops.coc.moe_dispatch(x, None, ids, call)
+        handle = [*out[6:10], *out[11:13]]
         combined, returned = torch.ops.coc.moe_combine(out[0][:, :N], mode.from_tensor(inp["tw"]), handle, call)
-    assert out[0].shape == (16, K) and out[1].shape == (inp["E"],) and out[5].shape == (16,)
-    assert len(out) == 12 and out[10].shape == (10,) and out[11].shape == ()
+    assert out[0].shape == (16, K) and out[1].shape == (16, 0) and out[2].shape == (inp["E"],)
+    assert len(out) == 13 and out[6].shape == (16,) and out[11].shape == (10,) and out[12].shape == ()
     assert combined.shape == (5, N) and returned.shape == (10, N)
