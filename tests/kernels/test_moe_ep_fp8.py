@@ -258,6 +258,30 @@ def test_fp8_named_errors_before_any_communication() -> None:
             assert re.search(pattern, message), (rank, pattern, message)
 
 
+def _fused_mismatch_body(rank: int, world: int) -> str:
+    """On a fresh group (its heap made by a first, matching call), rank 1 sends row scales where rank 0 sends block
+    scales: the heap's call check (the host check is skipped once the heap exists) refuses it on every rank."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    xq, xs = f8.quantize(torch.randn(3, K), "block", False)
+    ids, tw = torch.zeros(3, 2, dtype=torch.int64), torch.rand(3, 2)
+    kernels.moe_dispatch((xq, xs), ids, tw, 4, max_tokens=16, backend="fused", group=group)
+    scale = xs[:, :1].contiguous() if rank else xs
+    try:
+        kernels.moe_dispatch((xq, scale), ids, tw, 4, max_tokens=16, backend="fused", group=group)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fp8_fused_ranks_that_disagree_on_the_layout_are_refused_by_the_heap() -> None:
+    for text in run_ranks(_fused_mismatch_body, 2, timeout=120, env={"COC_CHECK": None}):
+        assert text.startswith("fused moe_dispatch: ranks disagree"), text
+        assert re.search(r"rank \d has x_scale layout=(row|block), rank \d has x_scale layout=(row|block)", text), text
+        assert "before any data moved" in text, text
+
+
 def test_fp8_fakes_and_compiled_dispatch() -> None:
     """The operator's fake gives the scale output's shape (bounded and exact: a dynamic row count), and
     ``torch.compile(fullgraph=True)`` traces an FP8 bounded dispatch (group of one) into one ``coc`` call that
