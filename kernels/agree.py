@@ -107,9 +107,11 @@ _MUST_AGREE = {
     "quantized_matmul_reduce_scatter": _REDUCING + ("comm_dim", "outer", "quant_mode", "group_size"),
     "all_reduce_rmsnorm": _REDUCING + ("comm_dim", "quant_mode"),
     # The MoE ops: "group_size" holds the expert count E and "comm_dim" the top-k (_MOE_NAMES). The gather's
-    # n_local and the reducing op's n_local (its k) may differ between ranks, as for the dense ops.
-    "all_gather_grouped_matmul": _COMMON + ("m", "k", "group_size", "comm_dim"),
-    "grouped_matmul_reduce_scatter": _COMMON + ("m", "n", "deterministic", "group_size", "comm_dim"),
+    # n_local and the reducing op's n_local (its k) may differ between ranks, as for the dense ops. Their FP8
+    # format: the scaling mode and the weight / output dtypes (plain: not applicable on every rank).
+    "all_gather_grouped_matmul": _COMMON + ("m", "k", "group_size", "comm_dim", "quant_mode", "fp8_dtypes"),
+    "grouped_matmul_reduce_scatter": _COMMON
+    + ("m", "n", "deterministic", "group_size", "comm_dim", "quant_mode", "fp8_dtypes"),
 }
 _MOE_NAMES = {"group_size": "num_experts", "comm_dim": "topk", "n": "k_out"}
 # The expert-parallel ops (kernels.ops.moe_ep): m is the rank's own token count (it may differ between ranks), k
@@ -286,6 +288,8 @@ def _field_name(name: str, op_code: int) -> str:
         return _EP_NAMES[op][name]  # type: ignore[index]
     if op in ("all_gather_grouped_matmul", "grouped_matmul_reduce_scatter") and name in _MOE_NAMES:
         return _MOE_NAMES[name]
+    if op in ("all_gather_grouped_matmul", "grouped_matmul_reduce_scatter") and name == "quant_mode":
+        return "scaling mode (from the scale shapes)"
     if op == "all_gather_grouped_matmul" and name == "m":
         return "m_local"
     # all_gather_matmul's m is the local row count (the gathered one is W times larger).

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..format import PLAIN
+from ..format import PLAIN, pack_rows, unpack_rows
 from . import grouped, runtime, signals
 from .all_gather import _push_kernel, scale_base
 from .all_reduce_norm import block_config
@@ -155,8 +155,24 @@ def _collect_kernel(ROWS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
                 copy_rows((ids_region, TOPK, 1, rows), (idg_ptr, rows), mask_r, TOPK, CONFIG[4])
 
 
-def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return grouped.launch(PLAIN, x.contiguous(), weight.contiguous(), offsets, out)
+def _grouped(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, scaled: tuple | None = None
+) -> torch.Tensor:
+    """The grouped GEMM into ``out``; ``scaled = (format, x_scale rows, w_scale)`` for FP8 (None: plain)."""
+    if scaled is None:
+        return grouped.launch(PLAIN, x.contiguous(), weight.contiguous(), offsets, out)
+    fmt, xs, ws = scaled
+    return grouped.launch(
+        fmt, x.contiguous(), weight.contiguous(), offsets, out, x_scale=xs.contiguous(), w_scale=ws.contiguous()
+    )
+
+
+def _multiply(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor, fp8: tuple) -> None:
+    """``out = rows @ weight`` per expert for gathered ``rows`` in routing order, unpacked first where they are
+    FP8 rows packed with their scales; ``fp8 = (format, k, x dtype, w_scale)``."""
+    fmt, k, dtype, w_scale = fp8
+    x, x_scale = unpack_rows(fmt, rows, k, dtype)
+    _grouped(x, weight, offsets, out, None if x_scale is None else (fmt, x_scale, w_scale))
 
 
 def _collect(call: runtime.FusedCall, x: torch.Tensor, ids: torch.Tensor, i_base: int) -> tuple:
@@ -216,33 +232,40 @@ def gather(
     route: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     group: object,
     descriptor: tuple[int, ...],
+    fp8: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y [M * topk, n_local], expert_offsets, token_index, slot)``: :func:`kernels.ops.moe.
     all_gather_grouped_matmul_reference`'s result over the heap (module docstring). ``x [m_local, k]`` and
     ``weight [E, n_local, k]`` of one dtype, ``topk_ids [m_local, topk]`` int32 / int64 (validated by the caller);
     ``route(ids [M, topk] int64, E)``: the routing (:func:`kernels.ops.moe_routing.route`, the ops layer's, so
     every backend groups the rows alike; it must read nothing on the host); ``descriptor``: this rank's call,
-    checked against every peer's before any data moves."""
+    checked against every peer's before any data moves. ``fp8 = (format, x_scale, w_scale, out_dtype)`` for FP8
+    operands (``x_scale`` in the kernels' layout, 0-dim when tensorwise): each row is pushed packed with its
+    scales (:func:`kernels.format.pack_rows`, one ``uint8`` row of ``k + 4 * G`` bytes; the push and collect
+    kernels copy bytes as they copy elements) and unpacked for the grouped GEMM."""
     group = runtime.resolve_group(group)
     w = runtime.world_size(group)
-    num_experts, n_local, _ = weight.shape
-    x = x.contiguous()
+    num_experts, n_local, k = weight.shape
+    fmt, x_scale, w_scale, out_dtype = fp8 if fp8 is not None else (PLAIN, None, None, x.dtype)
+    rows = pack_rows(fmt, x.contiguous(), x_scale)
+    how = (fmt, k, x.dtype, w_scale)
     ids = topk_ids.contiguous()
     if w == 1:
         offsets, token_index, slot = route(ids.to(torch.int64), num_experts)
-        y = torch.empty((token_index.numel(), n_local), dtype=x.dtype, device=x.device)
-        return _grouped(x[token_index], weight, offsets, y), offsets, token_index, slot
-    m_local, k = x.shape
+        y = torch.empty((token_index.numel(), n_local), dtype=out_dtype, device=x.device)
+        _multiply(rows[token_index], weight, offsets, y, how)
+        return y, offsets, token_index, slot
+    m_local, width = rows.shape
     topk = ids.shape[1]
-    payload = w * m_local * k * x.element_size()
+    payload = w * m_local * width * rows.element_size()
     i_base = scale_base(payload)
     data_bytes = i_base * 4 + w * m_local * topk * 4
     with runtime.fused_call("all_gather_grouped_matmul", group, x.device, data_bytes, descriptor) as call:
-        x_gathered, ids_gathered = _collect(call, x, ids, i_base)
+        rows_gathered, ids_gathered = _collect(call, rows, ids, i_base)
         offsets, token_index, slot = route(ids_gathered, num_experts)
-        y = torch.empty((token_index.numel(), n_local), dtype=x.dtype, device=x.device)
+        y = torch.empty((token_index.numel(), n_local), dtype=out_dtype, device=x.device)
         call.outputs = (y,)
-        _grouped(x_gathered[token_index], weight, offsets, y)
+        _multiply(rows_gathered[token_index], weight, offsets, y, how)
     return y, offsets, token_index, slot
 
 
@@ -261,11 +284,14 @@ def reduce_scatter(
     pair_rows: torch.Tensor,
     group: object,
     descriptor: tuple[int, ...],
+    fp8: tuple | None = None,
 ) -> torch.Tensor:
     """``out [m_local, k_out]`` in h's dtype: :func:`kernels.ops.moe.grouped_matmul_reduce_scatter_reference`'s
     result over the heap (module docstring). ``routing = (expert_offsets, token_index, slot)``; ``pair_rows
     [M, topk]``: the output row of each (token, slot) pair (:func:`kernels.ops.moe_routing.row_of_pair`);
-    ``topk_weights [M, topk]`` (any floating dtype, read as fp32); ``descriptor`` as :func:`gather`'s."""
+    ``topk_weights [M, topk]`` (any floating dtype, read as fp32); ``descriptor`` as :func:`gather`'s; ``fp8 =
+    (format, x_scale rows [rows of h, G], w_scale, out_dtype)`` for FP8 h and weight: fp32 partials as for
+    plain, the result rounded once to ``out_dtype``."""
     group = runtime.resolve_group(group)
     w = runtime.world_size(group)
     offsets = routing[0]
@@ -278,17 +304,23 @@ def reduce_scatter(
     cfg = tile_config(h.device)
     P = (partial, partial.stride(0), max(partial.shape[0], 1), k_out)
     ROUTE = (pair_rows, pair_rows.stride(0), tw, tw.stride(0), topk)
-    out = torch.empty((m_local, k_out), dtype=h.dtype, device=h.device)
+    out_dtype = h.dtype if fp8 is None else fp8[3]
+    out = torch.empty((m_local, k_out), dtype=out_dtype, device=h.device)
+    scaled = None if fp8 is None else fp8[:3]
     if w == 1:
-        _grouped(h, weight, offsets, partial)
+        _grouped(h, weight, offsets, partial, scaled)
         grid = (tiles(m_local, k_out, cfg),)
         if grid[0] > 0:
             _combine_kernel[grid](P, ROUTE, (out, out.stride(0), m_local), TILE=cfg.tile(), num_warps=cfg.num_warps)
         return out
     # Before the call check: the partials need no peer, and on a GPU the GEMM then hides the check's wait for
     # late peers (stream order keeps it before the combine).
-    _grouped(h, weight, offsets, partial)
+    _grouped(h, weight, offsets, partial, scaled)
     ld = slot_stride(k_out)
+    if fp8 is not None:
+        # FP8: reduced into fp32 and rounded once by torch, to nearest even as the dense FP8 ops round (the
+        # interpreter's reduce would truncate to bf16).
+        out = torch.empty((m_local, k_out), dtype=torch.float32, device=h.device)
     with runtime.fused_call("grouped_matmul_reduce_scatter", group, h.device, w * m_local * ld * 4, descriptor) as call:
         call.outputs = (out,)
         heap = call.heap
@@ -308,4 +340,4 @@ def reduce_scatter(
                 num_warps=cfg.num_warps,
             )
         reduce_slots(call, out, None, (m_local, m_local), per_owner, cfg=cfg, slot_dtype=torch.float32)
-    return out
+    return out if out.dtype == out_dtype else out.to(out_dtype)

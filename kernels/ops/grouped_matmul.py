@@ -44,14 +44,14 @@ def _expected_scales(mode: str, shape: tuple[int, int, int, int]) -> tuple[tuple
     return xs, (num_experts, *ws)
 
 
-def _fp8_mode(x_scale: object, w_scale: object, x: torch.Tensor, weight: torch.Tensor) -> str:
+def _fp8_mode(x_scale: object, w_scale: object, x: torch.Tensor, weight: torch.Tensor, x_name: str = "x") -> str:
     for name, t in (("x_scale", x_scale), ("w_scale", w_scale)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor for FP8 x (dtype {x.dtype}), got {type(t).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor for FP8 {x_name} (dtype {x.dtype}), got {type(t).__name__}")
         if t.dtype != torch.float32:
             raise TypeError(f"{name} dtype {t.dtype} is not accepted; scales are torch.float32")
         if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+            raise ValueError(f"{name} is on {t.device} but {x_name} is on {x.device}")
     assert isinstance(x_scale, torch.Tensor) and isinstance(w_scale, torch.Tensor)
     shape = (x.shape[0], x.shape[1], weight.shape[1], weight.shape[0])
     got = (() if tuple(x_scale.shape) == (1,) else tuple(x_scale.shape), tuple(w_scale.shape))
@@ -64,7 +64,8 @@ def _fp8_mode(x_scale: object, w_scale: object, x: torch.Tensor, weight: torch.T
     )
     raise ValueError(
         f"x_scale shape {list(x_scale.shape)} with w_scale shape {list(w_scale.shape)} fit no scaling mode for "
-        f"x [m={shape[0]}, k={shape[1]}] and weight [E={shape[3]}, n={shape[2]}, k={shape[1]}]; accepted: {accepted}"
+        f"{x_name} [m={shape[0]}, k={shape[1]}] and weight [E={shape[3]}, n={shape[2]}, k={shape[1]}]; accepted: "
+        f"{accepted}"
     )
 
 
@@ -113,22 +114,36 @@ def check_operands(
     return its format and output dtype (plain: x's; FP8: ``out_dtype``, default bf16)."""
     _check_tensors(x, weight, expert_offsets)
     assert isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+    return operand_format(x, weight, dict(x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype))
+
+
+def operand_format(
+    x: torch.Tensor, weight: torch.Tensor, options: dict, x_name: str = "x"
+) -> tuple[OperandFormat, torch.dtype]:
+    """The format and output dtype of a grouped GEMM's operands ``x [m, k]``, ``weight [E, n, k]`` (shapes
+    checked by the caller) and ``options`` = ``{x_scale, w_scale, out_dtype}``: also the MoE ops' check
+    (:mod:`kernels.ops.moe_routing`), whose x is named ``x_name``."""
+    x_scale, w_scale, out_dtype = options["x_scale"], options["w_scale"], options["out_dtype"]
     if x.dtype in scales.FP8_DTYPES:
         if weight.dtype not in scales.FP8_DTYPES:
-            raise TypeError(f"weight dtype {weight.dtype} is not FP8 but x is {x.dtype}; FP8 x needs an FP8 weight")
+            raise TypeError(
+                f"weight dtype {weight.dtype} is not FP8 but {x_name} is {x.dtype}; FP8 {x_name} needs an FP8 weight"
+            )
         out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
         scales.check_out_dtype(out_dtype)
         assert isinstance(out_dtype, torch.dtype)
-        return fp8(_fp8_mode(x_scale, w_scale, x, weight)), out_dtype
+        return fp8(_fp8_mode(x_scale, w_scale, x, weight, x_name)), out_dtype
     if x.dtype not in PLAIN_DTYPES:
-        raise TypeError(f"x dtype {x.dtype} is not accepted; use one of {[str(d) for d in PLAIN_DTYPES]} or FP8")
+        raise TypeError(f"{x_name} dtype {x.dtype} is not accepted; use one of {[str(d) for d in PLAIN_DTYPES]} or FP8")
     if weight.dtype != x.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} does not match x dtype {x.dtype}")
+        raise TypeError(f"weight dtype {weight.dtype} does not match {x_name} dtype {x.dtype}")
     for name, scale in (("x_scale", x_scale), ("w_scale", w_scale)):
         if scale is not None:
-            raise ValueError(f"{name} is given but x is {x.dtype}: scales go with FP8 x and weight only")
+            raise ValueError(f"{name} is given but {x_name} is {x.dtype}: scales go with FP8 {x_name} and weight only")
     if out_dtype is not None and out_dtype != x.dtype:
-        raise ValueError(f"out_dtype={out_dtype} is not accepted for {x.dtype} x; plain results are in x's dtype")
+        raise ValueError(
+            f"out_dtype={out_dtype} is not accepted for {x.dtype} {x_name}; plain results are in {x_name}'s dtype"
+        )
     return PLAIN, x.dtype
 
 

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from .. import agree, checks
 from ..capture import capturing
 from ..config import get_config
-from ..format import PLAIN
+from ..format import PLAIN, OperandFormat, compute, dequantize_weight, dequantize_x
 from ..fp8 import scales
-from .grouped_matmul import PLAIN_DTYPES, kernel_runs_on
+from .grouped_matmul import kernel_runs_on, operand_format
 
 ID_DTYPES = (torch.int32, torch.int64)
 _warned: set[tuple[str, str]] = set()
@@ -46,22 +46,38 @@ class MoeRouting(NamedTuple):
     slot: torch.Tensor
 
 
+_OUT_DTYPES = {str(d): d for d in scales.OUT_DTYPES}
+
+
 @dataclass(frozen=True)
 class MoeCall:
-    """One MoE call without its tensors: the string the registered operators carry."""
+    """One MoE call without its tensors: the string the registered operators carry. ``fmt``: the operands'
+    format (:mod:`kernels.format`: plain or FP8); ``out_dtype``: an FP8 call's output dtype (None: plain, the
+    output in x's dtype). A string of the first four fields alone (before the formats) decodes as plain."""
 
     backend: str
     parallel_num: int
     group_name: str
     world: int
+    fmt: OperandFormat = PLAIN
+    out_dtype: torch.dtype | None = None
 
     def encode(self) -> str:
-        return "|".join((self.backend, str(self.parallel_num), self.group_name, str(self.world)))
+        fields = (self.backend, str(self.parallel_num), self.group_name, str(self.world), self.fmt.encode())
+        return "|".join(fields + (str(self.out_dtype or ""),))
 
     @staticmethod
     def decode(text: str) -> MoeCall:
-        backend, num, name, world = text.split("|")
-        return MoeCall(backend, int(num), name, int(world))
+        backend, num, name, world, *rest = text.split("|")
+        if not rest:
+            return MoeCall(backend, int(num), name, int(world))
+        fmt, out = rest
+        return MoeCall(backend, int(num), name, int(world), OperandFormat.decode(fmt), _OUT_DTYPES.get(out))
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the operands are FP8 payloads with scales."""
+        return self.fmt.kind == "fp8"
 
 
 def _tensor(name: str, t: object) -> torch.Tensor:
@@ -76,13 +92,14 @@ def _same_device(x: torch.Tensor, named: tuple[tuple[str, torch.Tensor], ...]) -
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
 
 
-def check_gather(x: object, topk_ids: object, weight: object, num_experts: object) -> int:
-    """``all_gather_grouped_matmul``'s metadata (``ValueError`` / ``TypeError`` naming the argument); returns E."""
+def check_gather(
+    x: object, topk_ids: object, weight: object, num_experts: object, options: dict
+) -> tuple[int, OperandFormat, torch.dtype]:
+    """``all_gather_grouped_matmul``'s metadata (``ValueError`` / ``TypeError`` naming the argument); returns
+    ``(E, format, output dtype)``. ``options``: ``{x_scale, w_scale, out_dtype}`` (:func:`check_format`)."""
     x, topk_ids, weight = _tensor("x", x), _tensor("topk_ids", topk_ids), _tensor("weight", weight)
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [m_local, k] (this rank's tokens), got shape {tuple(x.shape)}")
-    if x.dtype not in PLAIN_DTYPES:
-        raise TypeError(f"x dtype {x.dtype} is not accepted; use one of {[str(d) for d in PLAIN_DTYPES]}")
     if weight.dim() != 3 or weight.shape[0] < 1:
         raise ValueError(f"weight must be 3-D [E, n_local, k] with E >= 1 (one per expert), got {tuple(weight.shape)}")
     if weight.shape[2] != x.shape[1]:
@@ -90,8 +107,7 @@ def check_gather(x: object, topk_ids: object, weight: object, num_experts: objec
             f"k mismatch: x has k={x.shape[1]} (shape {tuple(x.shape)}) but weight has k={weight.shape[2]} "
             f"(shape {tuple(weight.shape)}); weight must be [E, n_local, k] (F.linear layout per expert)"
         )
-    if weight.dtype != x.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} does not match x dtype {x.dtype}")
+    fmt, out_dtype = check_format(x, weight, options, ("x", x), ())
     if topk_ids.dtype not in ID_DTYPES:
         raise TypeError(f"topk_ids dtype {topk_ids.dtype} is not accepted; use torch.int32 or torch.int64")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
@@ -105,7 +121,28 @@ def check_gather(x: object, topk_ids: object, weight: object, num_experts: objec
             f"E mismatch: num_experts={num_experts!r} but weight has E={num_e} experts (shape {tuple(weight.shape)})"
         )
     _same_device(x, (("topk_ids", topk_ids), ("weight", weight)))
-    return num_e
+    return num_e, fmt, out_dtype
+
+
+def check_format(
+    x: torch.Tensor, weight: torch.Tensor, options: dict, named: tuple[str, torch.Tensor], others: tuple
+) -> tuple[OperandFormat, torch.dtype]:
+    """The operands' format and output dtype, checked as :func:`kernels.grouped_matmul` checks them (plain: one
+    floating dtype, no scales; FP8: FP8 payloads, fp32 scales of one mode with a leading expert dim on w_scale).
+    ``named = (name, x)`` names x in messages; ``others``: further ``(name, tensor)`` that would need a gradient.
+
+    The FP8 format is forward-only, as the dense FP8 ops are: a gradient through an FP8 payload or its scale
+    has no meaning here, so an operand that requires one is refused rather than left without it."""
+    fmt, out_dtype = operand_format(x, weight, options, named[0])
+    if fmt.kind == "fp8" and torch.is_grad_enabled():
+        operands = (named, ("weight", weight), ("x_scale", options["x_scale"]), ("w_scale", options["w_scale"]))
+        needs = [name for name, t in operands + others if isinstance(t, torch.Tensor) and t.requires_grad]
+        if needs:
+            raise TypeError(
+                f"{', '.join(needs)} requires grad, but the FP8 format of the MoE ops is forward-only (as the dense "
+                "FP8 ops are): call them under torch.no_grad(), or use a plain dtype to train"
+            )
+    return fmt, out_dtype
 
 
 def check_id_values(topk_ids: torch.Tensor, num_experts: int, *, named: str = "E") -> None:
@@ -123,8 +160,10 @@ def check_id_values(topk_ids: torch.Tensor, num_experts: int, *, named: str = "E
         )
 
 
-def check_scatter(h: object, weight: object, routing: object, topk_weights: object, world: int) -> tuple[int, int]:
-    """``grouped_matmul_reduce_scatter``'s metadata; returns ``(E, topk)``."""
+def check_scatter(tensors: tuple, world: int, options: dict) -> tuple[int, int, OperandFormat, torch.dtype]:
+    """``grouped_matmul_reduce_scatter``'s metadata, ``tensors = (h, weight, routing, topk_weights)``; returns
+    ``(E, topk, format, output dtype)``. ``options`` as :func:`check_gather`'s."""
+    h, weight, routing, topk_weights = tensors
     h, weight, topk_weights = _tensor("h", h), _tensor("weight", weight), _tensor("topk_weights", topk_weights)
     if not isinstance(routing, MoeRouting):
         raise TypeError(
@@ -134,15 +173,11 @@ def check_scatter(h: object, weight: object, routing: object, topk_weights: obje
     offsets, token_index, slot = (_tensor(f"routing.{f}", t) for f, t in zip(MoeRouting._fields, routing, strict=True))
     if h.dim() != 2:
         raise ValueError(f"h must be 2-D [M * topk, n_local] (rows grouped by expert), got shape {tuple(h.shape)}")
-    if h.dtype not in PLAIN_DTYPES:
-        raise TypeError(f"h dtype {h.dtype} is not accepted; use one of {[str(d) for d in PLAIN_DTYPES]}")
     if weight.dim() != 3 or weight.shape[2] != h.shape[1]:
         raise ValueError(
             f"weight must be [E, k_out, n_local] with n_local = h.shape[1] = {h.shape[1]} (F.linear layout per "
             f"expert, the row shard), got {tuple(weight.shape)}"
         )
-    if weight.dtype != h.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} does not match h dtype {h.dtype}")
     for name, t in (("routing.expert_offsets", offsets), ("routing.token_index", token_index), ("routing.slot", slot)):
         if t.dtype not in ID_DTYPES:
             raise TypeError(f"{name} dtype {t.dtype} is not accepted; use torch.int32 or torch.int64")
@@ -170,7 +205,15 @@ def check_scatter(h: object, weight: object, routing: object, topk_weights: obje
         )
     named = (("weight", weight), ("topk_weights", topk_weights), ("routing.expert_offsets", offsets))
     _same_device(h, named + (("routing.token_index", token_index), ("routing.slot", slot)))
-    return weight.shape[0], topk
+    fmt, out_dtype = check_format(h, weight, options, ("h", h), (("topk_weights", topk_weights),))
+    return weight.shape[0], topk, fmt, out_dtype
+
+
+def check_scale_values(options: dict) -> None:
+    """The FP8 scales finite and > 0 (a host read, where :func:`wanted`)."""
+    for name in ("x_scale", "w_scale"):
+        if isinstance(options[name], torch.Tensor):
+            scales.check_scale_values(name, options[name])
 
 
 def check_routing_values(routing: MoeRouting, topk: int) -> None:
@@ -203,10 +246,15 @@ def describe(
     request: tuple,
     moe: tuple,
     tiles: tuple[int, int] | None = None,
+    fp8: tuple | None = None,
 ) -> tuple:
     """The call descriptor (:mod:`kernels.agree`): ``shape = (m, k, n)`` as the op names them, ``request =
-    (backend, parallel_num)`` as asked, ``moe = (E, topk)``; ``tiles``: the fused reduce's push tile."""
+    (backend, parallel_num)`` as asked, ``moe = (E, topk)``; ``tiles``: the fused reduce's push tile; ``fp8 =
+    (format, weight dtype, out_dtype)`` of an FP8 call (its scaling mode and dtypes must agree too)."""
     backend, parallel_num = request
+    scaled = {}
+    if fp8 is not None and fp8[0].kind == "fp8":
+        scaled = {"quant_mode": fp8[0].mode, "weight_dtype": fp8[1], "out_dtype": fp8[2]}
     return agree.describe_call(
         op,
         *shape,
@@ -218,6 +266,7 @@ def describe(
         group_size=moe[0],
         comm_dim=moe[1],
         tiles=tiles,
+        **scaled,
     )
 
 
@@ -228,12 +277,13 @@ def resolve(
     group: dist.ProcessGroup | None,
     *,
     device: torch.device | None = None,
+    fmt: tuple = (PLAIN, None),
 ) -> MoeCall:
     """The backend and split count that run: the argument, else the environment (``USE_COC_FUSED_KERNEL``,
     ``COC_PARALLEL_NUM``, ``customized_coc``). ``"fused"`` runs :mod:`kernels.fused.moe` where the fused kernels
     can run on ``group`` and ``device`` (:func:`kernels.fused.unavailable_reason`: a collective at the group's
     first ask), else warns once per reason and runs chunked. ``"auto"`` warns once and runs ``parallel_num=1``:
-    these ops have no tuner entry yet."""
+    these ops have no tuner entry yet. ``fmt = (format, out_dtype)``: what the call carries (None: plain)."""
     backend, parallel_num = request
     config = get_config()
     if backend is None and config.use_fused:
@@ -243,7 +293,7 @@ def resolve(
         if reason is None:
             from ..call import group_name
 
-            return MoeCall("fused", 1, group_name(group), checks.world_of(group))
+            return MoeCall("fused", 1, group_name(group), checks.world_of(group), *fmt)
         _warn_once(op, reason, f"the fused backend cannot run here ({reason}); running the chunked path")
         backend = "chunked"
     num = parallel_num if parallel_num is not None else config.parallel_num_for(*shape)
@@ -257,7 +307,7 @@ def resolve(
         backend = "chunked" if num > 1 else "sequential"
     from ..call import group_name
 
-    return MoeCall(backend, num, group_name(group), checks.world_of(group))
+    return MoeCall(backend, num, group_name(group), checks.world_of(group), *fmt)
 
 
 def _fused_unavailable(group: dist.ProcessGroup | None, device: torch.device | None) -> str | None:
@@ -322,24 +372,50 @@ def piece_rows(
 
 
 def grouped_mm_loop(
-    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype, *, fp8: tuple | None = None
 ) -> torch.Tensor:
     """The per-expert ``torch.mm`` loop (a host read of the offsets), the products in ``out_dtype`` (fp32 for
-    the reducing op's partials: products of fp16 / bf16 values are exact there, the sums fp32)."""
+    the reducing op's partials: products of fp16 / bf16 values are exact there, the sums fp32).
+
+    ``fp8 = (format, x_scale, w_scale)`` for FP8 operands, ``x_scale`` one row per row of x (``[rows, 1]`` or
+    ``[rows, G]``: a tensorwise scale on each row, as the rows travel): the operands dequantized to fp32, the
+    products and sums in full fp32 (:func:`kernels.format.compute`), one rounding to ``out_dtype``."""
     out = torch.empty((x.shape[0], weight.shape[1]), dtype=out_dtype, device=x.device)
+    if fp8 is not None:
+        fmt, x_scale, w_scale = fp8
+        x = dequantize_x(fmt, x, x_scale, per_row=True)
+    # FP8: fp32 products whatever out_dtype is; the store into out is the one rounding.
+    acc = out_dtype if fp8 is None else torch.float32
     start = 0
-    for e, end in enumerate(offsets.tolist()):
-        out[start:end] = torch.mm(x[start:end].to(out_dtype), weight[e].to(out_dtype).T)
-        start = end
+    with compute(PLAIN if fp8 is None else fmt):
+        for e, end in enumerate(offsets.tolist()):
+            we = weight[e] if fp8 is None else dequantize_weight(fmt, weight[e], w_scale[e], None, x.dtype)
+            out[start:end] = torch.mm(x[start:end].to(acc), we.to(acc).T)
+            start = end
     return out
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype, *, fp8: tuple | None = None
+) -> torch.Tensor:
     """The persistent grouped GEMM (no host read of the offsets; fp32 accumulation, stored in ``out_dtype``)
-    where it runs, else :func:`grouped_mm_loop`."""
+    where it runs, else :func:`grouped_mm_loop`; ``fp8`` as there."""
     if not kernel_runs_on(x.device):
-        return grouped_mm_loop(x, weight, offsets, out_dtype)
+        return grouped_mm_loop(x, weight, offsets, out_dtype, fp8=fp8)
     from ..fused import grouped
 
     out = torch.empty((x.shape[0], weight.shape[1]), dtype=out_dtype, device=x.device)
-    return grouped.launch(PLAIN, x.contiguous(), weight.contiguous(), offsets.contiguous(), out)
+    if fp8 is None:
+        return grouped.launch(PLAIN, x.contiguous(), weight.contiguous(), offsets.contiguous(), out)
+    fmt, x_scale, w_scale = fp8
+    xs, ws = x_scale.contiguous(), w_scale.contiguous()
+    return grouped.launch(fmt, x.contiguous(), weight.contiguous(), offsets.contiguous(), out, x_scale=xs, w_scale=ws)
+
+
+def x_scale_of(call: MoeCall, x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """An FP8 call's x scale in the kernels' layout (0-dim for a tensorwise one, else ``[m, G]``), contiguous;
+    None for plain. :func:`kernels.format.pack_rows` and :func:`kernels.format.row_scales` take it from there."""
+    if not call.scaled:
+        return None
+    assert x_scale is not None
+    return scales.kernel_scale(x_scale, str(call.fmt.mode), x.shape[0]).contiguous()
