@@ -326,7 +326,7 @@ def _message(
         )
     # The bound the kernel ran with (a replayed graph keeps its capture's COC_TIMEOUT).
     timeout = ticks / (1e9 if heap.device.type == "cuda" else 1e3)
-    what = signals.PHASES.get(phase, f"signal phase {phase}")
+    what = signals.phase_text(op, phase)
     return (
         f"fused {op}: {me} waited more than COC_TIMEOUT={timeout:g} s for {them} to {what} (epoch {epoch}); "
         "the peer is dead, stuck, or did not make the same call"

@@ -127,6 +127,20 @@ PHASES = {
     CH_AR: "push its reduced rows",
     CH_DESC: "publish its call descriptor (start the same fused call)",
 }
+# The ops whose channels carry something else than the dense patterns' (kernels.fused.moe_ep): a timeout names
+# what the late peer had not done in that op, not in an all-gather or reduce-scatter it does not run.
+OP_PHASES = {
+    "moe_dispatch": {
+        CH_AG: "publish its per-expert token counts",
+        CH_RS: "write its tokens' rows into this rank's heap",
+    },
+    "moe_combine": {CH_RS: "publish its experts' output rows"},
+}
+
+
+def phase_text(op: str, phase: int) -> str:
+    """What a peer had not done when a wait of ``op`` in ``phase`` timed out (the error message's words)."""
+    return OP_PHASES.get(op, {}).get(phase) or PHASES.get(phase, f"signal phase {phase}")
 
 
 def _channel_width(channel: int, world_size: int) -> int:

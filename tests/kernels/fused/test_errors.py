@@ -7,6 +7,7 @@ import os
 import sys
 import time
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -251,7 +252,6 @@ def test_check_errors_without_fused_calls_is_silent():
 def test_capture_refuses_heap_creation_and_growth_only():
     """Inside capture a call that would create or grow the heap raises, naming the warm-up it needs;
     a call that fits the heap passes (the multi-rank replay tests run those)."""
-    from types import SimpleNamespace
 
     from kernels.fused import runtime
 
@@ -380,3 +380,28 @@ def growth_failure_body(rank: int, world: int) -> bool:
 
 def test_failure_before_growth_retires_the_old_heap_with_its_clock_stopped():
     assert run_ranks(growth_failure_body, 2, env={"COC_TIMEOUT": "1"}, timeout=90) == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("op", "channel", "words"),
+    [
+        ("moe_dispatch", "CH_AG", "to publish its per-expert token counts"),
+        ("moe_dispatch", "CH_RS", "to write its tokens' rows into this rank's heap"),
+        ("moe_combine", "CH_RS", "to publish its experts' output rows"),
+        ("matmul_reduce_scatter", "CH_RS", "to push its partial products"),
+        ("all_gather_grouped_matmul", "CH_AG", "to push its input shard"),
+    ],
+)
+def test_a_timeout_names_what_the_peer_had_not_done_in_that_op(op: str, channel: str, words: str) -> None:
+    # The expert-parallel ops reuse the AG / RS signal channels for counts and rows: a timed-out wait must
+    # not tell the user an all-gather or reduce-scatter stalled where none runs.
+    from kernels import agree
+    from kernels.fused import runtime, signals
+
+    heap = SimpleNamespace(world_size=2, rank=1, global_ranks=[0, 1], device=torch.device("cpu"))
+    mine = [0] * agree.DESCRIPTOR_LEN
+    mine[agree.FIELDS.index("op")] = agree.OPS.index(op)
+    code = 1 + 0 + heap.world_size * getattr(signals, channel)
+    text = runtime._message(heap, code, 7, (mine, mine), 5000)
+    assert text.startswith(f"fused {op}: rank 1 (group rank 1) waited more than COC_TIMEOUT=5 s for rank 0 ")
+    assert f"{words} (epoch 7)" in text, text
