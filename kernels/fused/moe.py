@@ -6,7 +6,9 @@ GEMM of :mod:`grouped`, the all-gather's push kernel and flags (:mod:`all_gather
 pushes and fixed-order reduce (:mod:`scatter`), the all-reduce-norm's fixed push / reduce tile.
 
 :func:`gather` (``all_gather_grouped_matmul``), launch sequence on rank ``r`` for call epoch ``e``, heap region
-``G [W * m_local, k]`` of x's dtype then ``I [W * m_local, topk]`` fp32 (16-byte aligned after it):
+``G [W * m_local, k]`` of x's dtype then ``I [W * m_local, topk]`` fp32 (16-byte aligned after it). FP8 rows travel
+as the other backends move them: packed with their scales (:func:`kernels.format.pack_rows`), ``G`` then holds
+``uint8`` rows of ``k + 4 * scale columns`` bytes, unpacked after the collect for the grouped GEMM's FP8 path:
 
 1. call check (:func:`runtime.begin`), as every fused op;
 2. push: :mod:`all_gather`'s push kernel copies x's rows into ``G`` and the expert ids into ``I`` of every peer,
@@ -35,7 +37,8 @@ the heap and wait on those rows' chunk flags; it is not built.
    the slots ``s = 0, 1, ...`` in that order in fp32, and pushes the tile into slot ``[r]`` of the owner
    (:func:`scatter.push_tile`: ``DONE >= e - 1`` wait, store, release-add ``RS[r]``);
 3. reduce (:func:`scatter.reduce_slots`): the owner sums its ``W`` slots in rank order in fp32 and rounds once to
-   h's dtype; then :func:`runtime.finish`.
+   h's dtype (FP8: stores fp32, and torch rounds once to ``out_dtype``, to nearest even); then
+   :func:`runtime.finish`.
 
 The combine and the rank-order sum are the sequential reference's, in the same order, so the result is bitwise
 the same on repeated calls; it differs from the reference only by the grouped GEMM's summation order (fp32) and,

@@ -350,9 +350,9 @@ def _combine(partial: torch.Tensor, rows: torch.Tensor, topk_weights: torch.Tens
 
 def _h_fp8(call: MoeCall, h: torch.Tensor, scales: tuple) -> tuple | None:
     """The reducing op's ``fp8`` argument for h's rows (a tensorwise scale on each row), None for plain."""
-    return _fp8_of(
-        call, row_scales(call.fmt, x_scale_of(call, h, scales[0]), h.shape[0]) if call.scaled else None, scales[1]
-    )
+    if not call.scaled:
+        return None
+    return _fp8_of(call, row_scales(call.fmt, x_scale_of(call, h, scales[0]), h.shape[0]), scales[1])
 
 
 def _scatter_sequential(
