@@ -20,12 +20,12 @@ from .scales import EPS, FP8_MAX, ceil_div
 
 BLOCK_M = 16
 # (mantissa bits, smallest normal exponent) of each format, for the interpreter's rounding below.
-_FORMAT = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+FP8_FORMAT = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 # The interpreter's fp32 -> FP8 cast (Triton 3.6 and 3.9) truncates subnormals and rounds half up
 # without carrying into the exponent, where the GPU's cvt.rn rounds to nearest even. Interpreted
 # launches therefore round to the FP8 grid themselves first (so the cast sees representable values
 # and is exact); compiled kernels cast directly: this is a constant False there.
-_ROUND_BEFORE_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+ROUND_BEFORE_CAST = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def available() -> bool:
@@ -34,7 +34,7 @@ def available() -> bool:
 
 
 @triton.jit
-def _round_to_fp8_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+def round_to_fp8_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     """``v`` (fp32, |v| <= the format's max) rounded to nearest even on the FP8 grid, in fp32.
 
     Adding and subtracting ``1.5 * 2**23 * ulp`` rounds to a multiple of ``ulp`` in IEEE fp32
@@ -43,8 +43,9 @@ def _round_to_fp8_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
     magic = (((e - MANTISSA + 23 + 127) << 23) | 0x400000).to(tl.float32, bitcast=True)
     r = (tl.abs(v) + magic) - magic
-    # On |v|, then the sign back: a negative v rounding to zero is -0, as the hardware cast gives.
-    return tl.where(v < 0, r * -1.0, r)
+    # On |v|, then the sign bit back: a negative v rounding to zero, and -0 itself, give -0 as the hardware
+    # cast (and torch's) does.
+    return tl.where(bits < 0, r * -1.0, r)
 
 
 @triton.jit
@@ -81,8 +82,8 @@ def _quantize_block_kernel(
     scale = tl.where(nonfinite > 0, float("nan"), scale)
     scaled = tl.math.div_rn(x, scale[:, None])
     scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX_VALUE), FP8_MAX_VALUE)
-    if _ROUND_BEFORE_CAST:
-        scaled = _round_to_fp8_grid(scaled, MANTISSA, MIN_EXP)
+    if ROUND_BEFORE_CAST:
+        scaled = round_to_fp8_grid(scaled, MANTISSA, MIN_EXP)
     tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], scaled.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + offs_m * stride_sm + pid_k, scale, mask=mask_m)
 
@@ -111,8 +112,8 @@ def quantize_block(t: torch.Tensor, block: int, dtype: torch.dtype) -> tuple[tor
             scale.stride(0),
             FP8_MAX_VALUE=FP8_MAX[dtype],
             AMAX_EPS=EPS,
-            MANTISSA=_FORMAT[dtype][0],
-            MIN_EXP=_FORMAT[dtype][1],
+            MANTISSA=FP8_FORMAT[dtype][0],
+            MIN_EXP=FP8_FORMAT[dtype][1],
             BLOCK_M=BLOCK_M,
             BLOCK_K=block,
             num_warps=4,

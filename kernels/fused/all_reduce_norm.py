@@ -15,8 +15,11 @@ two-shot pushes each owner its rows, the owners reduce and push the reduced fp32
 the ``W`` slots in rank order in fp32 and add the residual in fp32, so ``h`` (and ``residual_out``) has
 the same bits on every rank, for both algorithms, and as the sequential reference computes it. The
 norm then runs as one kernel (:func:`_rmsnorm_kernel`) on ``h`` with a tile that depends on ``n``
-only, so the outputs are bitwise identical across algorithms and repeated calls. The FP8 quantization
-of ``y32`` runs after it, as the same torch twin the reference uses.
+only, so the outputs are bitwise identical across algorithms and repeated calls. With ``quant="row"`` or
+``"block"`` the same kernel quantizes ``y32`` as it writes it (the arithmetic of
+:func:`kernels.fp8.quantize.quantize_fp8`: correctly rounded divisions, clamp, round to nearest even; a row
+needs a pass for its amax first, a 1 x 128 block is one column step); ``"tensor"`` needs every row's amax, so
+its ``y32`` is quantized after the kernel by that torch function.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8.quantize_triton import FP8_FORMAT, ROUND_BEFORE_CAST, round_to_fp8_grid
+from ..fp8.scales import EPS, FP8_MAX
 from . import runtime, signals
 from .all_reduce import all_reduce_partials
 from .blocks import BlockConfig
@@ -38,6 +43,10 @@ _CPU_BLOCKS = BlockConfig(block_m=8, block_n=32, block_k=16, num_warps=1, num_st
 _GPU_BLOCKS = BlockConfig(block_m=16, block_n=256, block_k=16, num_warps=4, num_stages=1, ag_splits=1, group_m=1)
 # Columns per step of the norm's two passes over a row.
 _NORM_BLOCK_N = {"cpu": 64, "cuda": 1024}
+# The quantization modes the norm kernel applies itself (QUANT codes); "tensor" needs every row's amax, a
+# grid-wide reduction: its fp32 y32 is quantized after the kernel.
+QUANT_IN_KERNEL = {"row": 2, "block": 3}
+_AMAX_EPS = tl.constexpr(EPS)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
@@ -56,11 +65,14 @@ def _push_rows_kernel(X, heap, dims, rank, timeout: tl.int64, TILE: tl.constexpr
 
 
 @triton.jit
-def _rmsnorm_kernel(H, OUT, weight_ptr, dims, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
-    # H = (h, stride_hm); OUT = (residual_out, stride_rm, y, stride_ym); dims = (M, N). QUANT: y is the fp32
-    # y32 (weight applied before any rounding) instead of the rounded (h * rstd) times the weight.
+def _rmsnorm_kernel(
+    H, OUT, weight_ptr, dims, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr
+):
+    # H = (h, stride_hm); OUT = (residual_out, stride_rm, y, stride_ym, scale, stride_sm); dims = (M, N).
+    # QUANT: 0 none (y in x's dtype); 1 y is the fp32 y32 (weight applied before any rounding; quantized by the
+    # caller); 2 / 3 y is FP8 quantized here per row / per 1 x BLOCK_N block (BLOCK_N = 128), with its scales.
     h_ptr, stride_hm = H
-    res_ptr, stride_rm, y_ptr, stride_ym = OUT
+    res_ptr, stride_rm, y_ptr, stride_ym, s_ptr, stride_sm = OUT
     M, N = dims
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     mask_m = offs_m < M
@@ -76,17 +88,77 @@ def _rmsnorm_kernel(H, OUT, weight_ptr, dims, eps, BLOCK_M: tl.constexpr, BLOCK_
             res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], round_to(h, res_ptr.dtype.element_ty), mask=mask
         )
     rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
-    for start in range(0, N, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask = mask_m[:, None] & (offs_n < N)[None, :]
-        h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :], mask=mask, other=0.0)
-        w = tl.load(weight_ptr + offs_n, mask=offs_n < N, other=0.0).to(h.dtype)
-        if QUANT:
-            y = h * rstd[:, None] * w[None, :]
-        else:
-            normed = round_to(h * rstd[:, None], y_ptr.dtype.element_ty).to(h.dtype)
-            y = normed * w[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], round_to(y, y_ptr.dtype.element_ty), mask=mask)
+    if QUANT == 2:
+        # The row's amax needs every column before the first store: a pass for it, then y32 recomputed (the
+        # same products, so the same bits) and quantized.
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        bad = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            y, mask, offs_n = _y32((h_ptr, weight_ptr), (offs_m, mask_m, stride_hm, N), rstd, start, BLOCK_N)
+            ay = tl.abs(y)
+            bad = tl.maximum(bad, tl.max(tl.where(ay < float("inf"), 0.0, 1.0), axis=1))
+            amax = tl.maximum(amax, tl.max(tl.where(ay < float("inf"), ay, 0.0), axis=1))
+        scale = _scale(amax, bad, FP8)
+        for start in range(0, N, BLOCK_N):
+            y, mask, offs_n = _y32((h_ptr, weight_ptr), (offs_m, mask_m, stride_hm, N), rstd, start, BLOCK_N)
+            q = _quantized(y, scale, y_ptr.dtype.element_ty, FP8)
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], q, mask=mask)
+        tl.store(s_ptr + offs_m * stride_sm, scale, mask=mask_m)
+    elif QUANT == 3:
+        for start in range(0, N, BLOCK_N):
+            y, mask, offs_n = _y32((h_ptr, weight_ptr), (offs_m, mask_m, stride_hm, N), rstd, start, BLOCK_N)
+            ay = tl.abs(y)
+            bad = tl.max(tl.where(ay < float("inf"), 0.0, 1.0), axis=1)
+            scale = _scale(tl.max(tl.where(ay < float("inf"), ay, 0.0), axis=1), bad, FP8)
+            q = _quantized(y, scale, y_ptr.dtype.element_ty, FP8)
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], q, mask=mask)
+            tl.store(s_ptr + offs_m * stride_sm + start // BLOCK_N, scale, mask=mask_m)
+    else:
+        for start in range(0, N, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask = mask_m[:, None] & (offs_n < N)[None, :]
+            h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :], mask=mask, other=0.0)
+            w = tl.load(weight_ptr + offs_n, mask=offs_n < N, other=0.0).to(h.dtype)
+            if QUANT == 1:
+                y = h * rstd[:, None] * w[None, :]
+            else:
+                normed = round_to(h * rstd[:, None], y_ptr.dtype.element_ty).to(h.dtype)
+                y = normed * w[None, :]
+            tl.store(
+                y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], round_to(y, y_ptr.dtype.element_ty), mask=mask
+            )
+
+
+@triton.jit
+def _y32(PTRS, ROWS, rstd, start, BLOCK_N: tl.constexpr):
+    """``(y32, mask, offs_n)`` of the column step at ``start``: ``h * rstd * weight`` in fp32, the torch
+    path's order (masked columns 0)."""
+    h_ptr, weight_ptr = PTRS
+    offs_m, mask_m, stride_hm, N = ROWS
+    offs_n = start + tl.arange(0, BLOCK_N)
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :], mask=mask, other=0.0)
+    w = tl.load(weight_ptr + offs_n, mask=offs_n < N, other=0.0).to(h.dtype)
+    return h * rstd[:, None] * w[None, :], mask, offs_n
+
+
+@triton.jit
+def _scale(amax, bad, FP8: tl.constexpr):
+    """``max(amax, EPS) / FP8_MAX`` (correctly rounded, as torch divides), NaN where the block held a NaN or
+    Inf: :func:`kernels.fp8.quantize.quantize_fp8`'s scale. ``FP8 = (FP8_MAX, mantissa bits, min exponent)``."""
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), tl.full(amax.shape, FP8[0], tl.float32))
+    return tl.where(bad > 0, float("nan"), scale)
+
+
+@triton.jit
+def _quantized(y, scale, DTYPE: tl.constexpr, FP8: tl.constexpr):
+    """``cast(clamp(y / scale, -FP8_MAX, FP8_MAX))`` rounded to nearest even (the interpreter's cast does not:
+    :mod:`kernels.fp8.quantize_triton`)."""
+    scaled = tl.math.div_rn(y, scale[:, None])
+    scaled = tl.minimum(tl.maximum(scaled, -FP8[0]), FP8[0])
+    if ROUND_BEFORE_CAST:
+        scaled = round_to_fp8_grid(scaled, FP8[1], FP8[2])
+    return scaled.to(DTYPE)
 
 
 def block_config(device: torch.device) -> BlockConfig:
@@ -173,26 +245,44 @@ def check_peers(group: object, device: torch.device, descriptor: tuple[int, ...]
 
 
 def rmsnorm(
-    h: torch.Tensor, weight: torch.Tensor, *, eps: float, dtypes: tuple[torch.dtype, torch.dtype, bool]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, residual_out)`` of the module docstring from ``h`` (fp32 rows); ``dtypes = (x's, residual's,
-    quantized)``: y is fp32 ``y32`` when quantized, else in x's dtype."""
-    x_dtype, res_dtype, quantized = dtypes
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    eps: float,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    quant: tuple[str | None, torch.dtype],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(y, residual_out, scale)`` of the module docstring from ``h`` (fp32 rows); ``dtypes = (x's,
+    residual's)``, ``quant = (mode or None, FP8 dtype)``. Modes of :data:`QUANT_IN_KERNEL` come back quantized
+    (``y`` FP8, ``scale`` fp32 ``[m, 1]`` / ``[m, ceil(n / 128)]``); ``"tensor"`` as the fp32 ``y32`` with
+    ``scale`` None (quantized by the caller); no mode as ``y`` in x's dtype, ``scale`` None."""
+    x_dtype, res_dtype = dtypes
+    mode, fp8_dtype = quant
     m, n = h.shape
+    code = 0 if mode is None else QUANT_IN_KERNEL.get(mode, 1)
     residual_out = torch.empty((m, n), dtype=res_dtype, device=h.device)
-    y = torch.empty((m, n), dtype=h.dtype if quantized else x_dtype, device=h.device)
+    y_dtype = x_dtype if code == 0 else (h.dtype if code == 1 else fp8_dtype)
+    y = torch.empty((m, n), dtype=y_dtype, device=h.device)
+    block_n = min(_NORM_BLOCK_N[h.device.type], triton.next_power_of_2(max(n, 1)))
+    scale = None
+    if code >= 2:
+        # Block mode's column step is its quantization block, so each step's amax is one scale.
+        block_n = 128 if code == 3 else block_n
+        scale = torch.empty((m, 1 if code == 2 else triton.cdiv(n, 128)), dtype=torch.float32, device=h.device)
+    out_scale = scale if scale is not None else y
     block_m = 1 if h.device.type == "cuda" else 4
     grid = (triton.cdiv(m, block_m),)
     if grid[0] > 0:
         _rmsnorm_kernel[grid](
             (h, h.stride(0)),
-            (residual_out, residual_out.stride(0), y, y.stride(0)),
+            (residual_out, residual_out.stride(0), y, y.stride(0), out_scale, out_scale.stride(0)),
             weight,
             (m, n),
             eps,
             BLOCK_M=block_m,
-            BLOCK_N=min(_NORM_BLOCK_N[h.device.type], triton.next_power_of_2(max(n, 1))),
-            QUANT=quantized,
+            BLOCK_N=block_n,
+            QUANT=code,
+            FP8=(FP8_MAX[fp8_dtype], *FP8_FORMAT[fp8_dtype]),
             num_warps=4 if h.device.type == "cuda" else 1,
         )
-    return y, residual_out
+    return y, residual_out, scale

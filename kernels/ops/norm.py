@@ -8,7 +8,9 @@ Both reduce into ``h`` (fp32, fp64 for fp64; the residual added before any round
     quant mode:  out, scale = quantize_fp8(h * rstd * weight, quant)        # fp32 product, one rounding
 
 :func:`finish` runs the norm as torch ops (the scripted backends) or as the fused backend's Triton kernel
-(``kernels.fused.all_reduce_norm.rmsnorm``), then the FP8 quantization (one function for every backend).
+(``kernels.fused.all_reduce_norm.rmsnorm``); the FP8 quantization is :func:`kernels.fp8.quantize.quantize_fp8`
+after the torch norm and after the kernel's ``"tensor"`` mode, and inside the kernel for ``"row"`` and ``"block"``
+(the same arithmetic, so the same bits: tested against each other).
 """
 
 from __future__ import annotations
@@ -108,22 +110,26 @@ def finish(
     quantization (a registered operator returns tensors only)."""
     x_dtype, residual_dtype = dtypes
     mode, fp8_dtype = quant
+    scale = None
     if fused:
         from ..fused import all_reduce_norm
 
-        y, residual_out = all_reduce_norm.rmsnorm(
-            h, weight.contiguous(), eps=eps, dtypes=(x_dtype, residual_dtype, mode is not None)
+        y, residual_out, scale = all_reduce_norm.rmsnorm(
+            h, weight.contiguous(), eps=eps, dtypes=(x_dtype, residual_dtype), quant=quant
         )
     else:
         y, residual_out = _torch_norm(
             h, weight, eps, x_dtype=x_dtype, residual_dtype=residual_dtype, quant=mode is not None
         )
+    if mode is not None and scale is None:
+        y, scale = quantize_fp8(y, mode, dtype=fp8_dtype)
     if tuple(h.shape) != shape:
         y, residual_out = y.view(shape), residual_out.view(shape)
+        scale = scale.view(scale_shape(shape, mode)) if scale is not None else None
     if mode is None:
         return y, residual_out, h.new_empty((0,), dtype=torch.float32)
-    q, scale = quantize_fp8(y, mode, dtype=fp8_dtype)
-    return q, residual_out, scale
+    assert scale is not None
+    return y, residual_out, scale
 
 
 def scale_shape(shape: tuple[int, ...], quant: str | None) -> tuple[int, ...]:

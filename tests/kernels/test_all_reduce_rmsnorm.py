@@ -257,7 +257,7 @@ def test_bad_gates_are_named(tmp_path: Any) -> None:
         tuned.load(tmp_path / "cpu.yaml")
 
 
-def _replay_body(rank: int, world: int, algorithm: str, device: str) -> int:
+def _replay_body(rank: int, world: int, algorithm: str, device: str, quant: str | None = None) -> int:
     """Warm up, capture one fused call, then replays on new x / residual copied into the captured ones (the heap
     scrambled before each), each equal bit for bit to an eager fused call on the same inputs (which the tests
     above hold to the fp64 reference). Returns the replays checked."""
@@ -271,7 +271,7 @@ def _replay_body(rank: int, world: int, algorithm: str, device: str) -> int:
     group = dist.new_group(list(range(world)))
 
     def call(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> kernels.NormOutputs:
-        return kernels.all_reduce_rmsnorm(x, r, w, 1e-5, algorithm=algorithm, group=group, backend="fused")
+        return kernels.all_reduce_rmsnorm(x, r, w, 1e-5, quant=quant, algorithm=algorithm, group=group, backend="fused")
 
     xs, residual, weight = _inputs(rank, world, torch.float32, (5, 40))
     static_x, static_r, weight = xs[rank].to(dev), residual.to(dev), weight.to(dev)
@@ -286,11 +286,13 @@ def _replay_body(rank: int, world: int, algorithm: str, device: str) -> int:
         static_r.copy_(new_residual[:5].to(dev))
         assert scramble(group, dev) > 0, "no heap to scramble"
         graph.replay()
-        replayed = (captured.out.clone(), captured.residual.clone())
+        replayed = [t.clone() for t in captured if t is not None]  # scale: None without quant
         assert scramble(group, dev) > 0, "no heap to scramble"
         eager = call(static_x.clone(), static_r.clone(), weight)
-        for name, a, b in zip(("out", "residual"), replayed, eager[:2], strict=True):
-            assert torch.equal(a, b), f"{algorithm} replay (rows seed {rows}) rank {rank}: {name} differs"
+        names = ("out", "residual", "scale")[: len(replayed)]
+        for name, a, b in zip(names, replayed, [t for t in eager if t is not None], strict=True):
+            same = torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+            assert same, f"{algorithm} quant={quant} replay (rows seed {rows}) rank {rank}: {name} differs"
         checks += 1
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -299,11 +301,12 @@ def _replay_body(rank: int, world: int, algorithm: str, device: str) -> int:
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
-def test_captured_fused_call_replays_like_eager(algorithm: str) -> None:
+@pytest.mark.parametrize(("algorithm", "quant"), [("one_shot", None), ("two_shot", "block"), ("one_shot", "row")])
+def test_captured_fused_call_replays_like_eager(algorithm: str, quant: str | None) -> None:
     """CUDA-graph semantics on CPU (tests/kernels/fused/graph_replay.py): the launches recorded at capture and
-    rerun; a launch carrying a per-call host value would wait for stale flags or read stale rows."""
-    assert run_ranks(_replay_body, 2, algorithm, "cpu", timeout=600) == [2, 2]
+    rerun; a launch carrying a per-call host value would wait for stale flags or read stale rows. The row and
+    block quantizations run inside the norm kernel, so a replay rewrites the payload and its scales too."""
+    assert run_ranks(_replay_body, 2, algorithm, "cpu", quant, timeout=600) == [2, 2]
 
 
 @pytest.mark.gpu

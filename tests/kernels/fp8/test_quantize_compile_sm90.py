@@ -21,7 +21,7 @@ def main() -> None:
 
     failures = []
     for dtype, cvt in ((torch.float8_e4m3fn, "e4m3x2.f32"), (torch.float8_e5m2, "e5m2x2.f32")):
-        mantissa, min_exp = quantize_triton._FORMAT[dtype]
+        mantissa, min_exp = quantize_triton.FP8_FORMAT[dtype]
         args = dict(
             x_ptr=torch.empty(64, dtype=torch.bfloat16),
             q_ptr=torch.empty(64, dtype=dtype),

@@ -417,6 +417,8 @@ def _norm_cases() -> list[Case]:
     fp32 with the residual (two-shot pushes), and the norm (bf16 out; fp32 out before FP8 quantization)."""
     import torch
 
+    from kernels.fp8.quantize_triton import FP8_FORMAT
+    from kernels.fp8.scales import FP8_MAX
     from kernels.fused import all_reduce_norm, scatter, signals
 
     cases = []
@@ -452,20 +454,25 @@ def _norm_cases() -> list[Case]:
             )
         reduce_args = reduce_slots_args(tab, None, _t(torch.float32), (-(-m // w), n, ld, w), True, cfg, TIMEOUT, bf16)
         cases.append(Case(f"norm reduce residual {tag}", scatter._reduce_slots_kernel, reduce_args, cfg.num_warps, 1))
-        for quant, out in ((False, bf16), (True, _t(torch.float32))):
+        e4m3 = torch.float8_e4m3fn
+        fp8 = (FP8_MAX[e4m3], *FP8_FORMAT[e4m3])
+        f32 = _t(torch.float32)
+        # QUANT 0: bf16 out; 1: fp32 y32 (tensor mode, quantized after); 2 / 3: FP8 row / block in the kernel.
+        for quant, out, block_n in ((0, bf16, 1024), (1, f32, 1024), (2, _t(e4m3), 1024), (3, _t(e4m3), 128)):
             cases.append(
                 Case(
                     f"rmsnorm quant={quant} {tag}",
                     all_reduce_norm._rmsnorm_kernel,
                     dict(
-                        H=(_t(torch.float32), n),
-                        OUT=(bf16, n, out, n),
+                        H=(f32, n),
+                        OUT=(bf16, n, out, n, f32 if quant >= 2 else out, 1 if quant == 2 else -(-n // 128)),
                         weight_ptr=bf16,
                         dims=(m, n),
                         eps=1e-6,
                         BLOCK_M=1,
-                        BLOCK_N=1024,
+                        BLOCK_N=block_n,
                         QUANT=quant,
+                        FP8=fp8,
                     ),
                     4,
                     1,
