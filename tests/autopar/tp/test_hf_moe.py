@@ -48,9 +48,9 @@ def moe_calls() -> Iterator[collections.Counter]:
     saved = {name: dict(table) for name, table in (("gather", moe.GATHER_IMPL), ("scatter", moe.SCATTER_IMPL))}
 
     def spy(op: str, backend: str, fn: Any) -> Any:
-        def run(*args: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             calls[(op, backend)] += 1
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return run
 
