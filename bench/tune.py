@@ -471,14 +471,17 @@ def run(
     budget_s: float = DEFAULT_BUDGET_S,
     timer: Timer | None = None,
     cases: list[Case | torch.dtype] | None = None,
+    gates: bool | None = None,
 ) -> dict:
     """Tune on this machine's GPU (or on CPU with ``allow_cpu``) and write the tuned file into ``out_dir``
     (on a GPU, ``None`` writes it where the kernels read it: ``configs/tuned``; a CPU run needs one).
 
     ``cases``: what to tune (default :func:`gpu_cases` or :func:`cpu_cases`; a bare dtype is plain).
-    Returns ``{"path", "rows", "skipped", "seconds"}``: the file written, the winners' table rows
-    (op, shape, dtype, format, config, ms, cublas_ms, vs_cublas, tflops, failed) and the shapes the
-    budget cut.
+    ``gates``: also measure ``all_reduce_rmsnorm``'s size switch into the same file (:mod:`bench.tune_gates`;
+    default: on a GPU, where it needs two of them, not on CPU).
+    Returns ``{"path", "rows", "skipped", "seconds", "gates"}``: the file written, the winners' table rows
+    (op, shape, dtype, format, config, ms, cublas_ms, vs_cublas, tflops, failed), the shapes the
+    budget cut and the gates' rows.
     This is what gpu-check calls first, so its later sections run the tuned tiles.
     """
     from pathlib import Path
@@ -526,11 +529,14 @@ def run(
         checkpoint=write,
     )
     write(entries, skipped)
+    from bench import tune_gates
+
+    gate_rows = tune_gates.run(path, cuda=cuda) if (cuda if gates is None else gates) else []
     seconds = time.monotonic() - t0
     if skipped:
         print(f"budget of {budget_s:.0f} s spent: not tuned: {', '.join(skipped)}")
     print(f"wrote {path} ({len(entries)} entries) in {seconds:.1f} s")
-    return dict(path=str(path), rows=rows, skipped=skipped, seconds=seconds)
+    return dict(path=str(path), rows=rows, skipped=skipped, seconds=seconds, gates=gate_rows)
 
 
 def main(out_dir: str | None, allow_cpu: bool) -> int:

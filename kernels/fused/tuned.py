@@ -313,13 +313,37 @@ def lookup(
     return _memo[key]
 
 
-def write(path: Path, entries: list[Entry], meta: dict) -> None:
-    """Write a tuned file (``meta``'s keys first, then the entries), creating its directory."""
+def write(path: Path, entries: list[Entry], meta: dict, gates: list[Gates] | None = None) -> None:
+    """Write a tuned file (``meta``'s keys first, then the entries and the gates), creating its directory;
+    ``gates`` None keeps the file's own (a GEMM re-tune must not drop the measured size switch)."""
     import yaml
 
+    if gates is None:
+        gates = sorted(_load(str(path))[1].values(), key=lambda g: g.world) if path.exists() else []
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = dict(version=FILE_VERSION, **meta, entries=[e.to_dict() for e in entries])
+    if gates:
+        doc["all_reduce_gates"] = [
+            dict(world=g.world, one_shot_max_bytes=g.one_shot_max_bytes, fused_max_bytes=g.fused_max_bytes)
+            for g in gates
+        ]
     tmp = path.with_suffix(".yaml.tmp")
     with open(tmp, "w") as f:
         yaml.safe_dump(doc, f, sort_keys=False, default_flow_style=None, width=120)
     os.replace(tmp, path)
+
+
+def write_gates(path: Path, gates: list[Gates], meta: dict) -> None:
+    """Put ``gates`` into the tuned file at ``path`` (replacing those of the same world sizes), keeping its
+    entries, its other gates and its header keys (``meta`` adds to or replaces them)."""
+    import yaml
+
+    doc: dict = {}
+    if path.exists():
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+    kept = _parse_gates(doc, str(path)) if doc else {}
+    kept.update({g.world: g for g in gates})
+    entries = parse(doc, str(path)) if doc else []
+    old_meta = {k: v for k, v in doc.items() if k not in ("version", "entries", "all_reduce_gates")}
+    write(path, entries, {**old_meta, **meta}, sorted(kept.values(), key=lambda g: g.world))
