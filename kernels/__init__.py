@@ -37,6 +37,7 @@ from .ops.moe import (
     grouped_matmul_reduce_scatter_reference,
 )
 from .ops.moe_ep import moe_check_overflow, moe_combine, moe_combine_reference, moe_dispatch, moe_dispatch_reference
+from .ops.moe_ep_gemm import moe_dispatch_grouped_matmul, moe_dispatch_grouped_matmul_reference
 from .ops.moe_ep_routing import MoeDispatchHandle
 from .ops.norm import NormOutputs
 from .ops.reduce_scatter import matmul_reduce_scatter, quantized_matmul_reduce_scatter, scaled_matmul_reduce_scatter
@@ -78,6 +79,8 @@ __all__ = [
     "MoeRouting",
     "moe_dispatch",
     "moe_dispatch_reference",
+    "moe_dispatch_grouped_matmul",
+    "moe_dispatch_grouped_matmul_reference",
     "moe_combine",
     "moe_combine_reference",
     "MoeDispatchHandle",

@@ -109,6 +109,7 @@ def test_registered_operator_schemas() -> None:
         "grouped_matmul_reduce_scatter",
         "moe_dispatch",
         "moe_combine",
+        "moe_dispatch_grouped_matmul",
     }
     for schema in schemas:
         op = getattr(torch.ops.coc, schema.split("(")[0].removeprefix("coc::"))

@@ -19,7 +19,8 @@ Backends (results bitwise equal: the ops move rows and sum in a fixed order):
   started at once, and each piece placed in its final rows (the regrouping: an index copy) as it lands,
   while the later pieces are in flight. That copy is the only local work the op itself holds, a small
   fraction of the all-to-all's time: the overlap that matters, the all-to-all of one piece under the
-  caller's grouped GEMM of another, needs a per-expert ready signal the GEMM waits on (not built).
+  grouped GEMM of another, is :func:`kernels.ops.moe_ep_gemm.moe_dispatch_grouped_matmul` (this movement with
+  the GEMM run on each piece as it lands, ``consumer`` of :func:`_dispatch_run`).
 - ``fused`` (:mod:`kernels.fused.moe_ep`, W > 1; a group of one runs the local movement): the counts exchanged
   through the symmetric heap, each row written by its sender straight to its final row in the receiver's heap,
   and the combine's rows read back from the experts' ranks and summed in the same kernel; the same placement
@@ -43,6 +44,7 @@ call; the rows of an overflowing call are never silently kept (the flag is alway
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -60,6 +62,7 @@ from .moe_ep_routing import (
     COMBINE,
     DISPATCH,
     EpCall,
+    Layout,
     MoeDispatchHandle,
     check_combine,
     check_dispatch,
@@ -270,8 +273,11 @@ def _resolve(op: str, request: tuple, sizes: tuple, group: dist.ProcessGroup | N
     return EpCall(backend, num, group_name(group), checks.world_of(group), num_e, cap)
 
 
-def _admit_dispatch(op: str, tensors: tuple, sizes: tuple, group: object, request: tuple) -> EpCall:
-    """Validate, compare with the peers (a rank's error reaches every rank before any communication)."""
+def _admit_dispatch(
+    op: str, tensors: tuple, sizes: tuple, group: object, request: tuple, *, also: Callable[[], None] | None = None
+) -> EpCall:
+    """Validate, compare with the peers (a rank's error reaches every rank before any communication); ``also``:
+    a fused op's checks of its other operands, run with the dispatch's."""
     given, topk_ids, topk_weights = tensors
     x = split_x(given)[0]
     num_experts, max_tokens = sizes
@@ -281,6 +287,8 @@ def _admit_dispatch(op: str, tensors: tuple, sizes: tuple, group: object, reques
 
     def validate() -> tuple[int, ...]:
         formats.append(check_dispatch(given, topk_ids, topk_weights, (num_experts, max_tokens, world)))
+        if also is not None:
+            also()
         checks.check_options(request[0], request[1], "deterministic", True)
         ep = (num_experts, topk_ids.shape[1], max_tokens or 0, True)
         return describe(DISPATCH, (x.shape[0], x.shape[1]), x.dtype, request=request, ep=ep, fmt=formats[-1])
@@ -342,7 +350,16 @@ def _check_table(table: torch.Tensor, call: EpCall, device: torch.device) -> Non
         (_captured if capturing(device) else _unread).add(call.group_name)
 
 
-def _dispatch_run(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids: torch.Tensor, call_text: str) -> tuple:
+def _dispatch_run(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    topk_ids: torch.Tensor,
+    call_text: str,
+    *,
+    consumer: Callable[[Layout], Callable[[torch.Tensor, torch.Tensor], None]] | None = None,
+) -> tuple:
+    """The operator's body. ``consumer(layout)``: the ``landed`` callback of :func:`to_experts` for the rows'
+    movement (:mod:`kernels.ops.moe_ep_gemm`'s per-piece GEMM); not with the fused backend, which moves no pieces."""
     call = EpCall.decode(call_text)
     fmt = OperandFormat.decode(call.fmt)
     group, topk = resolve_group(call.group_name), topk_ids.shape[1]
@@ -377,7 +394,8 @@ def _dispatch_run(x: torch.Tensor, x_scale: torch.Tensor | None, topk_ids: torch
         _check_table(table, call, x.device)
         lay = layout(order, table, call, me)
         tensors = [lay.recv_to_row, lay.send_index, lay.send_counts, lay.recv_counts]
-        moved = to_experts(packed.repeat_interleave(topk, 0), tensors, lay.rows, call)
+        landed = None if consumer is None else consumer(lay)
+        moved = to_experts(packed.repeat_interleave(topk, 0), tensors, lay.rows, call, landed=landed)
         pair_ids = torch.arange(x.shape[0] * topk, device=x.device)[:, None]
         # The source pair of each row travels as the rows do (-1: padding), from which token and slot follow.
         src_pair = to_experts(pair_ids + 1, tensors, lay.rows, call)[:, 0] - 1

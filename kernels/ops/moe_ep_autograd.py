@@ -42,10 +42,67 @@ class MoeDispatchFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_rows: torch.Tensor, *_: Any) -> tuple:
         if grad_rows is None:
             return None, None, None
-        call = EpCall.decode(ctx.call_text)
-        pairs = to_sources(grad_rows.contiguous(), list(ctx.saved_tensors), ctx.shape[0] * ctx.shape[1], call)
-        ones = torch.ones(ctx.shape, dtype=torch.float32, device=grad_rows.device)
-        return weighted_sum(pairs, ones, grad_rows.dtype), None, None
+        return _dispatch_grad(grad_rows, list(ctx.saved_tensors), ctx.shape, ctx.call_text), None, None
+
+
+def _dispatch_grad(grad_rows: torch.Tensor, movement: list[torch.Tensor], shape: tuple, call_text: str) -> torch.Tensor:
+    """The dispatch's dgrad (:class:`MoeDispatchFunction`): ``movement`` its four handle tensors, ``shape``
+    topk_ids'."""
+    pairs = to_sources(grad_rows.contiguous(), movement, shape[0] * shape[1], EpCall.decode(call_text))
+    ones = torch.ones(shape, dtype=torch.float32, device=grad_rows.device)
+    return weighted_sum(pairs, ones, grad_rows.dtype)
+
+
+class MoeDispatchGroupedMatmulFunction(torch.autograd.Function):
+    """``y, handle = moe_dispatch_grouped_matmul(x, topk_ids, ..., weight)`` (:mod:`kernels.ops.moe_ep_gemm`),
+    differentiable in plain ``x`` and ``weight [E_l, n, k]``: the dispatch's gradient composed with the grouped
+    GEMM's.
+
+    - forward, one ``coc::moe_dispatch_grouped_matmul`` (rows saved)::
+
+        rows[j] = x_of_rank_src_rank[j][src_token[j]]                    # [R, k]
+        y[rows of e] = rows[rows of e] @ weight[e].T                     # [R, n]
+
+    - dgrad: the grouped GEMM on the transposed weights, then the dispatch's dgrad (combine without weights)::
+
+        grad_rows[rows of e] = grad_y[rows of e] @ weight[e]
+        grad_x[t] = sum_s grad_rows_ts                                   # fp32, slot order, one rounding
+
+    - wgrad, one ``torch.mm`` per expert (the offsets read on the host: the exact-mode dispatch read its counts
+      there already; bounded mode's padding rows are zeros and add nothing)::
+
+        grad_w[e] = grad_y[rows of e].T @ rows[rows of e]                # zeros for an expert with no rows
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, topk_ids: torch.Tensor, call_text: str) -> tuple:
+        out = torch.ops.coc.moe_dispatch_grouped_matmul(x, topk_ids, weight, call_text)
+        ctx.mark_non_differentiable(*out[1:])
+        ctx.call_text, ctx.shape = call_text, tuple(topk_ids.shape)
+        # rows, weight, expert_offsets, then recv_to_row, send_index, send_counts, recv_counts
+        ctx.save_for_backward(out[1], weight, out[2], *out[6:10])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor, *_: Any) -> tuple:
+        from .grouped_matmul import grouped_matmul
+
+        rows, weight, offsets, *movement = ctx.saved_tensors
+        grad_x = grad_w = None
+        if grad_y is None:
+            return None, None, None, None
+        grad_y = grad_y.contiguous()
+        if ctx.needs_input_grad[0]:
+            grad_rows = grouped_matmul(grad_y, weight.transpose(1, 2).contiguous(), offsets)
+            grad_x = _dispatch_grad(grad_rows, movement, ctx.shape, ctx.call_text)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.zeros_like(weight)
+            start = 0
+            for e, end in enumerate(offsets.tolist()):
+                if end > start:
+                    grad_w[e] = grad_y[start:end].T @ rows[start:end]
+                start = end
+        return grad_x, grad_w, None, None
 
 
 class MoeCombineFunction(torch.autograd.Function):
@@ -82,7 +139,7 @@ class MoeCombineFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             weighted = (topk_weights.to(torch.float32)[:, :, None] * g[:, None, :]).to(returned.dtype)
             # The all-to-all movement's four handle tensors (the fused pull's two are not needed here).
-            grad_y = to_experts(weighted.reshape(m * topk, -1), handle[:4], ctx.rows, call)
+            grad_y = to_experts(weighted.reshape(m * topk, returned.shape[1]), handle[:4], ctx.rows, call)
         if ctx.needs_input_grad[1]:
             dots = (returned.view(m, topk, returned.shape[1]).to(torch.float32) * g[:, None, :]).sum(-1)
             grad_w = dots.to(topk_weights.dtype)

@@ -20,6 +20,7 @@ receive-buffer position, ``R`` = a dump row for padding) are all the data moveme
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -385,9 +386,18 @@ def _a2a(out: torch.Tensor, inp: torch.Tensor, splits: tuple[list[int], list[int
     return dist.all_to_all_single(out, inp, splits[0], splits[1], group=group, async_op=True)
 
 
-def to_experts(pair_rows: torch.Tensor, tensors: list[torch.Tensor], rows: int, call: EpCall) -> torch.Tensor:
+def to_experts(
+    pair_rows: torch.Tensor,
+    tensors: list[torch.Tensor],
+    rows: int,
+    call: EpCall,
+    *,
+    landed: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
     """The dispatch's movement: ``pair_rows [S, n]`` (pair ``t * topk + s``) -> ``[rows, n]`` in expert-grouped
-    order (zeros where nothing lands). ``tensors = [recv_to_row, send_index, send_counts, recv_counts]``."""
+    order (zeros where nothing lands). ``tensors = [recv_to_row, send_index, send_counts, recv_counts]``.
+    ``landed(out [rows + 1, n], piece_rows)``, if given, runs as each piece is placed, while the later pieces
+    travel: ``piece_rows`` are the piece's rows of ``out`` (``rows``, the dump row, for a bounded block's padding)."""
     recv_to_row, send_index, send_counts, recv_counts = tensors
     n, slots = pair_rows.shape[1], (call.world * call.max_tokens if call.bounded else pair_rows.shape[0])
     send = pair_rows.new_zeros((slots + 1, n))
@@ -400,7 +410,10 @@ def to_experts(pair_rows: torch.Tensor, tensors: list[torch.Tensor], rows: int, 
     for piece, recv, work in started:
         if work is not None:
             work.wait()
-        out[recv_to_row[piece.recv_pos]] = recv  # the regrouping of this piece, while later pieces travel
+        placed = recv_to_row[piece.recv_pos]
+        out[placed] = recv  # the regrouping of this piece, while later pieces travel
+        if landed is not None:
+            landed(out, placed)
     return out[:rows]
 
 
