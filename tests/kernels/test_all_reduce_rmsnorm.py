@@ -93,7 +93,7 @@ def _grid(backends: tuple[str, ...], algorithms: tuple[str, ...], quants: tuple)
     ]
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_scripted_backends_match_fp64_and_each_other(world: int) -> None:
     runs = _grid(("sequential", "chunked"), ("auto",), (None, "row", "block", "tensor"))
     per_rank = run_ranks(_ranks_body, world, runs, timeout=600)
@@ -104,7 +104,7 @@ def test_scripted_backends_match_fp64_and_each_other(world: int) -> None:
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fused_algorithms_match_fp64_and_each_other_bitwise(world: int) -> None:
     """one-shot, two-shot, unfused and auto, one-shot twice: the same bits on every rank and run;
     ``residual_out`` also the reference's bits (the sum and the residual add are the same fp32 operations in the
@@ -112,9 +112,11 @@ def test_fused_algorithms_match_fp64_and_each_other_bitwise(world: int) -> None:
     algorithms = ("one_shot", "two_shot", "unfused", "auto", "one_shot")
     runs = _grid(("fused",), algorithms, (None, "block"))
     runs += _grid(("sequential",), ("auto",), (None, "block"))
-    if world == 3:
-        # Three interpreted ranks cost most: W = 3 (rows that do not split evenly) runs bf16, unquantized.
-        runs = [run for run in runs if run[2] == "bfloat16" and run[3] is None]
+    if world >= 3:
+        # Three or four interpreted ranks cost most: W = 3 (rows that do not split evenly) runs bf16 unquantized,
+        # W = 4 bf16 with the in-kernel block quantization.
+        quant = None if world == 3 else "block"
+        runs = [run for run in runs if run[2] == "bfloat16" and run[3] == quant]
     per_rank = run_ranks(_ranks_body, world, runs, timeout=900)
     for rank_out in per_rank:
         for run, got in zip(runs, rank_out, strict=True):
