@@ -1,4 +1,5 @@
-"""Autograd of the expert-parallel ops (:mod:`kernels.ops.moe_ep`): one ``torch.autograd.Function`` each.
+"""Autograd of the expert-parallel ops (:mod:`kernels.ops.moe_ep`, :mod:`kernels.ops.moe_ep_gemm`): one
+``torch.autograd.Function`` each.
 
 Notation: this rank's tokens ``x [m, k]``, pairs ``p = (t, s)``, ``w = topk_weights [m, topk]``; ``rows [R, k]``
 the dispatched rows (row ``j`` is pair ``(src_token[j], src_slot[j])`` of rank ``src_rank[j]``), ``y [R, n]``
