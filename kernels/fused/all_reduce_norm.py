@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..fp8.quantize_triton import FP8_FORMAT, ROUND_BEFORE_CAST, round_to_fp8_grid
-from ..fp8.scales import EPS, FP8_MAX
+from ..fp8.scales import BLOCK, EPS, FP8_MAX
 from . import runtime, signals
 from .all_reduce import all_reduce_partials
 from .blocks import BlockConfig
@@ -47,6 +47,8 @@ _NORM_BLOCK_N = {"cpu": 64, "cuda": 1024}
 # grid-wide reduction: its fp32 y32 is quantized after the kernel.
 QUANT_IN_KERNEL = {"row": 2, "block": 3}
 _AMAX_EPS = tl.constexpr(EPS)
+# The "block" mode's quantization block (kernels.fp8.scales.BLOCK): one column step of its quantize pass.
+_QBLOCK = tl.constexpr(BLOCK)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
@@ -70,7 +72,8 @@ def _rmsnorm_kernel(
 ):
     # H = (h, stride_hm); OUT = (residual_out, stride_rm, y, stride_ym, scale, stride_sm); dims = (M, N).
     # QUANT: 0 none (y in x's dtype); 1 y is the fp32 y32 (weight applied before any rounding; quantized by the
-    # caller); 2 / 3 y is FP8 quantized here per row / per 1 x BLOCK_N block (BLOCK_N = 128), with its scales.
+    # caller); 2 / 3 y is FP8 quantized here per row / per 1 x 128 block, with its scales. BLOCK_N, the sum of
+    # squares' step, depends on n alone (not on QUANT): rstd has the same bits in every mode.
     h_ptr, stride_hm = H
     res_ptr, stride_rm, y_ptr, stride_ym, s_ptr, stride_sm = OUT
     M, N = dims
@@ -105,14 +108,14 @@ def _rmsnorm_kernel(
             tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], q, mask=mask)
         tl.store(s_ptr + offs_m * stride_sm, scale, mask=mask_m)
     elif QUANT == 3:
-        for start in range(0, N, BLOCK_N):
-            y, mask, offs_n = _y32((h_ptr, weight_ptr), (offs_m, mask_m, stride_hm, N), rstd, start, BLOCK_N)
+        for start in range(0, N, _QBLOCK):
+            y, mask, offs_n = _y32((h_ptr, weight_ptr), (offs_m, mask_m, stride_hm, N), rstd, start, _QBLOCK)
             ay = tl.abs(y)
             bad = tl.max(tl.where(ay < float("inf"), 0.0, 1.0), axis=1)
             scale = _scale(tl.max(tl.where(ay < float("inf"), ay, 0.0), axis=1), bad, FP8)
             q = _quantized(y, scale, y_ptr.dtype.element_ty, FP8)
             tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], q, mask=mask)
-            tl.store(s_ptr + offs_m * stride_sm + start // BLOCK_N, scale, mask=mask_m)
+            tl.store(s_ptr + offs_m * stride_sm + start // _QBLOCK, scale, mask=mask_m)
     else:
         for start in range(0, N, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
@@ -254,21 +257,22 @@ def rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(y, residual_out, scale)`` of the module docstring from ``h`` (fp32 rows); ``dtypes = (x's,
     residual's)``, ``quant = (mode or None, FP8 dtype)``. Modes of :data:`QUANT_IN_KERNEL` come back quantized
-    (``y`` FP8, ``scale`` fp32 ``[m, 1]`` / ``[m, ceil(n / 128)]``); ``"tensor"`` as the fp32 ``y32`` with
-    ``scale`` None (quantized by the caller); no mode as ``y`` in x's dtype, ``scale`` None."""
+    (``y`` FP8, ``scale`` fp32 ``[m, 1]`` / ``[m, ceil(n / 128)]``); ``"tensor"`` (and every mode of an fp64
+    ``h``) as ``y32`` in h's dtype with ``scale`` None (quantized by the caller); no mode as ``y`` in x's dtype,
+    ``scale`` None."""
     x_dtype, res_dtype = dtypes
     mode, fp8_dtype = quant
     m, n = h.shape
     code = 0 if mode is None else QUANT_IN_KERNEL.get(mode, 1)
+    if code > 1 and h.dtype != torch.float32:
+        # fp64 rows (an fp64 x): the kernel's correctly rounded division is fp32's, so torch quantizes their y32.
+        code = 1
     residual_out = torch.empty((m, n), dtype=res_dtype, device=h.device)
     y_dtype = x_dtype if code == 0 else (h.dtype if code == 1 else fp8_dtype)
     y = torch.empty((m, n), dtype=y_dtype, device=h.device)
-    block_n = min(_NORM_BLOCK_N[h.device.type], triton.next_power_of_2(max(n, 1)))
     scale = None
     if code >= 2:
-        # Block mode's column step is its quantization block, so each step's amax is one scale.
-        block_n = 128 if code == 3 else block_n
-        scale = torch.empty((m, 1 if code == 2 else triton.cdiv(n, 128)), dtype=torch.float32, device=h.device)
+        scale = torch.empty((m, 1 if code == 2 else triton.cdiv(n, BLOCK)), dtype=torch.float32, device=h.device)
     out_scale = scale if scale is not None else y
     block_m = 1 if h.device.type == "cuda" else 4
     grid = (triton.cdiv(m, block_m),)
@@ -280,7 +284,7 @@ def rmsnorm(
             (m, n),
             eps,
             BLOCK_M=block_m,
-            BLOCK_N=block_n,
+            BLOCK_N=min(_NORM_BLOCK_N[h.device.type], triton.next_power_of_2(max(n, 1))),
             QUANT=code,
             FP8=(FP8_MAX[fp8_dtype], *FP8_FORMAT[fp8_dtype]),
             num_warps=4 if h.device.type == "cuda" else 1,

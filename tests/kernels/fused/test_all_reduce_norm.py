@@ -24,7 +24,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-@pytest.mark.parametrize("shape", [(5, 40), (7, 136), (1, 256), (0, 24)], ids=str)
+# (8, 1000): a sum-of-squares step (64 columns on CPU) other than the block mode's 128-column quantize step.
+@pytest.mark.parametrize("shape", [(5, 40), (7, 136), (1, 256), (8, 1000), (0, 24)], ids=str)
 @pytest.mark.parametrize("mode", ["row", "block"])
 @pytest.mark.parametrize("fp8", FP8, ids=["e4m3", "e5m2"])
 def test_in_kernel_quantization_has_quantize_fp8s_bits(shape: tuple[int, int], mode: str, fp8: torch.dtype) -> None:
@@ -45,3 +46,15 @@ def test_in_kernel_quantization_has_quantize_fp8s_bits(shape: tuple[int, int], m
     assert torch.equal(_bits(residual_out), _bits(residual_32))
     if shape[0] >= 5:
         assert scale[1].isfinite().all() and scale[2].isnan().any() and scale[3].isnan().any(), scale
+
+
+@pytest.mark.parametrize("mode", ["row", "block", "tensor"])
+def test_fp64_rows_come_back_as_y32_for_the_callers_quantization(mode: str) -> None:
+    """An fp64 x reduces into fp64 rows; the kernel's correctly rounded division is fp32's, so every mode returns
+    the fp64 ``y32`` and no scale (kernels.ops.norm.finish quantizes it with quantize_fp8)."""
+    h = _h(5, 40).double()
+    weight = torch.ones(40, dtype=torch.float64)
+    y, residual_out, scale = all_reduce_norm.rmsnorm(
+        h, weight, eps=1e-6, dtypes=(torch.float64,) * 2, quant=(mode, FP8[0])
+    )
+    assert y.dtype == torch.float64 and scale is None and residual_out.dtype == torch.float64
