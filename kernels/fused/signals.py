@@ -62,6 +62,7 @@ interpreter. A failed wait or check stores an error code naming the phase and th
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -422,7 +423,10 @@ def _finish_call_kernel(
     DONE_OFFSET: tl.constexpr,
     OUTPUTS: tl.constexpr,
     BLOCK: tl.constexpr,
+    INTEGER: tl.constexpr,
 ):
+    # INTEGER = (out0's, out1's): an integer output (packed FP8 rows and their scales travel as bytes) gets
+    # all-ones bits, a NaN in every float format a byte row unpacks to (fp32, e4m3fn, e5m2); a float one NaN.
     pid = tl.program_id(0)
     pad = peer_ptr(sig_tab_ptr, rank, tl.int64)
     epoch = call_epoch(pad)
@@ -433,11 +437,17 @@ def _finish_call_kernel(
             step = tl.num_programs(0) * BLOCK
             for start in range(pid * BLOCK, n0, step):
                 offs = start + tl.arange(0, BLOCK).to(tl.int64)
-                tl.store(out0_ptr + offs, float("nan"), mask=offs < n0)
+                if INTEGER[0]:
+                    tl.store(out0_ptr + offs, -1, mask=offs < n0)
+                else:
+                    tl.store(out0_ptr + offs, float("nan"), mask=offs < n0)
             if OUTPUTS > 1:
                 for start in range(pid * BLOCK, n1, step):
                     offs = start + tl.arange(0, BLOCK).to(tl.int64)
-                    tl.store(out1_ptr + offs, float("nan"), mask=offs < n1)
+                    if INTEGER[1]:
+                        tl.store(out1_ptr + offs, -1, mask=offs < n1)
+                    else:
+                        tl.store(out1_ptr + offs, float("nan"), mask=offs < n1)
     elif pid == 0:
         for dst in tl.static_range(WORLD):
             send_signal(peer_ptr(sig_tab_ptr, dst, tl.int64) + DONE_OFFSET + rank, epoch)
@@ -469,11 +479,18 @@ def check_call(heap, descriptor: tuple[int, ...], must_agree: int, timeout: int,
     )
 
 
+_SIGNED = {torch.uint8: torch.int8}
+
+
 def finish_call(heap, outputs: tuple, programs: int) -> None:
     """Signal ``DONE = epoch`` to every rank, or, if a wait or the check of this rank failed, skip
-    that and fill ``outputs`` (contiguous float tensors, at most two) with NaN."""
+    that and fill ``outputs`` (contiguous tensors, at most two) with NaN, an integer one with all-ones bits (-1;
+    as bytes, NaN in fp32, e4m3fn and e5m2)."""
     w = heap.world_size
     outs = [o for o in outputs if o is not None and o.numel() > 0]
+    # Signed views: -1 is then all ones in the output's own width.
+    outs = [o.view(_SIGNED[o.dtype]) if o.dtype in _SIGNED else o for o in outs]
+    integer = tuple(not o.is_floating_point() for o in outs) + (False,) * (2 - len(outs))
     if len(outs) > 2:
         raise ValueError(f"outputs: at most 2 tensors, got {len(outs)}")
     padded = outs + [heap.sig_ptrs] * (2 - len(outs))
@@ -489,4 +506,5 @@ def finish_call(heap, outputs: tuple, programs: int) -> None:
         DONE_OFFSET=channel_offset(CH_DONE, w),
         OUTPUTS=len(outs),
         BLOCK=1024,
+        INTEGER=integer[:2],
     )

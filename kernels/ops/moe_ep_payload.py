@@ -48,6 +48,13 @@ def check_payload(x: object, x_scale: object) -> OperandFormat:
             raise ValueError(f"x carries a scale but x is {x.dtype}: scales go with FP8 payloads only")
         return PLAIN
     m, k = x.shape
+    if x.requires_grad and torch.is_grad_enabled():
+        # torch lets an FP8 tensor require grad, but the dispatch of FP8 rows has no backward: its gradient
+        # would be dropped without a word.
+        raise TypeError(
+            f"x ({x.dtype}) requires grad; an FP8 dispatch is not differentiable: quantize under torch.no_grad() "
+            "or detach it, or dispatch the bf16 / fp32 rows to train through the dispatch"
+        )
     if x_scale is None:
         raise TypeError(
             f"x is {x.dtype} without its scale: pass x = (x_fp8, x_scale), x_scale fp32 [m_local, 1] (per row) "

@@ -216,6 +216,8 @@ def _errors_body(rank: int, world: int) -> list[str]:
         lambda: kernels.moe_dispatch((xq, xs.double()), ids, tw, 4),
         lambda: kernels.moe_dispatch((xq, xs.to("meta")), ids, tw, 4),
         lambda: kernels.moe_dispatch((xq, xs.clone().requires_grad_()), ids, tw, 4),
+        # torch lets an FP8 tensor require grad (a quantization inside a training graph): refused, not dropped
+        lambda: kernels.moe_dispatch((xq.float().requires_grad_().to(xq.dtype), xs), ids, tw, 4),
         lambda: kernels.moe_dispatch((xq, rows_scale if rank else xs), ids, tw, 4),  # row vs block layout
         lambda: kernels.moe_dispatch((xq.view(torch.float8_e5m2) if rank else xq, xs), ids, tw, 4),
         lambda: kernels.moe_dispatch(xq.float() if rank else (xq, xs), ids, tw, 4),  # FP8 vs fp32
@@ -245,6 +247,7 @@ def test_fp8_named_errors_before_any_communication() -> None:
         r"TypeError: .*x_scale dtype torch.float64 is not accepted",
         r"ValueError: .*x_scale is on meta but x is on cpu",
         r"TypeError: .*x_scale requires grad; an FP8 dispatch is not differentiable",
+        r"TypeError: .*x \(torch.float8_e4m3fn\) requires grad; an FP8 dispatch is not differentiable",
         r"RuntimeError: moe_dispatch: ranks disagree: rank 0 has x_scale layout=block, rank 1 has x_scale layout=row",
         r"RuntimeError: moe_dispatch: ranks disagree: rank 0 has x.dtype=torch.float8_e4m3fn, rank 1 has "
         r"x.dtype=torch.float8_e5m2",

@@ -402,13 +402,14 @@ def _plain_cases() -> list[Case]:
                 sig_tab_ptr=tab,
                 out0_ptr=_t(torch.float16),
                 n0=4096 * 4096,
-                out1_ptr=_t(torch.float16),
+                out1_ptr=_t(torch.int8),  # packed FP8 rows (bytes): poisoned with all-ones bits
                 n1=4096 * 1024,
                 rank=2,
                 WORLD=4,
                 DONE_OFFSET=signals.channel_offset(signals.CH_DONE, 4),
                 OUTPUTS=2,
                 BLOCK=1024,
+                INTEGER=(False, True),
             ),
             4,
             1,
@@ -464,7 +465,7 @@ def _norm_cases() -> list[Case]:
         fp8 = (FP8_MAX[e4m3], *FP8_FORMAT[e4m3])
         f32 = _t(torch.float32)
         # QUANT 0: bf16 out; 1: fp32 y32 (tensor mode, quantized after); 2 / 3: FP8 row / block in the kernel.
-        for quant, out, block_n in ((0, bf16, 1024), (1, f32, 1024), (2, _t(e4m3), 1024), (3, _t(e4m3), 128)):
+        for quant, out, block_n in ((0, bf16, 1024), (1, f32, 1024), (2, _t(e4m3), 1024), (3, _t(e4m3), 1024)):
             cases.append(
                 Case(
                     f"rmsnorm quant={quant} {tag}",

@@ -405,3 +405,28 @@ def test_a_timeout_names_what_the_peer_had_not_done_in_that_op(op: str, channel:
     text = runtime._message(heap, code, 7, (mine, mine), 5000)
     assert text.startswith(f"fused {op}: rank 1 (group rank 1) waited more than COC_TIMEOUT=5 s for rank 0 ")
     assert f"{words} (epoch 7)" in text, text
+
+
+@pytest.mark.parametrize("failed", [True, False])
+def test_failed_call_poisons_byte_rows_as_nan_in_every_format(failed: bool) -> None:
+    # Packed FP8 rows (payload and fp32 scale bytes, kernels.format.pack_rows) are uint8 outputs: a NaN stored
+    # into them would read as zero bytes, zero payload with a zero scale, a plausible value. All-ones bytes are
+    # NaN as e4m3fn, e5m2 and fp32. No failure: nothing is written and DONE is signalled.
+    from kernels.fused import signals
+
+    pad = torch.zeros(64, dtype=torch.int64)
+    pad[signals.ERROR_WORD] = 5 if failed else 0
+    pad[signals.EPOCH_WORD] = 7
+    heap = SimpleNamespace(world_size=1, rank=0, sig_ptrs=torch.tensor([pad.data_ptr()], dtype=torch.int64))
+    rows = torch.zeros(3, 12, dtype=torch.uint8)  # 8 payload bytes, then one fp32 scale per row
+    out = torch.zeros(5)
+    signals.finish_call(heap, (rows, out), programs=1)
+    if not failed:
+        assert not rows.any() and not out.any()
+        assert pad[signals.channel_offset(signals.CH_DONE, 1)] == 7
+        return
+    assert pad[signals.channel_offset(signals.CH_DONE, 1)] == 0
+    assert bool((rows == 255).all()) and bool(out.isnan().all())
+    assert rows[:, :8].view(torch.float8_e4m3fn).float().isnan().all()
+    assert rows[:, :8].view(torch.float8_e5m2).float().isnan().all()
+    assert rows[:, 8:].contiguous().view(torch.float32).isnan().all()
