@@ -30,7 +30,7 @@ that applies the plans): the norms of the residual stream get ``sequence_paralle
 Expert parallelism: where transformers has ``transformers.distributed.expert_parallel.EPImplementationInterface``
 (5.24 does), :func:`register_hf` also registers the implementation ``"coc"`` (:data:`EP_IMPLEMENTATION`), so
 ``DistributedConfig(tp_size=W, ep_size=W, ep_implementation="coc")`` runs each ``"ep_dispatch_experts"`` module as
-``kernels.moe_dispatch`` -> the grouped GEMMs of this rank's experts -> ``kernels.moe_combine``
+``kernels.moe_dispatch_grouped_matmul`` -> this rank's second expert GEMM -> ``kernels.moe_combine``
 (:func:`autopar.tp.moe_ep.coc_ep_forward`; transformers still shards the experts with ``"grouped_gemm"``). The ranks
 of a TP group share one batch: each dispatches its slice of it over the EP group and the slices' outputs are
 gathered over the TP group. Refused by name when the implementation is built (at load): experts modules of a
@@ -242,7 +242,7 @@ def _coc_ep_implementation() -> type:
     from .styles import _local
 
     class CocEP(EPImplementation):
-        """``kernels.moe_dispatch`` over the EP group, this rank's experts on the CoC grouped GEMM,
+        """``kernels.moe_dispatch_grouped_matmul`` over the EP group (this rank's experts on the CoC grouped GEMM),
         ``kernels.moe_combine``; a TP group's shared batch split over it first and gathered after."""
 
         def __init__(self, experts: Any, ep_mesh: Any, tp_mesh: Any) -> None:

@@ -6,11 +6,13 @@ transformers 5 declares an expert-parallel plan beside the tensor-parallel one (
 experts module (tokens sent to their experts' ranks and back). :class:`CocEpDispatchExpertsParallel` gives the
 parameters those placements and runs the module as::
 
-    rows, handle = kernels.moe_dispatch(x_tokens, top_k_index, top_k_weights, E)      # rows by local expert
-    h = act(gate) * up of kernels.grouped_matmul(rows, gate_up_local, handle.expert_offsets)
+    y, handle = kernels.moe_dispatch_grouped_matmul(x_tokens, top_k_index, top_k_weights, E, gate_up_local)
+    h = act(gate) * up of y                        # y: the dispatched rows (by local expert) times gate_up
     out_tokens = kernels.moe_combine(kernels.grouped_matmul(h, down_local, handle.expert_offsets), handle)
 
-(the grouped GEMMs' autograd: :class:`_GroupedLinear`; dispatch / combine: :mod:`kernels.ops.moe_ep_autograd`).
+(``moe_dispatch_grouped_matmul`` is ``moe_dispatch`` then ``grouped_matmul``, the chunked backend multiplying each
+piece of rows as it lands; the second grouped GEMM's autograd: :class:`_GroupedLinear`; the dispatch's, the first
+GEMM's and the combine's: :mod:`kernels.ops.moe_ep_autograd`).
 The expert group is the tensor-parallel mesh (transformers' ``ep_size == tp_size``): the attention and the rest
 keep the TP plan's styles. Without sequence parallelism every rank holds every token, so the tokens are split
 over the ranks first (padded with zero-weight rows to a multiple of W), each token dispatched by one rank, and
@@ -115,8 +117,10 @@ def coc_ep_forward(
             top_k_index = F.pad(top_k_index, (0, 0, 0, pad))
         hidden, top_k_weights = _SplitRows.apply(hidden, split_group), _SplitRows.apply(top_k_weights, split_group)
         top_k_index = top_k_index.chunk(world)[comm.rank_of(split_group)].contiguous()
-    rows, handle = kernels.moe_dispatch(hidden, top_k_index, top_k_weights, num_experts, group=ep_group)
-    y = _grouped_linear(rows, gate_up, handle.expert_offsets)
+    # The first expert GEMM rides on the dispatch: the chunked backend multiplies each piece as it lands.
+    y, handle = kernels.moe_dispatch_grouped_matmul(
+        hidden, top_k_index, top_k_weights, num_experts, gate_up, group=ep_group
+    )
     out = _grouped_linear(_gate(module, y), down, handle.expert_offsets)
     combined = kernels.moe_combine(out, handle)
     if world > 1:

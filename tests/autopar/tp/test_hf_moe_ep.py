@@ -1,15 +1,17 @@
 """Hugging Face mixture-of-experts models under expert parallelism (tiny Qwen3-MoE, Qwen2-MoE with its shared
 expert, Mixtral; fp32; E = 4 experts, 2 per rank at world 2): ``autopar.parallelize_hf(model, expert_parallel=True)``
-runs transformers' ``ep_plan`` (``"ep_dispatch_experts"``, ``"grouped_gemm"``) on ``kernels.moe_dispatch`` ->
-``kernels.grouped_matmul`` -> ``kernels.moe_combine``, the attention on the TP plan's styles over the same mesh.
+runs transformers' ``ep_plan`` (``"ep_dispatch_experts"``, ``"grouped_gemm"``) on
+``kernels.moe_dispatch_grouped_matmul`` (the dispatch with the first expert GEMM) -> ``kernels.grouped_matmul`` ->
+``kernels.moe_combine``, the attention on the TP plan's styles over the same mesh.
 
 Logits, loss, every gradient, the parameters after three SGD steps (``clip_grad_norm_`` under sequence parallelism)
 and greedy ``generate()`` match one process (1e-5, :mod:`tests.autopar.tp.hf_cases`), sequence parallelism off and
 on, on the sequential and chunked backends; the expert weights are the DTensors transformers' own ``grouped_gemm``
-makes (``Shard(0)``, same local experts); a spy on the public ops shows dispatch, the grouped GEMM and combine ran
-on the backend asked. Router load imbalance (every token to one expert, top-1, so one rank receives no row; every
-token to experts 0 and 1, both on rank 0). transformers' own loading with ``ep_implementation="coc"`` (after
-``autopar.register_hf()``) against the same checkpoint in one process, and what is refused by name.
+makes (``Shard(0)``, same local experts); a spy on the public ops shows the dispatch with the first GEMM, the second
+GEMM and combine ran on the backend asked. Router load imbalance (every token to one expert, top-1, so one rank
+receives no row; every token to experts 0 and 1, both on rank 0). transformers' own loading with
+``ep_implementation="coc"`` (after ``autopar.register_hf()``) against the same checkpoint in one process, and what
+is refused by name.
 """
 
 from __future__ import annotations
@@ -39,12 +41,18 @@ def ep_calls() -> Iterator[collections.Counter]:
     from kernels.ops.moe_ep_routing import EpCall
 
     calls: collections.Counter = collections.Counter()
-    saved = {name: getattr(kernels, name) for name in ("moe_dispatch", "moe_combine", "grouped_matmul")}
+    names = ("moe_dispatch", "moe_dispatch_grouped_matmul", "moe_combine", "grouped_matmul")
+    saved = {name: getattr(kernels, name) for name in names}
 
     def dispatch(*args: Any, **kw: Any) -> Any:
         rows, handle = saved["moe_dispatch"](*args, **kw)
         calls[("moe_dispatch", EpCall.decode(handle.call).backend)] += 1
         return rows, handle
+
+    def dispatch_gemm(*args: Any, **kw: Any) -> Any:
+        y, handle = saved["moe_dispatch_grouped_matmul"](*args, **kw)
+        calls[("moe_dispatch_grouped_matmul", EpCall.decode(handle.call).backend)] += 1
+        return y, handle
 
     def combine(y: torch.Tensor, handle: Any, **kw: Any) -> Any:
         calls[("moe_combine", EpCall.decode(handle.call).backend)] += 1
@@ -55,6 +63,7 @@ def ep_calls() -> Iterator[collections.Counter]:
         return saved["grouped_matmul"](*args, **kw)
 
     kernels.moe_dispatch, kernels.moe_combine, kernels.grouped_matmul = dispatch, combine, grouped
+    kernels.moe_dispatch_grouped_matmul = dispatch_gemm
     try:
         yield calls
     finally:
@@ -123,7 +132,8 @@ def _check(rows: list[dict[str, Any]], tag: str) -> dict[str, float]:
             worst[f"{row['backend']} sp={row['sp']} {key}"] = row[key]
         assert row["generate_equal"] and row["same_layout"], where
         ops = {op for op, _ in row["calls"]}
-        assert ops == {"moe_dispatch", "moe_combine", "grouped_matmul"}, (where, row["calls"])
+        # The first expert GEMM rides on the dispatch (moe_dispatch_grouped_matmul), the second is grouped_matmul.
+        assert ops == {"moe_dispatch_grouped_matmul", "moe_combine", "grouped_matmul"}, (where, row["calls"])
         backends = {b for op, b in row["calls"] if op != "grouped_matmul"}
         assert backends == {row["backend"]}, (where, row["calls"])
         if row["sp"]:
@@ -212,7 +222,7 @@ def test_transformers_loading_with_ep_implementation_coc(tmp_path: Any) -> None:
         for key in ("logits", "loss", "grads"):
             assert row[key] < TOL, (key, row)
         assert not row["missing_grads"] and row["generate_equal"], row
-        assert row["ops"] == ["grouped_matmul", "moe_combine", "moe_dispatch"], row
+        assert row["ops"] == ["grouped_matmul", "moe_combine", "moe_dispatch_grouped_matmul"], row
         assert row["local_experts"] == 2 and not row["registered_after"], row
         assert "under sequence parallelism is not supported" in row["sequence_parallel"], row
 
