@@ -110,10 +110,9 @@ def _moves_body(rank: int, world: int, backends: tuple[str, ...]) -> list[str]:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fp8_rows_and_scales_move_bit_exact(world: int) -> None:
-    """Every backend at W = 2, the fused backend at W = 1 .. 4 (W = 1: the local movement): e4m3 rows with row
-    scales and e5m2 rows with block scales, exact and bounded, bitwise (module docstring)."""
-    backends = BACKENDS if world == 2 else ("fused",)
-    assert_no_errors(run_ranks(_moves_body, world, backends, timeout=240))
+    """Every backend at W = 1 .. 4 (W = 1: the local movement): e4m3 rows with row scales and e5m2 rows with block
+    scales, exact and bounded, bitwise (module docstring)."""
+    assert_no_errors(run_ranks(_moves_body, world, BACKENDS, timeout=240))
 
 
 def _dequantized_weights(world: int, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -179,8 +179,9 @@ def _check_runs(world: int, runs: list, per_rank: list) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fp8_fused_block_mode_matches_fp64_and_the_reference(world: int) -> None:
     """The fused backend (gather of packed rows over the heap, the grouped GEMM's FP8 path, the fused combine and
-    reduce-scatter) in block mode, skewed and single-expert routing, bf16 out."""
-    runs = [("fused", "block", case, "bfloat16") for case in CASES]
+    reduce-scatter) in block mode, skewed and single-expert routing, bf16 out; the chunked backend (two pieces)
+    on the skewed routing; the sequential backend is every run's reference."""
+    runs = [("fused", "block", case, "bfloat16") for case in CASES] + [("chunked", "block", "skewed", "bfloat16")]
     _check_runs(world, runs, run_ranks(_ranks_body, world, runs, timeout=600))
 
 
