@@ -112,6 +112,9 @@ def test_fused_algorithms_match_fp64_and_each_other_bitwise(world: int) -> None:
     algorithms = ("one_shot", "two_shot", "unfused", "auto", "one_shot")
     runs = _grid(("fused",), algorithms, (None, "block"))
     runs += _grid(("sequential",), ("auto",), (None, "block"))
+    if world == 2:
+        # The other two quantizations on every fused algorithm: row inside the norm kernel, tensor after it.
+        runs += [("fused", a, "float32", q, (9, 136)) for a in algorithms for q in ("row", "tensor")]
     if world >= 3:
         # Three or four interpreted ranks cost most: W = 3 (rows that do not split evenly) runs bf16 unquantized,
         # W = 4 bf16 with the in-kernel block quantization.
