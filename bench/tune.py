@@ -19,6 +19,10 @@ and tensor scales, int8 weights per_group and per_channel) and every shape of :f
    (TMA, persistent, plain); the fused ops (timed at W = 1: their local GEMM is the plain tile core,
    the same kernel body the fused kernels run between their waits), and every op of FP8 and int8
    operands (the tile core is their only kernel), among the plain configs,
+4. does the same for the grouped GEMM of mixture-of-experts layers (``grouped_matmul``, plain operands,
+   Qwen3-30B-A3B's expert shapes, :mod:`bench.tune_grouped`): its kernel's configs only (the tile core),
+   checked per expert against fp32 within :func:`rounding_bound`, beside ``torch._grouped_mm``; its
+   entries keyed by the rows per expert,
 
 and writes ``configs/tuned/<gpu-name>.yaml`` (:mod:`kernels.fused.tuned`; entries of another format
 than plain carry ``format:``; ``--out-dir`` writes there instead) with the baseline's time beside each
@@ -41,11 +45,14 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+
+from bench import tune_grouped
+from bench.tune_problem import Case, Problem, TuneShape, rounding_bound
+from bench.tune_problem import within as _within
 
 if TYPE_CHECKING:  # kernels imports triton, which must follow TRITON_INTERPRET (run, bench/__main__.py)
     from kernels.format import OperandFormat
@@ -56,35 +63,6 @@ if TYPE_CHECKING:  # kernels imports triton, which must follow TRITON_INTERPRET 
 Timer = Callable[[Callable[[], object], tuple[str, str, str]], float]
 DEFAULT_BUDGET_S = 200.0
 _CUBLAS = "cublas"
-
-
-@dataclass(frozen=True)
-class TuneShape:
-    """One GEMM ``[m, k] x [n, k]^T`` and the ops whose file entries it provides."""
-
-    label: str
-    m: int
-    n: int
-    k: int
-    ops: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One pass of the tuner over the shapes: the operand format (:class:`kernels.format.OperandFormat`)
-    and x's dtype, as the file's entries name it (the FP8 payload's; the activation's of int8 weights)."""
-
-    fmt: OperandFormat
-    dtype: torch.dtype
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    @property
-    def name(self) -> str:
-        """``bfloat16`` (plain), ``fp8:block float8_e4m3fn``, ``int8:per_group:128 bfloat16``."""
-        return self.dtype_name if self.fmt.kind == "plain" else f"{self.fmt.encode()} {self.dtype_name}"
 
 
 def gpu_cases() -> list[Case]:
@@ -139,7 +117,8 @@ def gpu_shapes() -> list[TuneShape]:
 
     QKV ``n = (8192 + 2 * 1024) / 8``, out-projection ``k = 8192 / 8``, gate+up ``n = 2 * 28672 / 8``,
     down ``k = 28672 / 8``. The column-parallel GEMMs (QKV, gate+up) follow an all-gather, the
-    row-parallel ones (out, down) precede a reduce-scatter / all-reduce.
+    row-parallel ones (out, down) precede a reduce-scatter / all-reduce. Then the grouped GEMMs of
+    :func:`bench.tune_grouped.gpu_shapes` (Qwen3-30B-A3B's experts).
     """
     mm = ("matmul",)
     return [
@@ -152,13 +131,18 @@ def gpu_shapes() -> list[TuneShape]:
         TuneShape("down m512", 512, 8192, 3584, mm + _FUSED_RS),
         TuneShape("gate_up m16", 16, 7168, 8192, mm + _FUSED_AG),
         TuneShape("down m16", 16, 8192, 3584, mm + _FUSED_RS),
+        *tune_grouped.gpu_shapes(),
     ]
 
 
 def cpu_shapes() -> list[TuneShape]:
     """Tiny shapes for the interpreter (one per family), so ``--allow-cpu`` runs in seconds."""
     all_ops = ("matmul",) + _FUSED_AG + _FUSED_RS
-    return [TuneShape("cpu m16", 16, 32, 32, all_ops), TuneShape("cpu m80", 80, 32, 32, all_ops)]
+    return [
+        TuneShape("cpu m16", 16, 32, 32, all_ops),
+        TuneShape("cpu m80", 80, 32, 32, all_ops),
+        *tune_grouped.cpu_shapes(),
+    ]
 
 
 def cuda_timer(warmup: int = 2, target_s: float = 0.02, max_reps: int = 50) -> Timer:
@@ -197,17 +181,6 @@ def cpu_timer(reps: int = 1) -> Timer:
     return timer
 
 
-def rounding_bound(ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Elementwise bound on how far a correct config's result may lie from cuBLAS's ``ref``.
-
-    Both sum the exact products in fp32 in some order (each within ``k * 2^-24 * (|x| @ |w|.T)`` of
-    the exact sum) and round once to the output dtype (half an ulp each, ``eps * |ref|`` covers both).
-    """
-    k = x.shape[1]
-    magnitude = torch.matmul(x.abs().float(), w.abs().float().T)
-    return torch.finfo(ref.dtype).eps * ref.float().abs() + 2 * k * 2.0**-24 * magnitude + 1e-30
-
-
 def select(timings: dict[str, float | None], candidates: list, label: Callable[[object], str]):
     """The fastest candidate with a time (ties: the earlier in ``candidates``), or None."""
     best, best_t = None, float("inf")
@@ -216,24 +189,6 @@ def select(timings: dict[str, float | None], candidates: list, label: Callable[[
         if t is not None and t < best_t:
             best, best_t = c, t
     return best
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One shape of one case, ready to run: ``run(cfg)`` computes it with a config of the space,
-    ``check(y)`` says whether a result is correct (None) or how it is wrong, ``baseline`` is the
-    unfused GEMM timed beside it (None: none runs here)."""
-
-    run: Callable[[object], torch.Tensor]
-    check: Callable[[torch.Tensor], str | None]
-    baseline: Callable[[], object] | None
-
-
-def _within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> str | None:
-    diff = (got.to(ref.dtype) - ref).abs()
-    if bool((diff <= bound).all()):
-        return None
-    return f"wrong result (max abs. error {diff.nan_to_num(nan=float('inf')).max().item():.3g})"
 
 
 def _plain_problem(x: torch.Tensor, w: torch.Tensor) -> Problem:
@@ -329,6 +284,8 @@ def _int8_problem(case: Case, x: torch.Tensor, w: torch.Tensor) -> Problem:
 
 
 def _problem(case: Case, shape: TuneShape, device: torch.device) -> Problem:
+    if shape.experts:
+        return tune_grouped.problem(case, shape, device)
     gen = torch.Generator(device=device).manual_seed(0)
     if case.fmt.kind == "plain":
         x = torch.randn(shape.m, shape.k, generator=gen, device=device).to(case.dtype)
@@ -369,6 +326,8 @@ def tune(
     for case in cases:
         case = case if isinstance(case, Case) else Case(PLAIN, case)
         for shape in shapes:
+            if shape.experts and case.fmt.kind not in tune_grouped.FORMATS:
+                continue  # a grouped GEMM of a format its tuner does not build (no entry: the defaults)
             if clock() - start > budget_s:
                 skipped.append(f"{shape.label} {case.name}")
                 continue
@@ -376,7 +335,9 @@ def tune(
             base = None
             if problem.baseline is not None:
                 base = timer(problem.baseline, (shape.label, case.name, _CUBLAS))
-            space = gemm_configs.format_space(case.fmt, gemm_configs.family(shape.m), device.type)
+            space = gemm_configs.format_space(case.fmt, gemm_configs.family(shape.rows), device.type)
+            if problem.variants is not None:
+                space = [c for c in space if c.variant in problem.variants]
             timings: dict[str, float | None] = {}
             notes: dict[str, str] = {}
             for cfg in space:
@@ -403,7 +364,7 @@ def tune(
                 base_ms = None if base is None else base * 1e3
                 entries.append(
                     tuned.Entry(
-                        op, case.dtype_name, shape.m, shape.n, shape.k, best, t * 1e3, base_ms, case.fmt.encode()
+                        op, case.dtype_name, shape.rows, shape.n, shape.k, best, t * 1e3, base_ms, case.fmt.encode()
                     )
                 )
                 row = dict(

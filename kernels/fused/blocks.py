@@ -92,11 +92,11 @@ def block_config(
     only ``block_k``, which no count depends on (nor does the TF32 switch, a per-process setting).
 
     ``op`` (the tuned file's op: ``matmul``, ``all_gather_matmul``, ``matmul_reduce_scatter``,
-    ``matmul_all_reduce``, for every format) and ``n``: the tuned file of this GPU is consulted
-    for ``(op, dtype, format, rows, n)``, never ``k`` for the fused ops, so every rank of a reducing op
-    that agrees on the call gets the same tiles. ``all_gather_matmul`` ranks may differ in ``n``, so
-    its tiles are each rank's own: nothing that peers count may follow them (its pushed chunks
-    follow the untuned tiles, :func:`chunk_rows`).
+    ``matmul_all_reduce``, ``grouped_matmul`` (``rows``: its rows per expert), for every format) and
+    ``n``: the tuned file of this GPU is consulted for ``(op, dtype, format, rows, n)``, never ``k`` for
+    the fused ops, so every rank of a reducing op that agrees on the call gets the same tiles.
+    ``all_gather_matmul`` ranks may differ in ``n``, so its tiles are each rank's own: nothing that
+    peers count may follow them (its pushed chunks follow the untuned tiles, :func:`chunk_rows`).
     """
     cfg = _tuned_blocks(fmt, device, dtype, op, (rows, k, n))
     if cfg is None:

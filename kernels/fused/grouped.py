@@ -88,9 +88,11 @@ def _grouped_kernel(OPERANDS, OUT, GROUPS, CONFIG: tl.constexpr, MATH: tl.conste
 
 def config(fmt: OperandFormat, x: torch.Tensor, n: int, num_experts: int) -> BlockConfig:
     """The tiles of a grouped GEMM: :func:`blocks.block_config`'s for the mean rows per expert (the shapes
-    are all the host knows of the routing)."""
+    are all the host knows of the routing), the tuned file's ``grouped_matmul`` entry nearest to them
+    (keyed by those rows, :mod:`tuned`; its plain entries only) where there is one."""
     m, k = x.shape
-    return block_config(fmt, x.device, triton.cdiv(m, max(num_experts, 1)), k, dtype=x.dtype, n=n)
+    rows = triton.cdiv(m, max(num_experts, 1))
+    return block_config(fmt, x.device, rows, k, dtype=x.dtype, op="grouped_matmul", n=n)
 
 
 def launch(

@@ -19,9 +19,11 @@ File layout (``version: 1``)::
 
     gpu: NVIDIA H100 80GB HBM3          # informational
     entries:
-      - op: matmul                      # or all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce
+      - op: matmul                      # or all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce,
+                                        # grouped_matmul
         dtype: bfloat16
-        m: 4096                         # the shape the entry was timed on
+        m: 4096                         # the shape the entry was timed on (grouped_matmul: the rows per
+                                        # expert, ceil(m / E), the rows its kernel chooses tiles for)
         n: 8192
         k: 8192
         config: {block_m: 128, block_n: 256, block_k: 64, num_warps: 8, num_stages: 3, group_m: 8, variant: tma}
@@ -44,6 +46,11 @@ run the fused tile core ("plain" variant); FP8 entries' ``block_n`` and ``block_
 scale row per tile and k step).
 For the fused ops ``k`` is left out of the distance: ranks may hold uneven ``k`` shards, and the tile
 counts that become signal targets must not depend on it.
+
+``grouped_matmul`` (the mixture-of-experts grouped GEMM, :mod:`grouped`) is local, like ``matmul``: looked
+up by its rows per expert, ``n`` and ``k``. Its kernel is the tile core only, so its entries of another
+variant than "plain" (never written by the tuner) are ignored by the lookup: the nearest plain entry, else
+the defaults, never a tile the kernel does not run.
 """
 
 from __future__ import annotations
@@ -64,8 +71,11 @@ from .tile import SCALE_BLOCK
 
 ENV_TUNED_DIR = "COC_TUNED_DIR"
 FILE_VERSION = 1
-OPS = ("matmul", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
-FUSED_OPS = OPS[1:]
+OPS = ("matmul", "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "grouped_matmul")
+FUSED_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+# Ops whose only kernel is the tile core ("plain" variant): the fused ops (the file refuses other variants)
+# and the grouped GEMM (the lookup skips other variants).
+TILE_CORE_OPS = (*FUSED_OPS, "grouped_matmul")
 DEFAULT_DIR = config_path("tuned")
 
 
@@ -282,6 +292,8 @@ def nearest(
     best, best_d = None, math.inf
     for e in entries:
         if e.op != op or e.dtype != dtype_name(dtype) or e.format != fmt or family(e.m) != fam:
+            continue
+        if op in TILE_CORE_OPS and e.config.variant != "plain":
             continue
         d = _distance(e, max(m, 1), n, k)
         if d < best_d:
