@@ -35,6 +35,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 import kernels
+from kernels.ops.grouped_matmul import grouped_matmul_grads
 
 from . import comm
 from .moe import _gate, _GatherRows, _matches, _SplitRows, check_experts_module, check_plain_expert_inputs
@@ -68,18 +69,8 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x, weight, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = kernels.grouped_matmul(grad, weight.transpose(1, 2).contiguous(), offsets)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.zeros_like(weight)
-            start = 0
-            for e, end in enumerate(offsets.tolist()):
-                if end > start:
-                    grad_w[e] = grad[start:end].T @ x[start:end]
-                start = end
-        return grad_x, grad_w, None
+        needs = tuple(ctx.needs_input_grad[:2])
+        return (*grouped_matmul_grads(grad, x, weight, offsets, needs=needs), None)
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -244,6 +244,30 @@ def grouped_matmul_reference(
     return _reference(fmt, (x, weight, expert_offsets, x_scale, w_scale), out_dtype)
 
 
+def grouped_matmul_grads(
+    grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, *, needs: tuple
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_x, grad_w)`` of ``y = grouped_matmul(x, weight, expert_offsets)`` (plain operands), each None
+    unless ``needs = (x's, weight's)`` asks for it:
+
+    - dgrad, the same op on the transposed weights: ``grad_x[rows of e] = grad_y[rows of e] @ weight[e]``;
+    - wgrad, one ``torch.mm`` per expert (the offsets read on the host; zeros for an expert with no rows):
+      ``grad_w[e] = grad_y[rows of e].T @ x[rows of e]``.
+    """
+    grad_y = grad_y.contiguous()
+    grad_x = grad_w = None
+    if needs[0]:
+        grad_x = grouped_matmul(grad_y, weight.transpose(1, 2).contiguous(), expert_offsets)
+    if needs[1]:
+        grad_w = torch.zeros_like(weight)
+        start = 0
+        for e, end in enumerate(expert_offsets.tolist()):
+            if end > start:
+                grad_w[e] = grad_y[start:end].T @ x[start:end]
+            start = end
+    return grad_x, grad_w
+
+
 def _reference(fmt: OperandFormat, tensors: tuple, out_dtype: torch.dtype) -> torch.Tensor:
     x, weight, expert_offsets, x_scale, w_scale = tensors
     out = torch.empty((x.shape[0], weight.shape[1]), dtype=out_dtype, device=x.device)

@@ -86,23 +86,14 @@ class MoeDispatchGroupedMatmulFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor, *_: Any) -> tuple:
-        from .grouped_matmul import grouped_matmul
+        from .grouped_matmul import grouped_matmul_grads
 
         rows, weight, offsets, *movement = ctx.saved_tensors
-        grad_x = grad_w = None
         if grad_y is None:
             return None, None, None, None
-        grad_y = grad_y.contiguous()
-        if ctx.needs_input_grad[0]:
-            grad_rows = grouped_matmul(grad_y, weight.transpose(1, 2).contiguous(), offsets)
-            grad_x = _dispatch_grad(grad_rows, movement, ctx.shape, ctx.call_text)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.zeros_like(weight)
-            start = 0
-            for e, end in enumerate(offsets.tolist()):
-                if end > start:
-                    grad_w[e] = grad_y[start:end].T @ rows[start:end]
-                start = end
+        needs = tuple(ctx.needs_input_grad[:2])
+        grad_rows, grad_w = grouped_matmul_grads(grad_y, rows, weight, offsets, needs=needs)
+        grad_x = _dispatch_grad(grad_rows, movement, ctx.shape, ctx.call_text) if grad_rows is not None else None
         return grad_x, grad_w, None, None
 
 
