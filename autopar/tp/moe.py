@@ -139,7 +139,34 @@ def check_plain_expert_inputs(style: str, hidden: torch.Tensor, top_k_weights: t
         )
 
 
-class CocMoeExpertsParallel(ParallelStyle):
+class _ExpertsStyle(ParallelStyle):
+    """What the experts-module styles share: the call of the installed forward (the plain-input check, the local
+    expert weights), then the style's own :meth:`_experts`."""
+
+    _style = ""
+
+    def _forward(
+        self,
+        mesh: DeviceMesh,
+        module: nn.Module,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """``hidden [T, H]``: every token (replicated) or, inside :class:`CocMoeBlockSequenceParallel` with a
+        sequence-sharded input, this rank's tokens; the result is laid out as ``hidden``."""
+        check_plain_expert_inputs(self._style, hidden, top_k_weights)
+        weights = (_local(module.gate_up_proj), _local(module.down_proj))
+        return self._experts(mesh, module, (hidden, top_k_index, top_k_weights), weights)
+
+    def _experts(self, mesh: DeviceMesh, module: nn.Module, tokens: tuple, weights: tuple) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class CocMoeExpertsParallel(_ExpertsStyle):
     """transformers' ``"moe_tp_experts"`` (with ``"packed_colwise"`` on ``gate_up_proj`` and ``"rowwise"`` on
     ``down_proj``) on the CoC MoE ops (module docstring). Parameters: ``gate_up_proj``
     ``_StridedShard(1, split_factor=2)``, ``down_proj`` ``Shard(2)``, the placements transformers' own TP gives,
@@ -155,26 +182,18 @@ class CocMoeExpertsParallel(ParallelStyle):
         module._coc_tokens_sharded = False
         return _install(module, functools.partial(self._forward, device_mesh))
 
-    def _forward(
-        self,
-        mesh: DeviceMesh,
-        module: nn.Module,
-        hidden: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        """``hidden [T, H]``: every token (replicated) or, inside :class:`CocMoeBlockSequenceParallel` with a
-        sequence-sharded input, this rank's tokens; the result is laid out as ``hidden``."""
+    _style = "moe_tp_experts"
+
+    def _experts(self, mesh: DeviceMesh, module: nn.Module, tokens: tuple, weights: tuple) -> torch.Tensor:
+        (hidden, top_k_index, top_k_weights), (gate_up, down) = tokens, weights
         group = _group(mesh)
-        check_plain_expert_inputs("moe_tp_experts", hidden, top_k_weights)
-        gate_up, down = _local(module.gate_up_proj), _local(module.down_proj)
         if module._coc_tokens_sharded:
             # The ops combine every rank's tokens on every rank: the top-k weights of all of them, gathered.
             y, routing = kernels.all_gather_grouped_matmul(hidden, top_k_index, gate_up, group=group)
             tw = _GatherRows.apply(top_k_weights, group)
             return kernels.grouped_matmul_reduce_scatter(_gate(module, y), down, routing, tw, group=group)
-        tokens, world = hidden.shape[0], mesh.size()
-        pad = (-tokens) % world
+        count, world = hidden.shape[0], mesh.size()
+        pad = (-count) % world
         if pad:
             # Zero rows with zero weights: their products are exact zeros and their output rows are dropped.
             hidden, top_k_weights = F.pad(hidden, (0, 0, 0, pad)), F.pad(top_k_weights, (0, 0, 0, pad))
@@ -183,10 +202,7 @@ class CocMoeExpertsParallel(ParallelStyle):
         ids = top_k_index.chunk(world)[mesh.get_local_rank()].contiguous()
         y, routing = kernels.all_gather_grouped_matmul(mine, ids, gate_up, group=group)
         out = kernels.grouped_matmul_reduce_scatter(_gate(module, y), down, routing, top_k_weights, group=group)
-        return _GatherRows.apply(out, group)[:tokens]
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return _GatherRows.apply(out, group)[:count]
 
 
 class CocMoeBlockSequenceParallel(ParallelStyle):

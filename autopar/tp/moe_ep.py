@@ -32,14 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.parallel import ParallelStyle
 
 import kernels
 from kernels.ops.grouped_matmul import grouped_matmul_grads
 
 from . import comm
-from .moe import _gate, _GatherRows, _matches, _SplitRows, check_experts_module, check_plain_expert_inputs
-from .styles import _distribute, _group, _install, _local
+from .moe import _ExpertsStyle, _gate, _GatherRows, _matches, _SplitRows, check_experts_module
+from .styles import _distribute, _group, _install
 
 _STYLE = "ep_dispatch_experts"
 
@@ -138,7 +137,7 @@ def check_ep_experts(module: nn.Module, world: int, where: str = "") -> None:
         )
 
 
-class CocEpDispatchExpertsParallel(ParallelStyle):
+class CocEpDispatchExpertsParallel(_ExpertsStyle):
     """transformers' ``"ep_dispatch_experts"`` (with ``"grouped_gemm"`` on ``gate_up_proj`` and ``down_proj``) on
     the CoC expert-parallel ops (module docstring). Parameters: ``gate_up_proj`` and ``down_proj`` ``Shard(0)``
     (rank r holds experts ``[r E / W, (r + 1) E / W)``), the placements transformers' ``grouped_gemm`` gives, so
@@ -151,24 +150,12 @@ class CocEpDispatchExpertsParallel(ParallelStyle):
         module._coc_tokens_sharded = False
         return _install(module, functools.partial(self._forward, device_mesh))
 
-    def _forward(
-        self,
-        mesh: DeviceMesh,
-        module: nn.Module,
-        hidden: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        """``hidden [T, H]``: every token (replicated) or, inside ``CocMoeBlockSequenceParallel`` with a
-        sequence-sharded input, this rank's tokens; the result is laid out as ``hidden``."""
-        group = _group(mesh)
-        check_plain_expert_inputs(_STYLE, hidden, top_k_weights)
-        weights = (_local(module.gate_up_proj), _local(module.down_proj))
-        split = None if module._coc_tokens_sharded else group
-        return coc_ep_forward(module, (hidden, top_k_index, top_k_weights), weights, ep_group=group, split_group=split)
+    _style = _STYLE
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+    def _experts(self, mesh: DeviceMesh, module: nn.Module, tokens: tuple, weights: tuple) -> torch.Tensor:
+        group = _group(mesh)
+        split = None if module._coc_tokens_sharded else group
+        return coc_ep_forward(module, tokens, weights, ep_group=group, split_group=split)
 
 
 def with_ep_plan(model: nn.Module, strings: dict[str, str]) -> dict[str, str]:

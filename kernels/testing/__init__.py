@@ -11,13 +11,13 @@
 * :mod:`~kernels.testing.program_order`: run an interpreted launch's programs in another order.
 * :mod:`~kernels.testing.compile`: a ``torch.compile`` backend with Inductor's graph passes and no code
   generation (tests of graph rewrites);
-* :mod:`~kernels.testing.calls`: a counter of the backend runs behind the registered operators, and a
-  recorder of the registered-operator calls the public functions make.
+* :mod:`~kernels.testing.calls`: a counter of the backend runs behind the registered operators, a
+  recorder of the registered-operator calls the public functions make, and the outcomes (named errors) of calls.
 
 docs/testing.md describes how tests use it.
 """
 
-from kernels.testing.calls import BACKEND_ENVS, backend_calls, environment, operator_calls
+from kernels.testing.calls import BACKEND_ENVS, backend_calls, environment, operator_calls, outcomes
 from kernels.testing.heap import heap_device, presize, scramble
 from kernels.testing.ranks import REPO_ROOT, RankFailure, assert_no_errors, close_pools, run_ranks
 from kernels.testing.reference import (
@@ -45,6 +45,7 @@ __all__ = [
     "heap_device",
     "make_inputs",
     "operator_calls",
+    "outcomes",
     "presize",
     "quantized_weights",
     "reference",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # The environment that picks each backend other than the default (sequential) for calls without backend=:
@@ -91,3 +91,16 @@ def operator_calls() -> Iterator[list[tuple[Any, tuple]]]:
     finally:
         for module, op in saved.items():
             module.operator = op
+
+
+def outcomes(calls: list[Callable[[], object]]) -> list[str]:
+    """Each call's outcome, in order: ``"no error"``, or ``"<type>: <message>"`` of the ``ValueError`` /
+    ``TypeError`` / ``RuntimeError`` it raised (the named-error tests compare these on every rank)."""
+    seen = []
+    for call in calls:
+        try:
+            call()
+            seen.append("no error")
+        except (ValueError, TypeError, RuntimeError) as e:
+            seen.append(f"{type(e).__name__}: {e}")
+    return seen

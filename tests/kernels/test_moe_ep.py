@@ -22,7 +22,7 @@ import torch
 import kernels
 from kernels.ops import moe_ep
 from kernels.ops.moe_ep_routing import EpCall
-from kernels.testing import run_ranks
+from kernels.testing import outcomes, run_ranks
 
 DTYPES = {"float32": (torch.float32, 2.0**-23), "bfloat16": (torch.bfloat16, 2.0**-7)}
 G = 2.0**-24
@@ -225,13 +225,7 @@ def _errors_body(rank: int, world: int) -> list[str]:
         lambda: kernels.moe_dispatch(x, ids[:, : 1 + rank % 2], tw[:, : 1 + rank % 2], 4),  # top-k differs
         lambda: kernels.moe_dispatch(x, ids, tw, 4, max_tokens=None if rank else 8),  # mode differs
     ]
-    seen = []
-    for call in calls:
-        try:
-            call()
-            seen.append("no error")
-        except (ValueError, TypeError, RuntimeError) as e:
-            seen.append(f"{type(e).__name__}: {e}")
+    seen = outcomes(calls)
     rows, h = kernels.moe_dispatch(x, ids, tw, 4)
     try:
         kernels.moe_combine(rows[:, :1].repeat(2, 1), h)

@@ -26,7 +26,7 @@ import kernels
 from kernels.fp8 import numerics
 from kernels.ops import moe_ep
 from kernels.ops.moe_ep_routing import EpCall
-from kernels.testing import assert_no_errors, run_ranks
+from kernels.testing import assert_no_errors, outcomes, run_ranks
 from kernels.testing import fp8 as f8
 
 M, K, N, TOPK = 5, 160, 8, 2  # K: two scale blocks, the second partial
@@ -221,13 +221,7 @@ def _errors_body(rank: int, world: int) -> list[str]:
         lambda: kernels.moe_dispatch((xq.view(torch.float8_e5m2) if rank else xq, xs), ids, tw, 4),
         lambda: kernels.moe_dispatch(xq.float() if rank else (xq, xs), ids, tw, 4),  # FP8 vs fp32
     ]
-    seen = []
-    for call in calls:
-        try:
-            call()
-            seen.append("no error")
-        except (ValueError, TypeError, RuntimeError) as e:
-            seen.append(f"{type(e).__name__}: {e}")
+    seen = outcomes(calls)
     (rows, _), h = kernels.moe_dispatch((xq, xs), ids, tw, 4)
     try:
         kernels.moe_combine(rows, h)

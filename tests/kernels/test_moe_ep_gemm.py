@@ -19,7 +19,7 @@ import torch
 
 import kernels
 from kernels.ops.moe_ep_routing import EpCall
-from kernels.testing import run_ranks
+from kernels.testing import outcomes, run_ranks
 
 M, K, N, TOPK = 5, 20, 6, 2
 CAP = 40  # max_tokens of the bounded runs: above every rank's receive count here
@@ -134,13 +134,7 @@ def _errors_body(rank: int, world: int) -> list[str]:
         lambda: kernels.moe_dispatch_grouped_matmul((x.to(torch.float8_e4m3fn), torch.ones(3, 1)), ids, tw, 4, w),
         lambda: kernels.moe_dispatch_grouped_matmul(x, ids, tw, 4 + 2 * rank, torch.randn(2 + rank, N, K)),
     ]
-    seen = []
-    for call in calls:
-        try:
-            call()
-            seen.append("no error")
-        except (ValueError, TypeError, RuntimeError) as e:
-            seen.append(f"{type(e).__name__}: {e}")
+    seen = outcomes(calls)
     return seen
 
 
