@@ -225,9 +225,9 @@ def _fp8_problem(case: Case, x: torch.Tensor, w: torch.Tensor) -> Problem:
     the tensor-core sums at Hopper's precision on a GPU, fp32's under the interpreter), the bound of
     the FP8 tests; the baseline is ``torch._scaled_mm`` where this torch runs the mode's scales."""
     from bench import formats
-    from kernels.call import Operands
     from kernels.fp8.numerics import HOPPER_FP8_ACCUMULATOR, U32, op_error_bound
     from kernels.fp8.quantize import expand_scale, quantize_fp8
+    from kernels.ops.gemm import Operands
 
     x_mode, w_mode = formats.FP8_QUANT_MODES[case.fmt.mode]
     xq, xs = quantize_fp8(x, mode=x_mode, dtype=case.dtype)
@@ -266,8 +266,8 @@ def _int8_problem(case: Case, x: torch.Tensor, w: torch.Tensor) -> Problem:
     """int8 weights (w8A16, ``kernels.quantize_weight`` of ``case.fmt.mode``), x in ``case.dtype``: the
     core computes ``x @ dequant(w).T`` with the dequantized weight rounded to x's dtype, so cuBLAS on
     that weight is both the reference (within :func:`rounding_bound`) and the baseline."""
-    from kernels.call import Operands
     from kernels.format import dequantize_weight
+    from kernels.ops.gemm import Operands
     from kernels.quant import quantize_weight
 
     fmt = case.fmt

@@ -26,13 +26,15 @@ STRAGGLER_S = 0.25
 
 
 def fused_call(pattern: str, group: Any, fmt: Any = None, **fields: Any) -> Any:
-    """The :class:`kernels.call.OpCall` of a fused call on ``group`` (None: the default group)."""
-    from kernels.call import OpCall
+    """The :class:`kernels.ops.gemm.GemmCall` of a fused call on ``group`` (None: the default group)."""
     from kernels.format import PLAIN
+    from kernels.ops.gemm import PUBLIC_NAMES, GemmCall
 
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
-    return OpCall(pattern=pattern, fmt=fmt or PLAIN, group_name=group.group_name, world=world, **fields)
+    fmt = fmt or PLAIN
+    op = PUBLIC_NAMES[(pattern, fmt.kind)]
+    return GemmCall(op=op, pattern=pattern, fmt=fmt, group_name=group.group_name, world=world, **fields)
 
 
 def run_op(
@@ -51,9 +53,9 @@ def run_op(
     """One op of :data:`OPS` through the pattern modules' ``run`` with operands of ``fmt`` (default plain;
     an int8 weight without offset): ``ag_v2`` returns the gathered x too (and for FP8 the gathered scale
     rows), ``ar`` lets the all-reduce choose its algorithm."""
-    from kernels.call import Operands
     from kernels.format import PLAIN
     from kernels.fused import all_gather, all_reduce, scatter
+    from kernels.ops.gemm import Operands
 
     fmt = fmt or PLAIN
     scales = () if w_scale is None else (w_scale,)
@@ -502,9 +504,9 @@ def check_w8a16_case(
     device: torch.device,
 ) -> None:
     """The fused w8A16 all-reduce against fp64 math on the weights it dequantizes (rounded to ``dtype``)."""
-    from kernels.call import Operands
     from kernels.format import int8
     from kernels.fused import all_reduce
+    from kernels.ops.gemm import Operands
 
     xs, ws, b = make_inputs(
         "ar", world, m_local, k, n, bias=bias, seed=seed, noncontig=False, dtype=dtype, device=str(device)

@@ -97,7 +97,7 @@ class HostSyncRecorder(TorchFunctionMode):
             if where is not None:
                 self.reads.append((name, *where))
         if isinstance(func, torch._ops.OpOverload) and func.namespace == "coc":
-            from kernels.op_registration import IMPLEMENTATION_OF
+            from kernels.protocol.registry import IMPLEMENTATION_OF
 
             impl = IMPLEMENTATION_OF[func]
             with self:
@@ -256,11 +256,11 @@ def test_capture_refuses_heap_creation_and_growth_only():
     from kernels.fused import runtime
 
     with pytest.raises(RuntimeError, match="first fused call.*inside CUDA-graph capture.*once before capturing"):
-        runtime._refuse_capture("matmul_all_reduce", None, 4096)
+        runtime.refuse_capture("matmul_all_reduce", None, 4096)
     heap = SimpleNamespace(data_bytes=4096)
     with pytest.raises(RuntimeError, match="needs a heap of 8192 bytes.*has 4096.*largest call once"):
-        runtime._refuse_capture("matmul_all_reduce", heap, 8192)
-    runtime._refuse_capture("matmul_all_reduce", heap, 4096)
+        runtime.refuse_capture("matmul_all_reduce", heap, 8192)
+    runtime.refuse_capture("matmul_all_reduce", heap, 4096)
     # Only a CUDA stream can be capturing.
     assert not runtime.capturing(torch.device("cpu"))
 
@@ -395,12 +395,11 @@ def test_failure_before_growth_retires_the_old_heap_with_its_clock_stopped():
 def test_a_timeout_names_what_the_peer_had_not_done_in_that_op(op: str, channel: str, words: str) -> None:
     # The expert-parallel ops reuse the AG / RS signal channels for counts and rows: a timed-out wait must
     # not tell the user an all-gather or reduce-scatter stalled where none runs.
-    from kernels import agree
     from kernels.fused import runtime, signals
+    from kernels.protocol import check_words
 
     heap = SimpleNamespace(world_size=2, rank=1, global_ranks=[0, 1], device=torch.device("cpu"))
-    mine = [0] * agree.DESCRIPTOR_LEN
-    mine[agree.FIELDS.index("op")] = agree.OPS.index(op)
+    mine = list(check_words(runtime.op_word(op), ()))
     code = 1 + 0 + heap.world_size * getattr(signals, channel)
     text = runtime._message(heap, code, 7, (mine, mine), 5000)
     assert text.startswith(f"fused {op}: rank 1 (group rank 1) waited more than COC_TIMEOUT=5 s for rank 0 ")

@@ -64,8 +64,8 @@ def test_fp8_ranks_that_disagree_are_refused_by_name(field, named):
 
 def _scaled_matmul(fmt, tensors, out_dtype, cfg):
     """The local GEMM (the tile core every FP8 op uses) of ``(x, x_scale, w, w_scale, bias)``."""
-    from kernels.call import Operands
     from kernels.fused.matmul import gemm
+    from kernels.ops.gemm import Operands
 
     x, xs, w, ws, b = tensors
     return gemm(fmt, Operands(x, (w,), (b,), xs, (ws,)), out_dtype=out_dtype, cfg=cfg)

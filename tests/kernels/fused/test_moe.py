@@ -141,7 +141,7 @@ def _mismatch_body(rank: int, world: int, op: str) -> str:
 
 
 def _routing_of(ids: torch.Tensor, num_experts: int) -> kernels.MoeRouting:
-    from kernels.ops.moe_routing import route
+    from kernels.ops.moe.routing import route
 
     return route(ids.long(), num_experts)
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import kernels
 from kernels.fused import moe_ep as fused_ep
 from kernels.heap import peek_heap
-from kernels.ops import moe_ep
+from kernels.ops.moe import ep as moe_ep
 from kernels.testing import run_ranks, scramble
 
 # name: (m_local, k, experts per rank, topk, dtype)
