@@ -230,7 +230,8 @@ _ENV_KEYS = tuple(os.environ.encodekey(name) for name in _ENV_VARS) if _ENV_DATA
 def _raw_env_values() -> tuple:
     if _ENV_DATA is None:
         return tuple(os.environ.get(name) for name in _ENV_VARS)
-    return tuple(_ENV_DATA.get(key) for key in _ENV_KEYS)
+    # map: one C loop, no generator frames (this runs on every op call).
+    return tuple(map(_ENV_DATA.get, _ENV_KEYS))
 
 
 def _decode(value: Any) -> str | None:

@@ -161,25 +161,28 @@ def _labels(group: dist.ProcessGroup) -> list[str]:
     return [str(r) if r == g else f"{r} (global {g})" for r, g in enumerate(ranks)]
 
 
-def _differences(mine: Sequence[int], theirs: Sequence[int]) -> str:
-    """The check fields (:data:`kernels.protocol.call.CHECK_FIELDS`) in which two descriptors differ, with values."""
-    parts = []
+# What to do about a difference the heap's check finds (the admission names every other field first).
+_HINTS = {
+    "tiles": "every rank must read the same tuned file (COC_TUNED_DIR, configs/tuned)",
+    "call": "the call digests differ: run with COC_CHECK unset or 1 to have the admission name the field",
+    "version": "every rank must run the same build of this package",
+    "op": "every rank must make the same call",
+}
+
+
+def _differences(labels: tuple[str, str], mine: Sequence[int], theirs: Sequence[int]) -> str:
+    """``rank a has <field>=<value>, rank b has <field>=<value>; <what to do>`` for the first check field
+    (:data:`kernels.protocol.call.CHECK_FIELDS`) in which two descriptors differ."""
     for i, name in enumerate(CHECK_FIELDS):
         a = int(mine[i]) if i < len(mine) else 0
         b = int(theirs[i]) if i < len(theirs) else 0
         if a != b:
             if name == "op":
-                shown = f"{_OP_NAMES.get(a, a)} vs {_OP_NAMES.get(b, 'another op')}"
+                shown = (_OP_NAMES.get(a, str(a)), _OP_NAMES.get(b, "another op"))
             else:
-                shown = f"{shown_check_word(name, a)} vs {shown_check_word(name, b)}"
-            parts.append(f"{name} ({shown})")
-    what = ", ".join(parts) or "their descriptors"
-    hint = (
-        "; the call digests differ: run with COC_CHECK unset or 1 to have the admission name the field"
-        if any(p.startswith("call ") for p in parts)
-        else ""
-    )
-    return what + hint
+                shown = (shown_check_word(name, a), shown_check_word(name, b))
+            return f"rank {labels[0]} has {name}={shown[0]}, rank {labels[1]} has {name}={shown[1]}; {_HINTS[name]}"
+    return "their call descriptors differ"
 
 
 def _first_mismatch(op: str, group: dist.ProcessGroup, descriptors: Sequence[object]) -> str | None:
@@ -189,9 +192,9 @@ def _first_mismatch(op: str, group: dist.ProcessGroup, descriptors: Sequence[obj
     for peer, theirs in enumerate(descriptors):
         if peer != me and tuple(theirs) != tuple(mine):  # type: ignore[arg-type]
             return (
-                f"fused {op}: ranks disagree: rank {labels[me]} and rank {labels[peer]} differ in "
-                f"{_differences(mine, theirs)} (found at the group's first fused call, before its heap was created; "  # type: ignore[arg-type]
-                "nothing was allocated and the group stays usable)"
+                f"fused {op}: ranks disagree: {_differences((labels[me], labels[peer]), mine, theirs)} (found at "  # type: ignore[arg-type]
+                "the group's first fused call, before its heap was created; nothing was allocated and the group "
+                "stays usable)"
             )
     return None
 
@@ -241,7 +244,8 @@ def begin(
     synchronizes the device anyway), so no rank enters the growth collective unless every peer
     described the same call, which implies the same size. A failure recorded before the call is not
     raised here, on this rank alone: the call's admission reported what was visible then, and what a
-    kernel records later is the next admission's (this call's kernels skip their work, outputs NaN).
+    kernel records later is the next admission's (this call's kernels skip their work, outputs NaN); only
+    the growth path raises its own check's failure (it must not enter the growth collective alone).
     """
     _warn_if_mps(device)
     words = signals.sig_words(dist.get_world_size(group))
@@ -254,6 +258,9 @@ def begin(
     if heap.data_bytes < data_bytes:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        # The check's verdict before the growth collective: a rank whose check failed (a peer absent, or another
+        # call) must not enter it alone; its peers' checks of this epoch failed alike.
+        raise_recorded(heap)
         # The call opened on the old heap ends with its check: mark it done there, so that a graph
         # replaying on the old heap (kept when captured) finds DONE of this epoch. get_heap
         # synchronizes before its collective, and a peer frees its old heap only after that
@@ -330,9 +337,14 @@ def _message(
     me = f"rank {heap.global_ranks[heap.rank]} (group rank {heap.rank})"
     them = f"rank {heap.global_ranks[peer]} (group rank {peer})"
     if phase == signals.MISMATCH:
+        labels = (
+            f"{heap.global_ranks[heap.rank]} (group rank {heap.rank})",
+            f"{heap.global_ranks[peer]} (group rank {peer})",
+        )
         return (
-            f"fused {op}: ranks disagree: {me} and {them} differ in {_differences(mine, peer_words)} (epoch {epoch}; "
-            "found by the heap's call check before any data moved: no output of that call holds a result (NaN))"
+            f"fused {op}: ranks disagree: {_differences(labels, mine, peer_words)} (epoch {epoch}; found by the "
+            "heap's call check before any data moved: no output of that call holds a result (NaN); every rank "
+            "retires its heap at the next call's admission and the group goes on)"
         )
     # The bound the kernel ran with (a replayed graph keeps its capture's COC_TIMEOUT).
     timeout = ticks / (1e9 if heap.device.type == "cuda" else 1e3)

@@ -32,8 +32,8 @@ from .gemm import (
     dims_before,
     fp8_operands,
     int8_operands,
-    plain_operands,
     rows_of,
+    submit_plain,
 )
 
 Result = torch.Tensor | list[torch.Tensor] | tuple[Any, ...]
@@ -67,16 +67,8 @@ def all_gather_matmul(
         ys = [x_gathered @ w_i.T + b_i for each i]
         return (ys, x_gathered) if return_gathered else ys          # ys is a list
     """
-    options = Options(
-        "all_gather_matmul",
-        "all_gather",
-        group,
-        backend,
-        parallel_num,
-        return_gathered=return_gathered,
-        dim=("gather_dim", gather_dim),
-    )
-    out = submit(SPEC, options.op, group, builder(options, lambda: plain_operands(x, weight, bias)))
+    signature = ("all_gather_matmul", group, backend, parallel_num, return_gathered, ("gather_dim", gather_dim))
+    out = submit_plain(SPEC, "all_gather", signature, (x, weight, bias))
     return _result(out, isinstance(weight, (list, tuple)), return_gathered, scaled=False)
 
 

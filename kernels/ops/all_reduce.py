@@ -17,6 +17,7 @@ repeated calls and all ranks hold the same bits.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from .gemm import (
     one_weight_operands,
     plain_operands,
     rows_of,
+    submit_plain,
 )
 from .norm import NormOutputs, accumulator, cast_to, check_epilogue, finish, scale_shape
 
@@ -70,6 +72,9 @@ def matmul_all_reduce(
     RMSNorm of ``h`` times ``norm_weight`` (FP8 e4m3 with its scales when ``quant`` is ``"tensor"`` / ``"row"``
     / ``"block"``) and ``h`` rounded to the residual's dtype.
     """
+    if residual is None and norm_weight is None and quant is None:
+        signature = ("matmul_all_reduce", group, backend, parallel_num, deterministic, None)
+        return submit_plain(SPEC, "all_reduce", signature, (x, weight, bias))
     epilogue = _epilogue_name(residual, norm_weight, quant, "matmul_all_reduce")
     options = Options(
         "matmul_all_reduce",
@@ -278,20 +283,24 @@ def chunked(call: GemmCall, ops: Operands) -> torch.Tensor:
     return out if bias is None else out.add_(bias)
 
 
-def _fixed_order_pieces(call: GemmCall, xd: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Deterministic all-reduce per piece: exchange, sum in rank order, gather.
+def _fixed_order_pieces(
+    call: GemmCall, xd: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None, acc: torch.dtype | None = None
+) -> torch.Tensor:
+    """Deterministic all-reduce per piece: exchange, sum in rank order, gather; ``acc``: the dtype the partials
+    travel and sum in (None: the product's).
 
     Each piece's rows are zero-padded to a multiple of W (zeros keep the sums exact), exchanged
     all-to-all while the next piece is multiplied, summed in rank order, and the reduced blocks
     are all-gathered while the next piece is summed.
     """
     world, n, group = call.world, wd.shape[0], call.group
-    out = xd.new_empty((xd.shape[0], n))
+    out = xd.new_empty((xd.shape[0], n), dtype=acc)
     exchanges = []
     for start, stop in comm.split_rows(xd.shape[0], call.parallel_num):
         block = -(-(stop - start) // world)
         with compute(call.fmt):
-            padded = comm.pad_rows(padding.linear(xd[start:stop], wd), block * world)
+            product = padding.linear(xd[start:stop], wd)
+        padded = comm.pad_rows(product if acc is None else cast_to(product, acc), block * world)
         parts = padded.new_empty((world, block, n))
         work = comm.all_to_all(parts, padded, group, async_op=True)
         exchanges.append((work, start, stop, parts))
@@ -346,7 +355,7 @@ SPEC = OpSpec(
 
 def reduced_reference(call: GemmCall, ops: Operands, residual: torch.Tensor) -> torch.Tensor:
     """``h = sum(partial_r in the accumulator, rank order) + bias + residual`` (fp32, fp64 for fp64): the
-    epilogue's input on the sequential and chunked backends (no pieces: the epilogue serves decode sizes)."""
+    epilogue's input on the sequential backend."""
     xd, wd, bias = _dequantized(call, ops)
     with compute(call.fmt):
         partial = padding.linear(xd, wd)
@@ -360,6 +369,15 @@ def reduced_reference(call: GemmCall, ops: Operands, residual: torch.Tensor) -> 
     return h + cast_to(residual, acc)
 
 
+def reduced_chunked(call: GemmCall, ops: Operands, residual: torch.Tensor) -> torch.Tensor:
+    """:func:`reduced_reference` in compute-first pieces: each piece's partials (in the accumulator) exchanged while
+    the next piece is multiplied, and summed in rank order: the same sums, element by element."""
+    xd, wd, bias = _dequantized(call, ops)
+    acc = accumulator(xd.dtype)
+    h = _fixed_order_pieces(call, xd, wd, None if bias is None else cast_to(bias, acc), acc)
+    return h + cast_to(residual, acc)
+
+
 def reduced_fused(call: GemmCall, ops: Operands, residual: torch.Tensor) -> torch.Tensor:
     """:func:`reduced_reference` on the fused backend: the residual added in the reduce kernel."""
     from ..fused import all_reduce
@@ -367,7 +385,7 @@ def reduced_fused(call: GemmCall, ops: Operands, residual: torch.Tensor) -> torc
     return all_reduce.run(call, ops, residual=residual)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NormOperands(Operands):
     """:class:`Operands` of one weight with the epilogue's ``residual`` and ``norm_weight``."""
 
@@ -380,7 +398,8 @@ class NormOperands(Operands):
 
 def _with_norm(built: tuple[OperandFormat, Operands], residual: Any, norm_weight: Any) -> tuple:
     fmt, ops = built
-    return fmt, NormOperands(**vars(ops), residual=residual, norm_weight=norm_weight)
+    fields = {f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)}
+    return fmt, NormOperands(**fields, residual=residual, norm_weight=norm_weight)
 
 
 def _norm_operands(*args: Any) -> NormOperands:
@@ -413,7 +432,6 @@ def _norm_fake(call: GemmCall, ops: NormOperands) -> tuple[torch.Tensor, torch.T
     return out, residual.new_empty(residual.shape), scale
 
 
-# The epilogue serves decode sizes, reduced without pieces: no chunked backend (a chunked request runs sequential).
 NORM_SPEC = OpSpec(
     name="matmul_all_reduce_rmsnorm",
     call=GemmCall,
@@ -422,6 +440,7 @@ NORM_SPEC = OpSpec(
     flat=NormOperands.flat,
     impl={
         "sequential": _norm_finished(reduced_reference),
+        "chunked": _norm_finished(reduced_chunked),
         "fused": _norm_finished(reduced_fused),
     },
     fake=_norm_fake,

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .. import checks
-from ..protocol import Built, Call, OpSpec, group_name, submit
+from ..protocol import Built, Call, OpSpec, group_name, submit, tensors_key
 from ..protocol.call import Items
 from .all_reduce import fixed_order_all_reduce
 from .gemm import rows_of
@@ -113,7 +113,12 @@ def all_reduce_rmsnorm(
         )
         return Built(call, NormOperands(x, residual, weight), x.device)
 
-    out, residual_out, scale = submit(SPEC, "all_reduce_rmsnorm", group, build)
+    fast = None
+    if type(eps) in (float, int):
+        tensors = tensors_key(x, residual, weight)
+        options = ("all_reduce_rmsnorm", group, backend, quant, fp8_dtype, algorithm, eps)
+        fast = None if tensors is None else ((options, tensors), lambda: NormOperands(x, residual, weight))
+    out, residual_out, scale = submit(SPEC, "all_reduce_rmsnorm", group, build, fast)
     return NormOutputs(out, residual_out, scale if quant else None)
 
 

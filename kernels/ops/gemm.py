@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .. import checks, quant
 from ..format import PLAIN, OperandFormat, fp8, int8
 from ..fp8 import scales
-from ..protocol import Built, Call, group_name
+from ..protocol import Built, Call, OpSpec, group_name, submit, tensors_key
 from ..protocol.call import LOCAL, Items, shown_as
 
 # The public function of each (pattern, format kind): the op a call names in its messages.
@@ -75,7 +76,7 @@ class GemmCall(Call):
         return tuple(items)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Operands:
     """A call's tensors: ``x`` (any leading dims), one or more weights ``[n_i, k]`` with their biases, and the
     scales of a scaled format (``x_scale`` in rows layout ``[m, G]`` or 0-dim; per weight ``w_scales`` and
@@ -212,6 +213,16 @@ def int8_operands(
     return fmt, ops
 
 
+def plain_key(options: tuple, x: object, weight: object, bias: object) -> tuple | None:
+    """The signature of a plain one-weight call (``kernels.protocol.submit``'s fast path): ``options`` (the public
+    function's name and its other arguments) and the tensors' shapes, dtypes and devices; None for a list of
+    weights, or where :func:`kernels.protocol.tensors_key` has none."""
+    if type(weight) is not torch.Tensor:
+        return None
+    tensors = tensors_key(x, weight, bias)
+    return None if tensors is None else (options, tensors)
+
+
 @dataclass(frozen=True)
 class Options:
     """What a dense public function asks besides its operands (validated by :func:`builder`'s closure)."""
@@ -283,6 +294,24 @@ def builder(
         return Built(call, ops, x.device, (m, k, n), dtypes)
 
     return build
+
+
+def submit_plain(spec: OpSpec, pattern: str, signature: tuple, tensors: tuple) -> Any:
+    """A plain call of ``spec``: ``signature = (op, group, backend, parallel_num, flag, dim)`` (``flag``:
+    ``return_gathered`` or ``deterministic``; ``dim``: ``("gather_dim" | "scatter_dim", value)`` or None),
+    ``tensors = (x, weight or a list of weights, bias or a list)``. Through the protocol's fast path where the
+    call has a signature (:func:`plain_key`): a signature that validated before skips its validation."""
+    op, group, backend, parallel_num, flag, dim = signature
+    x, weight, bias = tensors
+
+    def build(world: int) -> Built:
+        flags = {"return_gathered": flag} if pattern == "all_gather" else {"deterministic": flag}
+        options = Options(op, pattern, group, backend, parallel_num, dim=dim, **flags)
+        return builder(options, lambda: plain_operands(x, weight, bias))(world)
+
+    key = plain_key(signature, x, weight, bias)
+    fast = None if key is None else (key, lambda: Operands(x, (weight,), (bias,)))
+    return submit(spec, op, group, build, fast)
 
 
 def dims_before(x: torch.Tensor, dim: int) -> int:

@@ -32,8 +32,8 @@ from .gemm import (
     fp8_operands,
     int8_operands,
     one_weight_operands,
-    plain_operands,
     rows_of,
+    submit_plain,
 )
 
 
@@ -60,16 +60,8 @@ def matmul_reduce_scatter(
     ``x [b, s, k]`` with 1 (or -2) gives ``[b, s / W, n]``. ``deterministic=True`` sums the
     partials in rank order, so repeated calls give identical bits.
     """
-    options = Options(
-        "matmul_reduce_scatter",
-        "reduce_scatter",
-        group,
-        backend,
-        parallel_num,
-        deterministic=deterministic,
-        dim=("scatter_dim", scatter_dim),
-    )
-    return submit(SPEC, options.op, group, builder(options, lambda: plain_operands(x, weight, bias)))
+    signature = ("matmul_reduce_scatter", group, backend, parallel_num, deterministic, ("scatter_dim", scatter_dim))
+    return submit_plain(SPEC, "reduce_scatter", signature, (x, weight, bias))
 
 
 def scaled_matmul_reduce_scatter(

@@ -16,7 +16,7 @@ from .admission import Outcome, admit
 from .backend import decide, kernel_runs_on, requested, warn_once
 from .call import Call, check_words, digest, group_name, resolve_group
 from .registry import assume_constant_result, define_op, unaliased
-from .spec import Built, OpSpec, admitted, call_operator, force_operator, run, run_text, submit
+from .spec import Built, OpSpec, admitted, call_operator, force_operator, run, run_text, submit, tensors_key
 
 __all__ = [
     "Built",
@@ -39,6 +39,7 @@ __all__ = [
     "run",
     "run_text",
     "submit",
+    "tensors_key",
     "unaliased",
     "warn_once",
 ]

@@ -5,6 +5,7 @@ Every call of every op is admitted, collectively, on every rank of its group (W 
     status = this rank's validation: passed, or its ValueError / TypeError       # never raised alone
     health = fused requests: this rank's heap of the group (healthy, failed unreported, retired after a failure)
     table  = all_gather([status, digest(call.items(operands)), health])          # 3 int64 per rank, a CPU group
+                                            # (a fused request waits at most COC_TIMEOUT, as its kernels would)
     any status failed     -> every rank raises the first failed rank's error, naming that rank
     digests differ        -> every rank raises RuntimeError naming the op, the field and each rank's value
     any health not healthy -> every rank retires its heap of the group (the next fused call builds a new one
@@ -28,11 +29,13 @@ admits the call it receives (:mod:`kernels.protocol.spec`), since tracing happen
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..config import get_config
 from ..heap import FAILED, group_health, reset_group
 from .call import Call, Items, digest
@@ -42,8 +45,8 @@ ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, NotImplementedErro
 _OK, _FAILED = 0, 1
 # Exchanges made, by op: a test hook (kernels.testing) and the benchmark's count.
 counts: dict[str, int] = {}
-# group name -> the group the admission's host data travels on (the group itself, or a gloo group of its ranks).
-_side_groups: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# group name -> the admission channel of the group.
+_channels: dict[str, _Channel] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,26 @@ class Outcome:
     error: BaseException | None = None
     # The device whose heap of the group a fused request uses (None: not a fused request, or not known).
     heap_device: torch.device | None = None
+    # The digest of the call's items when the caller knows it already (a signature resolved before).
+    digest: int | None = None
+
+    def items(self) -> Items | None:
+        return None if self.call is None else self.call.items(self.operands)
+
+
+@dataclasses.dataclass
+class _Channel:
+    """What one group's admissions travel on: the group itself or a gloo group of its ranks, and two CPU buffers
+    reused by every admission (read through NumPy: host data, never a torch value read)."""
+
+    group: dist.ProcessGroup
+    side: dist.ProcessGroup
+    local: torch.Tensor
+    table: torch.Tensor
+    local_view: Any
+    table_view: Any
+    # Set when an admission on the group timed out: its ranks are out of step from then on.
+    failed: str | None = None
 
 
 def _labels(group: dist.ProcessGroup | None, world: int) -> list[str]:
@@ -69,53 +92,81 @@ def exchange_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     group of the same ranks, made at the group's first admission (every rank admits the same calls, so every
     rank makes it at the same call)."""
     group = group if group is not None else dist.group.WORLD
-    name = group.group_name
-    cached = _side_groups.get(name)
-    if cached is not None and cached[0] is group:
-        return cached[1]
     if "gloo" in str(dist.get_backend(group)):
-        side = group
-    else:
-        ranks = dist.get_process_group_ranks(group)
-        side = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    _side_groups[name] = (group, side)
-    return side
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True)
 
 
-def _status(outcome: Outcome, items: Items | None) -> list[int]:
-    if outcome.error is not None or items is None:
+def _channel(group: dist.ProcessGroup | None, world: int) -> _Channel:
+    group = group if group is not None else dist.group.WORLD
+    channel = _channels.get(group.group_name)
+    if channel is None or channel.group is not group:
+        local = torch.zeros(3, dtype=torch.int64)
+        table = torch.zeros(3 * world, dtype=torch.int64)
+        side = exchange_group(group)
+        channel = _Channel(group, side, local, table, local.numpy(), table.numpy().reshape(world, 3))
+        _channels[group.group_name] = channel
+    return channel
+
+
+def _status(outcome: Outcome) -> list[int]:
+    if outcome.error is not None or outcome.call is None:
         return [_FAILED, 0, 0]
     health = group_health(outcome.call.group, outcome.heap_device)[0] if outcome.heap_device is not None else 0
-    return [_OK, digest(items), health]
+    return [_OK, outcome.digest if outcome.digest is not None else digest(outcome.items()), health]
 
 
-def admit(op: str, world: int, group: dist.ProcessGroup | None, outcome: Outcome, items: Items | None) -> None:
+def admit(op: str, world: int, group: dist.ProcessGroup | None, outcome: Outcome) -> None:
     """Admit one call (module docstring): return when every rank of ``group`` made the same call and validated it,
-    else raise the same error on every rank. ``items``: :meth:`Call.items` of the call as requested (None when its
-    validation failed). ``world == 1`` raises this rank's own error, if any, and exchanges nothing."""
+    else raise the same error on every rank. ``world == 1`` raises this rank's own error, if any, and exchanges
+    nothing. A fused request waits at most ``COC_TIMEOUT`` for its peers (as its kernels would): a peer that never
+    comes makes this rank raise by name, and the group is refused from then on (its ranks are out of step); the
+    scripted backends wait as their collectives would."""
     if world == 1 or torch.compiler.is_compiling():
         # Under compile the validation runs while tracing (its error raises there, as any tracing error does);
         # the compiled graph's operator admits each call when it runs.
         if outcome.error is not None:
             raise outcome.error
         return
-    check = get_config().check
-    if check is False:
+    config = get_config()
+    if config.check is False:
         if outcome.error is not None:
             raise outcome.error
         return
     counts[op] = counts.get(op, 0) + 1
-    side = exchange_group(group)
-    local = torch.tensor(_status(outcome, items), dtype=torch.int64)
-    table = local.new_empty(world * 3)
-    dist.all_gather_into_tensor(table, local, group=side)
-    rows = table.view(world, 3).tolist()
+    channel = _channel(group, world)
+    if channel.failed is not None:
+        raise RuntimeError(
+            f"{op}: an earlier call on this process group failed at its admission ({channel.failed}); its ranks "
+            "are out of step, so every call on it is refused. Create a new process group (or restart the job)"
+        )
+    channel.local_view[:] = _status(outcome)
+    work = comm.all_gather(channel.table, channel.local, channel.side, async_op=True)
+    if outcome.heap_device is None:
+        work.wait()
+    else:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=config.timeout))
+        except RuntimeError:
+            channel.failed = _late_peers(op, group, world, config.timeout)
+            raise RuntimeError(channel.failed) from None
+    rows = channel.table_view.tolist()
     failed = any(row[0] != _OK for row in rows)
     differ = any(row[1] != rows[0][1] for row in rows)
     unhealthy = any(row[2] != 0 for row in rows)
-    if not (failed or differ or unhealthy or check is True):
+    if not (failed or differ or unhealthy or config.check is True):
         return
-    _settle(op, (group, side, world), outcome, items, rows)
+    _settle(op, (group, channel.side, world), outcome, rows)
+
+
+def _late_peers(op: str, group: dist.ProcessGroup | None, world: int, timeout: float) -> str:
+    labels = _labels(group, world)
+    me = dist.get_rank(group)
+    others = ", ".join(f"rank {label}" for r, label in enumerate(labels) if r != me)
+    return (
+        f"{op}: rank {labels[me]} waited more than COC_TIMEOUT={timeout:g} s at the admission of this fused call for "
+        f"the other ranks of its group ({others}); a peer is dead, stuck, or did not make the same call"
+    )
 
 
 def _error_record(error: BaseException | None) -> tuple[int, str] | None:
@@ -125,7 +176,7 @@ def _error_record(error: BaseException | None) -> tuple[int, str] | None:
     return kind, str(error)
 
 
-def _settle(op: str, where: tuple, outcome: Outcome, items: Items | None, rows: list[list[int]]) -> None:
+def _settle(op: str, where: tuple, outcome: Outcome, rows: list[list[int]]) -> None:
     """The second exchange, of full values: raise what every rank raises alike, and retire heaps together.
     ``where = (the op's group, the group the exchange travels on, W)``."""
     group, side, world = where
@@ -134,7 +185,7 @@ def _settle(op: str, where: tuple, outcome: Outcome, items: Items | None, rows: 
         # A failure this rank's kernels recorded and nobody raised yet (a GPU learns of it after the call
         # returned): every rank raises it now. One already raised here (RETIRED) only has the heaps rebuilt.
         health_message = group_health(outcome.call.group, outcome.heap_device)[1]
-    mine = (items, _error_record(outcome.error), health_message)
+    mine = (outcome.items(), _error_record(outcome.error), health_message)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=side)
     labels = _labels(group, world)

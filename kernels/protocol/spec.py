@@ -5,7 +5,7 @@ Every public function of every op family makes the same four steps (:func:`submi
     built = build(W)                          # the family's validation: its call value and operands (an error
                                               # here is this rank's outcome, not yet raised)
     call = requested(built.call, shape)       # the backend and split count the environment asks for
-    admit(op, W, group, outcome, items)       # collective, on every call (kernels.protocol.admission)
+    admit(op, W, group, outcome)              # collective, on every call (kernels.protocol.admission)
     call = decide(spec, call, device)         # what runs, among the backends the op really has
     return run(spec, call, operands)          # spec.impl[call.backend](call, operands)
 
@@ -19,6 +19,7 @@ graph, the admission once per call.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ..checks import world_of
+from ..config import get_config
 from .admission import ERRORS, Outcome, admit
 from .backend import ShapeKey, decide, requested, traced_shape
-from .call import Call
+from .call import Call, digest
 from .registry import assume_constant_result, define_op
 
 Impl = Callable[[Any, Any], Any]
@@ -87,8 +89,7 @@ class OpSpec:
         if not _state.depth and call.world > 1:
             device = next(a.device for a in args if isinstance(a, torch.Tensor))
             heap_device = device if call.backend == "fused" else None
-            outcome = Outcome(call, operands, heap_device=heap_device)
-            admit(call.op, call.world, call.group, outcome, call.items(operands))
+            admit(call.op, call.world, call.group, Outcome(call, operands, heap_device=heap_device))
         _state.depth += 1
         try:
             return self.impl[call.backend](call, operands)
@@ -133,43 +134,89 @@ def _plain(args: tuple) -> bool:
     return True
 
 
-def _direct(args: tuple) -> bool:
-    """Whether an eager call may run its implementation without the registered operator: nothing torch tracks
-    (a function or dispatch mode, a tensor subclass, fake tensors, autograd) would see the difference."""
-    if _state.force_operator or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack():
-        return False
-    return _plain(args)
+def _modes() -> bool:
+    """Whether a torch function or dispatch mode is active: it must see the registered operator (an eager call
+    runs its implementation directly otherwise, as nothing torch tracks would see the difference)."""
+    return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
 
 
-def run(spec: OpSpec, call: Call, operands: Any, text: str | None = None) -> Any:
+def run(spec: OpSpec, call: Call, operands: Any, text: str | None = None, *, plain: bool = False) -> Any:
     """``spec.impl[call.backend](call, operands)`` (module docstring: directly, or through the operator);
-    ``text``: the resolved call's string under ``torch.compile``."""
+    ``text``: the resolved call's string under ``torch.compile``; ``plain``: the operands are known to be plain
+    tensors none of which needs a gradient (a signature's fast path checked them)."""
+    state = _state
+    if text is None and not (state.force_operator or _modes()) and (plain or _plain(spec.flat(operands))):
+        state.depth += 1
+        try:
+            return spec.impl[call.backend](call, operands)
+        finally:
+            state.depth -= 1
     args = spec.flat(operands)
     if text is not None:
         return spec.operator(*args, text)
-    _state.depth += 1
+    state.depth += 1
     try:
-        if _direct(args):
-            return spec.impl[call.backend](call, operands)
         return spec.operator(*args, call.encode())
     finally:
-        _state.depth -= 1
+        state.depth -= 1
 
 
-def submit(spec: OpSpec, op: str, group: dist.ProcessGroup | None, build: Callable[[int], Built]) -> Any:
+def tensors_key(*tensors: object) -> tuple | None:
+    """``(shape, dtype, device)`` of each of ``tensors`` (None stays None), the part of a call's signature its
+    tensors make; None where one is not a plain tensor or needs a gradient from this call (such a call takes the
+    full path, whose validation says what is wrong or which the autograd or a mode must see)."""
+    grad = torch.is_grad_enabled()
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+        elif type(t) is not torch.Tensor or (grad and t.requires_grad):
+            return None
+        else:
+            out.append((t.shape, t.dtype, t.device))
+    return tuple(out)
+
+
+# Signatures resolved before: a family's key of everything its validation, call value and backend choice read
+# (shapes, dtypes, devices, options; never tensor values) -> (the call as requested, as decided, W, the digest the
+# admission exchanges, the fused heap's device or None, the config it was resolved under). A hit skips the
+# validation, the call's construction and the backend choice; the admission still runs on every call, with the
+# digest. Bounded: a miss only costs the full path.
+_RESOLVED: dict[tuple, tuple] = {}
+_RESOLVED_MAX = 4096
+
+
+def submit(
+    spec: OpSpec,
+    op: str,
+    group: dist.ProcessGroup | None,
+    build: Callable[[int], Built],
+    fast: tuple[tuple, Callable[[], Any]] | None = None,
+) -> Any:
     """A public function's call of ``spec`` (module docstring). ``build(W)`` validates (raising ``ValueError`` /
     ``TypeError`` naming the argument) and returns the :class:`Built` call. The group itself is checked first, on
-    this rank alone (without a valid group there is nobody to tell)."""
-    built, call, text = admitted(spec, op, group, build)
+    this rank alone (without a valid group there is nobody to tell). ``fast = (key, operands)``: the family's
+    signature of this call and how to make its operands without validating them, for a signature that validated
+    before (``_RESOLVED``)."""
+    if fast is not None and not torch.compiler.is_compiling():
+        entry = _RESOLVED.get(fast[0])
+        if entry is not None and entry[5] is get_config():
+            requested_call, call, world, digest, heap_device, _ = entry
+            operands = fast[1]()
+            if world > 1:
+                admit(op, world, group, Outcome(requested_call, operands, heap_device=heap_device, digest=digest))
+            return run(spec, call, operands, plain=True)
+    built, call, text = admitted(spec, op, group, build, None if fast is None else fast[0])
     return run(spec, call, built.operands, text)
 
 
 def admitted(
-    spec: OpSpec, op: str, group: dist.ProcessGroup | None, build: Callable[[int], Built]
+    spec: OpSpec, op: str, group: dist.ProcessGroup | None, build: Callable[[int], Built], key: tuple | None = None
 ) -> tuple[Built, Call, str | None]:
     """:func:`submit` up to the run: ``(built, the decided call, None)``, or under ``torch.compile`` ``(built, the
     call as built, the decided call's string)`` (the choice is a constant of the graph). For an op whose
-    autograd Function runs the call (:func:`run_text` in its forward)."""
+    autograd Function runs the call (:func:`run_text` in its forward). ``key``: the call's signature, kept with
+    its decided call for the next call of the signature (:func:`submit`)."""
     # A local op (no communication) has no group to admit with: its errors are its own rank's.
     world = 1 if spec.local else world_of(group)
     try:
@@ -177,16 +224,25 @@ def admitted(
     except ERRORS as e:
         if world == 1 or torch.compiler.is_compiling():
             raise
-        admit(op, world, group, Outcome(None, error=e), None)
+        admit(op, world, group, Outcome(None, error=e))
         raise AssertionError("unreachable: the admission raises every rank's error") from e
     if torch.compiler.is_compiling():
         shape = traced_shape(built.call, built.shape) if built.shape is not None else None
         return built, built.call, spec.decide_traced(built.call.encode(), shape, built.dtypes, built.device)
-    call = requested(built.call, built.shape)
+    config = get_config()
+    call = requested(built.call, built.shape, config)
+    heap_device = built.device if call.backend == "fused" and "fused" in spec.backends else None
+    outcome = Outcome(call, built.operands, heap_device=heap_device)
     if world > 1:
-        heap_device = built.device if call.backend == "fused" and "fused" in spec.backends else None
-        admit(op, world, group, Outcome(call, built.operands, heap_device=heap_device), call.items(built.operands))
-    return built, decide(spec, call, built.device, (built.shape, built.dtypes)), None
+        if key is not None:
+            outcome = dataclasses.replace(outcome, digest=digest(outcome.items()))
+        admit(op, world, group, outcome)
+    decided = decide(spec, call, built.device, (built.shape, built.dtypes))
+    if key is not None:
+        if len(_RESOLVED) >= _RESOLVED_MAX:
+            _RESOLVED.clear()
+        _RESOLVED[key] = (call, decided, world, outcome.digest, heap_device, config)
+    return built, decided, None
 
 
 def call_operator(operator: Any, *args: Any) -> Any:

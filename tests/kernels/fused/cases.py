@@ -174,13 +174,21 @@ def back_to_back_body(rank: int, world: int, calls: int) -> int:
 def absent_peer_body(
     rank: int, world: int, op: str, dtype: torch.dtype = torch.float32, device: str = "cpu", linger_s: float = 0.0
 ) -> tuple[float, str] | None:
-    """Both ranks call once; then rank 1 leaves and rank 0 calls again and must get a RuntimeError.
+    """Both ranks call once; then rank 1 leaves and rank 0 calls again and must get a RuntimeError naming the peer
+    within COC_TIMEOUT (at the call's admission, which rank 1 never makes).
 
     On CPU rank 1 frees its heap at once (rank 0's own mapping keeps the segment alive). On GPU it
     keeps its memory for ``linger_s`` instead: rank 0 may still write into it through CUDA IPC.
     """
+    import kernels
+
     group = dist.new_group(list(range(world)))
     xs, ws, b = make_inputs(op, world, 13, 24, 20, bias=True, seed=3, dtype=dtype, device=device)
+    public = {"ag": kernels.all_gather_matmul, "rs": kernels.matmul_reduce_scatter}.get(op, kernels.matmul_all_reduce)
+
+    def run_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Any) -> torch.Tensor:
+        return public(x, w, b, group=group, backend="fused")
+
     run_op(op, xs[rank], ws[rank], b, group)
     if rank != 0:
         if linger_s:
@@ -197,13 +205,13 @@ def absent_peer_body(
         elapsed, message = time.monotonic() - start, str(e)
     else:
         raise AssertionError("the second call returned although rank 1 never made it")
-    # Fail-stop: the group's ranks disagree on the call sequence now, so every later fused call on
-    # it raises at once instead of pairing its heap rebuild with some other call of a peer.
+    # Fail-stop: the group's ranks are out of step now (rank 0 gave up at the admission rank 1 never made), so
+    # every later call on it raises at once instead of pairing with some other call of a peer.
     start = time.monotonic()
     try:
         run_op(op, xs[rank], ws[rank], b, group)
     except RuntimeError as e:
-        assert "earlier fused call on this process group failed" in str(e), e
+        assert "an earlier call on this process group failed at its admission" in str(e), e
         assert time.monotonic() - start < 1.0
     else:
         raise AssertionError("a fused call on a group with a timed-out call ran")

@@ -51,7 +51,7 @@ def test_fp8_reductions_are_deterministic_and_ranks_agree():
 @pytest.mark.parametrize(
     ("field", "named"),
     [
-        ("quant_mode", "scaling mode (from the scale shapes)=block"),
+        ("quant_mode", "rank 0 has format=fp8:block, rank 1 has format=fp8:row"),
         ("out_dtype", "out_dtype=torch.bfloat16"),
         ("weight_dtype", "torch.float8_e5m2"),
     ],
