@@ -1,4 +1,4 @@
-"""Two repairs of Triton's interpreter (3.6 through 3.9); compiled kernels never go through this code.
+"""Three repairs of Triton's interpreter (3.6 through 3.9); compiled kernels never go through this code.
 
 **Scalar ``__index__``**, a defect that breaks every loop of the fused kernels with a runtime bound.
 The interpreter passes a scalar kernel argument as a one-element 1-D NumPy array. Triton 3.6
@@ -18,6 +18,18 @@ launch). A repeat finds every builtin already replaced and changes nothing, yet 
 of an interpreted fused call's time: the fused kernels call dozens of device functions per program.
 :func:`install_launch_scoped_patching` patches ``tl`` and ``tl.core`` once when a launch starts,
 undoes both when it ends, and has the device-function calls in between patch nothing.
+
+**fp32 -> bf16 by truncation**, where a GPU rounds to nearest even. The interpreter keeps bf16 as the
+upper 16 bits of fp32 (NumPy has no bf16) and its ``InterpreterBuilder.cast_impl`` converts fp32 to bf16
+with ``_convert_float(..., rounding_mode=None)``, which drops the low 16 bits. Every default-rounding
+cast reaches it: ``x.to(tl.bfloat16)`` (``create_fp_trunc``), the implicit cast of a store into a bf16
+pointer, bf16 constants (3.9's ``get_bf16``) and fp16 -> bf16 (through fp32). A compiled kernel's
+cast is ``cvt.rn.bf16.f32`` (round to nearest, ties to even), as is torch's ``.to(torch.bfloat16)``,
+so an interpreted bf16 output was off by up to a whole ulp where the GPU's is off by half of one.
+:func:`install_bf16_rounding` makes ``cast_impl`` round fp32 -> bf16 to nearest even
+(:func:`_fp32_to_bf16_bits`: Inf stays Inf, NaN stays NaN) and leaves every other conversion, fp16
+and FP8 included, to Triton. It is applied only where a probe shows the installed interpreter
+truncates, so a Triton that rounds is untouched.
 """
 
 from __future__ import annotations
@@ -127,6 +139,60 @@ def install_launch_scoped_patching() -> bool:
     return True
 
 
+def _fp32_to_bf16_bits(data: np.ndarray) -> np.ndarray:
+    """The bf16 bits (uint16) of fp32 ``data`` rounded to nearest, ties to even.
+
+    Adding ``0x7FFF`` plus the last kept bit before dropping the low 16 bits rounds every finite value and
+    leaves Inf as it is (a carry out of the largest finite values makes Inf, as it should); a NaN whose
+    payload lies in the low bits would become Inf, or wrap, so NaNs keep their sign and upper payload and
+    get the quiet bit instead."""
+    bits = np.asarray(data, dtype=np.float32).view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x0040)
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(nan, quiet_nan, rounded).astype(np.uint16)
+
+
+# fp32 values whose bf16 truncation and rounding differ: above a halfway point, and a tie to an odd last bit.
+_PROBE_FP32 = np.array([0x3F80C000, 0x3F818000], dtype=np.uint32).view(np.float32)
+
+
+def _bf16_cast_truncates(cast_impl: Callable[[Any, Any, Any], Any]) -> bool:
+    """Whether ``cast_impl`` (an ``InterpreterBuilder.cast_impl``) converts fp32 to bf16 by truncation."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    try:
+        probe = interpreter.TensorHandle(_PROBE_FP32, tl.float32)
+        out = cast_impl(interpreter.InterpreterBuilder(), probe, tl.bfloat16)
+        got = np.asarray(out.data).view(np.uint16).tolist()
+    except Exception:
+        # An interpreter shaped differently from the one this repair knows: leave it alone.
+        return False
+    return got == (_PROBE_FP32.view(np.uint32) >> 16).tolist()
+
+
+def install_bf16_rounding() -> bool:
+    """Make the interpreter round fp32 -> bf16 to nearest even (module docstring); True if a repair was needed."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "cast_impl", None)
+    if original is None or getattr(original, "_coc_repaired", False) or not _bf16_cast_truncates(original):
+        return False
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_fp32_to_bf16_bits(src.data), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    cast_impl._coc_repaired = True  # type: ignore[attr-defined]
+    builder.cast_impl = cast_impl
+    return True
+
+
 if triton_interpreted():
     install()
     install_launch_scoped_patching()
+    install_bf16_rounding()
