@@ -319,8 +319,7 @@ def reduce_scatter(
     _grouped(h, weight, offsets, partial, scaled)
     ld = slot_stride(k_out)
     if fp8 is not None:
-        # FP8: reduced into fp32 and rounded once by torch, to nearest even as the dense FP8 ops round (the
-        # interpreter's reduce would truncate to bf16).
+        # FP8: reduced into fp32 and rounded once by torch, to nearest even as the dense FP8 ops round.
         out = torch.empty((m_local, k_out), dtype=torch.float32, device=h.device)
     with runtime.fused_call("grouped_matmul_reduce_scatter", group, h.device, w * m_local * ld * 4, descriptor) as call:
         call.outputs = (out,)
