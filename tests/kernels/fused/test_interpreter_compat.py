@@ -1,5 +1,6 @@
 """The repairs of Triton's interpreter: scalar ``__index__`` under NumPy >= 2.4 (3.6), the language patched once per
-launch, and fp32 -> bf16 conversions rounded to nearest even as a GPU's ``cvt.rn.bf16.f32`` (3.6 and 3.9 truncate).
+launch, fp32 -> bf16 conversions rounded to nearest even as a GPU's ``cvt.rn.bf16.f32`` (3.6 and 3.9 truncate), and
+dots whose rows do not depend on the other rows (NumPy's BLAS may make them: OpenBLAS on AMD EPYC does).
 
 The repairs live in kernels/fused/interpreter_compat.py.
 """
