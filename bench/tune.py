@@ -90,8 +90,9 @@ CPU_GROUP_SIZE = 16
 
 def cpu_cases() -> list[Case]:
     """The interpreter's cases: every format of :func:`gpu_cases`, plain in bf16 only, int8 weights
-    with fp16 activations (the interpreter converts fp32 to bf16 by truncation, ``kernels/fused/tile.py``,
-    so its bf16 dequantized weight tiles differ from ``kernels.quant.dequantize``'s by an ulp) and
+    with fp16 activations (chosen when the interpreter converted fp32 to bf16 by truncation, so that its bf16
+    dequantized weight tiles differed from ``kernels.quant.dequantize``'s by an ulp; it now rounds as the
+    reference does, ``kernels/fused/interpreter_compat.py``) and
     per_group of :data:`CPU_GROUP_SIZE`, so ``--allow-cpu`` runs each format's path end to end."""
     from kernels.format import PLAIN, fp8, int8
 

@@ -21,10 +21,10 @@ from ..ops.gemm import GemmCall, Operands
 from . import gemm_persistent, tuned
 from .blocks import NARROW_BLOCK_K, BlockConfig, block_config, dot_math, kernel_format, w_operand, x_operand
 from .gemm_configs import GemmConfig
-from .tile import CAST, ROUND_FIRST, ROUND_NEAREST, grouped_tile, store_tile, tile_matmul
+from .tile import CAST, ROUND_FIRST, grouped_tile, store_tile, tile_matmul
 
 # The epilogue of each format (tile.store_tile).
-ROUNDING = {"plain": CAST, "int8": ROUND_FIRST, "fp8": ROUND_NEAREST}
+ROUNDING = {"plain": CAST, "int8": ROUND_FIRST, "fp8": CAST}
 
 
 @triton.jit

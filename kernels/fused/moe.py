@@ -59,7 +59,7 @@ from .all_gather import _push_kernel, scale_base
 from .all_reduce_norm import block_config
 from .blocks import BlockConfig, chunk_rows
 from .scatter import push_tile, reduce_slots, scatter_tile, slot_stride, tiles
-from .tile import copy_rows, grouped_tile, round_to
+from .tile import copy_rows, grouped_tile
 
 # Columns per copy step of the collect kernel (the push kernel's, :func:`all_gather.push_cols`).
 _COPY_COLS = {"cpu": 64, "cuda": 128}
@@ -112,9 +112,7 @@ def _combine_kernel(P, ROUTE, OUT, TILE: tl.constexpr):
     offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, P[3], TILE)
     acc = _combine_tile(P, ROUTE, (offs_m, mask_m, offs_n), TILE)
     mask = mask_m[:, None] & mask_n[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(acc, out_ptr.dtype.element_ty), mask=mask
-    )
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
@@ -321,8 +319,7 @@ def reduce_scatter(
     _grouped(h, weight, offsets, partial, scaled)
     ld = slot_stride(k_out)
     if fp8 is not None:
-        # FP8: reduced into fp32 and rounded once by torch, to nearest even as the dense FP8 ops round (the
-        # interpreter's reduce would truncate to bf16).
+        # FP8: reduced into fp32 and rounded once by torch, to nearest even as the dense FP8 ops round.
         out = torch.empty((m_local, k_out), dtype=torch.float32, device=h.device)
     with runtime.fused_call("grouped_matmul_reduce_scatter", group, h.device, w * m_local * ld * 4, descriptor) as call:
         call.outputs = (out,)

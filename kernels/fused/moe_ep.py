@@ -83,7 +83,7 @@ import triton.language as tl
 
 from ..protocol.call import resolve_group as resolve_group_name
 from . import runtime, signals
-from .tile import copy_rows, round_to
+from .tile import copy_rows
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"
 # Programs per (source, destination) pair of the row pushes, and of a combine's publish: the receiver's counter
@@ -296,7 +296,7 @@ def _pull_kernel(OPERANDS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
             acc = acc + _pull_slot(OUT, ROUTE, tile, s, CONFIG)
         out_ptr = OUT[0]
         mask = tile[2][:, None] & tile[4][None, :]
-        tl.store(out_ptr + tokens[:, None] * N + cols[None, :], round_to(acc, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + tokens[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _exchange_counts(call: runtime.FusedCall, mine: torch.Tensor) -> torch.Tensor:

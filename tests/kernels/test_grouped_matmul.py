@@ -8,7 +8,8 @@ sums fp32 products in some order and rounds once to the output dtype, so per ele
     |y - truth| <= eps(out) * |truth| + 2 (k + 1) 2^-24 (|x| @ |w|^T)
 
 The first term is one rounding to the output dtype (eps = 2^-7 for bf16, 2^-10 for fp16, 2^-23 for fp32: a whole
-ulp, since the interpreter converts fp32 to bf16 by truncation); the second bounds a reordered fp32 sum of k terms.
+ulp, where one rounding to nearest needs half of one; the margin dates from when the interpreter truncated fp32 to
+bf16, kernels/fused/interpreter_compat.py); the second bounds a reordered fp32 sum of k terms.
 For bf16 inputs this is the "compare with the fp32 reference of the same bf16 inputs within ~2^-8 relative" rule
 made precise. torch's loop (the reference twin) and ``torch._grouped_mm`` obey the same bound.
 

@@ -2,8 +2,9 @@
 sequential and chunked backends at W = 1, 2, 3 (4 for one case) against fp64 computed here from every rank's
 inputs (regenerated from seeds), the two chained against a one-process dense MoE MLP, and the named errors.
 
-Bounds (per element; ``eps``: one whole ulp of the output dtype, 2^-23 fp32, 2^-7 bf16: the interpreted kernel
-converts fp32 to bf16 by truncation; ``g = 2^-24``, the fp32 unit roundoff):
+Bounds (per element; ``eps``: one whole ulp of the output dtype, 2^-23 fp32, 2^-7 bf16, where one rounding to
+nearest needs half of one: the margin dates from when the interpreted kernel truncated fp32 to bf16,
+kernels/fused/interpreter_compat.py; ``g = 2^-24``, the fp32 unit roundoff):
 
 - gather GEMM, ``y = x_t @ w1[e].T`` summed in fp32 in some order, rounded once:
   ``|y - y64| <= eps |y64| + 2 (k + 1) g S1`` with ``S1 = |x_t| @ |w1[e]|.T``;

@@ -7,7 +7,7 @@ Bounds: :mod:`tests.kernels.test_moe_tp`'s (its docstring derives them). They ho
 gather copies rows bit for bit and its grouped GEMM is the chunked backend's kernel (fp32 accumulation of k
 products, one rounding); the reduce's partials are that kernel's fp32 sums of n_local products (``2 (n_local + 1)
 g``), the combine one fp32 product-add per slot in slot order (``topk + 1`` roundings) and the slots' sum W - 1
-fp32 additions in rank order, rounded once to the dtype (``eps``: the interpreter's bf16 conversion may truncate).
+fp32 additions in rank order, rounded once to the dtype (``eps``, a whole ulp: twice a rounding to nearest's).
 Cases: "skewed" (70 % of the pairs to one expert, two experts without tokens), "top1", "even" and "single" (every
 pair to expert 1, three experts empty, m_local = 7); the shapes are not tile multiples (k_out = 10, n_local =
 12 / W, rows 7 W topk against 16-row GEMM and 8-row push tiles).
