@@ -109,6 +109,7 @@ def all_gather_scaled_matmul(
         parallel_num,
         return_gathered=return_gathered,
         dim=("gather_dim", gather_dim),
+        x=x,
         out_dtype=out_dtype,
     )
     build = builder(options, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype))
@@ -148,6 +149,7 @@ def quantized_all_gather_matmul(
         parallel_num,
         return_gathered=return_gathered,
         dim=("gather_dim", gather_dim),
+        x=x,
     )
     build = builder(options, lambda: int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset))
     out = submit(SPEC, options.op, group, build)

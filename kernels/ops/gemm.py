@@ -239,6 +239,9 @@ class Options:
     out_dtype: torch.dtype | None = None
     epilogue: str = ""
     eps: float = 0.0
+    # The caller's x, so that a dim that cannot be gathered / scattered is named before the operands' checks (a
+    # torch-style call gathering k would be told to transpose its weight first).
+    x: object = None
 
 
 def builder(
@@ -250,6 +253,8 @@ def builder(
     ``build`` of :func:`kernels.protocol.submit`."""
 
     def build(world: int) -> Built:
+        if options.dim is not None and isinstance(options.x, torch.Tensor) and options.x.dim() >= 1:
+            checks.normalize_dim(options.dim[0], options.dim[1], options.x)
         fmt, ops = operands()
         checks.check_backend(options.backend)
         checks.check_parallel_num(options.parallel_num)
@@ -306,7 +311,7 @@ def submit_plain(spec: OpSpec, pattern: str, signature: tuple, tensors: tuple) -
 
     def build(world: int) -> Built:
         flags = {"return_gathered": flag} if pattern == "all_gather" else {"deterministic": flag}
-        options = Options(op, pattern, group, backend, parallel_num, dim=dim, **flags)
+        options = Options(op, pattern, group, backend, parallel_num, dim=dim, x=x, **flags)
         return builder(options, lambda: plain_operands(x, weight, bias))(world)
 
     key = plain_key(signature, x, weight, bias)

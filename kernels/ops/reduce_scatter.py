@@ -97,6 +97,7 @@ def scaled_matmul_reduce_scatter(
         parallel_num,
         deterministic=deterministic,
         dim=("scatter_dim", scatter_dim),
+        x=x,
         out_dtype=out_dtype,
     )
     return submit(
@@ -138,6 +139,7 @@ def quantized_matmul_reduce_scatter(
         parallel_num,
         deterministic=deterministic,
         dim=("scatter_dim", scatter_dim),
+        x=x,
     )
     return submit(
         SPEC,
