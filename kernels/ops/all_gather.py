@@ -292,13 +292,17 @@ def _finished(backend: Any) -> Any:
         x, x_scale = ops.x, ops.x_scale
         ys, xg, xsg = backend(call, ops)
         d, world = call.comm_dim, call.world
-        ys = [
-            (y.to(call.out_dtype) if call.out_dtype is not None else y).view(_gathered_shape(x, d, world, w.shape[0]))
-            for y, w in zip(ys, ops.weights, strict=True)
-        ]
+        if call.out_dtype is not None:
+            ys = [y.to(call.out_dtype) for y in ys]
+        # A 2-D x gathers its rows: the results are already [W * m, n] (a view to the same shape costs a round trip).
+        flat = x.dim() == 2
+        if not flat:
+            ys = [y.view(_gathered_shape(x, d, world, w.shape[0])) for y, w in zip(ys, ops.weights, strict=True)]
         if not call.return_gathered:
             return ys, None, None
-        xg = unaliased(xg, x).view(_gathered_shape(x, d, world, x.shape[-1]))
+        xg = unaliased(xg, x)
+        if not flat:
+            xg = xg.view(_gathered_shape(x, d, world, x.shape[-1]))
         if xsg is not None:
             xsg = unaliased(xsg, x_scale) if x_scale is not None else xsg
             if d:

@@ -330,7 +330,8 @@ def _finished(backend: Any) -> Any:
     def run(call: GemmCall, ops: Operands) -> torch.Tensor:
         out = backend(call, ops)
         out = out.to(call.out_dtype) if call.out_dtype is not None else out
-        return out.view(tuple(ops.x.shape[:-1]) + (ops.weights[0].shape[0],))
+        # The rows of a 2-D x are x: its result is already [m, n] (a view to the same shape costs a round trip).
+        return out if ops.x.dim() == 2 else out.view(tuple(ops.x.shape[:-1]) + (ops.weights[0].shape[0],))
 
     return run
 

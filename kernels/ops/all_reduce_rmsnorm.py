@@ -34,7 +34,7 @@ from ..protocol import Built, Call, OpSpec, group_name, submit, tensors_key
 from ..protocol.call import Items
 from .all_reduce import fixed_order_all_reduce
 from .gemm import rows_of
-from .norm import NormOutputs, accumulator, check_epilogue, check_fp8_dtype, finish, scale_shape
+from .norm import NormOutputs, accumulator, cast_to, check_epilogue, check_fp8_dtype, finish, scale_shape
 
 ALGORITHMS = ("auto", "one_shot", "two_shot", "unfused")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -157,11 +157,11 @@ def choose_algorithm(algorithm: str, x: torch.Tensor, world: int) -> str:
 def reference(x: torch.Tensor, residual: torch.Tensor, call: NormCall) -> torch.Tensor:
     """``h = x_0 + ... + x_{W-1} + residual`` (module docstring) through torch.distributed; rows ``[m, n]``."""
     acc = accumulator(x.dtype)
-    h = x.to(acc)
+    h = cast_to(x, acc)
     if call.world > 1:
         # Each rank's rows travel at fp32 so that the rank-order sum is the fused one's (same bits).
         h = fixed_order_all_reduce(h, call.group, call.world)
-    return h + residual.to(acc)
+    return h + cast_to(residual, acc)
 
 
 def fused(x: torch.Tensor, residual: torch.Tensor, call: NormCall, described: NormOperands) -> torch.Tensor:

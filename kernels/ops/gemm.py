@@ -327,5 +327,8 @@ def dims_before(x: torch.Tensor, dim: int) -> int:
 
 
 def rows_of(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., k]`` as ``[m, k]`` rows (``reshape`` with both sizes: ``-1`` cannot be inferred for k = 0)."""
+    """``x [..., k]`` as ``[m, k]`` rows (``reshape`` with both sizes: ``-1`` cannot be inferred for k = 0); a 2-D
+    ``x`` is its own rows (a reshape to the same shape would be a view of it, at a dispatcher round trip's cost)."""
+    if x.dim() == 2:
+        return x
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])

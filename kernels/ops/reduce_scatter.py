@@ -251,7 +251,8 @@ def _finished(backend: Any) -> Any:
     def run(call: GemmCall, ops: Operands) -> torch.Tensor:
         out = backend(call, ops)
         out = out.to(call.out_dtype) if call.out_dtype is not None else out
-        return out.view(_scattered(ops.x, call, ops.weights[0].shape[0]))
+        # A 2-D x scatters its rows: the result is already [m / W, n].
+        return out if ops.x.dim() == 2 else out.view(_scattered(ops.x, call, ops.weights[0].shape[0]))
 
     return run
 
