@@ -20,8 +20,8 @@ import os
 import sys
 from typing import Any
 
-from bench import report
-from bench.suites import (
+from bench.harness import report
+from bench.harness.suites import (
     BACKENDS,
     DTYPES,
     FORMATS,
@@ -391,7 +391,7 @@ def main_model(args: argparse.Namespace) -> int:
 
 
 def main_single(args: argparse.Namespace, device_type: str) -> int:
-    from bench import launch
+    from bench.harness import launch
     from bench.moe import count as _count
     from bench.runner import RunOptions
     from bench.single import run_single, single_table
@@ -423,7 +423,7 @@ def main_single(args: argparse.Namespace, device_type: str) -> int:
 
 
 def main_run(args: argparse.Namespace, device_type: str) -> int:
-    from bench import launch
+    from bench.harness import launch
     from bench.moe import count as _count
     from bench.runner import RunOptions, run_world
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import launch
+from bench.harness import launch
 
 M, K, N = 16, 32, 32
 
@@ -115,7 +115,7 @@ def main() -> None:
         f"({res['validate_us']:.1f} us; thread clock)"
     )
     if args.json:
-        from bench.report import write_json
+        from bench.harness.report import write_json
 
         write_json(args.json, res)
 

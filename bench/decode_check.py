@@ -1,6 +1,6 @@
 """gpu-check's decode rows: the decode path's fused calls at W = 1 against the same work as separate kernels.
 
-One process on one device (``bench.launch.run_in_process``), ``backend="fused"``, for ``x [tokens, hidden]``:
+One process on one device (``bench.harness.launch.run_in_process``), ``backend="fused"``, for ``x [tokens, hidden]``:
 
 * ``all_reduce_rmsnorm``: one fused call (the reduce kernel adds the residual, then the norm kernel, and the
   FP8 quantization with ``quant``) against the separate steps a model runs without it: ``x + residual``, an
@@ -84,7 +84,7 @@ def _runs(
 
 def run_world(rank: int, world: int, device: torch.device, cases: list[tuple[int, int]], timed: bool) -> list[dict]:
     """Records of every (case, quant, op): correctness against fp64 and, when ``timed``, both medians."""
-    from bench.timing import Timer
+    from bench.harness.timing import Timer
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timer = Timer(device)
@@ -139,7 +139,7 @@ def decode_items(records: list[dict]) -> list[dict]:
 
 def gpu_check_items(device_type: str, deadline: float, emit: Callable[[dict], None]) -> None:
     """gpu-check's decode items, in this process (module docstring)."""
-    from bench import launch
+    from bench.harness import launch
 
     left = deadline - time.time()
     if left < 5:

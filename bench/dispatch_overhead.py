@@ -177,7 +177,7 @@ def main() -> None:
     print("overhead ratio = (autopar - torch) / (DTensor - torch): the added host time per op")
     print(f"load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if args.json:
-        from bench.report import write_json
+        from bench.harness.report import write_json
 
         write_json(args.json, res)
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.suites import OP_COLLECTIVE, Case
+from bench.harness.suites import OP_COLLECTIVE, Case
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The x / weight modes of kernels.quantize_fp8 per FP8 format mode.

@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from bench.gpu_check_env import environment
-from bench.suites import REPO_ROOT
+from bench.harness.suites import REPO_ROOT
 
 SECTIONS = ("env", "tune", "tests", "speed")
 TITLES = {

@@ -10,7 +10,7 @@ import subprocess
 import time
 from typing import Any
 
-from bench.suites import REPO_ROOT
+from bench.harness.suites import REPO_ROOT
 
 
 def _version(module: str) -> str | None:
@@ -26,7 +26,7 @@ def _vtuple(v: str) -> tuple[int, ...]:
 
 
 def _git_revision() -> dict[str, Any]:
-    from bench.report import git_revision
+    from bench.harness.report import git_revision
 
     rev = git_revision()
     if rev.get("revision") is None:

@@ -91,7 +91,7 @@ def cases(cuda: bool) -> list[Any]:
     (the DeepSeek-V3 recipe), then QKV with row and with tensor scales, bf16 outputs; then fp16. CPU: two
     tiny shapes and one tiny rowwise FP8 shape (the mode CPU torch's ``_scaled_mm`` runs) that test the
     code path (their times mean nothing)."""
-    from bench.suites import Case, load_suite
+    from bench.harness.suites import Case, load_suite
 
     if not cuda:
         return [
@@ -119,7 +119,7 @@ def cases(cuda: bool) -> list[Any]:
 def run(device_type: str, deadline: float, emit: Emit) -> None:
     """Time every shape of :func:`cases` in this process until ``deadline`` (``time.time()`` seconds): one
     :func:`bench.single.run_single` per GEMM shape, dtype and format, in :func:`cases`' order."""
-    from bench import launch
+    from bench.harness import launch
     from bench.runner import RunOptions
     from bench.single import run_single
 
@@ -232,7 +232,7 @@ def fp8_summary(report_items: list[dict]) -> list[str]:
 
 def fp8_table(report_items: list[dict]) -> list[str]:
     """Markdown rows per FP8 shape (no lines if nothing was timed)."""
-    from bench.suites import OP_SHORT
+    from bench.harness.suites import OP_SHORT
 
     rows: dict[str, dict[str, str]] = {}
     worlds = sorted({it["model_tp_ms"]["world"] for it in report_items if it.get("model_tp_ms")}) or [FP8_WORLD]
@@ -293,7 +293,7 @@ def summary(items: list[dict]) -> str:
 
 def table(items: list[dict]) -> list[str]:
     """One markdown row per GEMM shape and dtype (no lines if nothing was timed)."""
-    from bench.suites import OP_SHORT
+    from bench.harness.suites import OP_SHORT
 
     rows: dict[str, dict[str, str]] = {}
     for it in items:

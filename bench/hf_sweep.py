@@ -371,7 +371,8 @@ def failed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(args: argparse.Namespace) -> int:
     """``--mode hf-sweep``: the sweep over ``--families`` (default: every family with a plan), ``--backends``
     (default: sequential, chunked), world ``--world-sizes[0]`` (default 2); JSON + Markdown into ``--out-dir``."""
-    from bench import hf_sweep_report, report
+    from bench import hf_sweep_report
+    from bench.harness import report
 
     for b in args.backends or []:
         if b not in HF_BACKENDS:

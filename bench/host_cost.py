@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import launch
+from bench.harness import launch
 
 M, K, N = 16, 32, 32
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
@@ -212,7 +212,7 @@ def main() -> None:
         else:
             print(f"{head} {r['us']:9.1f} {r['ref_us']:10.1f} {r['added_us']:9.1f}")
     if args.json:
-        from bench.report import write_json
+        from bench.harness.report import write_json
 
         write_json(args.json, res)
 

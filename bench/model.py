@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from bench.suites import DTYPE_BYTES, OP_COLLECTIVE, backend_args
+from bench.harness.suites import DTYPE_BYTES, OP_COLLECTIVE, backend_args
 from kernels.paths import config_path
 
 LINKS_PATH = str(config_path("links.yaml"))
@@ -442,7 +442,7 @@ def fp8_rows(
     generation: str, suite: str = "llama3-70b", tokens: int = 8192, world: int = 8, fp8_mode: str = "block"
 ) -> list[dict]:
     """PREDICTED bf16 and FP8 times of every layer of ``suite`` at ``tokens`` and TP ``world`` (roofline GEMMs)."""
-    from bench.suites import load_suite
+    from bench.harness.suites import load_suite
 
     link, spec = load_gpu(generation)
     rows = []
@@ -481,7 +481,7 @@ def fp8_rows(
 
 def fp8_table(generation: str, **kwargs) -> list[str]:
     """Markdown lines of :func:`fp8_rows` (milliseconds; every figure a model prediction)."""
-    from bench.suites import OP_SHORT
+    from bench.harness.suites import OP_SHORT
 
     out = [
         "| layer, local GEMM [m, k, n] | bf16 sequential | bf16 fused | FP8 baseline (_scaled_mm + NCCL) | "

@@ -32,10 +32,10 @@ import torch
 import yaml
 
 from bench import model as perf_model
-from bench import report
+from bench.harness import report
+from bench.harness.suites import DTYPES
 from bench.moe_model import AG, COMBINE, DISPATCH, GROUPED, MODEL_NOTE, RS, MoeCase, MoeShape, derive
 from bench.moe_ranks import MoeOptions, backends_of, run_world
-from bench.suites import DTYPES
 from kernels.paths import config_path
 
 CONFIG_PATH = str(config_path("moe-bench.yaml"))
@@ -149,7 +149,7 @@ def count(cli: int | None, suite: int | None, device_type: str, cpu: int, gpu: i
 
 def main(args: argparse.Namespace, device_type: str) -> int:
     """``python -m bench --mode moe`` (the options of ``python -m bench``; ``--suite`` names MoE suites)."""
-    from bench import launch
+    from bench.harness import launch
 
     names = args.suite or ["tiny"]
     try:
@@ -240,7 +240,7 @@ def gpu_check_items(device_type: str, deadline: float, emit: Callable[[dict], No
     """gpu-check's MoE items, in one process on one device: the grouped GEMM kernel against
     ``torch._grouped_mm`` (target >= 1.0x, Qwen3-30B-A3B shape) and the TP ops with ``backend="fused"`` at
     W = 1 against the bare grouped GEMM (target <= 1.05x). On CPU the same rows run tiny and interpreted."""
-    from bench import launch
+    from bench.harness import launch
 
     left = deadline - time.time()
     if left < 10:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import model as perf_model
-from bench.suites import DTYPE_BYTES, backend_args
-from bench.timing import Stats
+from bench.harness.suites import DTYPE_BYTES, backend_args
+from bench.harness.timing import Stats
 
 # The link-model entry the all-to-alls are timed with (module docstring).
 A2A = "reduce_scatter"

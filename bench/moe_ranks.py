@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from bench import model as perf_model
+from bench.harness.suites import backend_args
+from bench.harness.timing import Timer
 from bench.moe_model import (
     A2A,
     AG,
@@ -32,8 +34,6 @@ from bench.moe_model import (
     MoeShape,
     derive,
 )
-from bench.suites import backend_args
-from bench.timing import Timer
 
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

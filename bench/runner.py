@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from bench import formats
 from bench import model as perf_model
 from bench.formats import TORCH_DTYPES, CommSpec
-from bench.suites import Case, backend_args
-from bench.timing import Stats, Timer
+from bench.harness.suites import Case, backend_args
+from bench.harness.timing import Stats, Timer
 
 if TYPE_CHECKING:
     from kernels.call import Operands

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 
 from bench import formats
+from bench.harness.suites import OP_SHORT, Case
+from bench.harness.timing import Timer
 from bench.model import chunk_rows
 from bench.runner import FUSED_FALLBACK, Progress, RunOptions, fallback_reason, predict
-from bench.suites import OP_SHORT, Case
-from bench.timing import Timer
 
 
 def gemm_core() -> tuple[Callable[..., torch.Tensor] | None, str]:

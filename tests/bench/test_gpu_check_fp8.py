@@ -17,7 +17,7 @@ def _fp8_cases(cuda: bool) -> list:
 
 
 def test_fp8_speed_cases_are_llama70b_tp8_local_gemms_block_first():
-    from bench.suites import load_suite
+    from bench.harness.suites import load_suite
 
     suite = {(c.layer, c.op): c.gemm_shape for c in load_suite("llama3-70b").cases(tokens=[8192], world_sizes=[8])}
     cases = _fp8_cases(cuda=True)
@@ -34,7 +34,7 @@ def test_fp8_speed_cases_are_llama70b_tp8_local_gemms_block_first():
 
 
 class _FakeLaunch:
-    """Stands in for bench.launch.run_in_process: records what the speed section asked for."""
+    """Stands in for bench.harness.launch.run_in_process: records what the speed section asked for."""
 
     def __init__(self, fail_fp8: bool = False):
         self.calls: list[tuple[str, object]] = []
@@ -51,7 +51,7 @@ class _FakeLaunch:
 
 
 def _run_speed(monkeypatch, deadline_s: float, fake: _FakeLaunch) -> list[dict]:
-    from bench import launch
+    from bench.harness import launch
 
     monkeypatch.setattr(launch, "run_in_process", fake)
     items: list[dict] = []
@@ -144,7 +144,7 @@ def test_fp8_speed_rows_fused_on_cpu():
     the FP8 core and the fused all-reduce at world 1, each checked before it is timed."""
     import torch
 
-    from bench import launch
+    from bench.harness import launch
     from bench.single import run_single
 
     opts = RunOptions(backends=[], warmup=0, repeats=1, seed=0, progress=False)

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from bench import moe, moe_model, suites
+from bench import moe, moe_model
+from bench.harness import suites
 from bench.model import load_gpu
 from bench.moe_model import AG, COMBINE, DISPATCH, GROUPED, GROUPED_BACKENDS, RS, MoeShape
 from kernels.testing import REPO_ROOT
@@ -161,7 +162,7 @@ def _wrong_results(rank, world, device):
 
 
 def test_plain_math_checks_flag_wrong_results(monkeypatch):
-    from bench import launch
+    from bench.harness import launch
 
     # run_in_process sets a rank's thread count and environment in this process: restored after.
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))

@@ -29,7 +29,8 @@ import yaml
 
 from kernels.paths import config_path
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The folder above the bench package (bench/harness/suites.py): the checkout, or site-packages of a wheel.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUITE_DIR = str(config_path("bench"))
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "quantized_matmul_all_reduce")

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from bench.suites import OP_SHORT, REPO_ROOT
+from bench.harness.suites import OP_SHORT, REPO_ROOT
 
 SCHEMA = "coc-bench/1"
 MODEL_NOTE = (

@@ -1,11 +1,11 @@
-"""bench.suites (YAML suites -> cases with per-rank shapes) and bench.timing statistics."""
+"""bench.harness.suites (YAML suites -> cases with per-rank shapes) and bench.harness.timing statistics."""
 
 import pytest
 import torch
 
-from bench import suites
-from bench.suites import Case, load_suite
-from bench.timing import Stats, Timer
+from bench.harness import suites
+from bench.harness.suites import Case, load_suite
+from bench.harness.timing import Stats, Timer
 
 
 @pytest.mark.parametrize("name", suites.list_suites())
