@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rank, the bare collective's bus bandwidth, speedup over the unfused baseline (sequential; "
         "FP8: torch._scaled_mm + the collective), and overlap "
         "efficiency (t_gemm + t_comm - t_op) / min(t_gemm, t_comm). Beside each measurement "
-        "it prints the performance model's PREDICTION (bench/model.py), labelled as a model.",
+        "it prints the performance model's PREDICTION (bench/model/dense.py), labelled as a model.",
         epilog=(
             "Suites (configs/bench/): "
             + ", ".join(list_suites())
@@ -262,19 +262,19 @@ def _filter_available_ops(cases: list[Case], skipped: list[dict]) -> list[Case]:
 
 
 def _gpu_generation(args: argparse.Namespace, device_type: str) -> str | None:
-    from bench import model
+    from bench.model import dense as perf_model
 
     if args.gpu:
-        if args.gpu not in model.known_generations():
+        if args.gpu not in perf_model.known_generations():
             raise SystemExit(
-                f"error: --gpu {args.gpu!r} not in configs/links.yaml ({', '.join(model.known_generations())})"
+                f"error: --gpu {args.gpu!r} not in configs/links.yaml ({', '.join(perf_model.known_generations())})"
             )
         return args.gpu
     if device_type == "cuda":
         import torch
 
         name = torch.cuda.get_device_name(0)
-        gen = model.detect_generation(name)
+        gen = perf_model.detect_generation(name)
         if gen is None:
             report.say(f"no link model for {name!r} in configs/links.yaml: pass --gpu or --calibrate for predictions")
         return gen
@@ -305,13 +305,13 @@ def _write(args: argparse.Namespace, doc: dict, records: list[dict], text: str, 
 
 
 def main_model(args: argparse.Namespace) -> int:
-    from bench import model
+    from bench.model import dense as perf_model
     from bench.runner import predict, roofline_gemm
 
     if not args.gpu:
-        raise SystemExit(f"error: --mode model needs --gpu (one of {', '.join(model.known_generations())})")
+        raise SystemExit(f"error: --mode model needs --gpu (one of {', '.join(perf_model.known_generations())})")
     gen = _gpu_generation(args, "cpu")
-    link, spec = model.load_gpu(gen)
+    link, spec = perf_model.load_gpu(gen)
     cases, skipped, defaults = _select_cases(args)
     backends = args.backends or defaults["backends"]
     if "sequential" not in backends:
@@ -324,7 +324,7 @@ def main_model(args: argparse.Namespace) -> int:
     for c in cases:
         preds = {b: predict(c, b, roofline_gemm(spec, c, b), link) for b in backends}
         base = preds["baseline" if c.kind == "fp8" else "sequential"]
-        comm_bytes = model.comm_bytes(
+        comm_bytes = perf_model.comm_bytes(
             c.op,
             "baseline",
             c.gemm_shape,

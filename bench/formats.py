@@ -111,7 +111,7 @@ def has_baseline_row(case: Case) -> bool:
 
 
 def model_dtype(case: Case) -> str:
-    """The dtype :func:`bench.model.predict` models the case in (``"fp8"`` for FP8 formats)."""
+    """The dtype :func:`bench.model.dense.predict` models the case in (``"fp8"`` for FP8 formats)."""
     return "fp8" if case.kind == "fp8" else case.dtype
 
 

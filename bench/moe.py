@@ -13,7 +13,7 @@ the package's references): the grouped GEMMs within ``kernels.testing.tolerance`
 dispatched rows bit for bit. On CPU the Triton kernel runs in the interpreter: checked, not timed, and the
 chunked backends, which use that kernel wherever it runs, are checked with it and timed without it (their
 grouped GEMM is then the ``torch.mm`` loop, as sequential's). Beside each timed row: the PREDICTION of
-:mod:`bench.moe_model` from the bare parts timed in the same run (grouped GEMMs, collectives fitted on CPU,
+:mod:`bench.model.moe` from the bare parts timed in the same run (grouped GEMMs, collectives fitted on CPU,
 the local copy), or with ``--gpu GEN`` on a machine without CUDA the predictions alone, from the roofline
 and ``configs/links.yaml``. :func:`gpu_check_items` gives gpu-check its MoE rows.
 """
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import yaml
 
-from bench import model as perf_model
 from bench.harness import report
 from bench.harness.suites import DTYPES
-from bench.moe_model import AG, COMBINE, DISPATCH, GROUPED, MODEL_NOTE, RS, MoeCase, MoeShape, derive
+from bench.model import dense as perf_model
+from bench.model.moe import AG, COMBINE, DISPATCH, GROUPED, MODEL_NOTE, RS, MoeCase, MoeShape, derive
 from bench.moe_ranks import MoeOptions, backends_of, run_world
 from kernels.paths import config_path
 

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench import model as perf_model
 from bench.harness.suites import backend_args
 from bench.harness.timing import Timer
-from bench.moe_model import (
+from bench.model import dense as perf_model
+from bench.model.moe import (
     A2A,
     AG,
     DISPATCH,

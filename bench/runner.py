@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from bench import formats
-from bench import model as perf_model
 from bench.formats import TORCH_DTYPES, CommSpec
 from bench.harness.suites import Case, backend_args
 from bench.harness.timing import Stats, Timer
+from bench.model import dense as perf_model
 
 if TYPE_CHECKING:
     from kernels.call import Operands

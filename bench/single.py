@@ -16,7 +16,7 @@ For each local GEMM shape, dtype and operand format of the chosen cases:
   int8's GEMM is ``F.linear`` of the dequantized weight in x's dtype, the plain record's GEMM, and
   FP8's padded GEMM is its fp32 reference's, not a fast path;
 * on a GPU with a link model in configs/links.yaml, labelled MODEL: the case's TP time predicted by
-  bench/model.py from the GEMM times measured here (the unfused baseline from the library GEMM, the
+  bench/model/dense.py from the GEMM times measured here (the unfused baseline from the library GEMM, the
   fused schedule from the core); no multi-GPU time is measured.
 
 Every path is checked before it is timed: plain and int8 against ``F.linear`` of the dequantized
@@ -38,7 +38,7 @@ import torch
 from bench import formats
 from bench.harness.suites import OP_SHORT, Case
 from bench.harness.timing import Timer
-from bench.model import chunk_rows
+from bench.model.dense import chunk_rows
 from bench.runner import FUSED_FALLBACK, Progress, RunOptions, fallback_reason, predict
 
 
@@ -189,7 +189,7 @@ def _op_row(op: str, shape: Shape, timer: Timer, opts: RunOptions) -> dict[str, 
 
 def _model(rec: dict[str, Any], first: Case, link: Any, times: tuple[float | None, float | None]) -> None:
     """MODEL rows: ``first``'s TP time from the measured library GEMM (the unfused baseline) and core (fused)."""
-    from bench.model import GemmTimes
+    from bench.model.dense import GemmTimes
 
     t_library, t_core = times
     if link is None or t_library is None or t_core is None:
@@ -209,12 +209,12 @@ def _model(rec: dict[str, Any], first: Case, link: Any, times: tuple[float | Non
 
 def _link(device: torch.device) -> Any:
     """The links.yaml model of this GPU's generation (None on CPU or for an unknown GPU)."""
-    from bench import model
+    from bench.model import dense as perf_model
 
     if device.type != "cuda":
         return None
-    gen = model.detect_generation(torch.cuda.get_device_name(device))
-    return model.load_gpu(gen)[0] if gen else None
+    gen = perf_model.detect_generation(torch.cuda.get_device_name(device))
+    return perf_model.load_gpu(gen)[0] if gen else None
 
 
 def run_single(rank: int, world: int, device: torch.device, cases: list[Case], opts: RunOptions) -> dict[str, Any]:

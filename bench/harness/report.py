@@ -18,7 +18,7 @@ from bench.harness.suites import OP_SHORT, REPO_ROOT
 
 SCHEMA = "coc-bench/1"
 MODEL_NOTE = (
-    "model = bench/model.py PREDICTION from the measured GEMM times and the link model "
+    "model = bench/model/dense.py PREDICTION from the measured GEMM times and the link model "
     "named in the header; it is not a measurement"
 )
 

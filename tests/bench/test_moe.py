@@ -10,10 +10,11 @@ import time
 import pytest
 import torch
 
-from bench import moe, moe_model
+from bench import moe
 from bench.harness import suites
-from bench.model import load_gpu
-from bench.moe_model import AG, COMBINE, DISPATCH, GROUPED, GROUPED_BACKENDS, RS, MoeShape
+from bench.model import moe as moe_model
+from bench.model.dense import load_gpu
+from bench.model.moe import AG, COMBINE, DISPATCH, GROUPED, GROUPED_BACKENDS, RS, MoeShape
 from kernels.testing import REPO_ROOT
 
 # Bounds on hangs only (the tiny run takes seconds; a loaded 2-core machine is slower): nothing here is timed.

@@ -1,6 +1,6 @@
 """Performance model of the mixture-of-experts ops: PREDICTED times, never measurements.
 
-It extends :mod:`bench.model` (same link models, same pipeline recurrences) to the ops of
+It extends :mod:`bench.model.dense` (same link models, same pipeline recurrences) to the ops of
 :mod:`kernels.ops.moe` and :mod:`kernels.ops.moe_ep`. Routing is modelled as balanced (every expert gets
 ``rows / E`` rows); the routing computation itself (an argsort of the ids) is not modelled.
 
@@ -9,7 +9,7 @@ It extends :mod:`bench.model` (same link models, same pipeline recurrences) to t
   whichever is longer. The per-expert ``torch.mm`` loop is E roofline GEMMs of ``rows / E`` rows, one
   launch each (:func:`loop_roofline`). Where a run measured GEMMs (CPU), the caller passes measured times.
 * ``all_gather_grouped_matmul`` (TP, column shard ``[E, n / W, k]``): the dense all-gather schedule of
-  :func:`bench.model.predict` with the GEMM of ``tokens`` gathered tokens being the grouped GEMM of their
+  :func:`bench.model.dense.predict` with the GEMM of ``tokens`` gathered tokens being the grouped GEMM of their
   ``tokens * topk`` rows, the collective moving x's rows plus the int64 ids.
 * ``grouped_matmul_reduce_scatter`` (TP, row shard ``[E, k_out, n / W]``): the dense reduce-scatter
   schedule, the collective moving fp32 partials (the op combines in fp32 and rounds once, after the sum).
@@ -34,9 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench import model as perf_model
 from bench.harness.suites import DTYPE_BYTES, backend_args
 from bench.harness.timing import Stats
+from bench.model import dense as perf_model
 
 # The link-model entry the all-to-alls are timed with (module docstring).
 A2A = "reduce_scatter"
@@ -48,7 +48,7 @@ GROUPED = "grouped_matmul"
 AG, RS = "all_gather_grouped_matmul", "grouped_matmul_reduce_scatter"
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"
 GROUPED_BACKENDS = ("loop", "torch._grouped_mm", "kernel")  # grouped_matmul's rows: no TP backends
-MODEL_NOTE = "model = bench/moe_model.py PREDICTION (balanced routing), not a measurement"
+MODEL_NOTE = "model = bench/model/moe.py PREDICTION (balanced routing), not a measurement"
 
 RowsTime = Callable[[int], float]  # seconds of the op's grouped GEMM for a number of TOKENS
 
@@ -78,7 +78,7 @@ class MoeShape:
 
 @dataclass(frozen=True)
 class MoeCase:
-    """One MoE op at one size, per rank (:class:`bench.moe_model.MoeShape` plus where it comes from)."""
+    """One MoE op at one size, per rank (:class:`bench.model.moe.MoeShape` plus where it comes from)."""
 
     suite: str
     layer: str  # "up" (first projection), "down" (second), "rows" (EP: the hidden rows moved)

@@ -501,10 +501,10 @@ def fp8_table(generation: str, **kwargs) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.model --gpu H100``: the bf16 and FP8 predictions table (a model, not a measurement)."""
+    """``python -m bench.model.dense --gpu H100``: the bf16 and FP8 predictions table (a model, not a measurement)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m bench.model", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.model.dense", description=main.__doc__)
     p.add_argument("--gpu", default="H100", help=f"GPU generation of configs/links.yaml ({known_generations()})")
     p.add_argument("--suite", default="llama3-70b")
     p.add_argument("--tokens", type=int, default=8192, help="M, rows across the TP group")
