@@ -1,5 +1,5 @@
 """gpu-check's speed section: one process on one GPU, the GEMM core against its library GEMM, fused and
-chunked at W = 1 (:func:`bench.single.run_single`, every operand format through the same code).
+chunked at W = 1 (:func:`bench.dense.single.run_single`, every operand format through the same code).
 
 Each shape's result becomes report items (``{"name", "status", "detail", ...}``) as soon as it is
 measured, so a section stopped at its deadline keeps the shapes it finished. Timings of several
@@ -28,7 +28,7 @@ def shape_name(rec: dict, label: str) -> str:
 
 
 def speed_items(rec: dict, label: str) -> list[dict]:
-    """Report items of one :func:`bench.single.run_single` record."""
+    """Report items of one :func:`bench.dense.single.run_single` record."""
     if rec.get("format", "plain").startswith("fp8"):
         return fp8_items(rec, label)
     m, k, n = rec["gemm_shape"]
@@ -118,10 +118,10 @@ def cases(cuda: bool) -> list[Any]:
 
 def run(device_type: str, deadline: float, emit: Emit) -> None:
     """Time every shape of :func:`cases` in this process until ``deadline`` (``time.time()`` seconds): one
-    :func:`bench.single.run_single` per GEMM shape, dtype and format, in :func:`cases`' order."""
+    :func:`bench.dense.single.run_single` per GEMM shape, dtype and format, in :func:`cases`' order."""
+    from bench.dense.runner import RunOptions
+    from bench.dense.single import run_single
     from bench.harness import launch
-    from bench.runner import RunOptions
-    from bench.single import run_single
 
     cuda = device_type == "cuda"
     opts = RunOptions(backends=[], warmup=5 if cuda else 1, repeats=30 if cuda else 2, seed=0, progress=False)

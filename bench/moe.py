@@ -137,16 +137,6 @@ def model_rows(cases: list[MoeCase], backends: list[str], generation: str) -> li
     return records
 
 
-def count(cli: int | None, suite: int | None, device_type: str, cpu: int, gpu: int) -> int:
-    """Warm-up or repeat count: the command line's, else the suite's, else the device's default (shared by the
-    run, single and moe modes of ``python -m bench``)."""
-    if cli is not None:
-        return cli
-    if suite is not None:
-        return suite
-    return gpu if device_type == "cuda" else cpu
-
-
 def main(args: argparse.Namespace, device_type: str) -> int:
     """``python -m bench --mode moe`` (the options of ``python -m bench``; ``--suite`` names MoE suites)."""
     from bench.harness import launch

@@ -224,7 +224,7 @@ def _fp8_problem(case: Case, x: torch.Tensor, w: torch.Tensor) -> Problem:
     dequantized operands within :func:`kernels.fp8.numerics.op_error_bound` (promoted accumulation;
     the tensor-core sums at Hopper's precision on a GPU, fp32's under the interpreter), the bound of
     the FP8 tests; the baseline is ``torch._scaled_mm`` where this torch runs the mode's scales."""
-    from bench import formats
+    from bench.dense import formats
     from kernels.call import Operands
     from kernels.fp8.numerics import HOPPER_FP8_ACCUMULATOR, U32, op_error_bound
     from kernels.fp8.quantize import expand_scale, quantize_fp8
@@ -238,7 +238,7 @@ def _fp8_problem(case: Case, x: torch.Tensor, w: torch.Tensor) -> Problem:
     del dx, dw
     u_acc = HOPPER_FP8_ACCUMULATOR if x.is_cuda else U32
     bound = op_error_bound(ref, abs_sum, x.shape[1], 1, out_dtype=FP8_OUT_DTYPE, accumulation="promoted", u_acc=u_acc)
-    # torch._scaled_mm is held to the bound bench.formats.fp8_bound gives the library GEMM: promoted at
+    # torch._scaled_mm is held to the bound bench.dense.formats.fp8_bound gives the library GEMM: promoted at
     # Hopper's accumulator precision on a GPU, plain fp32 sums on CPU.
     library = "promoted" if x.is_cuda else "fp32"
     library_bound = op_error_bound(

@@ -48,7 +48,7 @@ OP_COLLECTIVE = {
     "matmul_all_reduce": "all_reduce",
     "quantized_matmul_all_reduce": "all_reduce",
 }
-# Operand formats (bench.formats): plain, fp8:<mode>, int8:<mode>[:<group size>].
+# Operand formats (bench.dense.formats): plain, fp8:<mode>, int8:<mode>[:<group size>].
 FP8_MODES = ("tensor", "row", "block")
 INT8_MODES = ("per_tensor", "per_channel", "per_group")
 DEFAULT_GROUP_SIZE = 128  # int8:per_group without a size

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
+from bench.dense.runner import Reference, check_backend, magnitude_bound, make_inputs, op_call
 from bench.harness.suites import Case
 from bench.harness.timing import Timer
-from bench.runner import Reference, check_backend, magnitude_bound, make_inputs, op_call
 from kernels.testing import REPO_ROOT
 
 # Bounds on hangs only, generous for a loaded 2-core machine (the tiny suite took 2 min 14 s on one):

@@ -1,4 +1,4 @@
-"""gpu-check's FP8 parts on CPU: the speed section's FP8 rows (bench.single's records of the fp8 formats:
+"""gpu-check's FP8 parts on CPU: the speed section's FP8 rows (bench.dense.single's records of the fp8 formats:
 shapes, order, budget, failures, report) and the gpu-marked FP8 tests' place in the pytest run (collected
 by ``-m gpu``, ordered by the plugin)."""
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from bench import gpu_check_speed
-from bench.runner import RunOptions
+from bench.dense.runner import RunOptions
 from kernels.testing import REPO_ROOT
 
 
@@ -85,7 +85,7 @@ def test_fp8_row_that_fails_is_reported_and_later_rows_still_run(monkeypatch):
     assert fake.calls[-1][0] == "fp16"
 
 
-# A bench.single.run_single record of an FP8 shape (what the speed section reads).
+# A bench.dense.single.run_single record of an FP8 shape (what the speed section reads).
 _RECORD = {
     "gemm_shape": [8192, 3584, 8192],
     "dtype": "bf16",
@@ -144,8 +144,8 @@ def test_fp8_speed_rows_fused_on_cpu():
     the FP8 core and the fused all-reduce at world 1, each checked before it is timed."""
     import torch
 
+    from bench.dense.single import run_single
     from bench.harness import launch
-    from bench.single import run_single
 
     opts = RunOptions(backends=[], warmup=0, repeats=1, seed=0, progress=False)
     (case,) = _fp8_cases(cuda=False)
@@ -171,7 +171,7 @@ def test_fp8_speed_rows_fused_on_cpu():
 def test_scaled_mm_block_layouts_are_tried_until_one_is_right():
     import torch
 
-    from bench import formats
+    from bench.dense import formats
 
     xs, ws = torch.rand(4, 3) + 1, torch.rand(2, 3) + 1
     layouts = formats.scaled_mm_layouts("block", xs, ws)

@@ -431,7 +431,7 @@ def test_cpu_run_writes_into_out_dir_never_into_configs(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU torch's _scaled_mm: rowwise and tensorwise only")
 def test_fp8_baseline_is_scaled_mm_where_torch_runs_the_mode():
-    """The FP8 baseline is torch._scaled_mm in the layout bench.formats picks, checked against the reference;
+    """The FP8 baseline is torch._scaled_mm in the layout bench.dense.formats picks, checked against the reference;
     a mode torch refuses (block scales on CPU) leaves the entry without one."""
     shape = tune.TuneShape("s", 64, 48, 256, ("matmul",))
     for mode, has_baseline in (("row", True), ("tensor", True), ("block", False)):

@@ -132,7 +132,7 @@ def test_full_interference_serializes_the_pipeline():
 
 
 def test_interference_from_bare_timings_is_clamped_to_0_1():
-    from bench.runner import interference
+    from bench.dense.runner import interference
 
     assert interference(10.0, 5.0, 10.0) == 0.0  # the collective hid entirely
     assert interference(10.0, 5.0, 12.5) == pytest.approx(0.5)

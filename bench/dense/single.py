@@ -21,7 +21,7 @@ For each local GEMM shape, dtype and operand format of the chosen cases:
 
 Every path is checked before it is timed: plain and int8 against ``F.linear`` of the dequantized
 operands within twice ``kernels.testing.tolerance``; FP8 against the exact (fp64) product of the
-dequantized operands within the path's bound of ``kernels.fp8.numerics`` (:func:`bench.formats.fp8_bound`).
+dequantized operands within the path's bound of ``kernels.fp8.numerics`` (:func:`bench.dense.formats.fp8_bound`).
 GPU only: on CPU the Triton kernels run in the interpreter and their times mean nothing.
 """
 
@@ -35,11 +35,11 @@ from typing import Any
 
 import torch
 
-from bench import formats
+from bench.dense import formats
+from bench.dense.runner import FUSED_FALLBACK, Progress, RunOptions, fallback_reason, predict
 from bench.harness.suites import OP_SHORT, Case
 from bench.harness.timing import Timer
 from bench.model.dense import chunk_rows
-from bench.runner import FUSED_FALLBACK, Progress, RunOptions, fallback_reason, predict
 
 
 def gemm_core() -> tuple[Callable[..., torch.Tensor] | None, str]:

@@ -2,7 +2,7 @@
 bare collective; rank 0 derives the figures (TFLOP/s, bus bandwidth, speedup, overlap efficiency)
 and the model's predictions.
 
-Every operand format runs through the same code: :mod:`bench.formats` gives a case's operands, the
+Every operand format runs through the same code: :mod:`bench.dense.formats` gives a case's operands, the
 public function it calls, its unfused baseline (a ``baseline`` row for FP8, whose ``sequential`` is an
 fp32 reference; the ``sequential`` row itself for plain and int8) and the bound of its check.
 
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench import formats
-from bench.formats import TORCH_DTYPES, CommSpec
+from bench.dense import formats
+from bench.dense.formats import TORCH_DTYPES, CommSpec
 from bench.harness.suites import Case, backend_args
 from bench.harness.timing import Stats, Timer
 from bench.model import dense as perf_model
@@ -79,7 +79,7 @@ class Progress:
 
 def has_op(case: Case) -> bool:
     """Whether this build of ``kernels`` has the public function ``case`` calls
-    (:func:`bench.formats.public_functions`)."""
+    (:func:`bench.dense.formats.public_functions`)."""
     try:
         return (case.collective, case.kind) in formats.public_functions()
     except (ImportError, AttributeError):
@@ -114,7 +114,7 @@ class RankContext:
 
 def agreement(case: Case, backend: str, out: torch.Tensor, reference: Reference) -> tuple[bool, float]:
     """``(ok, worst)``: whether ``backend``'s result agrees with ``sequential``'s elementwise within the
-    sum of both results' bounds (:func:`bench.formats.allowed_difference`: plain and int8 twice
+    sum of both results' bounds (:func:`bench.dense.formats.allowed_difference`: plain and int8 twice
     ``kernels.testing.tolerance``, FP8 the bounds of ``kernels.fp8.numerics``), ``worst`` the largest
     ``|out - sequential| / allowed``. ``reference.magnitude``: ``sum_r |x_r| @ |w_r|.T`` of the
     dequantized operands or an upper bound of it (``kernels.testing.row_norm_bound``), shaped like the
@@ -153,7 +153,7 @@ def magnitude_bound(case: Case, inputs: Operands, rank: int, world: int) -> torc
 
 def make_inputs(case: Case, rank: int, seed: int, device: torch.device) -> Operands:
     """This rank's operands of one case (``kernels.call.Operands`` in the case's format, from
-    :func:`bench.formats.operands`); x differs per rank, values scaled so outputs are O(1)."""
+    :func:`bench.dense.formats.operands`); x differs per rank, values scaled so outputs are O(1)."""
     g = torch.Generator().manual_seed(seed * 7919 + rank)
     m, k = case.x_shape
     return formats.operands(case, (m, k, case.w_shape[0]), g, device)
@@ -161,7 +161,7 @@ def make_inputs(case: Case, rank: int, seed: int, device: torch.device) -> Opera
 
 def op_call(case: Case, backend: str, inputs: Operands) -> Callable[[], torch.Tensor]:
     """The case's op with bench backend ``backend``; ``baseline``: the unfused FP8 path
-    (:func:`bench.formats.baseline_call`)."""
+    (:func:`bench.dense.formats.baseline_call`)."""
     if backend == "baseline":
         return formats.baseline_call(case, inputs, None)
     kind, p = backend_args(backend)
@@ -181,8 +181,8 @@ def gemm_call(
     case: Case, shape: tuple[int, int, int], device: torch.device, *, library: bool
 ) -> Callable[[], torch.Tensor]:
     """A bare local GEMM of ``shape`` on fresh operands: the format's library GEMM (``library=True``:
-    ``F.linear``, ``torch._scaled_mm``, dequantize + ``F.linear``; :class:`bench.formats.Unsupported`
-    where torch cannot run it), or ``F.linear`` in :func:`bench.formats.compute_dtype` (what the
+    ``F.linear``, ``torch._scaled_mm``, dequantize + ``F.linear``; :class:`bench.dense.formats.Unsupported`
+    where torch cannot run it), or ``F.linear`` in :func:`bench.dense.formats.compute_dtype` (what the
     ops' reference backends multiply)."""
     g = torch.Generator().manual_seed(sum(shape))
     if library:
@@ -205,7 +205,7 @@ def _comm_buffers(spec: CommSpec, world: int, device: torch.device) -> tuple[tor
 
 
 def comm_call(spec: CommSpec, world: int, device: torch.device, *, async_op: bool = False) -> Callable[[], object]:
-    """The bare collective of the unfused path (:func:`bench.formats.comm_spec`) on its full tensor."""
+    """The bare collective of the unfused path (:func:`bench.dense.formats.comm_spec`) on its full tensor."""
     comm = _comm_module()
     inp, out = _comm_buffers(spec, world, device)
     if spec.collective == "all_gather":
