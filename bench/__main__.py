@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "against cuBLAS and write configs/tuned/<gpu-name>.yaml, or into --out-dir when given "
         "(bench/tune.py; --allow-cpu: tiny shapes under the interpreter, cpu.yaml always into --out-dir); "
         "hf-sweep: transformers families vs one process, --backends from sequential,chunked,fused (bench/hf_sweep.py); "
-        "moe: the MoE suites of configs/moe-bench.yaml (bench/moe.py; --gpu GEN without CUDA: the model alone)",
+        "moe: the MoE suites of configs/moe-bench.yaml (bench/moe/mode.py; --gpu GEN without CUDA: the model alone)",
     )
     p.add_argument(
         "--sections",
@@ -262,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         # Must precede any import of triton in this process (world size 1 runs here).
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.mode == "moe":
-        from bench import moe
+        from bench.moe import mode
 
-        return moe.main(args, device_type)
+        return mode.main(args, device_type)
     if args.mode == "single":
         return modes.main_single(args, device_type)
     return modes.main_run(args, device_type)

@@ -47,7 +47,7 @@ TOTAL_BUDGET_S = {"cuda": 525.0, "cpu": 900.0}
 # Upper bounds per section; the speed section is kept its reserve, the tests get the rest.
 TUNE_BUDGET_S = {"cuda": 150.0, "cpu": 120.0}
 SPEED_RESERVE_S = {"cuda": 100.0, "cpu": 120.0}
-# The speed section's last seconds go to the MoE rows (bench.moe), which the dense rows would otherwise spend.
+# The speed section's last seconds go to the MoE rows (bench.moe.mode), which the dense rows would otherwise spend.
 MOE_RESERVE_S = {"cuda": 30.0, "cpu": 30.0}
 # And the seconds after those to the decode rows (bench.decode_check).
 DECODE_RESERVE_S = {"cuda": 25.0, "cpu": 30.0}
@@ -148,7 +148,8 @@ def section_main(name: str, device_type: str, deadline: float, out: str, tuned_d
         _append(out, {"item": item})
 
     if name == "speed":
-        from bench import decode_check, gpu_check_speed, moe
+        from bench import decode_check, gpu_check_speed
+        from bench.moe import mode as moe
 
         decode_at = deadline - DECODE_RESERVE_S[device_type]
         gpu_check_speed.run(device_type, decode_at - MOE_RESERVE_S[device_type], emit)
@@ -256,7 +257,7 @@ def budget_for(name: str, device_type: str, left: float, chosen: list[str]) -> f
 def summary_line(sec: dict[str, Any], cuda: bool) -> str:
     """The section's verdict and counts; for speed on a GPU the targets as numbers (CPU times mean nothing)."""
     from bench.gpu_check_speed import summary
-    from bench.moe import moe_summary
+    from bench.moe.mode import moe_summary
 
     c = sec["counts"]
     parts = [f"{c[s]} {s}" for s in STATUS_ORDER if c.get(s)]

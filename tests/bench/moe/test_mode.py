@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from bench import moe
+from bench.moe import mode as moe
 from bench.harness import suites
 from bench.model import moe as moe_model
 from bench.model.dense import load_gpu
@@ -146,7 +146,7 @@ def test_model_only_mode_measures_nothing(tmp_path):
 
 def _wrong_results(rank, world, device):
     """In a one-rank group: each kind of case's check passes its own result and flags a perturbed one."""
-    from bench.moe_ranks import _prepare, interpreter
+    from bench.moe.ranks import _prepare, interpreter
 
     found = {}
     tiny = {**moe.load("tiny"), "ep_world_sizes": [1]}

@@ -35,7 +35,7 @@ from bench.harness import report
 from bench.harness.suites import DTYPES
 from bench.model import dense as perf_model
 from bench.model.moe import AG, COMBINE, DISPATCH, GROUPED, MODEL_NOTE, RS, MoeCase, MoeShape, derive
-from bench.moe_ranks import MoeOptions, backends_of, run_world
+from bench.moe.ranks import MoeOptions, backends_of, run_world
 from kernels.paths import config_path
 
 CONFIG_PATH = str(config_path("moe-bench.yaml"))

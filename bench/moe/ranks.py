@@ -1,4 +1,4 @@
-"""What every rank of ``python -m bench --mode moe`` runs (:mod:`bench.moe`): each case's operands, its check
+"""What every rank of ``python -m bench --mode moe`` runs (:mod:`bench.moe.mode`): each case's operands, its check
 against plain torch math, the timing of each backend and of the bare parts the model needs, and the link model.
 
 The plain math is written here in fp64, not taken from the package's references: grouped GEMM rows
