@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run: distributed benchmark (default); single: one-GPU fixed costs (Triton GEMM core "
         "vs torch, fused op at world 1 vs bare GEMM, 4-way chunking at world 1); model: print "
         "the model's predictions for --gpu without measuring anything; gpu-check: one "
-        "command that writes a correctness and speed report of this GPU (bench/gpu_check.py; "
+        "command that writes a correctness and speed report of this GPU (bench/gpu_check/driver.py; "
         "--allow-cpu runs it on CPU under the interpreter); tune: time the GEMM config space "
         "against cuBLAS and write configs/tuned/<gpu-name>.yaml, or into --out-dir when given "
         "(bench/tune.py; --allow-cpu: tiny shapes under the interpreter, cpu.yaml always into --out-dir); "
@@ -243,9 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "model":
         return modes.main_model(args)
     if args.mode == "gpu-check":
-        from bench import gpu_check
+        from bench.gpu_check import driver
 
-        return gpu_check.main(args.out_dir, args.allow_cpu, args.sections)
+        return driver.main(args.out_dir, args.allow_cpu, args.sections)
     if args.mode == "tune":
         if args.allow_cpu and not _cuda_available():
             # Must precede any import of triton in this process.

@@ -94,7 +94,7 @@ def test_gitignore_covers_what_cpu_runs_write():
 
 
 def test_budget_keeps_the_speed_reserve_and_caps_the_tuner():
-    from bench import gpu_check
+    from bench.gpu_check import driver as gpu_check
 
     chosen = list(gpu_check.SECTIONS)
     assert gpu_check.budget_for("tune", "cuda", 500, chosen) == gpu_check.TUNE_BUDGET_S["cuda"]
@@ -109,13 +109,13 @@ def test_budget_keeps_the_speed_reserve_and_caps_the_tuner():
 def test_process_start_counts_time_before_main():
     import time
 
-    from bench.gpu_check import process_start
+    from bench.gpu_check.driver import process_start
 
     assert time.time() - 120 <= process_start() <= time.time()
 
 
 def test_section_past_its_budget_is_reported_as_timeout(tmp_path):
-    from bench import gpu_check
+    from bench.gpu_check import driver as gpu_check
 
     # 50 ms cannot even start the section's own Python process, on any machine: killed, TIMEOUT, nothing checked
     # (a budget of seconds depended on how fast this machine imports torch).
@@ -145,7 +145,7 @@ def test_skips():
 
 
 def test_plugin_orders_priority_tests_first_and_streams_each_result(tmp_path, monkeypatch):
-    from bench import gpu_check
+    from bench.gpu_check import driver as gpu_check
 
     (tmp_path / "test_fake.py").write_text(textwrap.dedent(_FAKE_TESTS))
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers = gpu: needs a GPU\n")
@@ -170,7 +170,7 @@ def test_plugin_orders_priority_tests_first_and_streams_each_result(tmp_path, mo
 
 def test_priority_names_existing_gpu_tests():
     # A renamed test would silently lose its place at the front of the GPU run.
-    from bench import gpu_check
+    from bench.gpu_check import driver as gpu_check
 
     for prefix in gpu_check.PRIORITY:
         path, _, name = prefix.partition("::")
@@ -182,14 +182,14 @@ def test_priority_names_existing_gpu_tests():
 def test_gpu_check_without_gpu_or_allow_cpu_says_so(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without a GPU")
-    from bench import gpu_check
+    from bench.gpu_check import driver as gpu_check
 
     assert gpu_check.main(str(tmp_path), False) == 2
     assert not list(tmp_path.iterdir())
 
 
 def test_mps_detected_from_the_pipe_variable(monkeypatch):
-    from bench.gpu_check_env import mps_status
+    from bench.gpu_check.env import mps_status
 
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/tmp/some-mps-pipe")
     on, why = mps_status()

@@ -1,4 +1,4 @@
-"""bench/decode_check.py, gpu-check's decode rows: on CPU they run tiny and interpreted (checked against fp64,
+"""bench/gpu_check/decode.py, gpu-check's decode rows: on CPU they run tiny and interpreted (checked against fp64,
 not timed); from GPU-like records they report the fused / separate ratio against the target, and a result
 outside the bound is a failed row whatever its time."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from bench import decode_check
+from bench.gpu_check import decode
 
 HANG_S = 300  # bounds a hang of the one-rank group; the rows take seconds
 
@@ -18,8 +18,8 @@ HANG_S = 300  # bounds a hang of the one-rank group; the rows take seconds
 def test_rows_on_cpu_are_checked_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
     items: list[dict] = []
-    decode_check.gpu_check_items("cpu", time.time() + HANG_S, items.append)
-    assert len(items) == len(decode_check.CPU_CASES) * len(decode_check.QUANTS) * 2, items
+    decode.gpu_check_items("cpu", time.time() + HANG_S, items.append)
+    assert len(items) == len(decode.CPU_CASES) * len(decode.QUANTS) * 2, items
     for item in items:
         assert item["status"] == "pass" and "not timed" in item["detail"], item
     names = " ".join(item["name"] for item in items)
@@ -32,7 +32,7 @@ def _record(**fields: object) -> dict:
 
 
 def test_items_from_gpu_records() -> None:
-    items = decode_check.decode_items(
+    items = decode.decode_items(
         [
             _record(fused_ms=0.010, separate_ms=0.020),
             _record(quant="row", fused_ms=0.030, separate_ms=0.020),
@@ -48,7 +48,7 @@ def test_items_from_gpu_records() -> None:
 def test_bound_grows_with_the_dtype_and_the_quantization() -> None:
     import torch
 
-    fp32 = decode_check._bound(torch.float32, None, peak=4.0, k=64)
-    bf16 = decode_check._bound(torch.bfloat16, None, peak=4.0, k=64)
-    fp8 = decode_check._bound(torch.bfloat16, "row", peak=4.0, k=64)
+    fp32 = decode._bound(torch.float32, None, peak=4.0, k=64)
+    bf16 = decode._bound(torch.bfloat16, None, peak=4.0, k=64)
+    fp8 = decode._bound(torch.bfloat16, "row", peak=4.0, k=64)
     assert 0 < fp32 < 1e-4 < bf16 < fp8 <= 4.0 * (4 * 2**-8 + 4 * 64 * 2**-24 + 2**-4)

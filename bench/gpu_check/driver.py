@@ -10,9 +10,9 @@ installs nothing, needs no network, and the whole run, cold ``import torch`` inc
   ``cpu.yaml`` into ``--out-dir``, since the kernels read a CPU file only from ``COC_TUNED_DIR``);
 * ``tests``: ``pytest -m gpu``, the tests that matter most first (:data:`PRIORITY`: CUDA-graph
   replay and the fused ops on the CUDA-IPC heap), each under a time limit; this module is loaded
-  into that pytest as a plugin (``-p bench.gpu_check``), which orders the tests and writes each
+  into that pytest as a plugin (``-p bench.gpu_check.driver``), which orders the tests and writes each
   result as it comes;
-* ``speed``: one process on one GPU (:mod:`bench.gpu_check_speed`).
+* ``speed``: one process on one GPU (:mod:`bench.gpu_check.speed`).
 
 ``tune``, ``tests`` and ``speed`` each run in a process of their own, killed with everything it
 started at its budget and reported as TIMEOUT with the items it finished; the command goes on.
@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from bench.gpu_check_env import environment
+from bench.gpu_check.env import environment
 from bench.harness.suites import REPO_ROOT
 
 SECTIONS = ("env", "tune", "tests", "speed")
@@ -47,9 +47,9 @@ TOTAL_BUDGET_S = {"cuda": 525.0, "cpu": 900.0}
 # Upper bounds per section; the speed section is kept its reserve, the tests get the rest.
 TUNE_BUDGET_S = {"cuda": 150.0, "cpu": 120.0}
 SPEED_RESERVE_S = {"cuda": 100.0, "cpu": 120.0}
-# The speed section's last seconds go to the MoE rows (bench.moe.mode), which the dense rows would otherwise spend.
+# The speed section's last seconds go to the MoE rows (bench.gpu_check.moe), which the dense rows would otherwise spend.
 MOE_RESERVE_S = {"cuda": 30.0, "cpu": 30.0}
-# And the seconds after those to the decode rows (bench.decode_check).
+# And the seconds after those to the decode rows (bench.gpu_check.decode).
 DECODE_RESERVE_S = {"cuda": 25.0, "cpu": 30.0}
 PER_TEST_S = {"cuda": 240, "cpu": 120}
 # Node-id prefixes run first, in this order: the claims a GPU run exists to prove.
@@ -131,13 +131,13 @@ def _section_cmd(name: str, device_type: str, deadline: float, out: str, tuned_d
             "-m",
             "gpu",
             "-p",
-            "bench.gpu_check",
+            "bench.gpu_check.driver",
             "-p",
             "no:cacheprovider",
             "-q",
             f"--timeout={PER_TEST_S[device_type]}",
         ]
-    return [sys.executable, "-m", "bench.gpu_check", name, device_type, str(deadline), out, tuned_dir or ""]
+    return [sys.executable, "-m", "bench.gpu_check.driver", name, device_type, str(deadline), out, tuned_dir or ""]
 
 
 def section_main(name: str, device_type: str, deadline: float, out: str, tuned_dir: str | None = None) -> int:
@@ -148,13 +148,12 @@ def section_main(name: str, device_type: str, deadline: float, out: str, tuned_d
         _append(out, {"item": item})
 
     if name == "speed":
-        from bench import decode_check, gpu_check_speed
-        from bench.moe import mode as moe
+        from bench.gpu_check import decode, moe, speed
 
         decode_at = deadline - DECODE_RESERVE_S[device_type]
-        gpu_check_speed.run(device_type, decode_at - MOE_RESERVE_S[device_type], emit)
+        speed.run(device_type, decode_at - MOE_RESERVE_S[device_type], emit)
         moe.gpu_check_items(device_type, decode_at, emit)
-        decode_check.gpu_check_items(device_type, deadline, emit)
+        decode.gpu_check_items(device_type, deadline, emit)
         return 0
     try:
         from bench import tune
@@ -256,8 +255,8 @@ def budget_for(name: str, device_type: str, left: float, chosen: list[str]) -> f
 
 def summary_line(sec: dict[str, Any], cuda: bool) -> str:
     """The section's verdict and counts; for speed on a GPU the targets as numbers (CPU times mean nothing)."""
-    from bench.gpu_check_speed import summary
-    from bench.moe.mode import moe_summary
+    from bench.gpu_check.moe import moe_summary
+    from bench.gpu_check.speed import summary
 
     c = sec["counts"]
     parts = [f"{c[s]} {s}" for s in STATUS_ORDER if c.get(s)]
@@ -269,7 +268,7 @@ def summary_line(sec: dict[str, Any], cuda: bool) -> str:
 
 
 def render_markdown(doc: dict[str, Any]) -> str:
-    from bench.gpu_check_speed import table as speed_table
+    from bench.gpu_check.speed import table as speed_table
 
     meta = doc["meta"]
     cuda = meta["device_type"] == "cuda"

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from bench import gpu_check_speed
 from bench.dense.runner import RunOptions
+from bench.gpu_check import speed
 from kernels.testing import REPO_ROOT
 
 
 def _fp8_cases(cuda: bool) -> list:
-    return [c for c in gpu_check_speed.cases(cuda) if c.kind == "fp8"]
+    return [c for c in speed.cases(cuda) if c.kind == "fp8"]
 
 
 def test_fp8_speed_cases_are_llama70b_tp8_local_gemms_block_first():
@@ -55,7 +55,7 @@ def _run_speed(monkeypatch, deadline_s: float, fake: _FakeLaunch) -> list[dict]:
 
     monkeypatch.setattr(launch, "run_in_process", fake)
     items: list[dict] = []
-    gpu_check_speed.run("cuda", time.time() + deadline_s, items.append)
+    speed.run("cuda", time.time() + deadline_s, items.append)
     return items
 
 
@@ -72,7 +72,7 @@ def test_speed_section_runs_bf16_then_fp8_then_fp16(monkeypatch):
 def test_speed_section_past_its_deadline_lists_fp8_rows_as_not_timed(monkeypatch):
     items = _run_speed(monkeypatch, 5, fake := _FakeLaunch())  # under the 10 s a shape needs
     assert fake.calls == []
-    groups = len({c.gemm_shape + (c.dtype, c.fmt) for c in gpu_check_speed.cases(True)})
+    groups = len({c.gemm_shape + (c.dtype, c.fmt) for c in speed.cases(True)})
     (skip,) = items
     assert skip["status"] == "skip" and skip["detail"] == f"{groups} (no time)"
 
@@ -114,7 +114,7 @@ _SHAPE = "fp8-block llama3-70b/fc2 M=8192 gemm [8192, 3584, 8192]"
 
 
 def test_fp8_record_becomes_items_table_and_summary():
-    items = gpu_check_speed.speed_items(_RECORD, "llama3-70b/fc2 M=8192")
+    items = speed.speed_items(_RECORD, "llama3-70b/fc2 M=8192")
     assert [(it["status"], it.get("kind")) for it in items] == [
         ("pass", "fp8_core"),
         ("pass", "fp8_fused_w1"),
@@ -124,16 +124,16 @@ def test_fp8_record_becomes_items_table_and_summary():
     assert items[0]["scaled_mm_tflops"] == pytest.approx(2 * 8192 * 3584 * 8192 / 0.4e-3 / 1e12)
     assert "MODEL, not measured" in items[1]["detail"] and "TP8" in items[1]["detail"]
     assert "0.700 ms" in items[1]["detail"]
-    table = "\n".join(gpu_check_speed.table(items))
+    table = "\n".join(speed.table(items))
     assert "MODEL TP8 ms" in table and "nothing at TP8 was measured" in table
     assert f"| {_SHAPE} | 1203 | 962 | 0.800 | rs 1.300 | rs 0.700 / 0.800 |" in table
     assert "cuBLAS TFLOP/s" not in table  # FP8 rows stay out of the bf16 table
-    line = gpu_check_speed.summary(items)
+    line = speed.summary(items)
     assert "FP8 core/_scaled_mm min 0.80x" in line and "FP8 fused W=1 / _scaled_mm max 1.300" in line
     broken = dict(_RECORD, core_correct=False, torch_skipped="cannot run block scales", ops=[])
     for key in ("torch_ms", "torch_tflops", "core_ms", "core_tflops", "core_vs_torch"):
         broken.pop(key)
-    assert [(it["status"], it["name"].split()[0]) for it in gpu_check_speed.speed_items(broken, "x")] == [
+    assert [(it["status"], it["name"].split()[0]) for it in speed.speed_items(broken, "x")] == [
         ("skip", "torch._scaled_mm"),
         ("fail", "fp8"),
     ]
@@ -162,7 +162,7 @@ def test_fp8_speed_rows_fused_on_cpu():
             else:
                 os.environ[name] = value
     (rec,) = res["records"]
-    items = gpu_check_speed.speed_items(rec, "tiny/out M=16")
+    items = speed.speed_items(rec, "tiny/out M=16")
     assert [(it["status"], it.get("kind")) for it in items] == [("pass", "fp8_core"), ("pass", "fp8_fused_w1")], items
     assert items[0]["core_vs_scaled_mm"] > 0 and items[1]["ratio"] > 0
     assert items[0]["name"] == "fp8 core fp8-row tiny/out M=16 gemm [16, 128, 16]"
@@ -187,7 +187,7 @@ def test_scaled_mm_block_layouts_are_tried_until_one_is_right():
 def test_fp8_gpu_tests_are_collected_by_gpu_check_and_ordered_after_the_bf16_ops():
     import pytest as pytest_mod
 
-    from bench import gpu_check
+    from bench.gpu_check import driver as gpu_check
 
     class Order:
         ids: list[str] = []
