@@ -4,5 +4,6 @@ Run ``python -m bench --help`` (``__main__``: the command line only). Sub-packag
 of configs/bench/*.yaml and their cases, rank launching, do_bench-style timing across ranks, the reports),
 ``model`` (predicted times from GEMM time and the link model of configs/links.yaml), ``dense`` (the dense ops
 measured: ``--mode run``, ``single``, ``model``), ``moe`` (the mixture-of-experts ops: ``--mode moe``),
-``gpu_check`` (``--mode gpu-check``: a GPU machine's correctness and speed report).
+``gpu_check`` (``--mode gpu-check``: a GPU machine's correctness and speed report), ``tune`` (``--mode tune``:
+the GEMM tiles timed, the tuned file written).
 """

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "command that writes a correctness and speed report of this GPU (bench/gpu_check/driver.py; "
         "--allow-cpu runs it on CPU under the interpreter); tune: time the GEMM config space "
         "against cuBLAS and write configs/tuned/<gpu-name>.yaml, or into --out-dir when given "
-        "(bench/tune.py; --allow-cpu: tiny shapes under the interpreter, cpu.yaml always into --out-dir); "
+        "(bench/tune/tuner.py; --allow-cpu: tiny shapes under the interpreter, cpu.yaml always into --out-dir); "
         "hf-sweep: transformers families vs one process, --backends from sequential,chunked,fused (bench/hf_sweep.py); "
         "moe: the MoE suites of configs/moe-bench.yaml (bench/moe/mode.py; --gpu GEN without CUDA: the model alone)",
     )
@@ -250,13 +250,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.allow_cpu and not _cuda_available():
             # Must precede any import of triton in this process.
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        from bench import tune
+        from bench.tune import tuner
 
         # On a GPU the tuned file goes where the kernels read it (configs/tuned) unless --out-dir is named.
         # A CPU file is never read from there (only from COC_TUNED_DIR): it goes to --out-dir, default included.
         named = args.out_dir != build_parser().get_default("out_dir")
         out_dir = args.out_dir if named or not _cuda_available() else None
-        return tune.main(out_dir, args.allow_cpu)
+        return tuner.main(out_dir, args.allow_cpu)
     device_type = _device_type(args.device)
     if device_type == "cpu":
         # Must precede any import of triton in this process (world size 1 runs here).

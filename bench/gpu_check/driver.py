@@ -5,7 +5,7 @@ installs nothing, needs no network, and the whole run, cold ``import torch`` inc
 9 minutes (:data:`TOTAL_BUDGET_S`, counted from the start of the process). Sections, in run order:
 
 * ``env``: versions, GPU, driver, MPS, git revision (in this process);
-* ``tune``: :func:`bench.tune.run` times the GEMM configuration space and writes
+* ``tune``: :func:`bench.tune.tuner.run` times the GEMM configuration space and writes
   ``configs/tuned/<gpu>.yaml``, so the sections after it run the tuned tiles (with ``--allow-cpu``:
   ``cpu.yaml`` into ``--out-dir``, since the kernels read a CPU file only from ``COC_TUNED_DIR``);
 * ``tests``: ``pytest -m gpu``, the tests that matter most first (:data:`PRIORITY`: CUDA-graph
@@ -156,11 +156,11 @@ def section_main(name: str, device_type: str, deadline: float, out: str, tuned_d
         decode.gpu_check_items(device_type, deadline, emit)
         return 0
     try:
-        from bench import tune
+        from bench.tune import tuner
     except ImportError as e:
-        emit({"name": "tuner", "status": "skip", "detail": f"bench.tune is not available ({e})"})
+        emit({"name": "tuner", "status": "skip", "detail": f"bench.tune.tuner is not available ({e})"})
         return 0
-    result = tune.run(tuned_dir, device_type == "cpu", budget_s=max(5.0, deadline - time.time() - 10))
+    result = tuner.run(tuned_dir, device_type == "cpu", budget_s=max(5.0, deadline - time.time() - 10))
     emit({"name": "tuned file", "status": "pass", "detail": f"{result['path']} in {result['seconds']:.0f} s"})
     for row in result["rows"]:
         emit({"name": f"tuned {row.get('op')} {row.get('dtype')} {row.get('shape')}", "status": "pass", **row})

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import tune, tune_grouped
+from bench.tune import grouped, tuner
 from kernels.call import Operands
 from kernels.format import PLAIN, OperandFormat, fp8, int8
 from kernels.fused import blocks, gemm_persistent, tuned
@@ -33,7 +33,7 @@ WRONG = GemmConfig(16, 16, 16, 1, 1, 1, "tma")
 def test_fake_timer_configs_are_in_the_cpu_space():
     from kernels.fused import gemm_configs
 
-    assert {FAST, FAST_PLAIN, WRONG} <= set(gemm_configs.space(gemm_configs.family(tune.cpu_shapes()[0].m), "cpu"))
+    assert {FAST, FAST_PLAIN, WRONG} <= set(gemm_configs.space(gemm_configs.family(tuner.cpu_shapes()[0].m), "cpu"))
 
 
 def _fake_timer(times: dict[str, float], calls: list):
@@ -41,7 +41,7 @@ def _fake_timer(times: dict[str, float], calls: list):
 
     def timer(fn, key):
         calls.append(key)
-        return 1.0 if key[2] == tune._CUBLAS else times.get(key[2], 0.5)
+        return 1.0 if key[2] == tuner._CUBLAS else times.get(key[2], 0.5)
 
     return timer
 
@@ -49,9 +49,9 @@ def _fake_timer(times: dict[str, float], calls: list):
 def test_select_fastest_first_on_ties_and_none_for_all_failed():
     a, b, c = (GemmConfig(16, 16, 16, 1, 1, 1, v) for v in ("tma", "persistent", "plain"))
     label = GemmConfig.label
-    assert tune.select({label(a): 2.0, label(b): 1.0, label(c): 1.0}, [a, b, c], label) == b
-    assert tune.select({label(a): None, label(b): 3.0}, [a, b, c], label) == b
-    assert tune.select({label(a): None}, [a, b, c], label) is None
+    assert tuner.select({label(a): 2.0, label(b): 1.0, label(c): 1.0}, [a, b, c], label) == b
+    assert tuner.select({label(a): None, label(b): 3.0}, [a, b, c], label) == b
+    assert tuner.select({label(a): None}, [a, b, c], label) is None
 
 
 def test_tune_picks_per_op_skips_wrong_configs_and_kernels_read_the_file(monkeypatch, tmp_path):
@@ -68,13 +68,13 @@ def test_tune_picks_per_op_skips_wrong_configs_and_kernels_read_the_file(monkeyp
     monkeypatch.setattr(matmul_module, "linear", fake_linear)
     calls = []
     timer = _fake_timer({FAST.label(): 0.1, FAST_PLAIN.label(): 0.2, WRONG.label(): 0.01}, calls)
-    shape = tune.cpu_shapes()[0]
+    shape = tuner.cpu_shapes()[0]
     logged = []
-    entries, rows, skipped = tune.tune([shape], [torch.bfloat16], torch.device("cpu"), timer, log=logged.append)
+    entries, rows, skipped = tuner.tune([shape], [torch.bfloat16], torch.device("cpu"), timer, log=logged.append)
     monkeypatch.setattr(matmul_module, "linear", real_matmul)
     assert skipped == []
     assert (shape.label, "bfloat16", WRONG.label()) not in calls
-    assert (shape.label, "bfloat16", tune._CUBLAS) in calls
+    assert (shape.label, "bfloat16", tuner._CUBLAS) in calls
     by_op = {e.op: e for e in entries}
     assert set(by_op) == set(shape.ops)
     assert by_op["matmul"].config == FAST
@@ -112,8 +112,8 @@ real_launch = gemm_persistent.launch
 
 def test_budget_skips_remaining_shapes():
     ticks = iter([0, 10, 100, 200, 300])  # start, first shape within budget, second past it
-    shapes = tune.cpu_shapes()[:1] * 2
-    entries, _, skipped = tune.tune(
+    shapes = tuner.cpu_shapes()[:1] * 2
+    entries, _, skipped = tuner.tune(
         shapes,
         [torch.bfloat16],
         torch.device("cpu"),
@@ -127,10 +127,10 @@ def test_budget_skips_remaining_shapes():
 
 
 def test_gpu_shapes_are_llama70b_tp8_and_8192_cubed():
-    shapes = {(s.m, s.n, s.k) for s in tune.gpu_shapes()}
+    shapes = {(s.m, s.n, s.k) for s in tuner.gpu_shapes()}
     assert (8192, 8192, 8192) in shapes
     assert {(4096, 1280, 8192), (4096, 7168, 8192), (4096, 8192, 1024), (4096, 8192, 3584)} <= shapes
-    assert {op for s in tune.gpu_shapes() for op in s.ops} == set(tuned.OPS)
+    assert {op for s in tuner.gpu_shapes() for op in s.ops} == set(tuned.OPS)
 
 
 def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monkeypatch):
@@ -153,21 +153,21 @@ def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monke
     assert f"wrote {path}" in proc.stdout
     assert "no config ran" not in proc.stdout, proc.stdout
     entries = tuned.load(path)
-    cases = {(c.fmt.encode(), tuned.dtype_name(c.dtype)) for c in tune.cpu_cases()}
+    cases = {(c.fmt.encode(), tuned.dtype_name(c.dtype)) for c in tuner.cpu_cases()}
     assert {
         "fp8:block",
         "fp8:row",
         "fp8:tensor",
-        f"int8:per_group:{tune.CPU_GROUP_SIZE}",
+        f"int8:per_group:{tuner.CPU_GROUP_SIZE}",
         "int8:per_channel:0",
         "int8:per_tensor:0",
     } < {f for f, _ in cases}
     for case in cases:
-        # The grouped GEMM is tuned for plain operands only (bench.tune_grouped.FORMATS).
-        grouped = OperandFormat.decode(case[0]).kind in tune_grouped.FORMATS
-        shapes = {(s.rows, s.n, s.k) for s in tune.cpu_shapes() if grouped or not s.experts}
+        # The grouped GEMM is tuned for plain operands only (bench.tune.grouped.FORMATS).
+        has_grouped = OperandFormat.decode(case[0]).kind in grouped.FORMATS
+        shapes = {(s.rows, s.n, s.k) for s in tuner.cpu_shapes() if has_grouped or not s.experts}
         mine = [e for e in entries if (e.format, e.dtype) == case]
-        assert {e.op for e in mine} == set(tuned.OPS) - (set() if grouped else set(tune_grouped.OPS)), case
+        assert {e.op for e in mine} == set(tuned.OPS) - (set() if has_grouped else set(grouped.OPS)), case
         assert {(e.m, e.n, e.k) for e in mine} == shapes, case
     assert "format: fp8:block" in path.read_text() and "format: plain" not in path.read_text()
     monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(tmp_path))
@@ -186,7 +186,7 @@ def _tiles(c) -> tuple[int, ...]:
 
 
 FP8_BLOCK = fp8("block")
-INT8_GROUP = int8("per_group", tune.CPU_GROUP_SIZE, False)
+INT8_GROUP = int8("per_group", tuner.CPU_GROUP_SIZE, False)
 SMALL = GemmConfig(16, 16, 16, 1, 1, 1, "plain")
 
 
@@ -208,20 +208,20 @@ def test_tune_writes_format_entries_the_lookup_returns_for_their_format_only(mon
     monkeypatch.setattr(mm, "gemm", fake_gemm)
     calls = []
 
-    fp8_name = tune.Case(FP8_BLOCK, torch.float8_e4m3fn).name
+    fp8_name = tuner.Case(FP8_BLOCK, torch.float8_e4m3fn).name
     times = {
         "bfloat16": {FAST.label(): 0.1, FAST_PLAIN.label(): 0.1},
         fp8_name: {SMALL.label(): 0.1, wrong.label(): 0.01},
-        tune.Case(INT8_GROUP, torch.float16).name: {SMALL.label(): 0.1},
+        tuner.Case(INT8_GROUP, torch.float16).name: {SMALL.label(): 0.1},
     }
 
     def timer(fn, key):
         calls.append(key)
-        return 1.0 if key[2] == tune._CUBLAS else times[key[1]].get(key[2], 0.5)
+        return 1.0 if key[2] == tuner._CUBLAS else times[key[1]].get(key[2], 0.5)
 
-    shape = tune.cpu_shapes()[0]
-    cases = [torch.bfloat16, tune.Case(FP8_BLOCK, torch.float8_e4m3fn), tune.Case(INT8_GROUP, torch.float16)]
-    entries, rows, skipped = tune.tune([shape], cases, torch.device("cpu"), timer, log=lambda s: None)
+    shape = tuner.cpu_shapes()[0]
+    cases = [torch.bfloat16, tuner.Case(FP8_BLOCK, torch.float8_e4m3fn), tuner.Case(INT8_GROUP, torch.float16)]
+    entries, rows, skipped = tuner.tune([shape], cases, torch.device("cpu"), timer, log=lambda s: None)
     monkeypatch.setattr(mm, "gemm", real_gemm)
     assert skipped == []
     assert fp8_name == "fp8:block float8_e4m3fn"
@@ -246,7 +246,7 @@ def test_tune_writes_format_entries_the_lookup_returns_for_their_format_only(mon
         assert _tiles(blocks.block_config(INT8_GROUP, cpu, m, k, dtype=torch.float16, op=op, n=n)) == _tiles(SMALL)
         # Another FP8 mode, another group size, another family: the defaults.
         assert blocks.block_config(fp8("row"), cpu, m, k, dtype=e4m3, op=op, n=n) == blocks.CPU_FP8_BLOCKS
-        other = int8("per_group", 2 * tune.CPU_GROUP_SIZE, False)
+        other = int8("per_group", 2 * tuner.CPU_GROUP_SIZE, False)
         assert blocks.block_config(other, cpu, m, k, dtype=torch.float16, op=op, n=n) == blocks.CPU_BLOCKS
         assert blocks.block_config(FP8_BLOCK, cpu, 500, k, dtype=e4m3, op=op, n=n) == blocks.CPU_FP8_BLOCKS
     xb = torch.empty(m, k, dtype=torch.bfloat16)
@@ -383,7 +383,7 @@ FORMAT_ROW = {
 
 @pytest.mark.parametrize("row", [PLAIN_ROW, FORMAT_ROW], ids=["plain", "format"])
 def test_table_has_a_header_over_every_column(row):
-    head, line = tune.table([row]).splitlines()
+    head, line = tuner.table([row]).splitlines()
     heads, cells = _cells(head), _cells(line)
     assert [h[2] for h in heads][-1] == "TFLOP/s" and len(heads) == len(cells), (head, line)
     for h, c in zip(heads, cells, strict=True):  # left-aligned cells start under their header, the others end there
@@ -397,12 +397,12 @@ def _checkout_cpu_file() -> int | None:
 
 @no_gpu
 def test_run_prints_each_winner_once_under_one_header(tmp_path, capsys):
-    result = tune.run(str(tmp_path), allow_cpu=True, timer=_fake_timer({}, []))
+    result = tuner.run(str(tmp_path), allow_cpu=True, timer=_fake_timer({}, []))
     out = capsys.readouterr().out.splitlines()
-    head, *_ = tune.table([]).splitlines()
+    head, *_ = tuner.table([]).splitlines()
     assert out.count(head) == 1 and result["rows"], out
     for row in result["rows"]:
-        assert out.count(tune.table([row]).splitlines()[1]) == 1, out
+        assert out.count(tuner.table([row]).splitlines()[1]) == 1, out
 
 
 @no_gpu
@@ -426,16 +426,16 @@ def test_cpu_run_writes_into_out_dir_never_into_configs(tmp_path):
     assert f"wrote {written.relative_to(tmp_path)}" in proc.stdout and tuned.load(written)
     assert _checkout_cpu_file() == before
     with pytest.raises(ValueError, match="out_dir: a CPU run of the tuner needs one"):
-        tune.run(None, allow_cpu=True)
+        tuner.run(None, allow_cpu=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU torch's _scaled_mm: rowwise and tensorwise only")
 def test_fp8_baseline_is_scaled_mm_where_torch_runs_the_mode():
     """The FP8 baseline is torch._scaled_mm in the layout bench.dense.formats picks, checked against the reference;
     a mode torch refuses (block scales on CPU) leaves the entry without one."""
-    shape = tune.TuneShape("s", 64, 48, 256, ("matmul",))
+    shape = tuner.TuneShape("s", 64, 48, 256, ("matmul",))
     for mode, has_baseline in (("row", True), ("tensor", True), ("block", False)):
-        problem = tune._problem(tune.Case(fp8(mode), torch.float8_e4m3fn), shape, torch.device("cpu"))
+        problem = tuner._problem(tuner.Case(fp8(mode), torch.float8_e4m3fn), shape, torch.device("cpu"))
         assert (problem.baseline is not None) == has_baseline, mode
         if has_baseline:
             assert problem.check(problem.baseline()) is None, mode

@@ -1,4 +1,4 @@
-"""The tuner's grouped GEMM (``grouped_matmul``, :mod:`bench.tune_grouped`): the fastest correct tile-core config
+"""The tuner's grouped GEMM (``grouped_matmul``, :mod:`bench.tune.grouped`): the fastest correct tile-core config
 with a fake timer becomes the file's entry, ``kernels.grouped_matmul`` launches its tiles and stays right, and an
 entry of a variant the grouped kernel does not run is never launched."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import kernels
-from bench import tune, tune_grouped
+from bench.tune import grouped as tune_grouped
+from bench.tune import tuner
 from kernels.fused import blocks, grouped, tuned
 from kernels.fused.gemm_configs import GemmConfig
 
@@ -30,9 +31,9 @@ def _spy_config(monkeypatch) -> list:
     return seen
 
 
-def _call_and_check(shape: tune.TuneShape) -> None:
+def _call_and_check(shape: tuner.TuneShape) -> None:
     """``kernels.grouped_matmul`` on ``shape``'s uniform routing, within the tuner's bound of the fp32 product."""
-    problem = tune_grouped.problem(tune.Case(kernels.format.PLAIN, torch.bfloat16), shape, CPU)
+    problem = tune_grouped.problem(tuner.Case(kernels.format.PLAIN, torch.bfloat16), shape, CPU)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(shape.m, shape.k, generator=gen).to(torch.bfloat16)
     w = torch.randn(shape.experts, shape.n, shape.k, generator=gen).to(torch.bfloat16)
@@ -57,14 +58,14 @@ def test_tuner_picks_the_fastest_correct_grouped_config_and_the_kernel_launches_
 
     def timer(fn, key):
         calls.append(key)
-        return 1.0 if key[2] == tune._CUBLAS else {NARROW.label(): 0.01, WIDE.label(): 0.2}.get(key[2], 0.5)
+        return 1.0 if key[2] == tuner._CUBLAS else {NARROW.label(): 0.01, WIDE.label(): 0.2}.get(key[2], 0.5)
 
     (shape,) = tune_grouped.cpu_shapes()
     assert shape.rows == shape.m // shape.experts == 16
-    entries, rows, skipped = tune.tune([shape], [torch.bfloat16], CPU, timer, log=lambda s: None)
+    entries, rows, skipped = tuner.tune([shape], [torch.bfloat16], CPU, timer, log=lambda s: None)
     monkeypatch.setattr(grouped, "launch", real_launch)
-    assert skipped == [] and (shape.label, "bfloat16", tune._CUBLAS) in calls
-    assert {key[2].split(":")[0] for key in calls} == {"plain", tune._CUBLAS}
+    assert skipped == [] and (shape.label, "bfloat16", tuner._CUBLAS) in calls
+    assert {key[2].split(":")[0] for key in calls} == {"plain", tuner._CUBLAS}
     assert (shape.label, "bfloat16", NARROW.label()) not in calls
     assert "wrong result" in rows[0]["failed"][NARROW.label()]
     (entry,) = entries
@@ -99,9 +100,9 @@ def test_an_entry_of_a_variant_the_grouped_kernel_cannot_run_is_never_launched(m
 
 def test_gpu_shapes_are_qwen3_30b_a3b_experts():
     """128 experts, hidden 2048, intermediate 768, top-8 of 4096 tokens: 256 rows per expert."""
-    grouped_shapes = [s for s in tune.gpu_shapes() if s.experts]
+    grouped_shapes = [s for s in tuner.gpu_shapes() if s.experts]
     assert [(s.m, s.n, s.k, s.experts, s.rows, s.ops) for s in grouped_shapes] == [
         (4096 * 8, 2 * 768, 2048, 128, 256, ("grouped_matmul",)),
         (4096 * 8, 2048, 768, 128, 256, ("grouped_matmul",)),
     ]
-    assert tune_grouped.cpu_shapes()[0] in tune.cpu_shapes()
+    assert tune_grouped.cpu_shapes()[0] in tuner.cpu_shapes()

@@ -1,4 +1,4 @@
-"""``bench.tune_gates``: the choice of all_reduce_rmsnorm's gates from timings, their place in the tuned file
+"""``bench.tune.gates``: the choice of all_reduce_rmsnorm's gates from timings, their place in the tuned file
 (kept by a GEMM re-tune), and the tuner's CPU run measuring them at W = 2 for the dispatcher to read."""
 
 from __future__ import annotations
@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import tune, tune_gates
+from bench.tune import gates as tune_gates
+from bench.tune import tuner
 from kernels.fused import tuned
 from kernels.fused.gemm_configs import GemmConfig
 from kernels.ops.all_reduce_rmsnorm import choose_algorithm
-from tests.bench.test_tune import _fake_timer
+from tests.bench.tune.test_tuner import _fake_timer
 
 pytestmark = pytest.mark.triton
 
@@ -71,7 +72,7 @@ def test_gates_join_the_file_and_a_gemm_retune_keeps_them(tmp_path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the --allow-cpu flow; a GPU measures its own sizes")
 def test_cpu_tune_measures_gates_the_dispatcher_reads(tmp_path, monkeypatch) -> None:
-    result = tune.run(str(tmp_path), allow_cpu=True, timer=_fake_timer({}, []), gates=True)
+    result = tuner.run(str(tmp_path), allow_cpu=True, timer=_fake_timer({}, []), gates=True)
     (row,) = result["gates"]
     sizes = [m * tune_gates.CPU_HIDDEN * 2 for m in tune_gates.CPU_TOKENS]
     assert row["world"] == 2 and sorted(row["timings"]) == sizes, row

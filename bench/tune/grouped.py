@@ -1,10 +1,10 @@
-"""The tuner's grouped GEMM (:mod:`bench.tune`): the mixture-of-experts shapes and their problem.
+"""The tuner's grouped GEMM (:mod:`bench.tune.tuner`): the mixture-of-experts shapes and their problem.
 
-A grouped shape (:class:`bench.tune_problem.TuneShape` with ``experts``) is ``m`` routed rows spread evenly over
+A grouped shape (:class:`bench.tune.problem.TuneShape` with ``experts``) is ``m`` routed rows spread evenly over
 ``experts`` weights ``[n, k]`` (uniform routing: each expert ``m / E`` rows, the mean the kernel chooses
 its tiles for, :func:`kernels.fused.grouped.config`). Its configs run through the grouped kernel
 (:func:`kernels.fused.grouped.launch`, the tile core only: "plain" configs), are checked against the
-per-expert fp32 product within :func:`bench.tune_problem.rounding_bound` (the dense cases' bound, per expert), and
+per-expert fp32 product within :func:`bench.tune.problem.rounding_bound` (the dense cases' bound, per expert), and
 are timed beside ``torch._grouped_mm`` where this torch runs it (else a loop of per-expert ``torch.mm``).
 Plain operands only for now: the FP8 grouped GEMM keeps the defaults (no entry).
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.tune_problem import Case, Problem, TuneShape, rounding_bound, within
+from bench.tune.problem import Case, Problem, TuneShape, rounding_bound, within
 
 OPS = ("grouped_matmul",)
 FORMATS = ("plain",)

@@ -1,4 +1,4 @@
-"""The tuner's problem types (:mod:`bench.tune`, :mod:`bench.tune_grouped`): shapes, cases, problems and
+"""The tuner's problem types (:mod:`bench.tune.tuner`, :mod:`bench.tune.grouped`): shapes, cases, problems and
 the correctness bound every plain case is checked with."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # kernels imports triton, which must follow TRITON_INTERPRET 
 @dataclass(frozen=True)
 class TuneShape:
     """One GEMM ``[m, k] x [n, k]^T`` and the ops whose file entries it provides; ``experts`` > 0: a grouped
-    GEMM of ``m`` rows spread evenly over that many experts' ``[n, k]`` weights (:mod:`bench.tune_grouped`)."""
+    GEMM of ``m`` rows spread evenly over that many experts' ``[n, k]`` weights (:mod:`bench.tune.grouped`)."""
 
     label: str
     m: int

@@ -20,7 +20,7 @@ and tensor scales, int8 weights per_group and per_channel) and every shape of :f
    the same kernel body the fused kernels run between their waits), and every op of FP8 and int8
    operands (the tile core is their only kernel), among the plain configs,
 4. does the same for the grouped GEMM of mixture-of-experts layers (``grouped_matmul``, plain operands,
-   Qwen3-30B-A3B's expert shapes, :mod:`bench.tune_grouped`): its kernel's configs only (the tile core),
+   Qwen3-30B-A3B's expert shapes, :mod:`bench.tune.grouped`): its kernel's configs only (the tile core),
    checked per expert against fp32 within :func:`rounding_bound`, beside ``torch._grouped_mm``; its
    entries keyed by the rows per expert,
 
@@ -50,9 +50,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bench import tune_grouped
-from bench.tune_problem import Case, Problem, TuneShape, rounding_bound
-from bench.tune_problem import within as _within
+from bench.tune import grouped
+from bench.tune.problem import Case, Problem, TuneShape, rounding_bound
+from bench.tune.problem import within as _within
 
 if TYPE_CHECKING:  # kernels imports triton, which must follow TRITON_INTERPRET (run, bench/__main__.py)
     from kernels.format import OperandFormat
@@ -118,7 +118,7 @@ def gpu_shapes() -> list[TuneShape]:
     QKV ``n = (8192 + 2 * 1024) / 8``, out-projection ``k = 8192 / 8``, gate+up ``n = 2 * 28672 / 8``,
     down ``k = 28672 / 8``. The column-parallel GEMMs (QKV, gate+up) follow an all-gather, the
     row-parallel ones (out, down) precede a reduce-scatter / all-reduce. Then the grouped GEMMs of
-    :func:`bench.tune_grouped.gpu_shapes` (Qwen3-30B-A3B's experts).
+    :func:`bench.tune.grouped.gpu_shapes` (Qwen3-30B-A3B's experts).
     """
     mm = ("matmul",)
     return [
@@ -131,7 +131,7 @@ def gpu_shapes() -> list[TuneShape]:
         TuneShape("down m512", 512, 8192, 3584, mm + _FUSED_RS),
         TuneShape("gate_up m16", 16, 7168, 8192, mm + _FUSED_AG),
         TuneShape("down m16", 16, 8192, 3584, mm + _FUSED_RS),
-        *tune_grouped.gpu_shapes(),
+        *grouped.gpu_shapes(),
     ]
 
 
@@ -141,7 +141,7 @@ def cpu_shapes() -> list[TuneShape]:
     return [
         TuneShape("cpu m16", 16, 32, 32, all_ops),
         TuneShape("cpu m80", 80, 32, 32, all_ops),
-        *tune_grouped.cpu_shapes(),
+        *grouped.cpu_shapes(),
     ]
 
 
@@ -285,7 +285,7 @@ def _int8_problem(case: Case, x: torch.Tensor, w: torch.Tensor) -> Problem:
 
 def _problem(case: Case, shape: TuneShape, device: torch.device) -> Problem:
     if shape.experts:
-        return tune_grouped.problem(case, shape, device)
+        return grouped.problem(case, shape, device)
     gen = torch.Generator(device=device).manual_seed(0)
     if case.fmt.kind == "plain":
         x = torch.randn(shape.m, shape.k, generator=gen, device=device).to(case.dtype)
@@ -326,7 +326,7 @@ def tune(
     for case in cases:
         case = case if isinstance(case, Case) else Case(PLAIN, case)
         for shape in shapes:
-            if shape.experts and case.fmt.kind not in tune_grouped.FORMATS:
+            if shape.experts and case.fmt.kind not in grouped.FORMATS:
                 continue  # a grouped GEMM of a format its tuner does not build (no entry: the defaults)
             if clock() - start > budget_s:
                 skipped.append(f"{shape.label} {case.name}")
@@ -438,7 +438,7 @@ def run(
     (on a GPU, ``None`` writes it where the kernels read it: ``configs/tuned``; a CPU run needs one).
 
     ``cases``: what to tune (default :func:`gpu_cases` or :func:`cpu_cases`; a bare dtype is plain).
-    ``gates``: also measure ``all_reduce_rmsnorm``'s size switch into the same file (:mod:`bench.tune_gates`;
+    ``gates``: also measure ``all_reduce_rmsnorm``'s size switch into the same file (:mod:`bench.tune.gates`;
     default: on a GPU, where it needs two of them, not on CPU).
     Returns ``{"path", "rows", "skipped", "seconds", "gates"}``: the file written, the winners' table rows
     (op, shape, dtype, format, config, ms, cublas_ms, vs_cublas, tflops, failed), the shapes the
@@ -490,7 +490,7 @@ def run(
         checkpoint=write,
     )
     write(entries, skipped)
-    from bench import tune_gates
+    from bench.tune import gates as tune_gates
 
     gate_rows = tune_gates.run(path, cuda=cuda) if (cuda if gates is None else gates) else []
     seconds = time.monotonic() - t0
