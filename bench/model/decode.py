@@ -10,7 +10,7 @@ on ``W`` ranks of one NVSwitch node, each algorithm of ``kernels.all_reduce_rmsn
   back (``(W - 1) / W`` of ``2 B``), two signals, three launches with the norm.
 
 and the choice ``auto`` makes with the tuned file's default gates (:func:`model_rows`). :data:`ANCHORS` holds the
-published figures the issue cites (not measured here). ``python -m bench.decode`` prints both, beside the host cost
+published figures the issue cites (not measured here). ``python -m bench.cost.decode`` prints both, beside the host cost
 of the decode ops measured on this machine.
 """
 

@@ -1,6 +1,6 @@
 """Per-op host overhead of autopar.DistTensor versus PyTorch DTensor on tiny CPU ops.
 
-``python -m bench.dispatch_overhead [--world W] [--iters N] [--repeats R] [--json PATH]``
+``python -m bench.cost.dispatch [--world W] [--iters N] [--repeats R] [--json PATH]``
 
 Runs on a ``W``-rank gloo group (default 2; rank 0 measures while the other ranks wait in a
 barrier, so they do not compete for the CPU), with the same placements on both sides (activation

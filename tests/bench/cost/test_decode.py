@@ -1,4 +1,4 @@
-"""bench/decode.py: the modelled table covers every (W, hidden, tokens) asked for, with the algorithm "auto"
+"""bench/cost/decode.py: the modelled table covers every (W, hidden, tokens) asked for, with the algorithm "auto"
 picks under the default gates, and the host measurement reports each op above its hand-written torch twin."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import decode
+from bench.cost import decode
 
 
 def test_model_table_and_host_rows(tmp_path: Path) -> None:

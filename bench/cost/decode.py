@@ -1,6 +1,6 @@
 """The decode path's layer end: modelled latencies of all-reduce + residual + RMSNorm, and measured host cost.
 
-``python -m bench.decode [--gpu H100] [--tokens 1,8,32,128,512] [--hidden 4096,8192] [--worlds 2,4,8]
+``python -m bench.cost.decode [--gpu H100] [--tokens 1,8,32,128,512] [--hidden 4096,8192] [--worlds 2,4,8]
 [--host] [--iters N] [--repeats R] [--json PATH]``
 
 Prints the model's latencies of each algorithm of ``kernels.all_reduce_rmsnorm`` and the choice ``auto`` makes
@@ -90,7 +90,7 @@ def _table(rows: list[dict], keys: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.cost.decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--gpu", default="H100", help="GPU generation of configs/links.yaml for the model")
     p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 128, 512])
     p.add_argument("--hidden", type=lambda s: [int(v) for v in s.split(",")], default=[4096, 8192])

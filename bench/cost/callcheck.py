@@ -1,6 +1,6 @@
 """What the call check (``kernels.callcheck``) costs: a checked call's exchange and the steady state's lookup.
 
-``python -m bench.check_cost [--world 2] [--iters N] [--repeats R] [--json PATH]``
+``python -m bench.cost.callcheck [--world 2] [--iters N] [--repeats R] [--json PATH]``
 
 At ``world`` gloo ranks of this machine, tiny CPU shapes (``x [16, 32]``, ``weight [32, 32]``, fp32,
 sequential ``matmul_all_reduce``):

@@ -1,6 +1,6 @@
 """Host time per call of each backend of the kernels ops, above a bare ``F.linear`` + collective.
 
-``python -m bench.host_cost [--worlds 1 2] [--iters N] [--repeats R] [--no-compile] [--clock wall|thread]
+``python -m bench.cost.host [--worlds 1 2] [--iters N] [--repeats R] [--no-compile] [--clock wall|thread]
 [--json PATH]``
 
 Tiny CPU shapes (``x [16, 32]``, ``weight [32, 32]``, fp32), so the matmul and the collective
