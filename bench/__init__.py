@@ -5,5 +5,6 @@ of configs/bench/*.yaml and their cases, rank launching, do_bench-style timing a
 ``model`` (predicted times from GEMM time and the link model of configs/links.yaml), ``dense`` (the dense ops
 measured: ``--mode run``, ``single``, ``model``), ``moe`` (the mixture-of-experts ops: ``--mode moe``),
 ``gpu_check`` (``--mode gpu-check``: a GPU machine's correctness and speed report), ``tune`` (``--mode tune``:
-the GEMM tiles timed, the tuned file written), ``cost`` (host cost per call, ``python -m bench.cost.<name>``).
+the GEMM tiles timed, the tuned file written), ``sweep`` (``--mode hf-sweep``: Hugging Face families under
+``parallelize_hf``), ``cost`` (host cost per call, ``python -m bench.cost.<name>``).
 """

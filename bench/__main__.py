@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-cpu runs it on CPU under the interpreter); tune: time the GEMM config space "
         "against cuBLAS and write configs/tuned/<gpu-name>.yaml, or into --out-dir when given "
         "(bench/tune/tuner.py; --allow-cpu: tiny shapes under the interpreter, cpu.yaml always into --out-dir); "
-        "hf-sweep: transformers families vs one process, --backends from sequential,chunked,fused (bench/hf_sweep.py); "
+        "hf-sweep: transformers families vs one process, --backends from sequential,chunked,fused (bench/sweep/hf.py); "
         "moe: the MoE suites of configs/moe-bench.yaml (bench/moe/mode.py; --gpu GEN without CUDA: the model alone)",
     )
     p.add_argument(
@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         if f not in ("json", "csv", "png", "txt"):
             raise SystemExit(f"error: --format: {f!r} not in json,csv,png,txt")
     if args.mode == "hf-sweep":
-        from bench import hf_sweep
+        from bench.sweep import hf
 
-        return hf_sweep.main(args)
+        return hf.main(args)
     if any(b not in BACKENDS for b in args.backends or []):
         raise SystemExit(f"error: --backends {','.join(args.backends)}: accepted {', '.join(BACKENDS)}")
     if args.mode == "model":

@@ -1,4 +1,4 @@
-"""The Markdown table and the summary of ``python -m bench --mode hf-sweep`` (:mod:`bench.hf_sweep`)."""
+"""The Markdown table and the summary of ``python -m bench --mode hf-sweep`` (:mod:`bench.sweep.hf`)."""
 
 from __future__ import annotations
 

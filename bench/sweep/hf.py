@@ -18,7 +18,7 @@ Each (family, backend, SP) ends as one of (:data:`STATUSES`):
 * ``skipped``: not run, with the reason (mixture-of-experts families: issue 30; multimodal or encoder-decoder).
 
 ``wrong`` and ``error`` make the exit status 1. Writes ``hf-sweep-<device>-<date>.json`` (every row and the run's
-metadata) and ``.md`` (the table) under ``--out-dir``; :mod:`bench.hf_sweep_report` formats the table.
+metadata) and ``.md`` (the table) under ``--out-dir``; :mod:`bench.sweep.hf_report` formats the table.
 """
 
 from __future__ import annotations
@@ -371,8 +371,8 @@ def failed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(args: argparse.Namespace) -> int:
     """``--mode hf-sweep``: the sweep over ``--families`` (default: every family with a plan), ``--backends``
     (default: sequential, chunked), world ``--world-sizes[0]`` (default 2); JSON + Markdown into ``--out-dir``."""
-    from bench import hf_sweep_report
     from bench.harness import report
+    from bench.sweep import hf_report
 
     for b in args.backends or []:
         if b not in HF_BACKENDS:
@@ -395,15 +395,15 @@ def main(args: argparse.Namespace) -> int:
         "fused_families": list(fused_families) if fused_families and "fused" in backends else None,
         "seconds": round(time.perf_counter() - start, 1),
     }
-    doc = {"meta": report.metadata("cpu", sys.argv, extra), "rows": rows, "summary": hf_sweep_report.summary(rows)}
+    doc = {"meta": report.metadata("cpu", sys.argv, extra), "rows": rows, "summary": hf_report.summary(rows)}
     stem = args.name or f"hf-sweep-cpu-{doc['meta']['date_utc'][:10]}"
     os.makedirs(args.out_dir, exist_ok=True)
     json_path = os.path.join(args.out_dir, stem + ".json")
     md_path = os.path.join(args.out_dir, stem + ".md")
     report.write_json(json_path, doc)
     with open(md_path, "w", encoding="utf-8") as f:
-        f.write(hf_sweep_report.markdown(rows, backends=backends, meta=doc["meta"]))
-    print(hf_sweep_report.summary_line(rows))
+        f.write(hf_report.markdown(rows, backends=backends, meta=doc["meta"]))
+    print(hf_report.summary_line(rows))
     report.say(f"wrote {json_path} and {md_path}")
     bad = failed(rows)
     for r in bad:
