@@ -60,7 +60,7 @@ class CocConfig:
     # COC_CHECK: None (unset) compares a call across ranks the first time its signature is seen, True (1)
     # at every call, False (0) never on sequential / chunked (kernels.callcheck).
     check: bool | None = None
-    inductor_pass: bool = False  # COC_INDUCTOR_PASS=1: `import kernels` enables kernels.inductor_pass
+    inductor_pass: bool = False  # COC_INDUCTOR_PASS=1: `import kernels` enables kernels.inductor
     fp8: bool = False  # COC_FP8=1: autopar linears built without fp8= use the default Fp8Recipe (docs/fp8.md)
 
     def parallel_num_for(self, m: int, k: int, n: int) -> int | str:
@@ -230,7 +230,8 @@ _ENV_KEYS = tuple(os.environ.encodekey(name) for name in _ENV_VARS) if _ENV_DATA
 def _raw_env_values() -> tuple:
     if _ENV_DATA is None:
         return tuple(os.environ.get(name) for name in _ENV_VARS)
-    return tuple(_ENV_DATA.get(key) for key in _ENV_KEYS)
+    # map: one C loop, no generator frames (this runs on every op call).
+    return tuple(map(_ENV_DATA.get, _ENV_KEYS))
 
 
 def _decode(value: Any) -> str | None:

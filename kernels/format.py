@@ -70,6 +70,9 @@ class OperandFormat:
         """fp32 scale columns that travel with each row of x: ``ceil(k / 128)`` in FP8 block mode, else 1."""
         return -(-k // 128) if self.mode == "block" else 1
 
+    def __str__(self) -> str:
+        return self.encode()
+
     def encode(self) -> str:
         """The format as a string (a constant of a compiled graph): ``plain``, ``fp8:block``,
         ``int8:per_group:128:offset``."""

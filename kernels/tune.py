@@ -15,8 +15,8 @@ do), and:
    timing, so nothing is re-tuned inside a training step after warm-up.
 
 The choice is logged once per key (logger ``kernels.tune``, INFO, on group rank 0). Tuning runs
-the call's pattern (``kernels.call.IMPLEMENTATIONS``) on random plain operands of the call's shapes
-and output dtype (seeded alike on every rank) with ``deterministic=False``: the split count trades
+the implementations of the call's op (its table entry's, ``kernels.ops.table.OPS``) on random plain operands of the
+call's shapes and output dtype (seeded alike on every rank) with ``deterministic=False``: the split count trades
 matmul efficiency against overlap, which neither the values nor the operand format change much.
 Under ``torch.compile`` it runs while tracing, once, like every other part of the backend choice.
 """
@@ -38,11 +38,13 @@ import torch
 import torch.distributed as dist
 
 from . import capture
-from .call import IMPLEMENTATIONS, OpCall, Operands
 from .config import ENV_TUNE_CACHE, PARALLEL_NUMS, get_config
 from .format import PLAIN
+from .ops.gemm import GemmCall, Operands
+from .protocol.spec import forget_signatures
 
 Choice = int | str
+Impls = dict[str, Callable[..., Any]]
 
 TUNE_REPS = 3
 CACHE_VERSION = 1
@@ -77,6 +79,8 @@ def clear_memory_cache() -> None:
     """Forget every in-memory choice (tests, or a user who changed the machine under a process)."""
     _memory.clear()
     _file_cache.clear()
+    # A signature resolved before carries the choice made then: forget it too, or it would outlive the cache.
+    forget_signatures()
 
 
 def _check_choice(value: Any, where: str) -> Choice:
@@ -169,9 +173,7 @@ def _fused_available(group: dist.ProcessGroup | None, device: torch.device, worl
     return ok
 
 
-def _runner(
-    call: OpCall, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None
-) -> Callable[[str, int], Any]:
+def _runner(call: GemmCall, x: torch.Tensor, weight: torch.Tensor, impl: Impls) -> Callable[[str, int], Any]:
     """The call's pattern on random plain operands of its shapes, in its output dtype: the split count trades
     the GEMM's efficiency on fewer rows against the overlap, which neither the values nor the operand
     format change much (and random FP8 or int8 operands would need scales of their own)."""
@@ -183,8 +185,7 @@ def _runner(
     weight = torch.randn(tuple(weight.shape), dtype=x.dtype, device=x.device, generator=gen)
     plain = replace(call, fmt=PLAIN, out_dtype=None, return_gathered=False, deterministic=False)
     ops = Operands(x=x, weights=(weight,), biases=(None,))
-    impl = IMPLEMENTATIONS[call.pattern]
-    return lambda backend, num: impl[backend](replace(plain, backend=backend, parallel_num=num), ops, group)
+    return lambda backend, num: impl[backend](replace(plain, backend=backend, parallel_num=num), ops)
 
 
 def _time(fn: Callable[[], Any], device: torch.device, group: dist.ProcessGroup | None, world: int) -> float:
@@ -205,14 +206,10 @@ def _time(fn: Callable[[], Any], device: torch.device, group: dist.ProcessGroup 
 
 
 def _measure(
-    call: OpCall,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    candidates: list[Choice],
+    call: GemmCall, x: torch.Tensor, weight: torch.Tensor, impl: Impls, candidates: list[Choice]
 ) -> tuple[Choice, list[float]]:
-    world = call.world
-    run = _runner(call, x, weight, group)
+    world, group = call.world, call.group
+    run = _runner(call, x, weight, impl)
     times = []
     with torch.no_grad():
         for c in candidates:
@@ -230,21 +227,18 @@ def _measure(
 
 
 def choose_parallel_num(
-    call: OpCall,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    group: dist.ProcessGroup | None,
-    allow_fused: bool = True,
+    call: GemmCall, x: torch.Tensor, weight: torch.Tensor, impl: Impls, allow_fused: bool = True
 ) -> Choice:
     """The agreed split count (1, 2, 4, 8) or ``"fused"`` for ``call`` of ``x [m, k]`` and ``weight [n, k]``
-    (stand-ins: only shapes, dtypes and the device are read); tunes on first use.
+    (stand-ins: only shapes, dtypes and the device are read), timing ``impl`` (backend -> implementation of the
+    call's op); tunes on first use.
 
     Collective on the first call of a key (every rank of ``group`` must call it, as they do
     for the ops themselves); free afterwards.
     """
-    world = call.world
+    world, group = call.world, call.group
     key = tuning_key(
-        call.op_name,
+        call.op,
         (x.shape[0], x.shape[1], weight.shape[0]),
         x.dtype,
         world,
@@ -283,7 +277,7 @@ def choose_parallel_num(
         candidates: list[Choice] = list(PARALLEL_NUMS)
         if allow_fused and _fused_available(group, x.device, world):
             candidates.append(_FUSED)
-        choice, agreed = _measure(call, x, weight, group, candidates)
+        choice, agreed = _measure(call, x, weight, impl, candidates)
         if rank == 0:
             timings = ", ".join(f"{c}: {t * 1e3:.3f} ms" for c, t in zip(candidates, agreed, strict=False))
             log.info("COC_PARALLEL_NUM=auto: %s -> %s (tuned; %s)", key, choice, timings)
@@ -291,3 +285,23 @@ def choose_parallel_num(
                 write_cache_entry(path, key, choice)
     _memory[mem_key] = choice
     return choice
+
+
+def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` without its memory (one element, expanded): the tuner's key reads the shape, dtype and
+    device, and its runs make operands of their own."""
+    return torch.empty((), dtype=dtype, device=device).expand(shape)
+
+
+def tuner(impl: Impls) -> Callable[..., Choice]:
+    """The ``tune`` of a dense op's table entry (:class:`kernels.protocol.OpSpec`): :func:`choose_parallel_num` for
+    a call of ``shape = (m, k, n)`` with ``dtypes = (x's, the weight's)`` on ``device``, timing ``impl``."""
+
+    def tune(
+        call: GemmCall, shape: tuple[int, int, int], dtypes: tuple, device: torch.device, allow_fused: bool
+    ) -> Choice:
+        m, k, n = shape
+        x, weight = _stand_in((m, k), dtypes[0], device), _stand_in((n, k), dtypes[1], device)
+        return choose_parallel_num(call, x, weight, impl, allow_fused=allow_fused)
+
+    return tune

@@ -1,6 +1,6 @@
 """docs/api.md section 1 matches the code: the signatures it shows, the registered operators' schemas and
-the table of where each op lives. A signature, schema or file that changes without its contract fails
-here."""
+the table of where each op lives (files, functions, operators and the backends each operator has). A
+signature, schema, backend or file that changes without its contract fails here."""
 
 from __future__ import annotations
 
@@ -111,9 +111,12 @@ def test_registered_operator_schemas() -> None:
         "moe_combine",
         "moe_dispatch_grouped_matmul",
     }
+    assert names == set(kernels.OPS)
+    assert len(schemas) == len(names)
     for schema in schemas:
-        op = getattr(torch.ops.coc, schema.split("(")[0].removeprefix("coc::"))
-        assert str(op.default._schema) == schema
+        name = schema.split("(")[0].removeprefix("coc::")
+        assert str(getattr(torch.ops.coc, name).default._schema) == schema
+        assert str(kernels.OPS[name].operator._schema) == schema
 
 
 def _where_table() -> list[list[str]]:
@@ -134,7 +137,8 @@ def _where_table() -> list[list[str]]:
 def test_where_each_op_lives() -> None:
     table = _where_table()
     listed: set[str] = set()
-    for _pattern, functions, implementation, fused, tests in table:
+    operators: list[str] = []
+    for _pattern, functions, registered, backends, implementation, fused, tests in table:
         (impl_path,) = re.findall(r"`([^`]+)`", implementation)
         for path in [impl_path] + re.findall(r"`([^`]+)`", fused) + re.findall(r"`([^`]+)`", tests):
             assert (ROOT / path).is_file(), path
@@ -142,8 +146,23 @@ def test_where_each_op_lives() -> None:
             listed.add(name)
             source = Path(inspect.getsourcefile(getattr(kernels, name))).resolve()
             assert source == (ROOT / impl_path).resolve(), (name, source)
+        shown = tuple(re.findall(r"\b(sequential|chunked|fused)\b", backends))
+        for name in re.findall(r"`coc::(\w+)`", registered):
+            operators.append(name)
+            assert shown == kernels.OPS[name].backends, (name, backends)
+            spec = kernels.OPS[name]
+            for fn in (*spec.impl.values(), spec.fake):
+                source = Path(inspect.getsourcefile(fn)).resolve()
+                assert source == (ROOT / impl_path).resolve(), (name, fn, source)
     ops = {n for n in PUBLIC_OPS if not n.startswith(("quantize_", "dequantize_"))}
     assert listed == ops
+    assert sorted(operators) == sorted(kernels.OPS)
+
+
+def test_api_doc_names_existing_files() -> None:
+    paths = {p for p in re.findall(r"`((?:kernels|autopar|tests|configs|docs|bench)/[^`<>{}\s:]*)", API)}
+    assert len(paths) > 20
+    assert sorted(p for p in paths if not (ROOT / p).exists()) == []
 
 
 # docs/fused.md names files of the repository in backticks: each must exist.

@@ -198,7 +198,7 @@ class ProcessMesh:
 
     def __reduce__(self):
         # Process groups do not pickle; an unpickled mesh is rebuilt from its ranks and names.
-        return (_rebuild_mesh, (self.tolist(), list(self.dim_names)))
+        return (rebuild_mesh, (self.tolist(), list(self.dim_names)))
 
     def __deepcopy__(self, memo: dict) -> ProcessMesh:
         # A mesh names process groups, which are shared, never copied.
@@ -220,7 +220,7 @@ class ProcessMesh:
 _LIVE: weakref.WeakValueDictionary[tuple, ProcessMesh] = weakref.WeakValueDictionary()
 
 
-def _rebuild_mesh(ranks: Any, dim_names: list[str]) -> ProcessMesh:
+def rebuild_mesh(ranks: Any, dim_names: list[str]) -> ProcessMesh:
     """Unpickling target. Reuses a live mesh with the same ranks and names; otherwise builds one,
     which creates its process groups (collective over the default group, as any ``ProcessMesh``):
     every rank must then load the same objects in the same order."""

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from . import redistribute as _rd
-from .mesh import ProcessMesh, _rebuild_mesh
+from .mesh import ProcessMesh, rebuild_mesh
 from .placements import (
     Partial,
     Placement,
@@ -526,7 +526,7 @@ def _rebuild_dist_tensor(
     return torch.Tensor.requires_grad_(t, requires_grad) if requires_grad else t
 
 
-torch.serialization.add_safe_globals([_rebuild_dist_tensor, _rebuild_mesh, Shard, Replicate, Partial])
+torch.serialization.add_safe_globals([_rebuild_dist_tensor, rebuild_mesh, Shard, Replicate, Partial])
 # Files saved while autopar had placement classes of its own name them under this module; the
 # pickled calls (Shard(dim), Replicate(), Partial(reduce_type)) build torch's equal placements.
 torch.serialization.add_safe_globals(

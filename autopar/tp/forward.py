@@ -15,7 +15,7 @@ import torch
 
 from kernels import checks
 from kernels.config import get_config
-from kernels.op_registration import assume_constant_result
+from kernels.protocol import assume_constant_result
 
 from .comm import GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
 from .fp8 import Fp8Recipe, Fp8WeightCache
@@ -30,7 +30,7 @@ from .wgrad import WgradOptions
 
 
 @assume_constant_result
-def _column_settings() -> tuple[bool, bool]:
+def column_settings() -> tuple[bool, bool]:
     """``(recompute_all_gather, enable_coc_in_column_backward)`` from the config; read while tracing
     under ``torch.compile`` and kept as constants of the graph (the config reads files)."""
     config = get_config()
@@ -109,7 +109,7 @@ def column_parallel_forward(
             buf.append(input_)
     _mark_offloading(config, input_)
 
-    recompute_all_gather, coc_in_backward = _column_settings()
+    recompute_all_gather, coc_in_backward = column_settings()
     explicit_expert_comm = getattr(module, "explicit_expert_comm", False)
     opts = LinearOptions(
         group=group,

@@ -11,7 +11,6 @@ every linear of the plan the FP8 recipe's GEMMs.
 from __future__ import annotations
 
 import datetime
-import fnmatch
 import itertools
 import os
 import types
@@ -29,12 +28,12 @@ from .fp8 import Fp8Recipe, resolve_recipe
 from .hf_load import load_shards
 from .hf_regions import check_regions, check_sequence_parallel, name_mixed_layouts, sum_gradients_over
 from .hf_sizes import check_shardable
-from .moe import CocMoeExpertsParallel, check_moe_plan, parallelize_moe_blocks, without_expert_params
+from .moe import CocMoeExpertsParallel, check_moe_plan, parallelize_moe_blocks, plan_key_matches, without_expert_params
 from .moe_ep import CocEpDispatchExpertsParallel, check_ep_plan, with_ep_plan
 from .styles import CocColwiseParallel, CocRowwiseParallel, CocSequenceParallel, share_input_gather
 
 # Models whose transformers config declares no plan; the names are their module paths.
-_BUILTIN_PLANS: dict[str, dict[str, str]] = {
+BUILTIN_PLANS: dict[str, dict[str, str]] = {
     "gpt2": {
         "transformer.wte": "embedding_rowwise",
         "transformer.h.*.attn.c_attn": "packed_colwise:3",
@@ -153,7 +152,7 @@ def hf_plan_strings(
     type's own (an explicit entry wins)."""
     own = plan is None
     if plan is None:
-        plan = getattr(model, "tp_plan", None) or _BUILTIN_PLANS.get(_model_type(model) or "", {})
+        plan = getattr(model, "tp_plan", None) or BUILTIN_PLANS.get(_model_type(model) or "", {})
     plan = dict(plan)
     if plan and (own or sequence_parallel):
         plan.update(_input_embedding_entry(model, plan, any_name=sequence_parallel))
@@ -166,7 +165,11 @@ def hf_plan_strings(
         for key, style in _SP_EXTRA.get(_model_type(model) or "", {}).items():
             plan.setdefault(key, style)
         for name, module in model.named_modules():
-            if _is_norm(module) and not any(_matches(name, key) for key in plan) and not _beside_linears(name, plan):
+            if (
+                _is_norm(module)
+                and not any(plan_key_matches(name, key) for key in plan)
+                and not _beside_linears(name, plan)
+            ):
                 plan[name] = "sequence_parallel"
     return plan
 
@@ -191,7 +194,7 @@ def _input_embedding_entry(model: nn.Module, plan: dict[str, str], *, any_name: 
         if (
             any_name
             and embedding is not None
-            and not any(_matches(n, key) for n, m in model.named_modules() if m is embedding for key in plan)
+            and not any(plan_key_matches(n, key) for n, m in model.named_modules() if m is embedding for key in plan)
         ):
             raise ValueError(
                 f"parallelize_hf: sequence parallelism starts the sequence-sharded residual stream at the input "
@@ -200,7 +203,7 @@ def _input_embedding_entry(model: nn.Module, plan: dict[str, str], *, any_name: 
             )
         return {}
     name = next(n for n, m in model.named_modules() if m is embedding)
-    if any(_matches(name, key) for key in plan):
+    if any(plan_key_matches(name, key) for key in plan):
         return {}
     return {name: "embedding_rowwise"}
 
@@ -210,19 +213,13 @@ def _beside_linears(name: str, plan: dict[str, str]) -> bool:
     their output, not the sequence-sharded residual stream, so it is no sequence-parallel norm."""
     parent = name.rpartition(".")[0]
     return any(
-        style.startswith(("colwise", "rowwise", "packed")) and _matches(parent, key.rpartition(".")[0])
+        style.startswith(("colwise", "rowwise", "packed")) and plan_key_matches(parent, key.rpartition(".")[0])
         for key, style in plan.items()
     )
 
 
 def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
-
-
-def _matches(name: str, key: str) -> bool:
-    """torch's parallelize_module rule: same number of atoms, each matched by fnmatch."""
-    atoms, pats = name.split("."), key.split(".")
-    return len(atoms) == len(pats) and all(fnmatch.fnmatch(a, p) for a, p in zip(atoms, pats, strict=True))
 
 
 def hf_tp_plan(
@@ -241,7 +238,7 @@ def hf_tp_plan(
 
 def _style_of(name: str, strings: dict[str, str]) -> str | None:
     for key, s in strings.items():
-        if _matches(name, key):
+        if plan_key_matches(name, key):
             return s
     return None
 
@@ -251,7 +248,7 @@ def _sharded_modules(model: nn.Module, strings: dict[str, str]) -> list[tuple[st
     that matches, as in :func:`_style_of`)."""
     found = []
     for name, _ in model.named_modules():
-        key = next((k for k in strings if _matches(name, k)), None)
+        key = next((k for k in strings if plan_key_matches(name, k)), None)
         if key is not None:
             found.append((name, key, strings[key]))
     return found
@@ -376,7 +373,7 @@ def parallelize_hf(
     if fuse:
         install_norm_fusion(model)
     if sequence_parallel:
-        _share_gathers(model)
+        share_gathers(model)
         parallelize_moe_blocks(model, device_mesh, SEQ_DIM)
         name_mixed_layouts(model)
     for target, source in retie:
@@ -408,7 +405,7 @@ def install_norm_fusion(model: nn.Module) -> None:
 _SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def _share_gathers(model: nn.Module) -> None:
+def share_gathers(model: nn.Module) -> None:
     """q/k/v and gate/up share one all-gather of their sequence-sharded input (autopar.tp.shared_gather) where
     their outputs stay sharded on the features; gathered outputs (OLMo's colwise_gather_output q/k/v, whose norms
     read all heads) gather on their own."""

@@ -93,7 +93,7 @@ def checkpoint_entries(checkpoint: str | os.PathLike) -> dict[str, _Entry]:
     )
 
 
-def _index_runs(indices: torch.Tensor) -> Iterator[tuple[int, int]]:
+def index_runs(indices: torch.Tensor) -> Iterator[tuple[int, int]]:
     """``(start, length)`` of each run of consecutive values in a 1-D index vector."""
     values = indices.tolist()
     start = prev = None
@@ -138,7 +138,7 @@ def _read(entry: _Entry, dim: int | None, held: torch.Tensor | None) -> torch.Te
         dim = 0
     else:
         local_shape = shape[:dim] + (len(held),) + shape[dim + 1 :]
-        outer, runs = math.prod(shape[:dim]), list(_index_runs(held))
+        outer, runs = math.prod(shape[:dim]), list(index_runs(held))
     inner = math.prod(shape[dim + 1 :]) * entry.dtype.itemsize
     out = torch.empty(local_shape, dtype=entry.dtype)
     buffer = memoryview(out.view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")

@@ -162,12 +162,13 @@ def _wildcard(name: str) -> str:
 
 def _with_sequence_parallel(model: Any) -> None:
     """The model's tp_plan plus the ``sequence_parallel`` entries of the norms of its residual stream."""
-    from .hf import _matches, hf_plan_strings
+    from .hf import hf_plan_strings
+    from .moe import plan_key_matches
 
     plan = dict(model.tp_plan)
     embedding = model.get_input_embeddings()
     name = next((n for n, m in model.named_modules() if m is embedding), None)
-    if name is not None and not any(_matches(name, key) for key in plan):
+    if name is not None and not any(plan_key_matches(name, key) for key in plan):
         # The residual stream starts sequence-sharded at the token embedding (older plans do not name it).
         plan[_wildcard(name)] = "embedding_rowwise"
     added = hf_plan_strings(model, sequence_parallel=True, plan=plan)
@@ -213,14 +214,14 @@ def _wrap_distribute(mixin: type) -> None:
 def _after_sharding(model: Any, summed: list[str], sp: bool) -> None:
     from torch.distributed.tensor import DTensor
 
-    from .hf import _share_gathers, install_norm_fusion
+    from .hf import install_norm_fusion, share_gathers
     from .hf_regions import name_mixed_layouts, sum_gradients_over
 
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
     if mesh is not None:
         sum_gradients_over(model, summed, mesh.get_group())
     if sp:
-        _share_gathers(model)
+        share_gathers(model)
         name_mixed_layouts(model)
     else:
         install_norm_fusion(model)
@@ -239,7 +240,7 @@ def _coc_ep_implementation() -> type:
     from transformers.distributed.expert_parallel import EPImplementation
 
     from .moe_ep import check_ep_experts, coc_ep_forward
-    from .styles import _local
+    from .styles import local_of
 
     class CocEP(EPImplementation):
         """``kernels.moe_dispatch_grouped_matmul`` over the EP group (this rank's experts on the CoC grouped GEMM),
@@ -260,7 +261,7 @@ def _coc_ep_implementation() -> type:
 
         def __call__(self, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
             experts = self.experts
-            weights = (_local(experts.gate_up_proj), _local(experts.down_proj))
+            weights = (local_of(experts.gate_up_proj), local_of(experts.down_proj))
             split = self.tp_mesh.get_group() if self.tp_mesh.size() > 1 else None
             return coc_ep_forward(
                 experts,

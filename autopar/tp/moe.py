@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 import kernels
 
 from . import comm, strided_load
-from .styles import _AllReduceGrad, _distribute, _group, _install, _local, _StridedShard
+from .styles import AllReduceGrad, StridedShard, distribute_param, install_forward, local_of, mesh_group
 
 # The parameter entries transformers' plans give a "moe_tp_experts" module, which its style shards itself.
 EXPERT_PARAM_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
@@ -44,7 +44,7 @@ EP_PARAM_STYLES = {"gate_up_proj": "grouped_gemm", "down_proj": "grouped_gemm"}
 _PARAM_STYLES = {"moe_tp_experts": EXPERT_PARAM_STYLES, "ep_dispatch_experts": EP_PARAM_STYLES}
 
 
-class _SplitRows(torch.autograd.Function):
+class SplitRows(torch.autograd.Function):
     """This rank's rows of a replicated tensor (the rows divide by W).
 
     - forward::
@@ -67,7 +67,7 @@ class _SplitRows(torch.autograd.Function):
         return comm.gather_rows(grad.contiguous(), ctx.group), None
 
 
-class _GatherRows(torch.autograd.Function):
+class GatherRows(torch.autograd.Function):
     """Every rank's rows, replicated (the gradient of a replicated result is whole on every rank).
 
     - forward::
@@ -123,7 +123,7 @@ def check_experts_module(module: nn.Module, world: int, where: str = "", style: 
         )
 
 
-def _gate(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
+def apply_gate(module: nn.Module, y: torch.Tensor) -> torch.Tensor:
     """``act(gate) * up`` of this rank's columns ``[gate shard | up shard]`` (transformers' default gating)."""
     gate, up = y.chunk(2, dim=-1)
     return module.act_fn(gate) * up
@@ -139,7 +139,7 @@ def check_plain_expert_inputs(style: str, hidden: torch.Tensor, top_k_weights: t
         )
 
 
-class _ExpertsStyle(ParallelStyle):
+class ExpertsStyle(ParallelStyle):
     """What the experts-module styles share: the call of the installed forward (the plain-input check, the local
     expert weights), then the style's own :meth:`_experts`."""
 
@@ -156,7 +156,7 @@ class _ExpertsStyle(ParallelStyle):
         """``hidden [T, H]``: every token (replicated) or, inside :class:`CocMoeBlockSequenceParallel` with a
         sequence-sharded input, this rank's tokens; the result is laid out as ``hidden``."""
         check_plain_expert_inputs(self._style, hidden, top_k_weights)
-        weights = (_local(module.gate_up_proj), _local(module.down_proj))
+        weights = (local_of(module.gate_up_proj), local_of(module.down_proj))
         return self._experts(mesh, module, (hidden, top_k_index, top_k_weights), weights)
 
     def _experts(self, mesh: DeviceMesh, module: nn.Module, tokens: tuple, weights: tuple) -> torch.Tensor:
@@ -166,7 +166,7 @@ class _ExpertsStyle(ParallelStyle):
         return f"{type(self).__name__}()"
 
 
-class CocMoeExpertsParallel(_ExpertsStyle):
+class CocMoeExpertsParallel(ExpertsStyle):
     """transformers' ``"moe_tp_experts"`` (with ``"packed_colwise"`` on ``gate_up_proj`` and ``"rowwise"`` on
     ``down_proj``) on the CoC MoE ops (module docstring). Parameters: ``gate_up_proj``
     ``_StridedShard(1, split_factor=2)``, ``down_proj`` ``Shard(2)``, the placements transformers' own TP gives,
@@ -174,35 +174,35 @@ class CocMoeExpertsParallel(_ExpertsStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         check_experts_module(module, device_mesh.size())
-        if _StridedShard is None:  # pragma: no cover
+        if StridedShard is None:  # pragma: no cover
             raise RuntimeError("moe_tp_experts needs torch's _StridedShard placement (torch >= 2.5)")
         strided_load.install()
-        _distribute(module, "gate_up_proj", device_mesh, _StridedShard(1, split_factor=2), self.src_data_rank)
-        _distribute(module, "down_proj", device_mesh, Shard(2), self.src_data_rank)
+        distribute_param(module, "gate_up_proj", device_mesh, StridedShard(1, split_factor=2), self.src_data_rank)
+        distribute_param(module, "down_proj", device_mesh, Shard(2), self.src_data_rank)
         module._coc_tokens_sharded = False
-        return _install(module, functools.partial(self._forward, device_mesh))
+        return install_forward(module, functools.partial(self._forward, device_mesh))
 
     _style = "moe_tp_experts"
 
     def _experts(self, mesh: DeviceMesh, module: nn.Module, tokens: tuple, weights: tuple) -> torch.Tensor:
         (hidden, top_k_index, top_k_weights), (gate_up, down) = tokens, weights
-        group = _group(mesh)
+        group = mesh_group(mesh)
         if module._coc_tokens_sharded:
             # The ops combine every rank's tokens on every rank: the top-k weights of all of them, gathered.
             y, routing = kernels.all_gather_grouped_matmul(hidden, top_k_index, gate_up, group=group)
-            tw = _GatherRows.apply(top_k_weights, group)
-            return kernels.grouped_matmul_reduce_scatter(_gate(module, y), down, routing, tw, group=group)
+            tw = GatherRows.apply(top_k_weights, group)
+            return kernels.grouped_matmul_reduce_scatter(apply_gate(module, y), down, routing, tw, group=group)
         count, world = hidden.shape[0], mesh.size()
         pad = (-count) % world
         if pad:
             # Zero rows with zero weights: their products are exact zeros and their output rows are dropped.
             hidden, top_k_weights = F.pad(hidden, (0, 0, 0, pad)), F.pad(top_k_weights, (0, 0, 0, pad))
             top_k_index = F.pad(top_k_index, (0, 0, 0, pad))
-        mine = _SplitRows.apply(hidden, group)
+        mine = SplitRows.apply(hidden, group)
         ids = top_k_index.chunk(world)[mesh.get_local_rank()].contiguous()
         y, routing = kernels.all_gather_grouped_matmul(mine, ids, gate_up, group=group)
-        out = kernels.grouped_matmul_reduce_scatter(_gate(module, y), down, routing, top_k_weights, group=group)
-        return _GatherRows.apply(out, group)[:count]
+        out = kernels.grouped_matmul_reduce_scatter(apply_gate(module, y), down, routing, top_k_weights, group=group)
+        return GatherRows.apply(out, group)[:count]
 
 
 class CocMoeBlockSequenceParallel(ParallelStyle):
@@ -244,10 +244,10 @@ class CocMoeBlockSequenceParallel(ParallelStyle):
                     requires_grad=param.requires_grad,
                 ),
             )
-        return _install(module, functools.partial(self._forward, device_mesh, module.forward))
+        return install_forward(module, functools.partial(self._forward, device_mesh, module.forward))
 
     def _forward(self, mesh: DeviceMesh, inner: Any, module: nn.Module, x: torch.Tensor, *args: Any, **kw: Any):
-        group = _group(mesh)
+        group = mesh_group(mesh)
         if isinstance(x, DTensor):
             if isinstance(x.placements[0], Partial):
                 x = x.redistribute(placements=[Replicate()])
@@ -261,7 +261,7 @@ class CocMoeBlockSequenceParallel(ParallelStyle):
             for owner, pname, p in params:
                 local = p.to_local()
                 # Bypasses Module.__setattr__: the forward reads a plain tensor for one call.
-                owner._parameters[pname] = _AllReduceGrad.apply(local, group) if sharded else local
+                owner._parameters[pname] = AllReduceGrad.apply(local, group) if sharded else local
             module.experts._coc_tokens_sharded = sharded
             y = inner(x, *args, **kw)
         finally:
@@ -289,7 +289,7 @@ def _replicated_params(block: nn.Module) -> list[tuple[nn.Module, str, torch.Ten
     return found
 
 
-def _matches(name: str, key: str) -> bool:
+def plan_key_matches(name: str, key: str) -> bool:
     atoms, pats = name.split("."), key.split(".")
     return len(atoms) == len(pats) and all(fnmatch.fnmatch(a, p) for a, p in zip(atoms, pats, strict=True))
 
@@ -319,7 +319,7 @@ def check_moe_plan(model: nn.Module, strings: dict[str, str], world: int) -> Non
     """Every ``"moe_tp_experts"`` module of ``model`` can be sharded over ``world`` ranks (before anything is)."""
     keys = [k for k, s in strings.items() if s == "moe_tp_experts"]
     for name, module in model.named_modules():
-        key = next((k for k in keys if _matches(name, k)), None)
+        key = next((k for k in keys if plan_key_matches(name, k)), None)
         if key is not None:
             check_experts_module(module, world, where=f"{name}, plan key {key!r}")
 

@@ -37,8 +37,8 @@ import kernels
 from kernels.ops.grouped_matmul import grouped_matmul_grads
 
 from . import comm
-from .moe import _ExpertsStyle, _gate, _GatherRows, _matches, _SplitRows, check_experts_module
-from .styles import _distribute, _group, _install
+from .moe import ExpertsStyle, GatherRows, SplitRows, apply_gate, check_experts_module, plan_key_matches
+from .styles import distribute_param, install_forward, mesh_group
 
 _STYLE = "ep_dispatch_experts"
 
@@ -105,16 +105,16 @@ def coc_ep_forward(
             # Zero rows with zero weights: their products are exact zeros and their output rows are dropped.
             hidden, top_k_weights = F.pad(hidden, (0, 0, 0, pad)), F.pad(top_k_weights, (0, 0, 0, pad))
             top_k_index = F.pad(top_k_index, (0, 0, 0, pad))
-        hidden, top_k_weights = _SplitRows.apply(hidden, split_group), _SplitRows.apply(top_k_weights, split_group)
+        hidden, top_k_weights = SplitRows.apply(hidden, split_group), SplitRows.apply(top_k_weights, split_group)
         top_k_index = top_k_index.chunk(world)[comm.rank_of(split_group)].contiguous()
     # The first expert GEMM rides on the dispatch: the chunked backend multiplies each piece as it lands.
     y, handle = kernels.moe_dispatch_grouped_matmul(
         hidden, top_k_index, top_k_weights, num_experts, gate_up, group=ep_group
     )
-    out = _grouped_linear(_gate(module, y), down, handle.expert_offsets)
+    out = _grouped_linear(apply_gate(module, y), down, handle.expert_offsets)
     combined = kernels.moe_combine(out, handle)
     if world > 1:
-        return _GatherRows.apply(combined, split_group)[:count]
+        return GatherRows.apply(combined, split_group)[:count]
     return combined
 
 
@@ -137,7 +137,7 @@ def check_ep_experts(module: nn.Module, world: int, where: str = "") -> None:
         )
 
 
-class CocEpDispatchExpertsParallel(_ExpertsStyle):
+class CocEpDispatchExpertsParallel(ExpertsStyle):
     """transformers' ``"ep_dispatch_experts"`` (with ``"grouped_gemm"`` on ``gate_up_proj`` and ``down_proj``) on
     the CoC expert-parallel ops (module docstring). Parameters: ``gate_up_proj`` and ``down_proj`` ``Shard(0)``
     (rank r holds experts ``[r E / W, (r + 1) E / W)``), the placements transformers' ``grouped_gemm`` gives, so
@@ -145,15 +145,15 @@ class CocEpDispatchExpertsParallel(_ExpertsStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         check_ep_experts(module, device_mesh.size())
-        _distribute(module, "gate_up_proj", device_mesh, Shard(0), self.src_data_rank)
-        _distribute(module, "down_proj", device_mesh, Shard(0), self.src_data_rank)
+        distribute_param(module, "gate_up_proj", device_mesh, Shard(0), self.src_data_rank)
+        distribute_param(module, "down_proj", device_mesh, Shard(0), self.src_data_rank)
         module._coc_tokens_sharded = False
-        return _install(module, functools.partial(self._forward, device_mesh))
+        return install_forward(module, functools.partial(self._forward, device_mesh))
 
     _style = _STYLE
 
     def _experts(self, mesh: DeviceMesh, module: nn.Module, tokens: tuple, weights: tuple) -> torch.Tensor:
-        group = _group(mesh)
+        group = mesh_group(mesh)
         split = None if module._coc_tokens_sharded else group
         return coc_ep_forward(module, tokens, weights, ep_group=group, split_group=split)
 
@@ -182,7 +182,7 @@ def check_ep_plan(model: nn.Module, strings: dict[str, str], world: int) -> None
     anything is sharded)."""
     keys = [k for k, s in strings.items() if s == _STYLE]
     for name, module in model.named_modules():
-        key = next((k for k in keys if _matches(name, k)), None)
+        key = next((k for k in keys if plan_key_matches(name, k)), None)
         if key is not None:
             check_ep_experts(module, world, where=f"{name}, plan key {key!r}")
 

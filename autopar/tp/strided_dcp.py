@@ -35,7 +35,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-from .hf_load import _index_runs
+from .hf_load import index_runs
 
 try:  # private, stable since 2.5
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -80,7 +80,7 @@ def _boxes_for(shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement,
     per_dim = []
     for dim in range(len(shape)):
         runs, local = [], 0
-        for start, length in _index_runs(_held(shape[dim], dim, len(shape), mesh, placements)):
+        for start, length in index_runs(_held(shape[dim], dim, len(shape), mesh, placements)):
             runs.append((start, length, local))
             local += length
         per_dim.append(runs)

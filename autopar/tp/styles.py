@@ -36,7 +36,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import comm, decode, strided_load
 from .comm import GatherFromTensorParallelRegion, ScatterToTensorParallelRegion
-from .forward import _column_settings
+from .forward import column_settings
 from .fp8 import Fp8Recipe, Fp8WeightCache, resolve_recipe
 from .functions import (
     ColumnParallelLinearFunction,
@@ -48,9 +48,9 @@ from .options import LinearOptions
 from .shared_gather import SharedGather, sharing_applies
 
 try:  # torch's layout for weights packed along a sharded dim (q/k/v in one GEMM); private, stable since 2.5
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 except ImportError:  # pragma: no cover
-    _StridedShard = None
+    StridedShard = None
 
 _warned: set[str] = set()
 
@@ -61,7 +61,7 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def _group(mesh: DeviceMesh) -> dist.ProcessGroup:
+def mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     if mesh.ndim != 1:
         raise ValueError(
             f"the CoC styles take a 1-D tensor-parallel mesh (mesh['tp'] of a larger one), got a {mesh.ndim}-D mesh "
@@ -94,7 +94,7 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_of(t: torch.Tensor) -> torch.Tensor:
     # Differentiable: the gradient of the local piece becomes the DTensor's gradient (its placements).
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -128,11 +128,11 @@ def _vocab_start(num_embeddings: int, world: int, rank: int) -> int:
 
 def _linear_weight(module: nn.Module) -> torch.Tensor:
     """The local weight in ``F.linear`` layout ``[n, k]``."""
-    w = _local(module.weight)
+    w = local_of(module.weight)
     return w.t() if is_conv1d(module) else w
 
 
-class _AllReduceGrad(torch.autograd.Function):
+class AllReduceGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the group.
 
     For a replicated parameter applied to sequence-sharded rows: each rank's gradient covers its
@@ -213,7 +213,7 @@ def _sequence_layout(seq_dim: int, y_shape: torch.Size, world: int, who: str) ->
     return None, Replicate()
 
 
-def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None):
+def distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None):
     param = module._parameters.get(name)
     if param is None:
         return
@@ -226,7 +226,7 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placement: Place
     )
 
 
-def _install(module: nn.Module, forward: Any) -> nn.Module:
+def install_forward(module: nn.Module, forward: Any) -> nn.Module:
     module.forward = functools.partial(forward, module)
     return module
 
@@ -244,7 +244,7 @@ def _options(module: nn.Module, recipe: Fp8Recipe | None, group: dist.ProcessGro
         # The Functions see the weight's local shard, which in-place updates of the DTensor leave at version
         # 0; the cache must follow the parameter the module holds now (a re-tied head holds another).
         cache.track(module.weight)
-    recompute, coc_in_backward = _column_settings()
+    recompute, coc_in_backward = column_settings()
     return LinearOptions(
         group=group,
         seq_dim=seq_dim,
@@ -301,22 +301,22 @@ class CocColwiseParallel(ParallelStyle):
             )
         wdim = 1 if is_conv1d(module) else 0
         if self.packed > 1:
-            if _StridedShard is None:
+            if StridedShard is None:
                 raise RuntimeError("packed > 1 needs torch's _StridedShard placement (torch >= 2.5)")
             strided_load.install()
-            _distribute(
-                module, "weight", device_mesh, _StridedShard(wdim, split_factor=self.packed), self.src_data_rank
+            distribute_param(
+                module, "weight", device_mesh, StridedShard(wdim, split_factor=self.packed), self.src_data_rank
             )
-            _distribute(module, "bias", device_mesh, _StridedShard(0, split_factor=self.packed), self.src_data_rank)
+            distribute_param(module, "bias", device_mesh, StridedShard(0, split_factor=self.packed), self.src_data_rank)
         else:
-            _distribute(module, "weight", device_mesh, Shard(wdim), self.src_data_rank)
-            _distribute(module, "bias", device_mesh, Shard(0), self.src_data_rank)
+            distribute_param(module, "weight", device_mesh, Shard(wdim), self.src_data_rank)
+            distribute_param(module, "bias", device_mesh, Shard(0), self.src_data_rank)
         _attach_fp8(module, self.fp8)
         module._coc_style = self
-        return _install(module, functools.partial(self._forward, device_mesh))
+        return install_forward(module, functools.partial(self._forward, device_mesh))
 
     def _forward(self, mesh: DeviceMesh, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        group = _group(mesh)
+        group = mesh_group(mesh)
         link = sharing_applies(module)
         source = x
         if link is not None:
@@ -331,11 +331,11 @@ class CocColwiseParallel(ParallelStyle):
         else:
             layout = self.input_layouts[0]
         weight = _linear_weight(module)
-        bias = _local(module.bias) if module.bias is not None else None
+        bias = local_of(module.bias) if module.bias is not None else None
         d = _dim(layout, x.dim())
         if link is not None and link.idle and d is not None and d != x.dim() - 1:
             params = [_linear_weight(m) for m in link.members]
-            params += [_local(m.bias) if m.bias is not None else None for m in link.members]
+            params += [local_of(m.bias) if m.bias is not None else None for m in link.members]
             members = tuple(_options(m, m._coc_style.fp8, group, d) for m in link.members)
             y = link.compute(module, source, x, params, members)
             return _wrap(y, mesh, self.output_layouts[0], self.use_local_output)
@@ -406,8 +406,8 @@ class CocRowwiseParallel(ParallelStyle):
         world = device_mesh.size()
         if isinstance(module, nn.Embedding):
             _check_embedding(module)
-            _distribute(module, "weight", device_mesh, Shard(0), self.src_data_rank)
-            return _install(module, functools.partial(self._embedding_forward, device_mesh, module.forward))
+            distribute_param(module, "weight", device_mesh, Shard(0), self.src_data_rank)
+            return install_forward(module, functools.partial(self._embedding_forward, device_mesh, module.forward))
         if not (isinstance(module, nn.Linear) or is_conv1d(module)):
             raise NotImplementedError(
                 "CocRowwiseParallel shards nn.Linear, transformers' Conv1D and nn.Embedding, "
@@ -417,13 +417,13 @@ class CocRowwiseParallel(ParallelStyle):
         k = module.weight.shape[0] if is_conv1d(module) else module.in_features
         if k % world != 0:
             raise ValueError(f"CocRowwiseParallel: in_features={k} must divide by the mesh size W={world}")
-        _distribute(module, "weight", device_mesh, Shard(0 if is_conv1d(module) else 1), self.src_data_rank)
-        _distribute(module, "bias", device_mesh, Replicate(), self.src_data_rank)
+        distribute_param(module, "weight", device_mesh, Shard(0 if is_conv1d(module) else 1), self.src_data_rank)
+        distribute_param(module, "bias", device_mesh, Replicate(), self.src_data_rank)
         _attach_fp8(module, self.fp8)
-        return _install(module, functools.partial(self._forward, device_mesh))
+        return install_forward(module, functools.partial(self._forward, device_mesh))
 
     def _forward(self, mesh: DeviceMesh, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        group = _group(mesh)
+        group = mesh_group(mesh)
         world = mesh.size()
         if isinstance(x, DTensor):
             if _dim(x.placements[0], x.dim()) != x.dim() - 1:
@@ -437,7 +437,7 @@ class CocRowwiseParallel(ParallelStyle):
                 "takes its input sharded on the last dim (Shard(-1)) or replicated"
             )
         weight = _linear_weight(module)
-        bias = _local(module.bias) if module.bias is not None else None
+        bias = local_of(module.bias) if module.bias is not None else None
         out = self.output_layouts[0]
         d = _dim(out, x.dim())
         if d is not None and d != x.dim() - 1:
@@ -453,7 +453,7 @@ class CocRowwiseParallel(ParallelStyle):
             y = RowParallelLinearFunction.apply(x, weight, bias, _options(module, self.fp8, group, 0))
         else:
             if bias is not None:
-                bias = _AllReduceGrad.apply(bias, group)
+                bias = AllReduceGrad.apply(bias, group)
             y = RowParallelLinearSPFunction.apply(x, weight, bias, _options(module, self.fp8, group, d))
         return _wrap(y, mesh, out, self.use_local_output)
 
@@ -464,10 +464,10 @@ class CocRowwiseParallel(ParallelStyle):
         them looked up as row 0 and their outputs zeroed, then the partial outputs summed over the mesh:
         each token is kept by the one rank that holds its row, so what the forward does to each token after
         the lookup (Gemma's ``embed_scale``) is kept."""
-        group = _group(mesh)
+        group = mesh_group(mesh)
         world, rank = mesh.size(), mesh.get_local_rank()
         ids = ids.full_tensor() if isinstance(ids, DTensor) else ids
-        weight = _local(module.weight)
+        weight = local_of(module.weight)
         lo = _vocab_start(module.num_embeddings, world, rank)
         outside = (ids < lo) | (ids >= lo + weight.shape[0])
         local_ids = (ids - lo).masked_fill(outside, 0)
@@ -527,12 +527,12 @@ class CocSequenceParallel(ParallelStyle):
                     requires_grad=param.requires_grad,
                 ),
             )
-        return _install(module, functools.partial(self._forward, device_mesh, module.forward))
+        return install_forward(module, functools.partial(self._forward, device_mesh, module.forward))
 
     def _forward(
         self, mesh: DeviceMesh, inner: Any, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
-        group = _group(mesh)
+        group = mesh_group(mesh)
         if isinstance(x, DTensor):
             if isinstance(x.placements[0], Partial):
                 x = x.redistribute(placements=[Replicate()])
@@ -547,7 +547,7 @@ class CocSequenceParallel(ParallelStyle):
                 if isinstance(p, DTensor):
                     local = p.to_local()
                     # Bypasses Module.__setattr__: the forward reads a plain tensor for one call.
-                    module._parameters[name] = _AllReduceGrad.apply(local, group) if sharded else local
+                    module._parameters[name] = AllReduceGrad.apply(local, group) if sharded else local
             y = inner(x, *args, **kwargs)
         finally:
             module._parameters.update(saved)

@@ -80,15 +80,13 @@ def operand_format(case: Case) -> Any:
 
 
 def public_op(case: Case) -> str:
-    """The name of the public function of ``kernels`` the case calls (``kernels.call.PUBLIC_NAMES``)."""
-    from kernels.call import PUBLIC_NAMES
-
-    return PUBLIC_NAMES[(OP_COLLECTIVE[case.op], case.kind)]
+    """The name of the public function of ``kernels`` the case calls."""
+    return public_functions()[(OP_COLLECTIVE[case.op], case.kind)].__name__
 
 
 @functools.cache
 def public_functions() -> dict[tuple[str, str], Callable[..., torch.Tensor]]:
-    """(collective, format kind) -> the public function of ``kernels`` (the keys of ``kernels.call.PUBLIC_NAMES``).
+    """(collective, format kind) -> the public function of ``kernels``.
     Built on first use: importing ``kernels`` imports triton, which must see TRITON_INTERPRET first."""
     import kernels
 
@@ -128,11 +126,11 @@ def _powers(g: torch.Generator, *shape: int) -> torch.Tensor:
 
 
 def operands(case: Case, shape: tuple[int, int, int], g: torch.Generator, device: torch.device) -> Any:
-    """``kernels.call.Operands`` of one GEMM ``[m, k] x [n, k]`` in the case's format, values scaled so
+    """``kernels.ops.gemm.Operands`` of one GEMM ``[m, k] x [n, k]`` in the case's format, values scaled so
     outputs are O(1). FP8: x and w carry power-of-2 magnitudes per row and per 128 columns (w per 128 x
     128 block), so that a misread scale layout fails the checks; int8: ``kernels.quantize_weight``."""
     import kernels
-    from kernels.call import Operands
+    from kernels.ops.gemm import Operands
 
     m, k, n = shape
     x = torch.randn(m, k, generator=g)

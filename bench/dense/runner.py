@@ -33,7 +33,7 @@ from bench.harness.timing import Stats, Timer
 from bench.model import dense as perf_model
 
 if TYPE_CHECKING:
-    from kernels.call import Operands
+    from kernels.ops.gemm import Operands
 
 
 @dataclass
@@ -152,7 +152,7 @@ def magnitude_bound(case: Case, inputs: Operands, rank: int, world: int) -> torc
 
 
 def make_inputs(case: Case, rank: int, seed: int, device: torch.device) -> Operands:
-    """This rank's operands of one case (``kernels.call.Operands`` in the case's format, from
+    """This rank's operands of one case (``kernels.ops.gemm.Operands`` in the case's format, from
     :func:`bench.dense.formats.operands`); x differs per rank, values scaled so outputs are O(1)."""
     g = torch.Generator().manual_seed(seed * 7919 + rank)
     m, k = case.x_shape

@@ -1,7 +1,7 @@
 """Performance model of the mixture-of-experts ops: PREDICTED times, never measurements.
 
 It extends :mod:`bench.model.dense` (same link models, same pipeline recurrences) to the ops of
-:mod:`kernels.ops.moe` and :mod:`kernels.ops.moe_ep`. Routing is modelled as balanced (every expert gets
+:mod:`kernels.ops.moe` and :mod:`kernels.ops.moe.ep`. Routing is modelled as balanced (every expert gets
 ``rows / E`` rows); the routing computation itself (an argsort of the ids) is not modelled.
 
 * Grouped GEMM ``[rows, k] x [E, n, k]``: on a GPU a roofline (:func:`grouped_roofline`): the tiles of

@@ -101,12 +101,12 @@ def skip_reason(model_type: str) -> str | None:
     swept (their ``moe_tp_experts`` plans run on the CoC MoE ops; expert-parallel strings are refused by name)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from autopar.tp.hf import _BUILTIN_PLANS
+    from autopar.tp.hf import BUILTIN_PLANS
 
     _transformers()
     cls = CONFIG_MAPPING[model_type]
     plan = getattr(cls, "base_model_tp_plan", None) or {}
-    if not plan and model_type not in _BUILTIN_PLANS:
+    if not plan and model_type not in BUILTIN_PLANS:
         return "no tp_plan"
     if getattr(cls, "is_encoder_decoder", False):
         return "encoder-decoder"

@@ -90,8 +90,9 @@ CPU_GROUP_SIZE = 16
 
 def cpu_cases() -> list[Case]:
     """The interpreter's cases: every format of :func:`gpu_cases`, plain in bf16 only, int8 weights
-    with fp16 activations (the interpreter converts fp32 to bf16 by truncation, ``kernels/fused/tile.py``,
-    so its bf16 dequantized weight tiles differ from ``kernels.quant.dequantize``'s by an ulp) and
+    with fp16 activations (chosen when the interpreter converted fp32 to bf16 by truncation, so that its bf16
+    dequantized weight tiles differed from ``kernels.quant.dequantize``'s by an ulp; it now rounds as the
+    reference does, ``kernels/fused/interpreter_compat.py``) and
     per_group of :data:`CPU_GROUP_SIZE`, so ``--allow-cpu`` runs each format's path end to end."""
     from kernels.format import PLAIN, fp8, int8
 
@@ -225,9 +226,9 @@ def _fp8_problem(case: Case, x: torch.Tensor, w: torch.Tensor) -> Problem:
     the tensor-core sums at Hopper's precision on a GPU, fp32's under the interpreter), the bound of
     the FP8 tests; the baseline is ``torch._scaled_mm`` where this torch runs the mode's scales."""
     from bench.dense import formats
-    from kernels.call import Operands
     from kernels.fp8.numerics import HOPPER_FP8_ACCUMULATOR, U32, op_error_bound
     from kernels.fp8.quantize import expand_scale, quantize_fp8
+    from kernels.ops.gemm import Operands
 
     x_mode, w_mode = formats.FP8_QUANT_MODES[case.fmt.mode]
     xq, xs = quantize_fp8(x, mode=x_mode, dtype=case.dtype)
@@ -266,8 +267,8 @@ def _int8_problem(case: Case, x: torch.Tensor, w: torch.Tensor) -> Problem:
     """int8 weights (w8A16, ``kernels.quantize_weight`` of ``case.fmt.mode``), x in ``case.dtype``: the
     core computes ``x @ dequant(w).T`` with the dequantized weight rounded to x's dtype, so cuBLAS on
     that weight is both the reference (within :func:`rounding_bound`) and the baseline."""
-    from kernels.call import Operands
     from kernels.format import dequantize_weight
+    from kernels.ops.gemm import Operands
     from kernels.quant import quantize_weight
 
     fmt = case.fmt

@@ -1,6 +1,6 @@
 """Fused backend: Triton kernels that read and write peer memory through a symmetric heap.
 
-One module per pattern, each taking one call and its operands (:mod:`kernels.call`), for every
+One module per pattern, each taking one call and its operands (:mod:`kernels.ops.gemm`), for every
 operand format (:mod:`kernels.format`): :func:`all_gather.run`, :func:`scatter.run` (reduce-scatter),
 :func:`all_reduce.run` and :func:`matmul.run` (local); the ops layer (``kernels/ops``) calls them as the
 ``"fused"`` backend. :func:`unavailable_reason` says whether they can run on a group; :func:`check_errors`
@@ -66,7 +66,7 @@ def unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) ->
         return _REASONS[key][1]
     if runtime.capturing(device):
         # The answer needs a collective (and then the heap's creation, more): neither can be captured.
-        runtime._refuse_capture("call", None, 0)
+        runtime.refuse_capture("call", None, 0)
     reason: str | None = None
     if device.type == "cuda":
         try:

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..call import OpCall, Operands
 from ..format import OperandFormat
+from ..ops.gemm import GemmCall, Operands
 from . import matmul, runtime, signals
 from .blocks import BlockConfig, block_config, chunk_rows, dot_math, kernel_format, scale_rows, w_operand, x_operand
 from .matmul import ROUNDING
@@ -329,7 +329,7 @@ def _gemm(call: runtime.FusedCall, fmt: OperandFormat, ops: Operands, layout: tu
     return y, x_gathered, scales
 
 
-def run(call: OpCall, ops: Operands) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+def run(call: GemmCall, ops: Operands) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
     """Fused all-gather + GEMM of every weight over the group's symmetric heap (one gather).
 
     ``ops.x`` as the caller passed it (any leading dims, ``m_local`` rows of ``k``, the same on every
@@ -356,7 +356,7 @@ def run(call: OpCall, ops: Operands) -> tuple[list[torch.Tensor], torch.Tensor |
 
 
 def all_gather(
-    call: OpCall, ops: Operands, outer: int, described: Operands
+    call: GemmCall, ops: Operands, outer: int, described: Operands
 ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
     """:func:`run` on 2-D ``ops`` (x's rows) whose ``outer`` row blocks are gathered on their own;
     ``described``: the operands the call descriptor describes (the caller's shapes)."""
@@ -375,10 +375,10 @@ def all_gather(
     data_bytes = payload if not fmt.scaled_rows else scale_base(payload) * 4 + w * m_local * fmt.scale_cols(k) * 4
     # The later weights multiply the gathered rows: they are stored whatever the caller asked for.
     store = call.return_gathered or len(ops.weights) > 1
-    descriptor = call.descriptor(described)
+    descriptor = runtime.describe(call, described)
     # The call check waits for every peer's descriptor of this epoch, which each peer publishes
     # only after its previous call's kernels finished: its gather buffer is free to overwrite.
-    with runtime.fused_call(call.op_name, group, x.device, data_bytes, descriptor) as fc:
+    with runtime.fused_call(call.op, group, x.device, data_bytes, descriptor) as fc:
         n = ops.weights[0].shape[0]
         cfg: BlockConfig = block_config(fmt, x.device, m_local, k, dtype=x.dtype, op="all_gather_matmul", n=n)
         chunk = chunk_rows(x.device, m_local)

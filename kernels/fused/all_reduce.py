@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..call import OpCall, Operands
+from ..ops.gemm import GemmCall, Operands
 from . import matmul, runtime, signals
 from .blocks import BlockConfig, block_config
 from .scatter import Partials, reduce_slots, slot_stride, slot_tile
@@ -40,10 +40,11 @@ ALGORITHMS = ("auto", "one_shot", "two_shot")
 def _gather_rows_kernel(
     heap, OUT, dims, rank, target: tl.int64, timeout: tl.int64, TILE: tl.constexpr, PROTO: tl.constexpr
 ):
-    # heap = (data table, signal table, O region's base, AR offset); OUT = (out, stride_om, stride_on);
+    # heap = (data table, signal table, O region's base, AR offset); OUT = (out, stride_om, stride_on, residual,
+    # stride_rm, stride_rn): residual None, or this rank's rows added to the reduced ones (fp32 or fp64 out);
     # dims = (M, N, LD, ROWS_OWN); TILE = (BLOCK_M, BLOCK_N); PROTO = (WORLD, CHANNEL, USE_GLOBALTIMER).
     data_tab_ptr, sig_tab_ptr, o_base, ar_offset = heap
-    out_ptr, stride_om, stride_on = OUT
+    out_ptr, stride_om, stride_on, res_ptr, stride_rm, stride_rn = OUT
     M, N, LD, ROWS_OWN = dims
     BLOCK_M: tl.constexpr = TILE[0]
     BLOCK_N: tl.constexpr = TILE[1]
@@ -72,6 +73,12 @@ def _gather_rows_kernel(
         o_local = signals.peer_ptr(data_tab_ptr, rank, out_ptr.dtype.element_ty) + tl.multiple_of(o_base, 8)
         o_offs, col_mask = slot_tile(offs_m, offs_n, LD)
         rows = tl.load(o_local + o_offs, mask=mask_m[:, None] & col_mask)
+        if res_ptr is not None:
+            # The add the one-shot reduce makes after the rank-order sum and bias: the same bits, with this rank's
+            # own residual (as one-shot and the sequential reference add it).
+            res_offs = offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
+            res_mask = mask_m[:, None] & (offs_n < N)[None, :]
+            rows += tl.load(res_ptr + res_offs, mask=res_mask, other=0.0).to(rows.dtype)
         tl.store(
             out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
             rows,
@@ -84,7 +91,9 @@ def tile_rows(algorithm: str, m: int, world_size: int) -> int:
     return m if algorithm == "one_shot" else triton.cdiv(m, world_size)
 
 
-def run(call: OpCall, ops: Operands, algorithm: str = "auto", *, residual: torch.Tensor | None = None) -> torch.Tensor:
+def run(
+    call: GemmCall, ops: Operands, algorithm: str = "auto", *, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """Fused GEMM + all-reduce of one weight over the group's symmetric heap: ``[m, n]``, the same bits
     on every rank.
 
@@ -111,7 +120,7 @@ def run(call: OpCall, ops: Operands, algorithm: str = "auto", *, residual: torch
 
 
 def all_reduce(
-    call: OpCall, ops: Operands, algorithm: str, described: Operands, *, residual: torch.Tensor | None = None
+    call: GemmCall, ops: Operands, algorithm: str, described: Operands, *, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """:func:`run` on 2-D ``ops`` (x's rows); ``described``: the operands the call descriptor describes."""
     if algorithm not in ALGORITHMS:
@@ -138,10 +147,8 @@ def all_reduce(
         # m and n are in the checked descriptor: every rank picks the same algorithm.
         algorithm = "one_shot" if m * n * size <= ONE_SHOT_MAX_BYTES else "two_shot"
     cfg = block_config(call.fmt, x.device, tile_rows(algorithm, m, w), k, dtype=x.dtype, op="matmul_all_reduce", n=n)
-    descriptor = call.descriptor(described, tiles=(cfg.block_m, cfg.block_n))
-    out = all_reduce_partials(
-        call.op_name, group, Partials(call.fmt, ops, cfg, residual=residual), algorithm, descriptor
-    )
+    descriptor = runtime.describe(call, described, (cfg.block_m, cfg.block_n))
+    out = all_reduce_partials(call.op, group, Partials(call.fmt, ops, cfg, residual=residual), algorithm, descriptor)
     if residual is not None:
         return out
     # FP8: the single rounding; every rank rounds the same fp32 bits.
@@ -200,15 +207,23 @@ def all_reduce_partials(
         target = partials.produce(call, rows_own, False)
         first = min(m, call.rank * rows_own)
         rows_valid = min(rows_own, m - first)
-        owned = None if residual is None else residual[first : first + rows_valid]
-        # ``out`` is only a dtype/stride carrier here: the reduced rows go to every rank's O region.
-        ar_target = reduce(call, out, bias, (rows_own, rows_valid), target, push_base=slots, residual=owned)
+        # ``out`` is only a dtype/stride carrier here: the reduced rows go to every rank's O region. The owner
+        # adds no residual: each rank adds its own as it gathers the rows, as one-shot and the sequential reference
+        # do, so a residual that differs between ranks gives the same result whichever algorithm the size picks.
+        ar_target = reduce(call, out, bias, (rows_own, rows_valid), target, push_base=slots)
         heap = call.heap
         grid = (w * triton.cdiv(rows_own, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         if grid[0] > 0:
             _gather_rows_kernel[grid](
                 (heap.data_ptrs, heap.sig_ptrs, slots, signals.channel_offset(signals.CH_AR, w)),
-                (out, out.stride(0), out.stride(1)),
+                (
+                    out,
+                    out.stride(0),
+                    out.stride(1),
+                    residual,
+                    0 if residual is None else residual.stride(0),
+                    0 if residual is None else residual.stride(1),
+                ),
                 (m, n, slot_stride(n), rows_own),
                 call.rank,
                 ar_target,

@@ -36,7 +36,6 @@ from . import runtime, signals
 from .all_reduce import all_reduce_partials
 from .blocks import BlockConfig
 from .scatter import push_tile, scatter_tile, slot_stride, tiles
-from .tile import round_to
 
 # Rows and columns of a push / reduce tile (small m: decode steps of 1 to 256 tokens).
 _CPU_BLOCKS = BlockConfig(block_m=8, block_n=32, block_k=16, num_warps=1, num_stages=1, ag_splits=1, group_m=1)
@@ -87,9 +86,7 @@ def _rmsnorm_kernel(
         mask = mask_m[:, None] & (offs_n < N)[None, :]
         h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :], mask=mask, other=0.0)
         acc += h * h
-        tl.store(
-            res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], round_to(h, res_ptr.dtype.element_ty), mask=mask
-        )
+        tl.store(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], h.to(res_ptr.dtype.element_ty), mask=mask)
     rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / N + eps)
     if QUANT == 2:
         # The row's amax needs every column before the first store: a pass for it, then y32 recomputed (the
@@ -125,11 +122,9 @@ def _rmsnorm_kernel(
             if QUANT == 1:
                 y = h * rstd[:, None] * w[None, :]
             else:
-                normed = round_to(h * rstd[:, None], y_ptr.dtype.element_ty).to(h.dtype)
+                normed = (h * rstd[:, None]).to(y_ptr.dtype.element_ty).to(h.dtype)
                 y = normed * w[None, :]
-            tl.store(
-                y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], round_to(y, y_ptr.dtype.element_ty), mask=mask
-            )
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

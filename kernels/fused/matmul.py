@@ -16,15 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..call import OpCall, Operands
 from ..format import PLAIN, OperandFormat
+from ..ops.gemm import GemmCall, Operands
 from . import gemm_persistent, tuned
 from .blocks import NARROW_BLOCK_K, BlockConfig, block_config, dot_math, kernel_format, w_operand, x_operand
 from .gemm_configs import GemmConfig
-from .tile import CAST, ROUND_FIRST, ROUND_NEAREST, grouped_tile, store_tile, tile_matmul
+from .tile import CAST, ROUND_FIRST, grouped_tile, store_tile, tile_matmul
 
 # The epilogue of each format (tile.store_tile).
-ROUNDING = {"plain": CAST, "int8": ROUND_FIRST, "fp8": ROUND_NEAREST}
+ROUNDING = {"plain": CAST, "int8": ROUND_FIRST, "fp8": CAST}
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def blocks_before(x: torch.Tensor, dim: int) -> int:
     return outer if outer > 0 else 1
 
 
-def run(call: OpCall, ops: Operands) -> list[torch.Tensor]:
+def run(call: GemmCall, ops: Operands) -> list[torch.Tensor]:
     """The local GEMM of every weight of ``ops`` on x's rows (no communication): ``[m, n_i]`` each, in
     ``call.out_dtype`` or x's dtype."""
     local = row_operands(ops)

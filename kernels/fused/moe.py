@@ -1,5 +1,5 @@
 """Fused tensor-parallel MoE over the symmetric heap: all-gather + grouped GEMM, grouped GEMM + top-k combine +
-reduce-scatter (the ``"fused"`` backend of :mod:`kernels.ops.moe`).
+reduce-scatter (the ``"fused"`` backend of :mod:`kernels.ops.moe.tp`).
 
 Both reuse the dense fused ops' protocol and kernels: the call check of :func:`runtime.fused_call`, the grouped
 GEMM of :mod:`grouped`, the all-gather's push kernel and flags (:mod:`all_gather`), the reduce-scatter's slot
@@ -16,7 +16,7 @@ as the other backends move them: packed with their scales (:func:`kernels.format
    do: as fp32, exact for ids below 2^24);
 3. collect (:func:`_collect_kernel`): one program per (source, chunk), own rows first from x and the ids, then
    every peer's chunk once its flag is ``>= e``, copied into ``x_gathered [M, k]`` and ``ids [M, topk]`` int64;
-4. the routing (the caller's :func:`kernels.ops.moe_routing.route`: a stable sort and a sorted search on the
+4. the routing (the caller's :func:`kernels.ops.moe.routing.route`: a stable sort and a sorted search on the
    device, no host read) and the grouped GEMM (:func:`grouped.launch`) on the gathered rows taken in routing
    order; then :func:`runtime.finish` (``DONE``, or NaN in ``y`` after a failure).
 
@@ -59,7 +59,7 @@ from .all_gather import _push_kernel, scale_base
 from .all_reduce_norm import block_config
 from .blocks import BlockConfig, chunk_rows
 from .scatter import push_tile, reduce_slots, scatter_tile, slot_stride, tiles
-from .tile import copy_rows, grouped_tile, round_to
+from .tile import copy_rows, grouped_tile
 
 # Columns per copy step of the collect kernel (the push kernel's, :func:`all_gather.push_cols`).
 _COPY_COLS = {"cpu": 64, "cuda": 128}
@@ -81,7 +81,7 @@ def _combine_tile(P, ROUTE, tile, TILE: tl.constexpr):
     BLOCK_N: tl.constexpr = TILE[1]
     mask = mask_m[:, None] & (offs_n < N)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Slot order, one product-add per slot, in fp32: the reference's order (kernels.ops.moe._combine).
+    # Slot order, one product-add per slot, in fp32: the reference's order (kernels.ops.moe.tp: the combine).
     for s in range(topk):
         row = tl.load(rows_ptr + offs_m * stride_rm + s, mask=mask_m, other=0).to(tl.int64)
         row = tl.minimum(tl.maximum(row, 0), rows - 1)
@@ -112,9 +112,7 @@ def _combine_kernel(P, ROUTE, OUT, TILE: tl.constexpr):
     offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, P[3], TILE)
     acc = _combine_tile(P, ROUTE, (offs_m, mask_m, offs_n), TILE)
     mask = mask_m[:, None] & mask_n[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], round_to(acc, out_ptr.dtype.element_ty), mask=mask
-    )
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout"])
@@ -237,10 +235,10 @@ def gather(
     descriptor: tuple[int, ...],
     fp8: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y [M * topk, n_local], expert_offsets, token_index, slot)``: :func:`kernels.ops.moe.
-    all_gather_grouped_matmul_reference`'s result over the heap (module docstring). ``x [m_local, k]`` and
+    """``(y [M * topk, n_local], expert_offsets, token_index, slot)``: :func:`kernels.all_gather_grouped_matmul`'s
+    result over the heap (module docstring). ``x [m_local, k]`` and
     ``weight [E, n_local, k]`` of one dtype, ``topk_ids [m_local, topk]`` int32 / int64 (validated by the caller);
-    ``route(ids [M, topk] int64, E)``: the routing (:func:`kernels.ops.moe_routing.route`, the ops layer's, so
+    ``route(ids [M, topk] int64, E)``: the routing (:func:`kernels.ops.moe.routing.route`, the ops layer's, so
     every backend groups the rows alike; it must read nothing on the host); ``descriptor``: this rank's call,
     checked against every peer's before any data moves. ``fp8 = (format, x_scale, w_scale, out_dtype)`` for FP8
     operands (``x_scale`` in the kernels' layout, 0-dim when tensorwise): each row is pushed packed with its
@@ -289,9 +287,9 @@ def reduce_scatter(
     descriptor: tuple[int, ...],
     fp8: tuple | None = None,
 ) -> torch.Tensor:
-    """``out [m_local, k_out]`` in h's dtype: :func:`kernels.ops.moe.grouped_matmul_reduce_scatter_reference`'s
+    """``out [m_local, k_out]`` in h's dtype: :func:`kernels.grouped_matmul_reduce_scatter`'s
     result over the heap (module docstring). ``routing = (expert_offsets, token_index, slot)``; ``pair_rows
-    [M, topk]``: the output row of each (token, slot) pair (:func:`kernels.ops.moe_routing.row_of_pair`);
+    [M, topk]``: the output row of each (token, slot) pair (:func:`kernels.ops.moe.routing.row_of_pair`);
     ``topk_weights [M, topk]`` (any floating dtype, read as fp32); ``descriptor`` as :func:`gather`'s; ``fp8 =
     (format, x_scale rows [rows of h, G], w_scale, out_dtype)`` for FP8 h and weight: fp32 partials as for
     plain, the result rounded once to ``out_dtype``."""
@@ -321,8 +319,7 @@ def reduce_scatter(
     _grouped(h, weight, offsets, partial, scaled)
     ld = slot_stride(k_out)
     if fp8 is not None:
-        # FP8: reduced into fp32 and rounded once by torch, to nearest even as the dense FP8 ops round (the
-        # interpreter's reduce would truncate to bf16).
+        # FP8: reduced into fp32 and rounded once by torch, to nearest even as the dense FP8 ops round.
         out = torch.empty((m_local, k_out), dtype=torch.float32, device=h.device)
     with runtime.fused_call("grouped_matmul_reduce_scatter", group, h.device, w * m_local * ld * 4, descriptor) as call:
         call.outputs = (out,)

@@ -18,7 +18,7 @@ x's dtype and ``PAIRS [B]`` int64, ``B = cap`` (bounded) or the most rows any ra
 3. on the device (torch, no host read in bounded mode): the bounded overflow check (every rank judges the same
    table, so every rank raises alike, or keeps the flag for :func:`kernels.moe_check_overflow` where no host read
    is allowed; overflowing rows are dropped by the pushes, never silently: the flag is always read), and the
-   placement (:func:`kernels.ops.moe_ep_routing.layout`): the row of a pair on its expert's rank is the exclusive
+   placement (:func:`kernels.ops.moe.layout.layout`): the row of a pair on its expert's rank is the exclusive
    scan of the table over (local expert, source) plus the pair's rank within its (source, expert) block;
 4. push (:func:`_push_rows_kernel`, ``W * CHUNKS`` programs): program ``(dst, c)`` copies piece ``c`` of the pairs
    this rank sends to ``dst`` (a contiguous block of the expert-sorted pairs) into ``ROWS`` of ``dst`` at their
@@ -45,7 +45,7 @@ CUDA graph.
    ``Y`` of its expert's rank (``handle.pair_dest``: rank and row, from the dispatch; zero for pairs a bounded
    overflow dropped), store it into ``returned [S, n]`` and add ``w[t, s] * row`` to an fp32 accumulator (the
    product rounded alone, ``mul.rn.f32``, never an FMA), then round once to y's dtype; then :func:`runtime.finish`.
-   These are :func:`kernels.ops.moe_ep_routing.weighted_sum`'s order and roundings (its product and its add are two
+   These are :func:`kernels.ops.moe.layout.weighted_sum`'s order and roundings (its product and its add are two
    torch kernels), so ``out`` has the other backends' bits.
 
 A pull, not a push: a push would write into a region of the owner sized by the owner's ``S``, which ranks need not
@@ -66,7 +66,7 @@ read its rows, its pull read every ``Y``). After a failed check no program store
 wait fails at once, and the outputs are NaN.
 
 FP8 payloads need nothing here: the op hands :func:`dispatch` each row's payload and scale bytes packed into one
-``uint8`` row (:mod:`kernels.ops.moe_ep_payload`), which ``ROWS`` holds and the kernels copy like any row.
+``uint8`` row (:mod:`kernels.ops.moe.payload`), which ``ROWS`` holds and the kernels copy like any row.
 
 Not fused yet: the backward passes run the chunked movement; the caller's grouped GEMM does not start on the
 experts whose rows have landed (it would wait on per-expert counters).
@@ -81,9 +81,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..call import resolve_group as resolve_group_name
+from ..protocol.call import resolve_group as resolve_group_name
 from . import runtime, signals
-from .tile import copy_rows, round_to
+from .tile import copy_rows
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"
 # Programs per (source, destination) pair of the row pushes, and of a combine's publish: the receiver's counter
@@ -296,7 +296,7 @@ def _pull_kernel(OPERANDS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
             acc = acc + _pull_slot(OUT, ROUTE, tile, s, CONFIG)
         out_ptr = OUT[0]
         mask = tile[2][:, None] & tile[4][None, :]
-        tl.store(out_ptr + tokens[:, None] * N + cols[None, :], round_to(acc, out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + tokens[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _exchange_counts(call: runtime.FusedCall, mine: torch.Tensor) -> torch.Tensor:
@@ -358,11 +358,11 @@ def dispatch(
     check_table: Callable[[torch.Tensor], None],
     descriptor: tuple[int, ...],
 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """``(rows [R, k], pair ids [R], layout)``: :func:`kernels.ops.moe_ep.moe_dispatch_reference`'s rows over the
+    """``(rows [R, k], pair ids [R], layout)``: :func:`kernels.moe_dispatch`'s rows over the
     heap (module docstring), W > 1. ``x``: the rows as they move (an FP8 dispatch's packed ``uint8`` rows);
     ``routing = (order, counts, topk)``: this rank's pairs sorted by expert (stable)
-    and its per-expert counts ``[E]`` (:func:`kernels.ops.moe_ep_routing.expert_counts`); ``ep``: the
-    :class:`~kernels.ops.moe_ep_routing.EpCall`; ``plan(table)``: the layout from the count table (its
+    and its per-expert counts ``[E]`` (:func:`kernels.ops.moe.layout.expert_counts`); ``ep``: the
+    :class:`~kernels.ops.moe.layout.EpCall`; ``plan(table)``: the layout from the count table (its
     ``pair_dest``, ``send_counts``, ``valid``, ``rows_bound``, ``rows`` are used here); ``check_table(table)``:
     the bounded overflow check (raises, or keeps the flag, reading nothing on the host where none is allowed);
     ``descriptor``: this rank's call, checked against every peer's before any data moves."""

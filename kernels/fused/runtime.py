@@ -3,10 +3,13 @@
 A fused call never reads device memory on the host. Kernels that fail (a wait that timed out, a
 peer whose call descriptor differs) store a code in the heap's error record, a small tensor in
 pinned host memory (a plain CPU tensor under the interpreter) that the kernels reach through
-unified addressing. The host reads that record with ordinary CPU loads, without synchronizing,
-at the end of every call, at the start of the next call on the group and in :func:`check_errors`.
-Under the interpreter every kernel has finished when its launch returns, so the failing call
-itself raises; on a GPU the failure surfaces at the first of those reads after the kernel ran.
+unified addressing. The host reads that record with ordinary CPU loads, without synchronizing: at the
+end of every call (under the interpreter every kernel has finished when its launch returns, so the
+failing call itself raises there), at the admission of every later fused call on the group
+(:mod:`kernels.protocol.admission`: every rank raises a failure any rank's record holds, and every rank
+retires its heap of the group at that same call, so the next fused call builds a new heap on every rank
+at once) and in :func:`check_errors`. On a GPU a failure surfaces at the first of those reads after the
+kernel ran; the outputs of the failed call hold NaN.
 
 CUDA graphs: a call's launches carry no per-call host value (the epoch and the counters live in
 the signal pad, :mod:`kernels.fused.signals`), so a captured call replays correctly, any number of
@@ -24,6 +27,7 @@ import contextlib
 import functools
 import os
 import warnings
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -31,13 +35,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .. import agree
-from ..call import OpCall
-from ..call import resolve_group as resolve_group_name
 from ..capture import capturing
 from ..checks import group_size
 from ..config import get_config
-from ..heap import CallMismatch, SymmetricHeap, get_heap, heaps_of, peek_heap, retire_heap
+from ..heap import CallMismatch, SymmetricHeap, get_heap, heaps_of, mark_failed, peek_heap
+from ..protocol.call import CHECK_FIELDS, Call, check_words, shown_check_word
 from . import signals
 
 
@@ -45,9 +47,9 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
-def group_of(call: OpCall) -> dist.ProcessGroup | None:
-    """The process group ``call`` names (``""``: the default group, or none without torch.distributed)."""
-    return resolve_group(resolve_group_name(call.group_name))
+def group_of(call: Call) -> dist.ProcessGroup:
+    """The process group ``call`` names (``""``: the default group)."""
+    return resolve_group(call.group)
 
 
 def world_size(group: dist.ProcessGroup | None) -> int:
@@ -60,26 +62,22 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_MASKS: dict[str, int] = {}
+# The op words of the heap's call check (a CRC of the op's name: the same on every rank) -> the names seen here.
+_OP_NAMES: dict[int, str] = {}
 
 
-def _must_agree_mask(op: str, descriptor: tuple[int, ...]) -> int:
-    """Bit ``i`` set when field ``i`` of ``op``'s descriptors must be equal on every rank.
+def op_word(op: str) -> int:
+    """The heap check's word for ``op`` (a CRC of its name: the same on every rank), remembered for messages."""
+    word = zlib.crc32(op.encode()) & 0x7FFFFFFF
+    _OP_NAMES[word] = op
+    return word
 
-    Derived from :func:`kernels.agree.format_mismatch` itself (a field must agree exactly when a
-    difference in it alone is reported), so the kernel compares what the message will name. Which
-    fields must agree depends on the op only, hence one probe per op.
-    """
-    mask = _MASKS.get(op)
-    if mask is None:
-        mask = 0
-        for i in range(len(descriptor)):
-            other = list(descriptor)
-            other[i] += 1
-            if agree.format_mismatch(op, 0, descriptor, 1, other) is not None:
-                mask |= 1 << i
-        _MASKS[op] = mask
-    return mask
+
+def describe(call: Call, operands: object, tiles: tuple[int, int] | None = None) -> tuple[int, ...]:
+    """This rank's descriptor of ``call`` for the heap's call check (:func:`kernels.protocol.check_words`): the
+    digest of what the ranks must agree on (the admission compared it already, unless ``COC_CHECK=0`` or a
+    CUDA graph replays the call) and the fused GEMM's ``tiles``, which each rank reads from its own tuned file."""
+    return check_words(op_word(call.op), call.items(operands), tiles)
 
 
 @dataclass
@@ -103,25 +101,7 @@ class FusedCall:
         return self.heap.world_size
 
 
-# Groups on which a fused call failed (a timed-out wait or ranks that disagreed on a call), with
-# the error; the group is kept alive so its id is not reused. On a GPU the ranks learn of a failure
-# asynchronously, at different later calls, so they no longer agree on how many calls they made
-# (and a rank that dropped its heap would pair its rebuild with a peer's later call). Failing every
-# further call on the group keeps that from ever silently mixing two calls' data.
-_FAILED_GROUPS: dict[int, tuple[dist.ProcessGroup, str]] = {}
-
-
-def _refuse(op: str, group: dist.ProcessGroup, device: torch.device) -> None:
-    failed = _FAILED_GROUPS.get(id(group))
-    if failed is not None and failed[0] is group:
-        raise RuntimeError(
-            f"fused {op}: an earlier fused call on this process group failed ({failed[1]}); "
-            "its ranks no longer agree on the call sequence, so the fused path refuses the group. "
-            "Create a new process group (or restart the job) to use it again"
-        )
-
-
-def _refuse_capture(op: str, heap: SymmetricHeap | None, data_bytes: int) -> None:
+def refuse_capture(op: str, heap: SymmetricHeap | None, data_bytes: int) -> None:
     """Inside CUDA-graph capture: raise if the call would create or grow the heap (collectives, a sync)."""
     if heap is None:
         raise RuntimeError(
@@ -166,6 +146,7 @@ def _attach_record(heap: SymmetricHeap) -> np.ndarray:
         heap.sig_view(heap.rank)[signals.RECORD_WORD : signals.RECORD_WORD + 1].copy_(address)
         heap.error_record = record
         heap.error_view = record.numpy()
+        heap.unreported_failure = functools.partial(_recorded, heap)
     return heap.error_view
 
 
@@ -175,22 +156,46 @@ def _verdict(op: str, group: dist.ProcessGroup) -> functools.partial[str | None]
 
 
 def _labels(group: dist.ProcessGroup) -> list[str]:
-    """Rank names as :mod:`kernels.agree` writes them: the group rank, and the global one if it differs."""
+    """Rank names: the group rank, and the global one if it differs."""
     ranks = dist.get_process_group_ranks(group)
     return [str(r) if r == g else f"{r} (global {g})" for r, g in enumerate(ranks)]
+
+
+# What to do about a difference the heap's check finds (the admission names every other field first).
+_HINTS = {
+    "tiles": "every rank must read the same tuned file (COC_TUNED_DIR, configs/tuned)",
+    "call": "the call digests differ: run with COC_CHECK unset or 1 to have the admission name the field",
+    "version": "every rank must run the same build of this package",
+    "op": "every rank must make the same call",
+}
+
+
+def _differences(labels: tuple[str, str], mine: Sequence[int], theirs: Sequence[int]) -> str:
+    """``rank a has <field>=<value>, rank b has <field>=<value>; <what to do>`` for the first check field
+    (:data:`kernels.protocol.call.CHECK_FIELDS`) in which two descriptors differ."""
+    for i, name in enumerate(CHECK_FIELDS):
+        a = int(mine[i]) if i < len(mine) else 0
+        b = int(theirs[i]) if i < len(theirs) else 0
+        if a != b:
+            if name == "op":
+                shown = (_OP_NAMES.get(a, str(a)), _OP_NAMES.get(b, "another op"))
+            else:
+                shown = (shown_check_word(name, a), shown_check_word(name, b))
+            return f"rank {labels[0]} has {name}={shown[0]}, rank {labels[1]} has {name}={shown[1]}; {_HINTS[name]}"
+    return "their call descriptors differ"
 
 
 def _first_mismatch(op: str, group: dist.ProcessGroup, descriptors: Sequence[object]) -> str | None:
     labels = _labels(group)
     me = dist.get_rank(group)
+    mine = descriptors[me]
     for peer, theirs in enumerate(descriptors):
-        if peer != me:
-            message = agree.format_mismatch(op, labels[me], descriptors[me], labels[peer], theirs)
-            if message is not None:
-                return (
-                    f"fused {message} (found at the group's first fused call, before its heap was created; "
-                    "nothing was allocated and the group stays usable)"
-                )
+        if peer != me and tuple(theirs) != tuple(mine):  # type: ignore[arg-type]
+            return (
+                f"fused {op}: ranks disagree: {_differences((labels[me], labels[peer]), mine, theirs)} (found at "  # type: ignore[arg-type]
+                "the group's first fused call, before its heap was created; nothing was allocated and the group "
+                "stays usable)"
+            )
     return None
 
 
@@ -224,7 +229,7 @@ def _open(op: str, heap: SymmetricHeap, descriptor: tuple[int, ...]) -> FusedCal
         heap.captured = True
     heap.arm_clock(True)
     _follow_last_call(heap)
-    signals.check_call(heap, descriptor, _must_agree_mask(op, descriptor), ticks, use_globaltimer)
+    signals.check_call(heap, descriptor, (1 << len(descriptor)) - 1, ticks, use_globaltimer)
     return FusedCall(op, heap, descriptor, ticks, use_globaltimer)
 
 
@@ -237,22 +242,24 @@ def begin(
     that disagree raise together before anything is allocated. Later calls compare descriptors in
     the check kernel; a call that needs a larger heap first waits for that verdict (growth
     synchronizes the device anyway), so no rank enters the growth collective unless every peer
-    described the same call, which implies the same size.
+    described the same call, which implies the same size. A failure recorded before the call is not
+    raised here, on this rank alone: the call's admission reported what was visible then, and what a
+    kernel records later is the next admission's (this call's kernels skip their work, outputs NaN); only
+    the growth path raises its own check's failure (it must not enter the growth collective alone).
     """
-    _refuse(op, group, device)
     _warn_if_mps(device)
     words = signals.sig_words(dist.get_world_size(group))
     heap = peek_heap(group, device)
     if capturing(device):
-        _refuse_capture(op, heap, data_bytes)
+        refuse_capture(op, heap, data_bytes)
     if heap is None:
         heap = get_heap(group, device, data_bytes, words, descriptor=descriptor, verdict=_verdict(op, group))
-    else:
-        raise_recorded(heap)
     call = _open(op, heap, descriptor)
     if heap.data_bytes < data_bytes:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        # The check's verdict before the growth collective: a rank whose check failed (a peer absent, or another
+        # call) must not enter it alone; its peers' checks of this epoch failed alike.
         raise_recorded(heap)
         # The call opened on the old heap ends with its check: mark it done there, so that a graph
         # replaying on the old heap (kept when captured) finds DONE of this epoch. get_heap
@@ -305,24 +312,39 @@ def finish(call: FusedCall, outputs: Sequence[torch.Tensor | None] = ()) -> None
     raise_recorded(heap)
 
 
+def _recorded(heap: SymmetricHeap) -> str | None:
+    """The message of the failure recorded on ``heap`` and not raised yet, else None (a CPU read, no device sync)."""
+    if heap.error_record is None or heap.closed or heap.failure_reported:
+        return None
+    view = heap.error_view
+    code = int(view[signals.RECORD_CODE])
+    if code == 0:
+        return None
+    n = len(CHECK_FIELDS)
+    mine = [int(v) for v in view[signals.RECORD_MINE : signals.RECORD_MINE + n]]
+    peer_words = [int(v) for v in view[signals.RECORD_DESC : signals.RECORD_DESC + n]]
+    epoch, ticks = int(view[signals.RECORD_EPOCH]), int(view[signals.RECORD_TIMEOUT])
+    return _message(heap, code, epoch, (mine, peer_words), ticks)
+
+
 def _message(
     heap: SymmetricHeap, code: int, epoch: int, descriptors: tuple[Sequence[int], Sequence[int]], ticks: int
 ) -> str:
     """The error message of a recorded failure; ``descriptors``: this rank's and the peer's (mismatch)."""
     mine, peer_words = descriptors
     phase, peer = signals.decode_error(code, heap.world_size)
-    op_code = mine[agree.FIELDS.index("op")]
-    op = agree.OPS[op_code] if 0 <= op_code < len(agree.OPS) else "(an unknown op)"
+    op = _OP_NAMES.get(mine[CHECK_FIELDS.index("op")], "(an unknown op)")
     me = f"rank {heap.global_ranks[heap.rank]} (group rank {heap.rank})"
     them = f"rank {heap.global_ranks[peer]} (group rank {peer})"
     if phase == signals.MISMATCH:
-        labels = _labels(heap.group)
-        detail = agree.format_mismatch(op, labels[heap.rank], mine, labels[peer], peer_words)
-        if detail is None:
-            detail = f"{op}: ranks disagree: {me} and {them} described different calls"
+        labels = (
+            f"{heap.global_ranks[heap.rank]} (group rank {heap.rank})",
+            f"{heap.global_ranks[peer]} (group rank {peer})",
+        )
         return (
-            f"fused {detail} (epoch {epoch}; found by the call check before any data moved: no output of that "
-            "call holds a result (NaN), and the fused path refuses this group from now on)"
+            f"fused {op}: ranks disagree: {_differences(labels, mine, peer_words)} (epoch {epoch}; found by the "
+            "heap's call check before any data moved: no output of that call holds a result (NaN); every rank "
+            "retires its heap at the next call's admission and the group goes on)"
         )
     # The bound the kernel ran with (a replayed graph keeps its capture's COC_TIMEOUT).
     timeout = ticks / (1e9 if heap.device.type == "cuda" else 1e3)
@@ -336,29 +358,20 @@ def _message(
 def raise_recorded(heap: SymmetricHeap) -> None:
     """Raise ``RuntimeError`` if a kernel recorded a failure on ``heap`` (a CPU read, no device sync).
 
-    The group is then refused by the fused path and its heap retired: no longer used (its flags are
-    inconsistent) but kept mapped until ``kernels.heap.destroy_heap`` or exit, since a slow peer may
-    still store into it.
+    The heap is then retired on this rank (no longer used: its flags are inconsistent; kept mapped until
+    ``kernels.heap.destroy_heap`` or exit, since a slow peer may still store into it), and the next fused
+    call's admission has every rank of the group retire theirs too, so they build a new one together.
     """
-    if heap.error_record is None or heap.closed or heap.failure_reported:
+    message = _recorded(heap)
+    if message is None:
         return
-    view = heap.error_view
-    code = int(view[signals.RECORD_CODE])
-    if code == 0:
-        return
-    epoch = int(view[signals.RECORD_EPOCH])
-    n = len(agree.FIELDS)
-    mine = [int(v) for v in view[signals.RECORD_MINE : signals.RECORD_MINE + n]]
-    peer_words = [int(v) for v in view[signals.RECORD_DESC : signals.RECORD_DESC + n]]
-    message = _message(heap, code, epoch, (mine, peer_words), int(view[signals.RECORD_TIMEOUT]))
     heap.failure_reported = True
-    _FAILED_GROUPS[id(heap.group)] = (heap.group, message)
     # Not freed, so no synchronization either (inside capture there could be none): kernels queued
     # after the failure and replays of a graph that captured a call on the heap still address it;
     # they find the error word set, skip their work and fill their outputs with NaN. The pad clock
     # of a call that raises here (growth path) would otherwise keep running until exit.
     heap.arm_clock(False)
-    retire_heap(heap.group, heap.device)
+    mark_failed(heap.group, heap.device, message)
     raise RuntimeError(message)
 
 

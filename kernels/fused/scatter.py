@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..call import OpCall, Operands
 from ..format import OperandFormat
+from ..ops.gemm import GemmCall, Operands
 from . import matmul, runtime, signals
 from .blocks import BlockConfig, acc_dtype, block_config, dot_math, kernel_format, w_operand, x_operand
 from .tile import FP8, grouped_tile, split_rows, tile_matmul
@@ -361,7 +361,7 @@ def reduce_slots(
     return grid[0] if push else 0
 
 
-def run(call: OpCall, ops: Operands) -> torch.Tensor:
+def run(call: GemmCall, ops: Operands) -> torch.Tensor:
     """Fused GEMM + reduce-scatter of one weight over the group's symmetric heap: ``[m / W, n]``.
 
     ``ops.x`` as the caller passed it (any leading dims; ``m`` rows of ``k``, the same ``m`` on every
@@ -385,7 +385,7 @@ def run(call: OpCall, ops: Operands) -> torch.Tensor:
     return reduce_scatter(call, matmul.row_operands(ops), matmul.blocks_before(ops.x, call.comm_dim), ops)
 
 
-def reduce_scatter(call: OpCall, ops: Operands, outer: int, described: Operands) -> torch.Tensor:
+def reduce_scatter(call: GemmCall, ops: Operands, outer: int, described: Operands) -> torch.Tensor:
     """:func:`run` on 2-D ``ops`` (x's rows) whose ``outer`` row blocks are scattered on their own;
     ``described``: the operands the call descriptor describes (the caller's shapes)."""
     x = ops.x
@@ -400,8 +400,8 @@ def reduce_scatter(call: OpCall, ops: Operands, outer: int, described: Operands)
     cfg = block_config(call.fmt, x.device, rows_own, k, dtype=x.dtype, op="matmul_reduce_scatter", n=n)
     partials = Partials(call.fmt, ops, cfg, outer)
     data_bytes = w * rows_own * slot_stride(n) * partials.dtype.itemsize
-    descriptor = call.descriptor(described, tiles=(cfg.block_m, cfg.block_n))
-    with runtime.fused_call(call.op_name, group, x.device, data_bytes, descriptor) as fc:
+    descriptor = runtime.describe(call, described, (cfg.block_m, cfg.block_n))
+    with runtime.fused_call(call.op, group, x.device, data_bytes, descriptor) as fc:
         target = scatter_partials(fc, partials, rows_own, False)
         out = torch.empty((rows_own, n), dtype=partials.dtype, device=x.device)
         fc.outputs = (out,)

@@ -19,7 +19,7 @@ Pad layout (int64 words of each rank's signal pad; ``W`` = world size)::
                       count of reduced-row tiles ``src`` (their owner) has pushed here in ``epoch``
     DESC  + (src * 2 + epoch % 2) * DESC_SLOT
                       ``src``'s call descriptor for ``epoch``: word 0 the epoch (stored last, with
-                      release), words 1.. the descriptor of :func:`kernels.agree.describe_call`
+                      release), words 1.. the descriptor of :func:`kernels.protocol.check_words`
 
 No kernel takes the epoch from the host, and the counter targets it takes are per-call tile counts
 fixed by the shapes. The epoch lives in word 3: the call check, the first kernel of every call,
@@ -72,7 +72,7 @@ ERROR_WORD = 1
 RECORD_WORD = 2
 EPOCH_WORD = 3
 TIMEOUT_WORD = 4
-# Descriptor words the call check takes (kernels.agree.FIELDS, padded), and words per descriptor
+# Descriptor words the call check takes (kernels.protocol.call.CHECK_FIELDS, padded), and words per descriptor
 # slot: the epoch and the descriptor words, rounded up to a power of two (one tl.arange, and one
 # lane of the check's single warp per word).
 DESC_WORDS = 17

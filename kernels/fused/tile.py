@@ -52,10 +52,10 @@ PER_ROW, PER_BLOCK = 0, 1
 # FMT[1] of int8 (kernels.quant's layouts). PER_GROUP_ALIGNED is per_group with group_size % BLOCK_K
 # == 0: a k step lies inside one group, so one [BLOCK_N] row of scales serves the whole step.
 PER_TENSOR, PER_CHANNEL, PER_GROUP, PER_GROUP_ALIGNED = 0, 1, 2, 3
-# The epilogue's rounding: a cast (plain), the product rounded to the output dtype before bias is
-# added in fp32 (int8, as the w8A16 reference's ``partial.add_(bias)``), or the single rounding to
-# nearest even after bias in fp32 (FP8).
-CAST, ROUND_FIRST, ROUND_NEAREST = 0, 1, 2
+# The epilogue's rounding: one cast to the output dtype after bias is added in fp32, to nearest even
+# (plain, FP8), or the product rounded to the output dtype before bias is added in fp32 (int8, as the
+# w8A16 reference's ``partial.add_(bias)``).
+CAST, ROUND_FIRST = 0, 1
 # Columns of k per FP8 scale, and rows of n per weight scale in block mode (DeepSeek-V3's 1x128 / 128x128).
 SCALE_BLOCK = 128
 
@@ -68,7 +68,6 @@ _PER_CHANNEL = tl.constexpr(PER_CHANNEL)
 _PER_GROUP = tl.constexpr(PER_GROUP)
 _PER_GROUP_ALIGNED = tl.constexpr(PER_GROUP_ALIGNED)
 _ROUND_FIRST = tl.constexpr(ROUND_FIRST)
-_ROUND_NEAREST = tl.constexpr(ROUND_NEAREST)
 _SCALE_BLOCK = tl.constexpr(SCALE_BLOCK)
 
 # The Triton interpreter (3.6 to 3.9 at least) multiplies bf16 dot operands wrongly (results off by
@@ -83,10 +82,6 @@ _WIDEN_BF16_DOT = tl.constexpr(triton_interpreted())
 # from the bits and multiply in fp32 (FP8 products are exact in fp32, so this is the tensor-core
 # result). Compiled kernels feed the FP8 operands to tl.dot: this is a constant False there.
 _WIDEN_FP8_DOT = tl.constexpr(triton_interpreted())
-# The interpreter (3.6 and 3.9) converts fp32 to bf16 by truncation, whatever the rounding mode
-# asked for (fp16 is right); the FP8 ops' single rounding to out_dtype must be to nearest even, as
-# compiled kernels and torch round, so interpreted kernels round the bits themselves first.
-_ROUND_BF16_BITS = tl.constexpr(triton_interpreted())
 
 
 @triton.jit
@@ -185,17 +180,6 @@ def fp8_dot(a, b, acc, BLOCK_K: tl.constexpr):
     else:
         result = tl.dot(a, b, acc, out_dtype=tl.float32)
     return result
-
-
-@triton.jit
-def round_to(v, DTYPE: tl.constexpr):
-    """fp32 ``v`` rounded to nearest even in ``DTYPE`` (see ``_ROUND_BF16_BITS``)."""
-    if _ROUND_BF16_BITS and DTYPE == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        # Round the low 16 bits away, ties to even; Inf and NaN keep their class.
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = bits.to(tl.float32, bitcast=True)
-    return v.to(DTYPE)
 
 
 @triton.jit
@@ -313,10 +297,7 @@ def store_tile(OUT, acc, tile, ROUND: tl.constexpr):
         acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
     if bias_ptr is not None:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(acc.dtype)[None, :]
-    if ROUND == _ROUND_NEAREST:
-        values = round_to(acc, c_ptr.dtype.element_ty)
-    else:
-        values = acc.to(c_ptr.dtype.element_ty)
+    values = acc.to(c_ptr.dtype.element_ty)
     tl.store(
         c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
         values,

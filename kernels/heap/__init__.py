@@ -30,6 +30,9 @@ __all__ = [
     "peek_heap",
     "heaps_of",
     "retire_heap",
+    "group_health",
+    "mark_failed",
+    "reset_group",
     "destroy_heap",
     "destroy_all_heaps",
     "cupy_install_hint",
@@ -43,6 +46,10 @@ _HEAPS: dict[tuple[int, str], tuple[object, SymmetricHeap]] = {}
 # still read by ``heaps_of`` so a replayed call's failure is reported, until destroy_heap /
 # destroy_all_heaps frees them.
 _RETIRED: list[tuple[object, SymmetricHeap]] = []
+# Groups (and devices) whose heap this rank retired after a failure it raised: the next admission of a fused call
+# on the group has every rank retire its heap too, so the ranks rebuild together (kernels.protocol.admission).
+_FAILED: dict[tuple[int, str], tuple[object, str]] = {}
+HEALTHY, FAILED, RETIRED = 0, 1, 2
 
 
 def _key(group: dist.ProcessGroup, device: torch.device) -> tuple[int, str]:
@@ -142,6 +149,43 @@ def retire_heap(group: dist.ProcessGroup, device: torch.device) -> None:
             _RETIRED.append(_HEAPS.pop(key))
 
 
+def group_health(group: dist.ProcessGroup | None, device: torch.device) -> tuple[int, str]:
+    """This rank's state of ``group``'s heap on ``device``, for the admission: ``(HEALTHY, "")`` (or no heap);
+    ``(FAILED, message)``: the kernels recorded a failure the host has not raised yet (a GPU learns of it after
+    the call returned); ``(RETIRED, message)``: this rank retired the heap after raising a failure. Local."""
+    group = group if group is not None else dist.group.WORLD
+    for heap in _heaps_on(group, device):
+        message = heap.unreported_failure()
+        if message is not None:
+            return FAILED, message
+    failed = _FAILED.get(_key(group, device))
+    return (RETIRED, failed[1]) if failed is not None else (HEALTHY, "")
+
+
+def _heaps_on(group: dist.ProcessGroup, device: torch.device) -> list[SymmetricHeap]:
+    """The live and retired heaps of ``group`` on ``device`` (a retired one may still record a failure: a kernel
+    running late, a replayed CUDA graph)."""
+    return [heap for heap in heaps_of(group) if str(heap.device) == str(device)]
+
+
+def mark_failed(group: dist.ProcessGroup, device: torch.device, message: str) -> None:
+    """Retire ``group``'s heap on ``device`` after this rank raised ``message``, and remember it for the next
+    admission (:func:`group_health`). Local."""
+    retire_heap(group, device)
+    _FAILED[_key(group, device)] = (group, message)
+
+
+def reset_group(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Retire ``group``'s heap on ``device`` (kept mapped) and forget its failure: what every rank does at the same
+    admission, so that the next fused call creates a new heap on every rank at once. Local."""
+    group = group if group is not None else dist.group.WORLD
+    retire_heap(group, device)
+    # Every rank raised or saw what the group's heaps recorded at this admission: not raised again.
+    for heap in _heaps_on(group, device):
+        heap.failure_reported = True
+    _FAILED.pop(_key(group, device), None)
+
+
 def destroy_heap(group: dist.ProcessGroup, device: torch.device | None = None) -> None:
     """Unmap and free the heap(s) of ``group`` (all devices when ``device`` is None), retired ones
     included. Local, no collective.
@@ -155,6 +199,8 @@ def destroy_heap(group: dist.ProcessGroup, device: torch.device | None = None) -
     for entry in [e for e in _RETIRED if _ours(group, device, id(e[0]), str(e[1].device))]:
         _RETIRED.remove(entry)
         entry[1].close()
+    for key in [k for k in _FAILED if _ours(group, device, *k)]:
+        del _FAILED[key]
 
 
 def destroy_all_heaps() -> None:
@@ -163,6 +209,7 @@ def destroy_all_heaps() -> None:
         _HEAPS.popitem()[1][1].close()
     while _RETIRED:
         _RETIRED.pop()[1].close()
+    _FAILED.clear()
 
 
 atexit.register(destroy_all_heaps)

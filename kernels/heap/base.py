@@ -64,6 +64,9 @@ class SymmetricHeap:
         # Host memory the kernels write a failure into (set up by the heap's user, see kernels.fused.runtime).
         self.error_record: torch.Tensor | None = None
         self.error_view: object | None = None
+        # The message of a failure the kernels recorded and the host has not raised yet, else None: installed by
+        # the heap's user (kernels.fused.runtime), which knows the record's layout; read by every call's admission.
+        self.unreported_failure: Callable[[], str | None] = lambda: None
         self._raw: list[torch.Tensor] = []
         self.data_ptrs = torch.empty(0, dtype=torch.int64)
         self.sig_ptrs = torch.empty(0, dtype=torch.int64)

@@ -2,12 +2,12 @@
 
 Public functions (docs/api.md): :func:`all_gather_matmul` (plain), :func:`all_gather_scaled_matmul` (FP8),
 :func:`quantized_all_gather_matmul` (int8 weights). Each takes one weight or a list of them (one gather
-feeding several GEMMs: q/k/v, gate/up) and ``return_gathered``. One registered operator serves them::
+feeding several GEMMs: q/k/v, gate/up) and ``return_gathered``. One registered operator serves them (:data:`SPEC`)::
 
     coc::all_gather_matmul(Tensor x, Tensor? x_scale, Tensor[] weights, Tensor?[] w_scales, Tensor?[] w_offsets,
                            Tensor?[] biases, str call) -> (Tensor[] ys, Tensor? x_gathered, Tensor? x_scale_gathered)
 
-and one implementation per backend (:data:`IMPL`). ``gather_dim`` indexes x's dims (not the last): the
+with one implementation per backend. ``gather_dim`` indexes x's dims (not the last): the
 rows of the flattened x are ``outer`` blocks (the product of the dims before it), each gathered on its
 own, which is ``torch.cat`` along ``gather_dim``. A row travels as one unit with its scale row
 (:func:`kernels.format.pack_rows`: FP8 bytes and fp32 scales in one ``uint8`` row; in tensor mode each
@@ -21,11 +21,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm, padding
-from ..call import IMPLEMENTATIONS, OpCall, Operands, decode, resolve_group
+from .. import comm, padding, tune
 from ..format import bias_of, compute, dequantize_weight, dequantize_x, pack_rows, unpack_rows
-from ..op_registration import define_op, unaliased
-from .entry import dims_before, fp8_operands, fp8_values, int8_operands, plain_operands, request, rows_of, submit
+from ..protocol import OpSpec, submit, unaliased
+from .gemm import (
+    GemmCall,
+    Operands,
+    Options,
+    builder,
+    dims_before,
+    fp8_operands,
+    int8_operands,
+    rows_of,
+    submit_plain,
+)
 
 Result = torch.Tensor | list[torch.Tensor] | tuple[Any, ...]
 
@@ -58,18 +67,9 @@ def all_gather_matmul(
         ys = [x_gathered @ w_i.T + b_i for each i]
         return (ys, x_gathered) if return_gathered else ys          # ys is a list
     """
-    req = request(
-        "all_gather",
-        "all_gather_matmul",
-        x,
-        group=group,
-        backend=backend,
-        parallel_num=parallel_num,
-        return_gathered=return_gathered,
-        dim=("gather_dim", gather_dim),
-    )
-    call, ops = submit(req, lambda: plain_operands(x, weight, bias))
-    return _run(call, ops, isinstance(weight, (list, tuple)))
+    signature = ("all_gather_matmul", group, backend, parallel_num, return_gathered, ("gather_dim", gather_dim))
+    out = submit_plain(SPEC, "all_gather", signature, (x, weight, bias))
+    return _result(out, isinstance(weight, (list, tuple)), return_gathered, scaled=False)
 
 
 def all_gather_scaled_matmul(
@@ -101,19 +101,20 @@ def all_gather_scaled_matmul(
     ``x_scale`` scales its own rows. The gathered scales come back one row per gathered row:
     ``[m_local * W, G]`` for ``gather_dim=0``, else ``[..., G]`` over the gathered x's leading dims.
     """
-    req = request(
-        "all_gather",
+    options = Options(
         "all_gather_scaled_matmul",
-        x,
-        group=group,
-        backend=backend,
-        parallel_num=parallel_num,
+        "all_gather",
+        group,
+        backend,
+        parallel_num,
         return_gathered=return_gathered,
         dim=("gather_dim", gather_dim),
+        x=x,
         out_dtype=out_dtype,
     )
-    call, ops = submit(req, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype), fp8_values)
-    return _run(call, ops, isinstance(weight, (list, tuple)))
+    build = builder(options, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype))
+    out = submit(SPEC, options.op, group, build)
+    return _result(out, isinstance(weight, (list, tuple)), return_gathered, scaled=True)
 
 
 def quantized_all_gather_matmul(
@@ -140,34 +141,27 @@ def quantized_all_gather_matmul(
     Arguments as :func:`kernels.quantized_matmul_all_reduce`; weights (with their scales, offsets and
     biases) and ``return_gathered`` / ``gather_dim`` as :func:`all_gather_matmul`.
     """
-    req = request(
-        "all_gather",
+    options = Options(
         "quantized_all_gather_matmul",
-        x,
-        group=group,
-        backend=backend,
-        parallel_num=parallel_num,
+        "all_gather",
+        group,
+        backend,
+        parallel_num,
         return_gathered=return_gathered,
         dim=("gather_dim", gather_dim),
+        x=x,
     )
-    call, ops = submit(req, lambda: int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset))
-    return _run(call, ops, isinstance(qweight, (list, tuple)))
+    build = builder(options, lambda: int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset))
+    out = submit(SPEC, options.op, group, build)
+    return _result(out, isinstance(qweight, (list, tuple)), return_gathered, scaled=False)
 
 
-def _run(call: OpCall, ops: Operands, listed: bool) -> Result:
-    ys, x_gathered, x_scale_gathered = operator(
-        ops.x,
-        ops.x_scale,
-        list(ops.weights),
-        list(ops.w_scales) if ops.w_scales else [None] * len(ops.weights),
-        list(ops.w_offsets) if ops.w_offsets else [None] * len(ops.weights),
-        list(ops.biases),
-        call.encode(),
-    )
+def _result(out: tuple, listed: bool, return_gathered: object, *, scaled: bool) -> Result:
+    ys, x_gathered, x_scale_gathered = out
     y = ys if listed else ys[0]
-    if not call.return_gathered:
+    if not return_gathered:
         return y
-    if call.fmt.scaled_rows:
+    if scaled:
         return y, x_gathered, x_scale_gathered
     return y, x_gathered
 
@@ -192,7 +186,7 @@ def gather_rows(rows: torch.Tensor, group: dist.ProcessGroup | None, world: int,
     return buf.view(world, outer, m_local // outer, c).transpose(0, 1).reshape(world * m_local, c)
 
 
-def _weights(call: OpCall, ops: Operands, x_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def _weights(call: GemmCall, ops: Operands, x_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Every weight and bias as the reference multiplies and adds them."""
     return [
         (dequantize_weight(call.fmt, w, ops.scale_of(i), ops.offset_of(i), x_dtype), bias_of(call.fmt, b))
@@ -203,7 +197,7 @@ def _weights(call: OpCall, ops: Operands, x_dtype: torch.dtype) -> list[tuple[to
 Gathered = tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]
 
 
-def reference(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> Gathered:
+def reference(call: GemmCall, ops: Operands) -> Gathered:
     """Reference::
 
     x_gathered, x_scale_gathered = unpack(gather_rows(pack(x, x_scale), outer))     # [W * m_local, k]
@@ -211,7 +205,8 @@ def reference(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> G
     """
     x2d = rows_of(ops.x)
     k = x2d.shape[1]
-    gathered = gather_rows(pack_rows(call.fmt, x2d, ops.x_scale), group, call.world, dims_before(ops.x, call.comm_dim))
+    packed = pack_rows(call.fmt, x2d, ops.x_scale)
+    gathered = gather_rows(packed, call.group, call.world, dims_before(ops.x, call.comm_dim))
     xg, xsg = unpack_rows(call.fmt, gathered, k, x2d.dtype)
     xd = dequantize_x(call.fmt, xg, xsg, per_row=True)
     with compute(call.fmt):
@@ -219,7 +214,7 @@ def reference(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> G
     return ys, xg, xsg
 
 
-def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> Gathered:
+def chunked(call: GemmCall, ops: Operands) -> Gathered:
     """Same result as :func:`reference`; gathers piece by piece, comm-first, and multiplies each gathered
     piece by every weight (one gather for all of them).
 
@@ -229,7 +224,7 @@ def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> Gat
     """
     x2d = rows_of(ops.x)
     m_local, k = x2d.shape
-    world, fmt = call.world, call.fmt
+    world, fmt, group = call.world, call.fmt, call.group
     outer = dims_before(ops.x, call.comm_dim)
     packed = pack_rows(fmt, x2d, ops.x_scale)
     c = packed.shape[1]
@@ -273,16 +268,13 @@ def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> Gat
     return out, xg, xsg
 
 
-def fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> Gathered:
+def fused(call: GemmCall, ops: Operands) -> Gathered:
     """The fused kernels (kernels/fused/all_gather.py): every rank pushes its rows (and FP8 scale rows) into
     its peers' gather buffers chunk by chunk while the GEMM starts on the rows already there; one gather
     for every weight, x's rows addressed in place for any ``gather_dim``."""
     from ..fused import all_gather
 
     return all_gather.run(call, ops)
-
-
-IMPL = IMPLEMENTATIONS["all_gather"] = {"sequential": reference, "chunked": chunked, "fused": fused}
 
 
 def _gathered_shape(x: torch.Tensor, d: int, world: int, last: int) -> tuple[int, ...]:
@@ -292,44 +284,57 @@ def _gathered_shape(x: torch.Tensor, d: int, world: int, last: int) -> tuple[int
     return tuple(shape)
 
 
-def _impl(
-    x: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    weights: list[torch.Tensor],
-    w_scales: list[torch.Tensor | None],
-    w_offsets: list[torch.Tensor | None],
-    biases: list[torch.Tensor | None],
-    call_text: str,
-) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
-    call = decode(call_text)
-    ops = Operands(
+def _finished(backend: Any) -> Any:
+    """``backend(call, ops)``'s 2-D results shaped as the operator returns them (the gathered dim of x, the
+    output dtype) and never aliasing an input (a group of one gathers nothing)."""
+
+    def run(call: GemmCall, ops: Operands) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+        x, x_scale = ops.x, ops.x_scale
+        ys, xg, xsg = backend(call, ops)
+        d, world = call.comm_dim, call.world
+        ys = [
+            (y.to(call.out_dtype) if call.out_dtype is not None else y).view(_gathered_shape(x, d, world, w.shape[0]))
+            for y, w in zip(ys, ops.weights, strict=True)
+        ]
+        if not call.return_gathered:
+            return ys, None, None
+        xg = unaliased(xg, x).view(_gathered_shape(x, d, world, x.shape[-1]))
+        if xsg is not None:
+            xsg = unaliased(xsg, x_scale) if x_scale is not None else xsg
+            if d:
+                xsg = xsg.view(_gathered_shape(x, d, world, xsg.shape[-1]))
+        return ys, xg, xsg
+
+    return run
+
+
+def _operands(*args: Any) -> Operands:
+    """The operator's arguments ``(x, x_scale, weights, w_scales, w_offsets, biases)`` as :class:`Operands`."""
+    x, x_scale, weights, w_scales, w_offsets, biases = args
+    return Operands(
         x=x,
         weights=tuple(weights),
         biases=tuple(biases),
         x_scale=x_scale,
-        w_scales=tuple(w_scales) if call.fmt.kind != "plain" else (),
-        w_offsets=tuple(w_offsets) if call.fmt.kind == "int8" else (),
+        w_scales=tuple(w_scales) if any(s is not None for s in w_scales) else (),
+        w_offsets=tuple(w_offsets) if any(o is not None for o in w_offsets) else (),
     )
-    ys, xg, xsg = IMPL[call.backend](call, ops, resolve_group(call.group_name))
-    d, world = call.comm_dim, call.world
-    ys = [
-        (y.to(call.out_dtype) if call.out_dtype is not None else y).view(_gathered_shape(x, d, world, w.shape[0]))
-        for y, w in zip(ys, weights, strict=True)
-    ]
-    if not call.return_gathered:
-        return ys, None, None
-    xg = unaliased(xg, x).view(_gathered_shape(x, d, world, x.shape[-1]))
-    if xsg is not None:
-        xsg = unaliased(xsg, x_scale) if x_scale is not None else xsg
-        if d:
-            xsg = xsg.view(_gathered_shape(x, d, world, xsg.shape[-1]))
-    return ys, xg, xsg
 
 
-def _fake(
-    x: torch.Tensor, x_scale: torch.Tensor | None, weights: list[torch.Tensor], *args: Any
-) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
-    call = decode(args[-1])
+def _flat(ops: Operands) -> tuple:
+    count = len(ops.weights)
+    return (
+        ops.x,
+        ops.x_scale,
+        list(ops.weights),
+        list(ops.w_scales) if ops.w_scales else [None] * count,
+        list(ops.w_offsets) if ops.w_offsets else [None] * count,
+        list(ops.biases),
+    )
+
+
+def _fake(call: GemmCall, ops: Operands) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
+    x, weights = ops.x, ops.weights
     d, world = call.comm_dim, call.world
     ys = [x.new_empty(_gathered_shape(x, d, world, w.shape[0]), dtype=call.out_dtype or x.dtype) for w in weights]
     if not call.return_gathered:
@@ -343,9 +348,15 @@ def _fake(
     return ys, xg, xsg
 
 
-operator = define_op(
-    "all_gather_matmul(Tensor x, Tensor? x_scale, Tensor[] weights, Tensor?[] w_scales, Tensor?[] w_offsets, "
-    "Tensor?[] biases, str call) -> (Tensor[], Tensor?, Tensor?)",
-    _impl,
-    _fake,
+_IMPL = {"sequential": _finished(reference), "chunked": _finished(chunked), "fused": _finished(fused)}
+SPEC = OpSpec(
+    name="all_gather_matmul",
+    call=GemmCall,
+    schema="(Tensor x, Tensor? x_scale, Tensor[] weights, Tensor?[] w_scales, Tensor?[] w_offsets, Tensor?[] biases, "
+    "str call) -> (Tensor[], Tensor?, Tensor?)",
+    operands=_operands,
+    flat=_flat,
+    impl=_IMPL,
+    fake=_fake,
+    tune=tune.tuner(_IMPL),
 )

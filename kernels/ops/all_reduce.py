@@ -4,9 +4,9 @@ Public functions (docs/api.md): :func:`matmul_all_reduce` (plain), :func:`scaled
 :func:`quantized_matmul_all_reduce` (int8 weights, w8A16). One registered operator serves the three::
 
     coc::matmul_all_reduce(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset,
-                           Tensor? bias, str call) -> Tensor           # call: kernels.call.OpCall.encode()
+                           Tensor? bias, str call) -> Tensor           # call: kernels.ops.gemm.GemmCall
 
-and one implementation per backend (:data:`IMPL`): :func:`reference` (sequential), :func:`chunked`
+and one implementation per backend (:data:`SPEC`): :func:`reference` (sequential), :func:`chunked`
 (compute-first pieces), :func:`fused` (kernels/fused). Arithmetic per format
 (:class:`kernels.format.OperandFormat`): plain and int8 partials are products in x's dtype (an int8
 weight dequantized to x's dtype first), summed by the collective, bias added after; FP8 partials are
@@ -17,25 +17,28 @@ repeated calls and all ranks hold the same bits.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from .. import comm, padding
-from ..call import IMPLEMENTATIONS, OpCall, Operands, decode, resolve_group
+from .. import comm, padding, tune
 from ..format import OperandFormat, bias_of, compute, dequantize_weight, dequantize_x
-from ..op_registration import define_op
-from .entry import (
-    Request,
-    define_one_weight_op,
+from ..protocol import OpSpec, submit
+from .gemm import (
+    ONE_WEIGHT_ARGS,
+    GemmCall,
+    Operands,
+    Options,
+    builder,
     fp8_operands,
-    fp8_values,
     int8_operands,
     one_weight_operands,
     plain_operands,
-    request,
     rows_of,
-    same_rows,
-    submit,
+    submit_plain,
 )
 from .norm import NormOutputs, accumulator, cast_to, check_epilogue, finish, scale_shape
 
@@ -69,19 +72,22 @@ def matmul_all_reduce(
     RMSNorm of ``h`` times ``norm_weight`` (FP8 e4m3 with its scales when ``quant`` is ``"tensor"`` / ``"row"``
     / ``"block"``) and ``h`` rounded to the residual's dtype.
     """
-    req = request(
-        "all_reduce",
+    if residual is None and norm_weight is None and quant is None:
+        signature = ("matmul_all_reduce", group, backend, parallel_num, deterministic, None)
+        return submit_plain(SPEC, "all_reduce", signature, (x, weight, bias))
+    epilogue = _epilogue_name(residual, norm_weight, quant, "matmul_all_reduce")
+    options = Options(
         "matmul_all_reduce",
-        x,
-        group=group,
-        backend=backend,
-        parallel_num=parallel_num,
+        "all_reduce",
+        group,
+        backend,
+        parallel_num,
         deterministic=deterministic,
-        epilogue=_epilogue_name(residual, norm_weight, quant, "matmul_all_reduce"),
+        epilogue=epilogue,
+        eps=_eps(eps, epilogue),
     )
     norm = (residual, norm_weight, eps, quant)
-    call, ops = submit(req, lambda: _checked(plain_operands(x, weight, bias), norm, req))
-    return _op(ops, call, norm)
+    return _submit(options, lambda: plain_operands(x, weight, bias), norm)
 
 
 def scaled_matmul_all_reduce(
@@ -112,24 +118,20 @@ def scaled_matmul_all_reduce(
     ``norm_weight``, ``eps``, ``quant``: the RMSNorm epilogue of :func:`matmul_all_reduce` (``residual`` in
     ``out_dtype``).
     """
-    req = request(
-        "all_reduce",
+    epilogue = _epilogue_name(residual, norm_weight, quant, "scaled_matmul_all_reduce")
+    options = Options(
         "scaled_matmul_all_reduce",
-        x,
-        group=group,
-        backend=backend,
-        parallel_num=parallel_num,
+        "all_reduce",
+        group,
+        backend,
+        parallel_num,
         deterministic=deterministic,
         out_dtype=out_dtype,
-        epilogue=_epilogue_name(residual, norm_weight, quant, "scaled_matmul_all_reduce"),
+        epilogue=epilogue,
+        eps=_eps(eps, epilogue),
     )
     norm = (residual, norm_weight, eps, quant)
-    call, ops = submit(
-        req,
-        lambda: _checked(fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype), norm, req),
-        fp8_values,
-    )
-    return _op(ops, call, norm)
+    return _submit(options, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype), norm)
 
 
 def quantized_matmul_all_reduce(
@@ -162,21 +164,20 @@ def quantized_matmul_all_reduce(
     the group and offset conventions. ``residual``, ``norm_weight``, ``eps``, ``quant``: the RMSNorm epilogue
     of :func:`matmul_all_reduce`.
     """
-    req = request(
-        "all_reduce",
+    epilogue = _epilogue_name(residual, norm_weight, quant, "quantized_matmul_all_reduce")
+    options = Options(
         "quantized_matmul_all_reduce",
-        x,
-        group=group,
-        backend=backend,
-        parallel_num=parallel_num,
+        "all_reduce",
+        group,
+        backend,
+        parallel_num,
         deterministic=deterministic,
-        epilogue=_epilogue_name(residual, norm_weight, quant, "quantized_matmul_all_reduce"),
+        epilogue=epilogue,
+        eps=_eps(eps, epilogue),
     )
     norm = (residual, norm_weight, eps, quant)
-    call, ops = submit(
-        req, lambda: _checked(int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset), norm, req)
-    )
-    return _op(ops, call, norm)
+    build = lambda: int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset)  # noqa: E731
+    return _submit(options, build, norm)
 
 
 def _epilogue_name(residual: object, norm_weight: object, quant: object, op: str) -> str:
@@ -191,29 +192,36 @@ def _epilogue_name(residual: object, norm_weight: object, quant: object, op: str
     return "rmsnorm" if quant is None else f"rmsnorm:{quant}"
 
 
-def _checked(built: tuple[OperandFormat, Operands], norm: tuple, req: Request) -> tuple[OperandFormat, Operands]:
-    """``built``, after checking the epilogue's tensors against the output (its rows, ``n`` and dtype)."""
-    fmt, ops = built
-    if req.epilogue:
-        residual, norm_weight, eps, quant = norm
-        shape = tuple(ops.x.shape[:-1]) + (ops.weights[0].shape[0],)
-        dtype = req.out_dtype or ops.x.dtype
-        check_epilogue(
-            residual, norm_weight, eps, quant, shape=shape, dtype=dtype, names=(req.op_name, "residual", "norm_weight")
-        )
-    return fmt, ops
+def _eps(eps: object, epilogue: str) -> float:
+    """The epilogue's eps as the call carries it (0.0 without an epilogue; a bad value is checked by the build)."""
+    if not epilogue or isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return 0.0
+    return float(eps)
 
 
-def _op(ops: Operands, call: OpCall, norm: tuple) -> torch.Tensor | NormOutputs:
-    operands = (ops.x, ops.x_scale, ops.weights[0], ops.scale_of(0), ops.offset_of(0), ops.biases[0])
-    if not call.epilogue:
-        return operator(*operands, call.encode())
+def _submit(options: Options, operands: Any, norm: tuple) -> torch.Tensor | NormOutputs:
+    """The call through :data:`SPEC`, or with the RMSNorm epilogue through :data:`NORM_SPEC` (its tensors checked
+    against the output: its rows, ``n`` and dtype)."""
+    if not options.epilogue:
+        return submit(SPEC, options.op, options.group, builder(options, operands))
     residual, norm_weight, eps, quant = norm
-    out, residual_out, scale = norm_operator(*operands, residual, norm_weight, float(eps), call.encode())
+
+    def also(ops: Operands) -> None:
+        shape = tuple(ops.x.shape[:-1]) + (ops.weights[0].shape[0],)
+        dtype = options.out_dtype or ops.x.dtype
+        names = (options.op, "residual", "norm_weight")
+        check_epilogue(residual, norm_weight, eps, quant, shape=shape, dtype=dtype, names=names)
+
+    out, residual_out, scale = submit(
+        NORM_SPEC,
+        options.op,
+        options.group,
+        builder(options, lambda: _with_norm(operands(), residual, norm_weight), also),
+    )
     return NormOutputs(out, residual_out, scale if quant is not None else None)
 
 
-def _dequantized(call: OpCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _dequantized(call: GemmCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The reference's operands: x rows, the weight and the bias as they are multiplied and added."""
     x2d = rows_of(ops.x)
     xd = dequantize_x(call.fmt, x2d, ops.x_scale, per_row=False)
@@ -238,7 +246,7 @@ def fixed_order_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | Non
     return gathered[:m]
 
 
-def reference(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
+def reference(call: GemmCall, ops: Operands) -> torch.Tensor:
     """Reference::
 
     partial = dequant(x) @ dequant(weight).T     # [m, n] on every rank (module docstring: dtypes)
@@ -249,20 +257,21 @@ def reference(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> t
         partial = padding.linear(xd, wd)
     if call.world > 1:
         if call.deterministic:
-            partial = fixed_order_all_reduce(partial, group, call.world)
+            partial = fixed_order_all_reduce(partial, call.group, call.world)
         else:
-            comm.all_reduce(partial, group)
+            comm.all_reduce(partial, call.group)
     return partial if bias is None else partial.add_(bias)
 
 
-def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
+def chunked(call: GemmCall, ops: Operands) -> torch.Tensor:
     """Same result as :func:`reference`; compute-first pieces of rows: multiply piece i, launch its
     asynchronous all-reduce, go on to piece i + 1 while it is in flight."""
     xd, wd, bias = _dequantized(call, ops)
     m, n = xd.shape[0], wd.shape[0]
     out = xd.new_empty((m, n))
+    group = call.group
     if call.deterministic:
-        return _fixed_order_pieces(call, xd, wd, bias, group)
+        return _fixed_order_pieces(call, xd, wd, bias)
     works = []
     for start, stop in comm.split_rows(m, call.parallel_num):
         piece = out[start:stop]
@@ -275,21 +284,23 @@ def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> tor
 
 
 def _fixed_order_pieces(
-    call: OpCall, xd: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None
+    call: GemmCall, xd: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None, acc: torch.dtype | None = None
 ) -> torch.Tensor:
-    """Deterministic all-reduce per piece: exchange, sum in rank order, gather.
+    """Deterministic all-reduce per piece: exchange, sum in rank order, gather; ``acc``: the dtype the partials
+    travel and sum in (None: the product's).
 
     Each piece's rows are zero-padded to a multiple of W (zeros keep the sums exact), exchanged
     all-to-all while the next piece is multiplied, summed in rank order, and the reduced blocks
     are all-gathered while the next piece is summed.
     """
-    world, n = call.world, wd.shape[0]
-    out = xd.new_empty((xd.shape[0], n))
+    world, n, group = call.world, wd.shape[0], call.group
+    out = xd.new_empty((xd.shape[0], n), dtype=acc)
     exchanges = []
     for start, stop in comm.split_rows(xd.shape[0], call.parallel_num):
         block = -(-(stop - start) // world)
         with compute(call.fmt):
-            padded = comm.pad_rows(padding.linear(xd[start:stop], wd), block * world)
+            product = padding.linear(xd[start:stop], wd)
+        padded = comm.pad_rows(product if acc is None else cast_to(product, acc), block * world)
         parts = padded.new_empty((world, block, n))
         work = comm.all_to_all(parts, padded, group, async_op=True)
         exchanges.append((work, start, stop, parts))
@@ -306,24 +317,45 @@ def _fixed_order_pieces(
     return out if bias is None else out.add_(bias)
 
 
-def fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
+def fused(call: GemmCall, ops: Operands) -> torch.Tensor:
     """The fused kernels (kernels/fused/all_reduce.py): GEMM tiles pushed into peers' slots, fixed-order reduce."""
     from ..fused import all_reduce
 
     return all_reduce.run(call, ops)
 
 
-IMPL = IMPLEMENTATIONS["all_reduce"] = {"sequential": reference, "chunked": chunked, "fused": fused}
+def _finished(backend: Any) -> Any:
+    """``backend(call, ops)``'s 2-D result in the output dtype, shaped as x's rows with the last dim ``n``."""
+
+    def run(call: GemmCall, ops: Operands) -> torch.Tensor:
+        out = backend(call, ops)
+        out = out.to(call.out_dtype) if call.out_dtype is not None else out
+        return out.view(tuple(ops.x.shape[:-1]) + (ops.weights[0].shape[0],))
+
+    return run
 
 
-operator = define_one_weight_op("matmul_all_reduce", IMPL, same_rows)
+def _fake(call: GemmCall, ops: Operands) -> torch.Tensor:
+    x = ops.x
+    return x.new_empty(tuple(x.shape[:-1]) + (ops.weights[0].shape[0],), dtype=call.out_dtype or x.dtype)
 
 
-def reduced_reference(
-    call: OpCall, ops: Operands, group: dist.ProcessGroup | None, residual: torch.Tensor
-) -> torch.Tensor:
+_IMPL = {"sequential": _finished(reference), "chunked": _finished(chunked), "fused": _finished(fused)}
+SPEC = OpSpec(
+    name="matmul_all_reduce",
+    call=GemmCall,
+    schema=f"({ONE_WEIGHT_ARGS}, str call) -> Tensor",
+    operands=one_weight_operands,
+    flat=Operands.one_weight,
+    impl=_IMPL,
+    fake=_fake,
+    tune=tune.tuner(_IMPL),
+)
+
+
+def reduced_reference(call: GemmCall, ops: Operands, residual: torch.Tensor) -> torch.Tensor:
     """``h = sum(partial_r in the accumulator, rank order) + bias + residual`` (fp32, fp64 for fp64): the
-    epilogue's input on the sequential and chunked backends (no pieces: the epilogue serves decode sizes)."""
+    epilogue's input on the sequential backend."""
     xd, wd, bias = _dequantized(call, ops)
     with compute(call.fmt):
         partial = padding.linear(xd, wd)
@@ -331,58 +363,85 @@ def reduced_reference(
     # The partials travel in the accumulator, so the rank-order sum is the fused reduce's, operation by operation.
     h = cast_to(partial, acc)
     if call.world > 1:
-        h = fixed_order_all_reduce(h, group, call.world)
+        h = fixed_order_all_reduce(h, call.group, call.world)
     if bias is not None:
         h = h + cast_to(bias, acc)
     return h + cast_to(residual, acc)
 
 
-def reduced_fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None, residual: torch.Tensor) -> torch.Tensor:
+def reduced_chunked(call: GemmCall, ops: Operands, residual: torch.Tensor) -> torch.Tensor:
+    """:func:`reduced_reference` in compute-first pieces: each piece's partials (in the accumulator) exchanged while
+    the next piece is multiplied, and summed in rank order: the same sums, element by element."""
+    xd, wd, bias = _dequantized(call, ops)
+    acc = accumulator(xd.dtype)
+    h = _fixed_order_pieces(call, xd, wd, None if bias is None else cast_to(bias, acc), acc)
+    return h + cast_to(residual, acc)
+
+
+def reduced_fused(call: GemmCall, ops: Operands, residual: torch.Tensor) -> torch.Tensor:
     """:func:`reduced_reference` on the fused backend: the residual added in the reduce kernel."""
     from ..fused import all_reduce
 
     return all_reduce.run(call, ops, residual=residual)
 
 
-REDUCED = {"sequential": reduced_reference, "chunked": reduced_reference, "fused": reduced_fused}
+@dataclass(slots=True)
+class NormOperands(Operands):
+    """:class:`Operands` of one weight with the epilogue's ``residual`` and ``norm_weight``."""
+
+    residual: torch.Tensor | None = None
+    norm_weight: torch.Tensor | None = None
+
+    def flat(self) -> tuple:
+        return (*self.one_weight(), self.residual, self.norm_weight)
 
 
-def _run_norm(
-    x: torch.Tensor,
-    x_scale: torch.Tensor | None,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor | None,
-    w_offset: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    call_text: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = decode(call_text)
-    ops = one_weight_operands(x, weight, x_scale=x_scale, w_scale=w_scale, w_offset=w_offset, bias=bias)
-    h = REDUCED[call.backend](call, ops, resolve_group(call.group_name), rows_of(residual))
+def _with_norm(built: tuple[OperandFormat, Operands], residual: Any, norm_weight: Any) -> tuple:
+    fmt, ops = built
+    fields = {f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)}
+    return fmt, NormOperands(**fields, residual=residual, norm_weight=norm_weight)
+
+
+def _norm_operands(*args: Any) -> NormOperands:
+    return _with_norm((None, one_weight_operands(*args[:6])), args[6], args[7])[1]  # type: ignore[arg-type]
+
+
+def _norm_finished(reduced: Any) -> Any:
+    """``(out, residual_out, scale)`` of the epilogue (:mod:`kernels.ops.norm`) after ``reduced``, the fp32 ``h``."""
+
+    def run(call: GemmCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        residual = ops.residual
+        assert residual is not None and ops.norm_weight is not None
+        h = reduced(call, ops, rows_of(residual))
+        mode = call.epilogue.partition(":")[2] or None
+        dtypes = (residual.dtype, residual.dtype)
+        quant = (mode, torch.float8_e4m3fn)
+        fused_norm = call.backend == "fused"
+        shape = tuple(residual.shape)
+        return finish(h, ops.norm_weight, call.eps, dtypes=dtypes, quant=quant, fused=fused_norm, shape=shape)
+
+    return run
+
+
+def _norm_fake(call: GemmCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    residual = ops.residual
+    assert residual is not None
     mode = call.epilogue.partition(":")[2] or None
-    dtypes = (residual.dtype, residual.dtype)
-    shape = tuple(residual.shape)
-    fused_norm = call.backend == "fused"
-    return finish(h, norm_weight, eps, dtypes=dtypes, quant=(mode, torch.float8_e4m3fn), fused=fused_norm, shape=shape)
-
-
-def _fake_norm(
-    x: torch.Tensor, x_scale: object, weight: torch.Tensor, *args: object
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    residual = args[3]
-    assert isinstance(residual, torch.Tensor)
-    mode = decode(str(args[-1])).epilogue.partition(":")[2] or None
     out = residual.new_empty(residual.shape, dtype=torch.float8_e4m3fn if mode else residual.dtype)
     scale = residual.new_empty(scale_shape(tuple(residual.shape), mode), dtype=torch.float32)
     return out, residual.new_empty(residual.shape), scale
 
 
-norm_operator = define_op(
-    "matmul_all_reduce_rmsnorm(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset, "
-    "Tensor? bias, Tensor residual, Tensor norm_weight, float eps, str call) -> (Tensor, Tensor, Tensor)",
-    _run_norm,
-    _fake_norm,
+NORM_SPEC = OpSpec(
+    name="matmul_all_reduce_rmsnorm",
+    call=GemmCall,
+    schema=f"({ONE_WEIGHT_ARGS}, Tensor residual, Tensor norm_weight, str call) -> (Tensor, Tensor, Tensor)",
+    operands=_norm_operands,
+    flat=NormOperands.flat,
+    impl={
+        "sequential": _norm_finished(reduced_reference),
+        "chunked": _norm_finished(reduced_chunked),
+        "fused": _norm_finished(reduced_fused),
+    },
+    fake=_norm_fake,
 )

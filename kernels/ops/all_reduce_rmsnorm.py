@@ -2,11 +2,12 @@
 
 Public function: :func:`all_reduce_rmsnorm` (docs/api.md). Registered operator::
 
-    coc::all_reduce_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, str call)
-        -> (Tensor out, Tensor residual_out, Tensor scale)       # call: NormCall.encode()
+    coc::all_reduce_rmsnorm(Tensor x, Tensor residual, Tensor weight, str call)
+        -> (Tensor out, Tensor residual_out, Tensor scale)       # call: NormCall (eps among its fields)
 
-and one implementation per backend: :func:`reference` (``sequential``, also what ``chunked`` runs: there is
-no GEMM to overlap) through torch.distributed, and :func:`fused` (:mod:`kernels.fused.all_reduce_norm`).
+and one implementation per backend: :func:`reference` (``sequential``) through torch.distributed, and
+:func:`fused` (:mod:`kernels.fused.all_reduce_norm`). There is no chunked backend (no GEMM to overlap in
+pieces): a chunked request runs sequential, with a warning naming it.
 Semantics (both; ``x``, ``residual`` ``[..., n]``, ``weight [n]``)::
 
     h = x_0 + x_1 + ... + x_{W-1}               # fp32 (fp64 for fp64 x), in rank order
@@ -23,48 +24,50 @@ reductions, so it may differ from the fused kernel's in the last bits of ``rstd`
 
 from __future__ import annotations
 
-import functools
-import math
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .. import agree, callcheck, checks
-from ..call import group_name, resolve_group
-from ..config import get_config
-from ..op_registration import define_op
+from .. import checks
+from ..protocol import Built, Call, OpSpec, group_name, submit, tensors_key
+from ..protocol.call import Items
 from .all_reduce import fixed_order_all_reduce
-from .entry import rows_of
+from .gemm import rows_of
 from .norm import NormOutputs, accumulator, check_epilogue, check_fp8_dtype, finish, scale_shape
 
-ALGORITHMS = agree.NORM_ALGORITHMS
+ALGORITHMS = ("auto", "one_shot", "two_shot", "unfused")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_warned: set[str] = set()
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormCall(Call):
+    """One call without its tensors: the FP8 ``quant`` mode and dtype, the ``algorithm`` (resolved from the
+    size switch before the admission, so ranks whose tuned files choose differently are told so) and ``eps``."""
+
+    quant: str | None = None
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    algorithm: str = "auto"
+    eps: float = 1e-6
+
+    def operand_items(self, operands: NormOperands) -> Items:
+        x, residual, weight = operands.x, operands.residual, operands.weight
+        return (
+            ("x.shape", tuple(x.shape)),
+            ("x.dtype", x.dtype),
+            ("weight.dtype", weight.dtype),
+            ("residual.dtype", residual.dtype),
+        )
 
 
 @dataclass(frozen=True)
-class NormCall:
-    """One call without its tensors: what the registered operator's string carries."""
+class NormOperands:
+    x: torch.Tensor
+    residual: torch.Tensor
+    weight: torch.Tensor
 
-    quant: str | None
-    fp8_dtype: torch.dtype
-    algorithm: str
-    backend: str
-    group_name: str
-    world: int
-
-    def encode(self) -> str:
-        fp8 = str(self.fp8_dtype).removeprefix("torch.")
-        return "|".join((self.quant or "", fp8, self.algorithm, self.backend, self.group_name, str(self.world)))
-
-    @staticmethod
-    @functools.lru_cache(maxsize=1024)
-    def decode(text: str) -> NormCall:
-        """Inverse of :meth:`encode` (cached: the registered operator decodes its string at each call)."""
-        quant, fp8, algorithm, backend, name, world = text.split("|")
-        return NormCall(quant or None, getattr(torch, fp8), algorithm, backend, name, int(world))
+    def flat(self) -> tuple:
+        return (self.x, self.residual, self.weight)
 
 
 def all_reduce_rmsnorm(
@@ -88,23 +91,34 @@ def all_reduce_rmsnorm(
     ``"unfused"`` (the torch.distributed exchange, then the fused norm) or ``"auto"``: by x's bytes and the
     world size, from the gates of the tuned file (``kernels.fused.tuned.all_reduce_gates``; defaults: one-shot
     up to 256 KiB, two-shot up to 8 MiB); ranks that choose differently (tuned files that differ) are refused
-    by name. ``backend``: as the other ops (``USE_COC_FUSED_KERNEL=1`` picks ``"fused"``). Bad arguments raise
+    by name. Each rank adds its own ``residual`` (documented precondition: the residual stream is replicated;
+    one that is not gives ``residual_r + all_reduce(x)`` on rank r on every backend and algorithm).
+    ``backend``: as the other ops (``USE_COC_FUSED_KERNEL=1`` picks ``"fused"``). Bad arguments raise
     ``ValueError`` / ``TypeError`` naming them before any communication, on every rank when only one rank's
-    are bad.
+    are bad; ranks whose ``eps``, ``quant``, shapes or dtypes differ raise a named ``RuntimeError`` on every rank.
     """
-    world = checks.world_of(group)
-    device = x.device if isinstance(x, torch.Tensor) else None
-    chosen: list[str] = []
 
-    def validate() -> agree.Descriptor:
+    def build(world: int) -> Built:
         _check(x, residual, weight, eps, quant=quant, fp8_dtype=fp8_dtype, algorithm=algorithm)
         checks.check_backend(backend)
-        chosen.append(choose_algorithm(algorithm, x, world))
-        return _descriptor(x, backend, quant, chosen[-1])
+        call = NormCall(
+            op="all_reduce_rmsnorm",
+            group_name=group_name(group),
+            world=world,
+            backend=backend,
+            quant=quant,
+            fp8_dtype=fp8_dtype,
+            algorithm=choose_algorithm(algorithm, x, world),
+            eps=float(eps),
+        )
+        return Built(call, NormOperands(x, residual, weight), x.device)
 
-    callcheck.admit("all_reduce_rmsnorm", group, world, device, validate, backend=backend)
-    call = NormCall(quant, fp8_dtype, chosen[-1], _backend(backend, group, x.device), group_name(group), world)
-    out, residual_out, scale = operator(x, residual, weight, float(eps), call.encode())
+    fast = None
+    if type(eps) in (float, int):
+        tensors = tensors_key(x, residual, weight)
+        options = ("all_reduce_rmsnorm", group, backend, quant, fp8_dtype, algorithm, eps)
+        fast = None if tensors is None else ((options, tensors), lambda: NormOperands(x, residual, weight))
+    out, residual_out, scale = submit(SPEC, "all_reduce_rmsnorm", group, build, fast)
     return NormOutputs(out, residual_out, scale if quant else None)
 
 
@@ -140,110 +154,60 @@ def choose_algorithm(algorithm: str, x: torch.Tensor, world: int) -> str:
     return "two_shot" if size <= gates.fused_max_bytes else "unfused"
 
 
-def _descriptor(x: torch.Tensor, backend: str | None, quant: str | None, algorithm: str) -> agree.Descriptor:
-    m, n = math.prod(x.shape[:-1]), x.shape[-1]
-    return agree.describe_call(
-        "all_reduce_rmsnorm",
-        m,
-        n,
-        n,
-        x.dtype,
-        bias=False,
-        flag=True,
-        backend=backend,
-        quant_mode=quant,
-        comm_dim=ALGORITHMS.index(algorithm),
-    )
-
-
-def _backend(backend: str | None, group: dist.ProcessGroup | None, device: torch.device) -> str:
-    """The backend that runs: the argument, else ``"fused"`` where the environment asks for it; a fused
-    request where the fused kernels cannot run warns (once per reason) and runs the reference."""
-    if backend is None:
-        backend = "fused" if get_config().use_fused else "sequential"
-    if backend != "fused":
-        return "sequential"
-    from .. import fused
-
-    reason = fused.unavailable_reason(group, device)
-    if reason is None:
-        return "fused"
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(
-            f"all_reduce_rmsnorm: the fused backend cannot run here ({reason}); using the torch.distributed "
-            "path instead (this warning is shown once per reason)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return "sequential"
-
-
 def reference(x: torch.Tensor, residual: torch.Tensor, call: NormCall) -> torch.Tensor:
     """``h = x_0 + ... + x_{W-1} + residual`` (module docstring) through torch.distributed; rows ``[m, n]``."""
     acc = accumulator(x.dtype)
     h = x.to(acc)
     if call.world > 1:
         # Each rank's rows travel at fp32 so that the rank-order sum is the fused one's (same bits).
-        h = fixed_order_all_reduce(h, resolve_group(call.group_name), call.world)
+        h = fixed_order_all_reduce(h, call.group, call.world)
     return h + residual.to(acc)
 
 
-def fused(x: torch.Tensor, residual: torch.Tensor, call: NormCall) -> torch.Tensor:
+def fused(x: torch.Tensor, residual: torch.Tensor, call: NormCall, described: NormOperands) -> torch.Tensor:
     """:func:`reference` on the symmetric heap (:mod:`kernels.fused.all_reduce_norm`)."""
-    from ..fused import all_reduce_norm
+    from ..fused import all_reduce_norm, runtime
 
-    m, n = x.shape
     cfg = all_reduce_norm.block_config(x.device)
-    descriptor = agree.describe_call(
-        "all_reduce_rmsnorm",
-        m,
-        n,
-        n,
-        x.dtype,
-        bias=False,
-        flag=True,
-        backend="fused",
-        quant_mode=call.quant,
-        comm_dim=ALGORITHMS.index(call.algorithm),
-        tiles=(cfg.block_m, cfg.block_n),
-    )
-    group = resolve_group(call.group_name)
+    descriptor = runtime.describe(call, described, (cfg.block_m, cfg.block_n))
+    group = call.group
     if call.algorithm == "unfused":
-        # The fused backend's calls are compared by its kernels, not on the host (kernels.callcheck): the
-        # heap's check runs here too, so that a peer that chose a fused algorithm is refused by name instead
+        # The heap's check runs here too, so that a peer that chose a fused algorithm is refused by name instead
         # of waiting for a rank that is inside a torch.distributed collective.
         all_reduce_norm.check_peers(group, x.device, descriptor)
         return reference(x, residual, call)
     return all_reduce_norm.reduced_rows(x, residual, group=group, algorithm=call.algorithm, descriptor=descriptor)
 
 
-IMPL = {"sequential": reference, "fused": fused}
-
-
-def _run(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call_text: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = NormCall.decode(call_text)
-    h = IMPL[call.backend](rows_of(x), rows_of(residual), call)
+def _normed(call: NormCall, ops: NormOperands, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, residual = ops.x, ops.residual
     quant = (call.quant, call.fp8_dtype)
-    shape = tuple(x.shape)
-    return finish(
-        h, weight, eps, dtypes=(x.dtype, residual.dtype), quant=quant, fused=call.backend == "fused", shape=shape
-    )
+    dtypes = (x.dtype, residual.dtype)
+    fused_norm = call.backend == "fused"
+    return finish(h, ops.weight, call.eps, dtypes=dtypes, quant=quant, fused=fused_norm, shape=tuple(x.shape))
 
 
-def _fake(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, call_text: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = NormCall.decode(call_text)
+def _sequential(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _normed(call, ops, reference(rows_of(ops.x), rows_of(ops.residual), call))
+
+
+def _fused(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _normed(call, ops, fused(rows_of(ops.x), rows_of(ops.residual), call, ops))
+
+
+def _fake(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x, residual = ops.x, ops.residual
     out = x.new_empty(x.shape, dtype=call.fp8_dtype if call.quant else x.dtype)
     scale = x.new_empty(scale_shape(tuple(x.shape), call.quant), dtype=torch.float32)
     return out, residual.new_empty(residual.shape), scale
 
 
-operator = define_op(
-    "all_reduce_rmsnorm(Tensor x, Tensor residual, Tensor weight, float eps, str call) -> (Tensor, Tensor, Tensor)",
-    _run,
-    _fake,
+SPEC = OpSpec(
+    name="all_reduce_rmsnorm",
+    call=NormCall,
+    schema="(Tensor x, Tensor residual, Tensor weight, str call) -> (Tensor, Tensor, Tensor)",
+    operands=NormOperands,
+    flat=NormOperands.flat,
+    impl={"sequential": _sequential, "fused": _fused},
+    fake=_fake,
 )

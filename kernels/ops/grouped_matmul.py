@@ -1,10 +1,10 @@
 """The grouped GEMM of mixture-of-experts layers (no communication): each expert's rows times its own weight.
 
-Public functions: :func:`grouped_matmul` and its pure-torch twin :func:`grouped_matmul_reference`
-(docs/api.md, "Grouped GEMM"). Registered operator::
+Public function: :func:`grouped_matmul` (docs/api.md, "Grouped GEMM"; ``backend="sequential"`` is the reference,
+in torch). Registered operator::
 
     coc::grouped_matmul(Tensor x, Tensor weight, Tensor expert_offsets, Tensor? x_scale, Tensor? w_scale,
-                        ScalarType out_dtype, str fmt, str backend) -> Tensor
+                        str call) -> Tensor                     # call: GroupedCall (format, out_dtype, backend)
 
 ``x [m, k]`` holds the tokens grouped by expert: the rows of expert ``e`` are
 ``x[expert_offsets[e - 1]:expert_offsets[e]]`` (``expert_offsets [E]``, int32 or int64, cumulative end
@@ -23,18 +23,39 @@ offsets give wrong rows but never touch memory outside the tensors.
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass, field
 
 import torch
 
 from ..capture import capturing
 from ..format import PLAIN, OperandFormat, compute, dequantize_weight, dequantize_x, fp8
 from ..fp8 import scales
-from ..op_registration import define_op
+from ..protocol import Built, Call, OpSpec, submit
+from ..protocol.call import shown_as
 
 PLAIN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OFFSET_DTYPES = (torch.int32, torch.int64)
 BACKENDS = ("sequential", "fused")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedCall(Call):
+    """One grouped GEMM (local: no group): its operands' format and output dtype."""
+
+    fmt: OperandFormat = field(default=PLAIN, metadata=shown_as("format"))
+    out_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class GroupedOperands:
+    x: torch.Tensor
+    weight: torch.Tensor
+    expert_offsets: torch.Tensor
+    x_scale: torch.Tensor | None = None
+    w_scale: torch.Tensor | None = None
+
+    def flat(self) -> tuple:
+        return (self.x, self.weight, self.expert_offsets, self.x_scale, self.w_scale)
 
 
 def _expected_scales(mode: str, shape: tuple[int, int, int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -122,7 +143,7 @@ def operand_format(
 ) -> tuple[OperandFormat, torch.dtype]:
     """The format and output dtype of a grouped GEMM's operands ``x [m, k]``, ``weight [E, n, k]`` (shapes
     checked by the caller) and ``options`` = ``{x_scale, w_scale, out_dtype}``: also the MoE ops' check
-    (:mod:`kernels.ops.moe_routing`), whose x is named ``x_name``."""
+    (:mod:`kernels.ops.moe.routing`), whose x is named ``x_name``."""
     x_scale, w_scale, out_dtype = options["x_scale"], options["w_scale"], options["out_dtype"]
     if x.dtype in scales.FP8_DTYPES:
         if weight.dtype not in scales.FP8_DTYPES:
@@ -168,21 +189,6 @@ def check_values(x: torch.Tensor, expert_offsets: torch.Tensor, x_scale: object,
             scales.check_scale_values(name, scale)
 
 
-def _checked(
-    x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, options: dict
-) -> tuple[OperandFormat, torch.dtype]:
-    fmt, out_dtype = check_operands(x, weight, expert_offsets, **options)
-    if scales.value_check_wanted(x.device) and not capturing(x.device):
-        check_values(x, expert_offsets, options["x_scale"], options["w_scale"])
-    return fmt, out_dtype
-
-
-def kernel_runs_on(device: torch.device) -> bool:
-    """Whether the Triton kernel can run on ``device``: CUDA (compiled) or the CPU under the interpreter."""
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return (device.type == "cuda" and not interpreted) or (device.type == "cpu" and interpreted)
-
-
 def grouped_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -193,37 +199,7 @@ def grouped_matmul(
     out_dtype: torch.dtype | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """``out [m, n]``, the rows of expert ``e`` times ``weight[e].T`` (module docstring; semantics:
-    :func:`grouped_matmul_reference`).
-
-    ``backend``: ``None`` runs the persistent Triton kernel where it runs (CUDA; the CPU under
-    ``TRITON_INTERPRET=1``), else the reference; ``"fused"`` the kernel (``ValueError`` where it cannot run);
-    ``"sequential"`` the reference (a host read of the offsets: not for CUDA graphs).
-    """
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not accepted; use None or one of {BACKENDS}")
-    options = dict(x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype)
-    fmt, out_dtype = _checked(x, weight, expert_offsets, options)
-    runs = kernel_runs_on(x.device)
-    if backend == "fused" and not runs:
-        raise ValueError(
-            f"backend='fused': the Triton kernel cannot run on {x.device} here (CUDA tensors without TRITON_INTERPRET, "
-            "or CPU tensors with TRITON_INTERPRET=1 set before kernels is imported)"
-        )
-    name = "fused" if backend == "fused" or (backend is None and runs) else "sequential"
-    return operator(x, weight, expert_offsets, x_scale, w_scale, out_dtype, fmt.encode(), name)
-
-
-def grouped_matmul_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    expert_offsets: torch.Tensor,
-    *,
-    x_scale: torch.Tensor | None = None,
-    w_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """The semantics of :func:`grouped_matmul`, in torch (validates the same way, reads the offsets on the host)::
+    """``out [m, n]``, the rows of expert ``e`` times ``weight[e].T`` (module docstring)::
 
         out = empty(m, n, dtype=out_dtype)        # plain: x's dtype; FP8: out_dtype (default bf16)
         start = 0
@@ -236,12 +212,23 @@ def grouped_matmul_reference(
             start = end
 
     ``dequant`` is :func:`kernels.dequantize_fp8` (x per 1 x 128 block / row / tensor, the weight per
-    128 x 128 block / row / tensor).
+    128 x 128 block / row / tensor). ``backend``: ``None`` runs the persistent Triton kernel where it runs
+    (CUDA; the CPU under ``TRITON_INTERPRET=1``), else the reference; ``"fused"`` the kernel (``ValueError``
+    where it cannot run); ``"sequential"`` the reference above, in torch (a host read of the offsets: not for
+    CUDA graphs).
     """
-    options = dict(x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype)
-    fmt, out_dtype = check_operands(x, weight, expert_offsets, **options)
-    check_values(x, expert_offsets, x_scale, w_scale)
-    return _reference(fmt, (x, weight, expert_offsets, x_scale, w_scale), out_dtype)
+
+    def build(world: int) -> Built:
+        options = dict(x_scale=x_scale, w_scale=w_scale, out_dtype=out_dtype)
+        fmt, out = check_operands(x, weight, expert_offsets, **options)
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not accepted; use None or one of {BACKENDS}")
+        if backend == "sequential" or (scales.value_check_wanted(x.device) and not capturing(x.device)):
+            check_values(x, expert_offsets, x_scale, w_scale)
+        call = GroupedCall(op="grouped_matmul", backend=backend, fmt=fmt, out_dtype=out)
+        return Built(call, GroupedOperands(x, weight, expert_offsets, x_scale, w_scale), x.device)
+
+    return submit(SPEC, "grouped_matmul", None, build)
 
 
 def grouped_matmul_grads(
@@ -268,46 +255,41 @@ def grouped_matmul_grads(
     return grad_x, grad_w
 
 
-def _reference(fmt: OperandFormat, tensors: tuple, out_dtype: torch.dtype) -> torch.Tensor:
-    x, weight, expert_offsets, x_scale, w_scale = tensors
-    out = torch.empty((x.shape[0], weight.shape[1]), dtype=out_dtype, device=x.device)
+def _reference(call: GroupedCall, ops: GroupedOperands) -> torch.Tensor:
+    fmt, x, weight, x_scale, w_scale = call.fmt, ops.x, ops.weight, ops.x_scale, ops.w_scale
+    out = torch.empty((x.shape[0], weight.shape[1]), dtype=call.out_dtype, device=x.device)
     xs = None if x_scale is None else scales.kernel_scale(x_scale, str(fmt.mode), x.shape[0])
     xd = dequantize_x(fmt, x, xs, per_row=False)
     start = 0
     with compute(fmt):
-        for e, end in enumerate(int(v) for v in expert_offsets.tolist()):
+        for e, end in enumerate(int(v) for v in ops.expert_offsets.tolist()):
             wd = dequantize_weight(fmt, weight[e], None if w_scale is None else w_scale[e], None, x.dtype)
-            out[start:end] = torch.mm(xd[start:end], wd.T).to(out_dtype)
+            out[start:end] = torch.mm(xd[start:end], wd.T).to(call.out_dtype)
             start = end
     return out
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, *rest: object) -> torch.Tensor:
-    """The operator's body; ``rest`` = ``(x_scale, w_scale, out_dtype, fmt, backend)`` as the schema orders them."""
-    x_scale, w_scale, out_dtype, fmt_text, backend = rest
-    assert isinstance(out_dtype, torch.dtype) and isinstance(fmt_text, str)
-    assert x_scale is None or isinstance(x_scale, torch.Tensor)
-    assert w_scale is None or isinstance(w_scale, torch.Tensor)
-    fmt = OperandFormat.decode(fmt_text)
-    if backend == "sequential":
-        return _reference(fmt, (x, weight, expert_offsets, x_scale, w_scale), out_dtype)
+def _kernel(call: GroupedCall, ops: GroupedOperands) -> torch.Tensor:
     from ..fused import grouped
 
-    out = torch.empty((x.shape[0], weight.shape[1]), dtype=out_dtype, device=x.device)
-    xs = None if x_scale is None else scales.kernel_scale(x_scale, str(fmt.mode), x.shape[0]).contiguous()
-    ws = None if w_scale is None else w_scale.contiguous()
-    return grouped.launch(fmt, x, weight, expert_offsets.contiguous(), out, x_scale=xs, w_scale=ws)
+    x, weight = ops.x, ops.weight
+    out = torch.empty((x.shape[0], weight.shape[1]), dtype=call.out_dtype, device=x.device)
+    xs = None if ops.x_scale is None else scales.kernel_scale(ops.x_scale, str(call.fmt.mode), x.shape[0]).contiguous()
+    ws = None if ops.w_scale is None else ops.w_scale.contiguous()
+    return grouped.launch(call.fmt, x, weight, ops.expert_offsets.contiguous(), out, x_scale=xs, w_scale=ws)
 
 
-def _fake(x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor, *args: object) -> torch.Tensor:
-    out_dtype = args[2]
-    assert isinstance(out_dtype, torch.dtype)
-    return x.new_empty((x.shape[0], weight.shape[1]), dtype=out_dtype)
+def _fake(call: GroupedCall, ops: GroupedOperands) -> torch.Tensor:
+    return ops.x.new_empty((ops.x.shape[0], ops.weight.shape[1]), dtype=call.out_dtype)
 
 
-operator = define_op(
-    "grouped_matmul(Tensor x, Tensor weight, Tensor expert_offsets, Tensor? x_scale, Tensor? w_scale, "
-    "ScalarType out_dtype, str fmt, str backend) -> Tensor",
-    _run,
-    _fake,
+SPEC = OpSpec(
+    name="grouped_matmul",
+    call=GroupedCall,
+    schema="(Tensor x, Tensor weight, Tensor expert_offsets, Tensor? x_scale, Tensor? w_scale, str call) -> Tensor",
+    operands=GroupedOperands,
+    flat=GroupedOperands.flat,
+    impl={"sequential": _reference, "fused": _kernel},
+    fake=_fake,
+    local="kernel",
 )

@@ -11,13 +11,14 @@ Reference: ``(dequant(x) @ dequant(weight).T + bias).to(out_dtype)`` with the ar
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from .. import checks, padding
-from ..call import IMPLEMENTATIONS, OpCall, Operands
-from ..config import get_config
+from .. import padding
 from ..format import bias_of, compute, dequantize_weight, dequantize_x
-from .entry import define_one_weight_op, fp8_operands, fp8_values, rows_of, same_rows
+from ..protocol import OpSpec, submit
+from .gemm import ONE_WEIGHT_ARGS, GemmCall, Operands, Options, builder, fp8_operands, one_weight_operands, rows_of
 
 
 def scaled_matmul(
@@ -32,19 +33,16 @@ def scaled_matmul(
 ) -> torch.Tensor:
     """The local FP8 GEMM (no communication; the FP8 linears' non-communicating GEMMs).
 
-    Reference: ``(dequant(x) @ dequant(weight).T + bias).to(out_dtype)`` with fp32 inside. Runs the
-    fused Triton FP8 GEMM when the backend resolves to ``"fused"`` on a CUDA tensor, else the reference.
+    Reference: ``(dequant(x) @ dequant(weight).T + bias).to(out_dtype)`` with fp32 inside. ``backend``: None
+    runs the fused Triton FP8 GEMM on CUDA tensors when ``USE_COC_FUSED_KERNEL=1``, else the reference;
+    ``"fused"`` the kernel (``ValueError`` where it cannot run), ``"sequential"`` the reference.
     """
-    fmt, ops = fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype)
-    checks.check_backend(backend)
-    fp8_values(ops)
-    use_fused = backend == "fused" or (backend is None and get_config().use_fused)
-    name = "fused" if use_fused and x.is_cuda else "sequential"
-    call = OpCall(pattern="matmul", fmt=fmt, out_dtype=out_dtype, backend=name)
-    return operator(ops.x, ops.x_scale, weight, ops.scale_of(0), None, bias, call.encode())
+    options = Options("scaled_matmul", "matmul", None, backend, out_dtype=out_dtype)
+    build = builder(options, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype))
+    return submit(SPEC, options.op, None, build)
 
 
-def reference(call: OpCall, ops: Operands, group: object = None) -> torch.Tensor:
+def reference(call: GemmCall, ops: Operands) -> torch.Tensor:
     """Reference: ``dequant(x) @ dequant(weight).T + bias`` in the format's arithmetic."""
     x2d = rows_of(ops.x)
     xd = dequantize_x(call.fmt, x2d, ops.x_scale, per_row=False)
@@ -53,14 +51,34 @@ def reference(call: OpCall, ops: Operands, group: object = None) -> torch.Tensor
         return padding.linear(xd, wd, bias_of(call.fmt, ops.biases[0]))
 
 
-def fused(call: OpCall, ops: Operands, group: object = None) -> torch.Tensor:
+def fused(call: GemmCall, ops: Operands) -> torch.Tensor:
     """The Triton GEMM core on this device (kernels/fused/matmul.py)."""
     from ..fused import matmul
 
     return matmul.run(call, ops)[0]
 
 
-IMPL = IMPLEMENTATIONS["matmul"] = {"sequential": reference, "fused": fused}
+def _finished(backend: Any) -> Any:
+    def run(call: GemmCall, ops: Operands) -> torch.Tensor:
+        out = backend(call, ops)
+        out = out.to(call.out_dtype) if call.out_dtype is not None else out
+        return out.view(tuple(ops.x.shape[:-1]) + (ops.weights[0].shape[0],))
+
+    return run
 
 
-operator = define_one_weight_op("matmul", IMPL, same_rows)
+def _fake(call: GemmCall, ops: Operands) -> torch.Tensor:
+    x = ops.x
+    return x.new_empty(tuple(x.shape[:-1]) + (ops.weights[0].shape[0],), dtype=call.out_dtype or x.dtype)
+
+
+SPEC = OpSpec(
+    name="matmul",
+    call=GemmCall,
+    schema=f"({ONE_WEIGHT_ARGS}, str call) -> Tensor",
+    operands=one_weight_operands,
+    flat=Operands.one_weight,
+    impl={"sequential": _finished(reference), "fused": _finished(fused)},
+    fake=_fake,
+    local="cuda",
+)

@@ -4,9 +4,9 @@ Public functions (docs/api.md): :func:`matmul_reduce_scatter` (plain), :func:`sc
 (FP8), :func:`quantized_matmul_reduce_scatter` (int8 weights). One registered operator serves the three::
 
     coc::matmul_reduce_scatter(Tensor x, Tensor? x_scale, Tensor weight, Tensor? w_scale, Tensor? w_offset,
-                               Tensor? bias, str call) -> Tensor       # call: kernels.call.OpCall.encode()
+                               Tensor? bias, str call) -> Tensor       # call: kernels.ops.gemm.GemmCall
 
-and one implementation per backend (:data:`IMPL`). ``scatter_dim`` indexes x's dims (not the last);
+and one implementation per backend (:data:`SPEC`). ``scatter_dim`` indexes x's dims (not the last);
 ``x.shape[scatter_dim]`` must divide by W. The rows of the flattened x are ``outer`` blocks (the
 product of the dims before ``scatter_dim``), each of W owner blocks: rank r gets block r of every
 outer block, read in place (no transposing copy). Arithmetic per format as in :mod:`kernels.ops.all_reduce`.
@@ -14,22 +14,26 @@ outer block, read in place (no transposing copy). Arithmetic per format as in :m
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from .. import comm, padding
-from ..call import IMPLEMENTATIONS, OpCall, Operands
+from .. import comm, padding, tune
 from ..format import bias_of, compute, dequantize_weight, dequantize_x
-from .entry import (
-    define_one_weight_op,
+from ..protocol import OpSpec, submit
+from .gemm import (
+    ONE_WEIGHT_ARGS,
+    GemmCall,
+    Operands,
+    Options,
+    builder,
     dims_before,
     fp8_operands,
-    fp8_values,
     int8_operands,
-    plain_operands,
-    request,
+    one_weight_operands,
     rows_of,
-    submit,
+    submit_plain,
 )
 
 
@@ -56,18 +60,8 @@ def matmul_reduce_scatter(
     ``x [b, s, k]`` with 1 (or -2) gives ``[b, s / W, n]``. ``deterministic=True`` sums the
     partials in rank order, so repeated calls give identical bits.
     """
-    req = request(
-        "reduce_scatter",
-        "matmul_reduce_scatter",
-        x,
-        group=group,
-        backend=backend,
-        parallel_num=parallel_num,
-        deterministic=deterministic,
-        dim=("scatter_dim", scatter_dim),
-    )
-    call, ops = submit(req, lambda: plain_operands(x, weight, bias))
-    return _op(ops, call)
+    signature = ("matmul_reduce_scatter", group, backend, parallel_num, deterministic, ("scatter_dim", scatter_dim))
+    return submit_plain(SPEC, "reduce_scatter", signature, (x, weight, bias))
 
 
 def scaled_matmul_reduce_scatter(
@@ -95,19 +89,23 @@ def scaled_matmul_reduce_scatter(
     x's row order) or tensorwise; an empty ``k_local`` shard contributes zeros, as in the bf16 op.
     ``deterministic=True`` sums the partials in rank order: repeated calls give identical bits.
     """
-    req = request(
-        "reduce_scatter",
+    options = Options(
         "scaled_matmul_reduce_scatter",
-        x,
-        group=group,
-        backend=backend,
-        parallel_num=parallel_num,
+        "reduce_scatter",
+        group,
+        backend,
+        parallel_num,
         deterministic=deterministic,
         dim=("scatter_dim", scatter_dim),
+        x=x,
         out_dtype=out_dtype,
     )
-    call, ops = submit(req, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype), fp8_values)
-    return _op(ops, call)
+    return submit(
+        SPEC,
+        options.op,
+        group,
+        builder(options, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype)),
+    )
 
 
 def quantized_matmul_reduce_scatter(
@@ -133,22 +131,22 @@ def quantized_matmul_reduce_scatter(
 
     Arguments as :func:`quantized_matmul_all_reduce` and ``scatter_dim`` as :func:`matmul_reduce_scatter`.
     """
-    req = request(
-        "reduce_scatter",
+    options = Options(
         "quantized_matmul_reduce_scatter",
-        x,
-        group=group,
-        backend=backend,
-        parallel_num=parallel_num,
+        "reduce_scatter",
+        group,
+        backend,
+        parallel_num,
         deterministic=deterministic,
         dim=("scatter_dim", scatter_dim),
+        x=x,
     )
-    call, ops = submit(req, lambda: int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset))
-    return _op(ops, call)
-
-
-def _op(ops: Operands, call: OpCall) -> torch.Tensor:
-    return operator(ops.x, ops.x_scale, ops.weights[0], ops.scale_of(0), ops.offset_of(0), ops.biases[0], call.encode())
+    return submit(
+        SPEC,
+        options.op,
+        group,
+        builder(options, lambda: int8_operands(x, qweight, scale, bias, group_size=group_size, offset=offset)),
+    )
 
 
 def owner_major(partial: torch.Tensor, world: int, outer: int) -> torch.Tensor:
@@ -160,7 +158,7 @@ def owner_major(partial: torch.Tensor, world: int, outer: int) -> torch.Tensor:
     return partial.view(outer, world, m // (outer * world), n).transpose(0, 1).reshape(m, n)
 
 
-def _dequantized(call: OpCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+def _dequantized(call: GemmCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """The reference's operands (x rows, weight, bias as multiplied and added) and ``outer``."""
     x2d = rows_of(ops.x)
     xd = dequantize_x(call.fmt, x2d, ops.x_scale, per_row=False)
@@ -168,14 +166,14 @@ def _dequantized(call: OpCall, ops: Operands) -> tuple[torch.Tensor, torch.Tenso
     return xd, wd, bias_of(call.fmt, ops.biases[0]), dims_before(ops.x, call.comm_dim)
 
 
-def reference(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
+def reference(call: GemmCall, ops: Operands) -> torch.Tensor:
     """Reference::
 
     partial = dequant(x) @ dequant(weight).T     # [m, n] on every rank (module docstring: dtypes)
     y = reduce_scatter_dim0(owner_major(partial)) + bias      # [m / W, n]; rank order sum if deterministic
     """
     xd, wd, bias, outer = _dequantized(call, ops)
-    world = call.world
+    world, group = call.world, call.group
     with compute(call.fmt):
         partial = padding.linear(xd, wd)
     if world > 1:
@@ -192,7 +190,7 @@ def reference(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> t
     return partial if bias is None else partial.add_(bias)
 
 
-def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
+def chunked(call: GemmCall, ops: Operands) -> torch.Tensor:
     """Same result as :func:`reference`; compute-first pieces.
 
     ``x [outer * W * R, k]`` is ``outer`` blocks, each of W owner blocks of ``R`` rows. Piece i
@@ -200,7 +198,7 @@ def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> tor
     reduce-scatter whose result lands in rows [start, stop) of every outer block of the output.
     """
     xd, wd, bias, outer = _dequantized(call, ops)
-    world = call.world
+    world, group = call.world, call.group
     m, k = xd.shape
     n = wd.shape[0]
     rows = m // (world * outer) if outer else 0
@@ -231,7 +229,7 @@ def chunked(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> tor
     return out if bias is None else out.add_(bias)
 
 
-def fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch.Tensor:
+def fused(call: GemmCall, ops: Operands) -> torch.Tensor:
     """The fused kernels (kernels/fused/scatter.py): GEMM tiles pushed into their owners' slots, fixed-order
     reduce; x's rows read in place for any ``scatter_dim``."""
     from ..fused import scatter
@@ -239,10 +237,7 @@ def fused(call: OpCall, ops: Operands, group: dist.ProcessGroup | None) -> torch
     return scatter.run(call, ops)
 
 
-IMPL = IMPLEMENTATIONS["reduce_scatter"] = {"sequential": reference, "chunked": chunked, "fused": fused}
-
-
-def _scattered(x: torch.Tensor, call: OpCall, n: int) -> tuple[int, ...]:
+def _scattered(x: torch.Tensor, call: GemmCall, n: int) -> tuple[int, ...]:
     """x's shape with ``scatter_dim`` divided by W and the last dim ``n``."""
     shape = list(x.shape)
     shape[call.comm_dim] //= call.world
@@ -250,4 +245,30 @@ def _scattered(x: torch.Tensor, call: OpCall, n: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-operator = define_one_weight_op("matmul_reduce_scatter", IMPL, _scattered)
+def _finished(backend: Any) -> Any:
+    """``backend(call, ops)``'s 2-D result in the output dtype, shaped as x with ``scatter_dim`` divided by W."""
+
+    def run(call: GemmCall, ops: Operands) -> torch.Tensor:
+        out = backend(call, ops)
+        out = out.to(call.out_dtype) if call.out_dtype is not None else out
+        return out.view(_scattered(ops.x, call, ops.weights[0].shape[0]))
+
+    return run
+
+
+def _fake(call: GemmCall, ops: Operands) -> torch.Tensor:
+    x = ops.x
+    return x.new_empty(_scattered(x, call, ops.weights[0].shape[0]), dtype=call.out_dtype or x.dtype)
+
+
+_IMPL = {"sequential": _finished(reference), "chunked": _finished(chunked), "fused": _finished(fused)}
+SPEC = OpSpec(
+    name="matmul_reduce_scatter",
+    call=GemmCall,
+    schema=f"({ONE_WEIGHT_ARGS}, str call) -> Tensor",
+    operands=one_weight_operands,
+    flat=Operands.one_weight,
+    impl=_IMPL,
+    fake=_fake,
+    tune=tune.tuner(_IMPL),
+)

@@ -35,47 +35,46 @@ def environment(env: dict[str, str | None]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def backend_calls() -> Iterator[collections.Counter]:
-    """Counts every backend run by ``(public op name, backend)`` while the block runs: what the registered
-    operators executed after the backend choice (a fallback shows up as another backend; the tuner's
-    timing runs count too). A run with several weights counts as ``"<op>[<n> weights]"`` (one gather
-    feeding several GEMMs); a GEMM + all-reduce with the RMSNorm epilogue counts as ``"<op>+<epilogue>"``
-    (``"matmul_all_reduce+rmsnorm"``). Wraps the entries of ``kernels.call.IMPLEMENTATIONS`` and of
-    ``kernels.ops.all_reduce.REDUCED``, which the operators look up at each call, and restores them after."""
-    from kernels.call import IMPLEMENTATIONS
-    from kernels.ops.all_reduce import REDUCED
+    """Counts every backend run by ``(public op name, backend)`` while the block runs: what the implementations
+    executed after the backend choice (a fallback shows up as another backend; the tuner's timing runs count
+    too). A dense run with several weights counts as ``"<op>[<n> weights]"`` (one gather feeding several GEMMs);
+    a GEMM + all-reduce with the RMSNorm epilogue counts as ``"<op>+<epilogue>"`` (``"matmul_all_reduce+rmsnorm"``).
+    Wraps the implementations of every entry of ``kernels.ops.table.OPS`` and restores them after."""
+    from kernels.ops.table import OPS
 
     calls: collections.Counter = collections.Counter()
-    tables = [*IMPLEMENTATIONS.values(), REDUCED]
-    saved = [dict(table) for table in tables]
+    saved = {name: dict(spec.impl) for name, spec in OPS.items()}
 
     def spy(backend: str, fn: Any) -> Any:
-        def run(call: Any, ops: Any, group: Any = None, *rest: Any) -> Any:
-            n = len(ops.weights)
-            name = call.op_name if n == 1 else f"{call.op_name}[{n} weights]"
-            calls[(f"{name}+{call.epilogue}" if call.epilogue else name, backend)] += 1
-            return fn(call, ops, group, *rest)
+        def run(call: Any, ops: Any) -> Any:
+            weights = getattr(ops, "weights", ())
+            name = call.op if len(weights) <= 1 else f"{call.op}[{len(weights)} weights]"
+            epilogue = getattr(call, "epilogue", "")
+            calls[(f"{name}+{epilogue}" if epilogue else name, backend)] += 1
+            return fn(call, ops)
 
         return run
 
-    for table in tables:
-        for backend, fn in list(table.items()):
-            table[backend] = spy(backend, fn)
+    for spec in OPS.values():
+        for backend, fn in list(spec.impl.items()):
+            spec.impl[backend] = spy(backend, fn)
     try:
         yield calls
     finally:
-        for table, entries in zip(tables, saved, strict=True):
-            table.update(entries)
+        for name, entries in saved.items():
+            OPS[name].impl.update(entries)
 
 
 @contextlib.contextmanager
 def operator_calls() -> Iterator[list[tuple[Any, tuple]]]:
     """Records ``(operator, args)`` of every registered-operator call the public functions make while the
-    block runs (and still makes them): the arguments a test can replay under fake tensors or opcheck."""
-    from kernels.ops import all_gather, all_reduce, matmul, reduce_scatter
+    block runs (every call goes through its operator meanwhile, none takes the direct path, and it still
+    runs): the arguments a test can replay under fake tensors or opcheck."""
+    from kernels.ops.table import OPS
+    from kernels.protocol import force_operator
 
-    modules = (all_gather, all_reduce, matmul, reduce_scatter)
     calls: list[tuple[Any, tuple]] = []
-    saved = {module: module.operator for module in modules}
+    saved = {name: spec.operator for name, spec in OPS.items()}
 
     def recording(op: Any) -> Any:
         def call(*args: Any) -> Any:
@@ -84,13 +83,15 @@ def operator_calls() -> Iterator[list[tuple[Any, tuple]]]:
 
         return call
 
-    for module in modules:
-        module.operator = recording(module.operator)
+    for spec in OPS.values():
+        object.__setattr__(spec, "operator", recording(spec.operator))
+    old = force_operator(True)
     try:
         yield calls
     finally:
-        for module, op in saved.items():
-            module.operator = op
+        force_operator(old)
+        for name, op in saved.items():
+            object.__setattr__(OPS[name], "operator", op)
 
 
 def outcomes(calls: list[Callable[[], object]]) -> list[str]:

@@ -3,7 +3,7 @@
 :func:`graph_passes_backend` runs what Inductor runs up to lowering: AOTAutograd with Inductor's
 decompositions, the joint-graph passes and the partitioner, then on each forward and backward graph
 ``view_to_reshape``, fake-tensor propagation and the post-grad passes (``post_grad_custom_post_pass``,
-hence the coc pass of :mod:`kernels.inductor_pass`, included). It then runs the resulting graph with
+hence the coc pass of :mod:`kernels.inductor.rewrite`, included). It then runs the resulting graph with
 eager kernels instead of lowering it to C++ and compiling that. So the graphs a test inspects are the
 ones Inductor would lower, and the numbers it checks come from the rewritten graph; what it leaves out
 is Inductor's lowering and C++ code generation, which is the cost of a CPU compile (about 13 s of a

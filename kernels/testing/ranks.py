@@ -121,11 +121,11 @@ _worker(**worker_args)
 
 
 def _fresh_program() -> None:
-    """Start a task as a new program would: no call signature seen yet by the call check
-    (kernels.callcheck), so a task's first calls are compared across ranks whatever ran before on the pool."""
-    callcheck = sys.modules.get("kernels.callcheck")
-    if callcheck is not None:
-        callcheck.reset()
+    """Start a task as a new program would: the admission's exchange counts back at zero
+    (:data:`kernels.protocol.admission.counts`, what tests and the benchmark read)."""
+    admission = sys.modules.get("kernels.protocol.admission")
+    if admission is not None:
+        admission.counts.clear()
 
 
 def _worker(*, rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any) -> None:

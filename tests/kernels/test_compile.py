@@ -467,9 +467,10 @@ def test_compiled_choice_follows_customized_coc_per_shape(tmp_path: Any, monkeyp
         for m in (4, 6):
             x = torch.randn(m, K)
             torch.testing.assert_close(fn(x), torch.nn.functional.linear(x, w))
-    from kernels.call import decode
+    from kernels.ops.gemm import GemmCall
 
-    chosen = [(call.backend, call.parallel_num) for g in graphs for call in (decode(args[-1]) for args in g["args"])]
+    calls = (GemmCall.decode(args[-1]) for g in graphs for args in g["args"])
+    chosen = [(call.backend, call.parallel_num) for call in calls]
     assert chosen == [("chunked", 4), ("sequential", 1)], chosen
 
 
@@ -595,13 +596,13 @@ def test_dims_and_weight_lists_fake_outputs_and_opcheck_world2() -> None:
 
 
 def test_constant_result_mark_is_torchs_and_import_skips_dynamo() -> None:
-    """``kernels.op_registration.assume_constant_result`` marks a function as torch's decorator does (if
+    """``kernels.protocol.assume_constant_result`` marks a function as torch's decorator does (if
     torch changes how, this fails rather than compiled dispatch silently re-deciding per call), and
     importing the package does not import ``torch._dynamo``."""
     import subprocess
     import sys
 
-    from kernels.op_registration import assume_constant_result
+    from kernels.protocol import assume_constant_result
 
     def ours() -> int:
         return 1

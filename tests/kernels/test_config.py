@@ -9,8 +9,10 @@ import yaml
 
 import kernels
 from kernels import config as cfg
-from kernels import dispatch
-from kernels.call import OpCall, Operands
+from kernels.ops.all_reduce import SPEC as ALL_REDUCE
+from kernels.ops.gemm import GemmCall
+from kernels.protocol import backend as backend_choice
+from kernels.protocol import decide, requested
 
 
 @pytest.fixture(autouse=True)
@@ -154,8 +156,8 @@ def test_empty_yaml_is_defaults(tmp_path, monkeypatch):
 
 
 def _resolve(backend=None, parallel_num=None, m=8, k=16, n=32):
-    call = OpCall(pattern="all_reduce", backend=backend, parallel_num=parallel_num)
-    resolved = dispatch.decide(call, Operands(x=torch.zeros(m, k), weights=(torch.zeros(n, k),), biases=(None,)))
+    call = GemmCall(op="matmul_all_reduce", pattern="all_reduce", backend=backend, parallel_num=parallel_num)
+    resolved = decide(ALL_REDUCE, requested(call, (m, k, n)), torch.device("cpu"))
     return resolved.backend, resolved.parallel_num
 
 
@@ -176,8 +178,8 @@ def test_backend_choice_order(tmp_path, monkeypatch):
 def test_fused_env_wins_and_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setenv("COC_PARALLEL_NUM", "2")
     monkeypatch.setenv("USE_COC_FUSED_KERNEL", "1")
-    monkeypatch.setattr(dispatch, "_fused_unavailable", lambda group, device: "test reason")
-    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(backend_choice, "fused_unavailable", lambda call, device: "test reason")
+    monkeypatch.setattr(backend_choice, "_warned", set())
     with pytest.warns(RuntimeWarning, match="test reason"):
         assert _resolve() == ("chunked", 2)
     import warnings
@@ -185,5 +187,5 @@ def test_fused_env_wins_and_falls_back_with_one_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _resolve() == ("chunked", 2)  # warned once only
-    monkeypatch.setattr(dispatch, "_fused_unavailable", lambda group, device: None)
+    monkeypatch.setattr(backend_choice, "fused_unavailable", lambda call, device: None)
     assert _resolve() == ("fused", 1)

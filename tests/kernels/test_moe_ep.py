@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import kernels
-from kernels.ops import moe_ep
-from kernels.ops.moe_ep_routing import EpCall
+from kernels.ops.moe import ep as moe_ep
+from kernels.ops.moe.layout import EpCall
 from kernels.testing import outcomes, run_ranks
 
 DTYPES = {"float32": (torch.float32, 2.0**-23), "bfloat16": (torch.bfloat16, 2.0**-7)}
@@ -245,7 +245,7 @@ def test_named_errors_before_any_communication() -> None:
         r"ValueError: .*max_tokens must be None \(exact mode\) or an int >= 1",
         r"RuntimeError: moe_dispatch: ranks disagree: rank 0 has num_experts=4, rank 1 has num_experts=6",
         r"RuntimeError: moe_dispatch: ranks disagree: rank 0 has topk=1, rank 1 has topk=2",
-        r"RuntimeError: moe_dispatch: ranks disagree: rank 0 has max_tokens \(0: exact mode\)=8, rank 1 has .*=0",
+        r"RuntimeError: moe_dispatch: ranks disagree: rank 0 has max_tokens=8, rank 1 has max_tokens=0",
         r"ValueError: .*y must be 2-D \[R, n\] with R = ",
     ]
     # COC_CHECK=1: every call checked, whatever the pool's earlier tests left seen.
@@ -259,22 +259,22 @@ def test_reference_twins_fused_request_and_fakes(monkeypatch: pytest.MonkeyPatch
     inp = _inputs(1, "skewed", torch.float32)
     args = (inp["x"], inp["ids"], inp["tw"], inp["E"])
     rows, h = kernels.moe_dispatch(*args, backend="sequential")
-    rows_ref, h_ref = kernels.moe_dispatch_reference(*args)
+    rows_ref, h_ref = kernels.moe_dispatch(*args, backend="sequential")
     assert torch.equal(rows, rows_ref) and isinstance(h, kernels.MoeDispatchHandle)
-    assert torch.equal(kernels.moe_combine(rows, h), kernels.moe_combine_reference(rows_ref, h_ref))
-    from kernels.ops import moe_routing
+    assert torch.equal(kernels.moe_combine(rows, h), kernels.moe_combine(rows_ref, h_ref, backend="sequential"))
+    from kernels.protocol import backend as backend_choice
 
-    monkeypatch.setattr(moe_routing, "_warned", set())
+    monkeypatch.setattr(backend_choice, "_warned", set())
     rows_fused, h_fused = kernels.moe_dispatch(*args, backend="fused")  # a group of one: the local movement
     assert torch.equal(rows_fused, rows) and EpCall.decode(h_fused.call).backend == "fused"
     # Where the fused kernels cannot run, a fused request warns once by name and runs chunked.
-    monkeypatch.setattr(moe_ep, "_fused_unavailable", lambda group, device: "no peer memory here")
+    monkeypatch.setattr(backend_choice, "fused_unavailable", lambda call, device: "no peer memory here")
     with pytest.warns(RuntimeWarning, match=r"moe_dispatch: the fused backend cannot run here \(no peer memory"):
         rows_fused, h_fused = kernels.moe_dispatch(*args, backend="fused")
     assert torch.equal(rows_fused, rows) and EpCall.decode(h_fused.call).backend == "chunked"
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    call = EpCall("sequential", 1, "", 1, inp["E"], 16).encode()
+    call = EpCall(op="moe_dispatch", backend="sequential", parallel_num=1, num_experts=inp["E"], max_tokens=16).encode()
     with FakeTensorMode() as mode:
         x, ids = mode.from_tensor(inp["x"]), mode.from_tensor(inp["ids"])
         out = torch.ops.coc.moe_dispatch(x, None, ids, call)

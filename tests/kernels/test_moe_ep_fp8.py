@@ -23,9 +23,10 @@ import pytest
 import torch
 
 import kernels
+from kernels.format import fp8
 from kernels.fp8 import numerics
-from kernels.ops import moe_ep
-from kernels.ops.moe_ep_routing import EpCall
+from kernels.ops.moe import ep as moe_ep
+from kernels.ops.moe.layout import EpCall
 from kernels.testing import assert_no_errors, outcomes, run_ranks
 from kernels.testing import fp8 as f8
 
@@ -83,7 +84,7 @@ def _moves_body(rank: int, world: int, backends: tuple[str, ...]) -> list[str]:
         own = slice(rank * M, (rank + 1) * M)
         x, xs, ids, tw, num_e = inp["xq"][own], inp["xs"][own], inp["ids"][own], inp["tw"][own], inp["E"]
         for cap in (None, CAP):
-            ref = kernels.moe_dispatch_reference((x, xs), ids, tw, num_e, max_tokens=cap)
+            ref = kernels.moe_dispatch((x, xs), ids, tw, num_e, max_tokens=cap, backend="sequential")
             errors += _check_rows(f"{mode} cap={cap} reference", ref, inp, cap, (rank, world))
             # The same bytes as plain rows: payload then scale bytes, viewed as fp32 (k + 4 s is a multiple of 4).
             packed = torch.cat([_bytes(x), _bytes(xs).view(M, -1)], 1).view(torch.float32)
@@ -103,7 +104,7 @@ def _moves_body(rank: int, world: int, backends: tuple[str, ...]) -> list[str]:
                     if not torch.equal(getattr(h, field), getattr(ref_h, field)):
                         errors.append(f"{tag}: handle.{field} differs from the reference's")
                 ran = EpCall.decode(h.call)
-                if (ran.fmt, ran.backend) != (f"fp8:{mode}", backend):
+                if (str(ran.fmt), ran.backend) != (f"fp8:{mode}", backend):
                     errors.append(f"{tag}: the handle's call carries format {ran.fmt}, backend {ran.backend}")
     return errors
 
@@ -241,7 +242,7 @@ def test_fp8_named_errors_before_any_communication() -> None:
         r"ValueError: .*x_scale is on meta but x is on cpu",
         r"TypeError: .*x_scale requires grad; an FP8 dispatch is not differentiable",
         r"TypeError: .*x \(torch.float8_e4m3fn\) requires grad; an FP8 dispatch is not differentiable",
-        r"RuntimeError: moe_dispatch: ranks disagree: rank 0 has x_scale layout=block, rank 1 has x_scale layout=row",
+        r"RuntimeError: moe_dispatch: ranks disagree: rank 0 has format=fp8:block, rank 1 has format=fp8:row",
         r"RuntimeError: moe_dispatch: ranks disagree: rank 0 has x.dtype=torch.float8_e4m3fn, rank 1 has "
         r"x.dtype=torch.float8_e5m2",
         r"RuntimeError: moe_dispatch: ranks disagree: rank 0 has x.dtype=torch.float8_e4m3fn, rank 1 has "
@@ -256,7 +257,8 @@ def test_fp8_named_errors_before_any_communication() -> None:
 
 def _fused_mismatch_body(rank: int, world: int) -> str:
     """On a fresh group (its heap made by a first, matching call), rank 1 sends row scales where rank 0 sends block
-    scales: the heap's call check (the host check is skipped once the heap exists) refuses it on every rank."""
+    scales: the admission refuses it by name on every rank, before the heap's check (which would only see the call
+    digests differ)."""
     import torch.distributed as dist
 
     group = dist.new_group(list(range(world)))
@@ -271,11 +273,10 @@ def _fused_mismatch_body(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_fp8_fused_ranks_that_disagree_on_the_layout_are_refused_by_the_heap() -> None:
+def test_fp8_fused_ranks_that_disagree_on_the_layout_are_refused_by_name() -> None:
     for text in run_ranks(_fused_mismatch_body, 2, timeout=120, env={"COC_CHECK": None}):
-        assert text.startswith("fused moe_dispatch: ranks disagree"), text
-        assert re.search(r"rank \d has x_scale layout=(row|block), rank \d has x_scale layout=(row|block)", text), text
-        assert "before any data moved" in text, text
+        assert text.startswith("moe_dispatch: ranks disagree: rank 0 has format=fp8:block, rank 1 has format=fp8:row")
+        assert "before any communication of the op" in text, text
 
 
 def test_fp8_fakes_and_compiled_dispatch() -> None:
@@ -287,7 +288,14 @@ def test_fp8_fakes_and_compiled_dispatch() -> None:
 
     inp = _inputs(1, torch.float8_e4m3fn, "block")
     for cap in (16, 0):
-        call = EpCall("sequential", 1, "", 1, inp["E"], cap, "fp8:block").encode()
+        call = EpCall(
+            op="moe_dispatch",
+            backend="sequential",
+            parallel_num=1,
+            num_experts=inp["E"],
+            max_tokens=cap,
+            fmt=fp8("block"),
+        ).encode()
         with FakeTensorMode(shape_env=ShapeEnv()) as mode:
             x, xs, ids = (mode.from_tensor(inp[k]) for k in ("xq", "xs", "ids"))
             out = torch.ops.coc.moe_dispatch(x[:M], xs[:M], ids[:M], call)

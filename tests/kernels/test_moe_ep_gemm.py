@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.ops.moe_ep_routing import EpCall
+from kernels.ops.moe.layout import EpCall
 from kernels.testing import outcomes, run_ranks
 
 M, K, N, TOPK = 5, 20, 6, 2
@@ -60,7 +60,9 @@ def _backends_body(rank: int, world: int, runs: list[tuple[str, str, int | None]
         for cap in (None, CAP):
             rows, want_h = kernels.moe_dispatch(x, ids, tw, inp["E"], max_tokens=cap, backend="sequential")
             want = kernels.grouped_matmul(rows, w, want_h.expert_offsets)
-            ref, ref_h = kernels.moe_dispatch_grouped_matmul_reference(x, ids, tw, inp["E"], w, max_tokens=cap)
+            ref, ref_h = kernels.moe_dispatch_grouped_matmul(
+                x, ids, tw, inp["E"], w, max_tokens=cap, backend="sequential"
+            )
             tag = f"W={world} rank={rank} {dtype_name} cap={cap}"
             if not torch.allclose(ref, want, rtol=1e-2, atol=1e-2) or not _handle_equal(ref_h, want_h):
                 errors.append(f"{tag} reference")
@@ -157,7 +159,7 @@ def test_named_errors_before_any_communication() -> None:
 def test_chunked_runs_the_gemm_once_per_piece() -> None:
     """The chunked backend calls its GEMM on each piece's rows as the piece lands (group of one: the pieces are
     copies), with piece-local offsets ending at the piece's rows; bounded mode first runs the zero row's."""
-    from kernels.ops import moe_ep_gemm
+    from kernels.ops.moe import ep_gemm as moe_ep_gemm
 
     inp = _inputs(1)
     for cap, extra in ((0, 0), (16, 1)):
@@ -167,8 +169,11 @@ def test_chunked_runs_the_gemm_once_per_piece() -> None:
             calls.append((rows.shape[0], offsets.tolist()))
             return kernels.grouped_matmul(rows, weight, offsets)
 
-        call = EpCall("chunked", 3, "", 1, inp["E"], cap).encode()
-        y, rows, offsets, *_ = moe_ep_gemm.run(inp["x"][:M], inp["ids"][:M], inp["w"], call, gemm=spy)
+        call = EpCall(
+            op="moe_dispatch_grouped_matmul", backend="chunked", parallel_num=3, num_experts=inp["E"], max_tokens=cap
+        )
+        ops = moe_ep_gemm.DispatchGemmOperands.of(inp["x"][:M], inp["ids"][:M], inp["w"])
+        y, rows, offsets, *_ = moe_ep_gemm.dispatch_gemm(call, ops, gemm=spy)
         assert torch.equal(y, kernels.grouped_matmul(rows, inp["w"], offsets)), cap
         pieces = calls[extra:]
         assert len(pieces) == 3 and all(o[-1] == n for n, o in pieces), calls
@@ -185,7 +190,9 @@ def test_fake_and_compiled_call() -> None:
 
     inp = _inputs(1)
     for cap in (16, 0):
-        call = EpCall("chunked", 2, "", 1, inp["E"], cap).encode()
+        call = EpCall(
+            op="moe_dispatch_grouped_matmul", backend="chunked", parallel_num=2, num_experts=inp["E"], max_tokens=cap
+        ).encode()
         with FakeTensorMode(shape_env=ShapeEnv()) as mode:
             x, ids, w = (mode.from_tensor(inp[k]) for k in ("x", "ids", "w"))
             out = torch.ops.coc.moe_dispatch_grouped_matmul(x, ids, w, call)

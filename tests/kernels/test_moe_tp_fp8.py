@@ -36,7 +36,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.ops.moe_routing import MoeCall
+from kernels.ops.moe.routing import MoeCall
 from kernels.testing import run_ranks
 
 G = 2.0**-24
@@ -296,8 +296,9 @@ def test_fp8_registered_operators_and_fakes() -> None:
     inp = _fp8_one_rank()
     xq, xs, w1q, w1s = inp["gather"]
     hq, hs, w2q, w2s = inp["scatter"]
-    call = MoeCall("sequential", 1, "", 1, fp8("row"), torch.float16).encode()
-    assert MoeCall.decode(call).out_dtype == torch.float16 and MoeCall.decode("chunked|2||1").fmt.kind == "plain"
+    call = MoeCall(op="all_gather_grouped_matmul", backend="sequential", fmt=fp8("row"), out_dtype=torch.float16)
+    call = call.encode()
+    assert MoeCall.decode(call).out_dtype == torch.float16 and MoeCall.decode(call).fmt == fp8("row")
     with torch.no_grad():
         y, routing = kernels.all_gather_grouped_matmul(
             xq, inp["ids"], w1q, x_scale=xs, w_scale=w1s, out_dtype=torch.float16, backend="sequential"
@@ -305,15 +306,15 @@ def test_fp8_registered_operators_and_fakes() -> None:
         out = kernels.grouped_matmul_reduce_scatter(
             hq, w2q, routing, inp["tw"], x_scale=hs, w_scale=w2s, out_dtype=torch.float16, backend="sequential"
         )
-    oy, *orouting = torch.ops.coc.all_gather_grouped_matmul(xq, inp["ids"], w1q, call, xs, w1s)
-    oout = torch.ops.coc.grouped_matmul_reduce_scatter(hq, w2q, orouting, inp["tw"], call, hs, w2s)
+    oy, *orouting = torch.ops.coc.all_gather_grouped_matmul(xq, inp["ids"], w1q, xs, w1s, call)
+    oout = torch.ops.coc.grouped_matmul_reduce_scatter(hq, w2q, orouting, inp["tw"], hs, w2s, call)
     assert torch.equal(oy, y) and torch.equal(oout, out)
     with FakeTensorMode() as mode:
         fx, fids, fw1, fxs, fw1s, fh, fw2, fhs, fw2s, ftw = (
             mode.from_tensor(t) for t in (xq, inp["ids"], w1q, xs, w1s, hq, w2q, hs, w2s, inp["tw"])
         )
-        fy, fo, fi, fs = torch.ops.coc.all_gather_grouped_matmul(fx, fids, fw1, call, fxs, fw1s)
-        fout = torch.ops.coc.grouped_matmul_reduce_scatter(fh, fw2, [fo, fi, fs], ftw, call, fhs, fw2s)
+        fy, fo, fi, fs = torch.ops.coc.all_gather_grouped_matmul(fx, fids, fw1, fxs, fw1s, call)
+        fout = torch.ops.coc.grouped_matmul_reduce_scatter(fh, fw2, [fo, fi, fs], ftw, fhs, fw2s, call)
     assert fy.shape == y.shape and fy.dtype == torch.float16 and fo.shape == (6,)
     assert fout.shape == out.shape and fout.dtype == torch.float16
 
@@ -342,9 +343,9 @@ def _disagreeing_body(rank: int, world: int, what: str) -> str:
 @pytest.mark.parametrize(
     ("what", "message"),
     [
-        ("mode", r"rank 0 has scaling mode \(from the scale shapes\)=block, rank 1 has scaling mode .*=row"),
+        ("mode", r"rank 0 has format=fp8:block, rank 1 has format=fp8:row"),
         ("out_dtype", r"rank 0 has out_dtype=torch.bfloat16, rank 1 has out_dtype=torch.float16"),
-        ("plain", r"rank 0 has dtype=torch.float8_e4m3fn, rank 1 has dtype=torch.bfloat16"),
+        ("plain", r"rank 0 has x.dtype=torch.float8_e4m3fn, rank 1 has x.dtype=torch.bfloat16"),
     ],
 )
 def test_ranks_that_disagree_on_the_format_are_refused_by_name(what: str, message: str) -> None:

@@ -1,7 +1,7 @@
 """customized_coc overrides through the ops, and COC_PARALLEL_NUM=auto (agreement, caches, reuse).
 
-Spies wrap the op implementations of ``kernels.call.IMPLEMENTATIONS`` inside the ranks (the registered
-operators look them up per call), so a test sees which path and split count an op really ran with.
+Spies wrap the op implementations of the table (``kernels.ops.table.OPS``) inside the ranks (each call looks its
+implementation up there), so a test sees which path and split count an op really ran with.
 """
 
 import json
@@ -13,44 +13,50 @@ import torch
 import torch.distributed as dist
 
 import kernels
-from kernels import dispatch, tune
-from kernels.call import IMPLEMENTATIONS, PUBLIC_NAMES, OpCall, Operands
+from kernels import tune
 from kernels.config import build_config
+from kernels.ops.all_reduce import SPEC as ALL_REDUCE
+from kernels.ops.gemm import PUBLIC_NAMES, GemmCall
+from kernels.ops.table import OPS
+from kernels.protocol import decide, requested
 from kernels.testing import assert_close, reference, run_ranks
 
 
 class _Spy:
-    """Records ``(op, backend, parallel_num)`` of every op run the dispatcher chose (its implementations are
-    looked up per call in ``kernels.call.IMPLEMENTATIONS``)."""
+    """Records ``(op, backend, parallel_num)`` of every dense op run the backend choice made (implementations are
+    looked up per call in ``kernels.ops.table.OPS``); the op named by its plain form."""
 
     def __init__(self):
         self.calls = []
         self._saved = {}
 
     def __enter__(self):
-        for pattern, table in IMPLEMENTATIONS.items():
-            self._saved[pattern] = dict(table)
+        for name in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"):
+            table = OPS[name].impl
+            self._saved[name] = dict(table)
             for backend, fn in list(table.items()):
 
-                def spy(call, ops, group=None, _fn=fn, _pattern=pattern):
-                    self.calls.append((PUBLIC_NAMES[(_pattern, "plain")], call.backend, call.parallel_num))
-                    return _fn(call, ops, group)
+                def spy(call, ops, _fn=fn):
+                    self.calls.append((PUBLIC_NAMES[(call.pattern, "plain")], call.backend, call.parallel_num))
+                    return _fn(call, ops)
 
                 table[backend] = spy
         return self
 
     def __exit__(self, *exc):
-        for pattern, table in self._saved.items():
-            IMPLEMENTATIONS[pattern].update(table)
+        for name, table in self._saved.items():
+            OPS[name].impl.update(table)
 
 
 def _call(group):
-    return OpCall(pattern="all_reduce", group_name=group.group_name, world=dist.get_world_size(group))
+    world = dist.get_world_size(group)
+    return GemmCall(op="matmul_all_reduce", pattern="all_reduce", group_name=group.group_name, world=world)
 
 
 def _resolve(x, w, world):
-    call = OpCall(pattern="all_reduce", group_name=dist.group.WORLD.group_name, world=world)
-    resolved = dispatch.decide(call, Operands(x=x, weights=(w,), biases=(None,)))
+    call = GemmCall(op="matmul_all_reduce", pattern="all_reduce", group_name=dist.group.WORLD.group_name, world=world)
+    shape = (x.shape[0], x.shape[1], w.shape[0])
+    resolved = decide(ALL_REDUCE, requested(call, shape), x.device, (shape, (x.dtype, w.dtype)))
     return resolved.backend, resolved.parallel_num
 
 
@@ -133,7 +139,7 @@ def _auto(rank, world, cache_path):
     real_measure = tune._measure
 
     def counting_measure(call, *args):
-        measured.append(call.op_name)
+        measured.append(call.op)
         return real_measure(call, *args)
 
     tune._measure = counting_measure
@@ -249,11 +255,11 @@ def _choices_per_group(rank, world):
     # Each group "measures" a different winner, as timing noise can make it.
     winners = {(0, 1): 2, (2, 3): 4, (0, 2): 8, (1, 3): 1}
     real_measure = tune._measure
-    tune._measure = lambda call, x, w, group, candidates: (winners[tuple(dist.get_process_group_ranks(group))], [])
+    tune._measure = lambda call, x, w, impl, candidates: (winners[tuple(dist.get_process_group_ranks(call.group))], [])
     try:
         x, w = torch.randn(6, 12), torch.randn(10, 12)
-        row = tune.choose_parallel_num(_call(rows[rank // 2]), x, w, rows[rank // 2], allow_fused=False)
-        col = tune.choose_parallel_num(_call(cols[rank % 2]), x, w, cols[rank % 2], allow_fused=False)
+        row = tune.choose_parallel_num(_call(rows[rank // 2]), x, w, ALL_REDUCE.impl, allow_fused=False)
+        col = tune.choose_parallel_num(_call(cols[rank % 2]), x, w, ALL_REDUCE.impl, allow_fused=False)
         return row, col
     finally:
         tune._measure = real_measure

@@ -42,10 +42,11 @@ BACKENDS = {"sequential": {"COC_PARALLEL_NUM": "1"}, "chunked": {"COC_PARALLEL_N
 @contextlib.contextmanager
 def moe_calls() -> Iterator[collections.Counter]:
     """Counts the MoE operators' runs by ``(op, backend)`` (their implementation tables, restored after)."""
-    from kernels.ops import moe
+    from kernels.ops.moe import tp as moe
 
     calls: collections.Counter = collections.Counter()
-    saved = {name: dict(table) for name, table in (("gather", moe.GATHER_IMPL), ("scatter", moe.SCATTER_IMPL))}
+    tables = (("gather", moe.GATHER_SPEC.impl), ("scatter", moe.SCATTER_SPEC.impl))
+    saved = {name: dict(table) for name, table in tables}
 
     def spy(op: str, backend: str, fn: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -54,14 +55,14 @@ def moe_calls() -> Iterator[collections.Counter]:
 
         return run
 
-    for name, table in (("gather", moe.GATHER_IMPL), ("scatter", moe.SCATTER_IMPL)):
+    for name, table in tables:
         for backend, fn in list(table.items()):
             table[backend] = spy(name, backend, fn)
     try:
         yield calls
     finally:
-        moe.GATHER_IMPL.update(saved["gather"])
-        moe.SCATTER_IMPL.update(saved["scatter"])
+        for name, table in tables:
+            table.update(saved[name])
 
 
 def _imbalanced(model: torch.nn.Module) -> None:

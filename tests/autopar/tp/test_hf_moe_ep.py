@@ -38,7 +38,7 @@ def ep_calls() -> Iterator[collections.Counter]:
     """Counts the public expert-parallel ops' calls by ``(op, backend)`` (the backend the dispatch's handle
     records; ``"-"`` for the grouped GEMM, which has no communication backend); restored after."""
     import kernels
-    from kernels.ops.moe_ep_routing import EpCall
+    from kernels.ops.moe.layout import EpCall
 
     calls: collections.Counter = collections.Counter()
     names = ("moe_dispatch", "moe_dispatch_grouped_matmul", "moe_combine", "grouped_matmul")

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from bench.tune import grouped, tuner
-from kernels.call import Operands
 from kernels.format import PLAIN, OperandFormat, fp8, int8
 from kernels.fused import blocks, gemm_persistent, tuned
 from kernels.fused import matmul as matmul_module
 from kernels.fused.gemm_configs import GemmConfig
+from kernels.ops.gemm import Operands
 from kernels.testing import REPO_ROOT
 from kernels.testing import fp8 as fp8_reference
 

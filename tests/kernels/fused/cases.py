@@ -26,13 +26,15 @@ STRAGGLER_S = 0.25
 
 
 def fused_call(pattern: str, group: Any, fmt: Any = None, **fields: Any) -> Any:
-    """The :class:`kernels.call.OpCall` of a fused call on ``group`` (None: the default group)."""
-    from kernels.call import OpCall
+    """The :class:`kernels.ops.gemm.GemmCall` of a fused call on ``group`` (None: the default group)."""
     from kernels.format import PLAIN
+    from kernels.ops.gemm import PUBLIC_NAMES, GemmCall
 
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
-    return OpCall(pattern=pattern, fmt=fmt or PLAIN, group_name=group.group_name, world=world, **fields)
+    fmt = fmt or PLAIN
+    op = PUBLIC_NAMES[(pattern, fmt.kind)]
+    return GemmCall(op=op, pattern=pattern, fmt=fmt, group_name=group.group_name, world=world, **fields)
 
 
 def run_op(
@@ -51,9 +53,9 @@ def run_op(
     """One op of :data:`OPS` through the pattern modules' ``run`` with operands of ``fmt`` (default plain;
     an int8 weight without offset): ``ag_v2`` returns the gathered x too (and for FP8 the gathered scale
     rows), ``ar`` lets the all-reduce choose its algorithm."""
-    from kernels.call import Operands
     from kernels.format import PLAIN
     from kernels.fused import all_gather, all_reduce, scatter
+    from kernels.ops.gemm import Operands
 
     fmt = fmt or PLAIN
     scales = () if w_scale is None else (w_scale,)
@@ -172,13 +174,21 @@ def back_to_back_body(rank: int, world: int, calls: int) -> int:
 def absent_peer_body(
     rank: int, world: int, op: str, dtype: torch.dtype = torch.float32, device: str = "cpu", linger_s: float = 0.0
 ) -> tuple[float, str] | None:
-    """Both ranks call once; then rank 1 leaves and rank 0 calls again and must get a RuntimeError.
+    """Both ranks call once; then rank 1 leaves and rank 0 calls again and must get a RuntimeError naming the peer
+    within COC_TIMEOUT (at the call's admission, which rank 1 never makes).
 
     On CPU rank 1 frees its heap at once (rank 0's own mapping keeps the segment alive). On GPU it
     keeps its memory for ``linger_s`` instead: rank 0 may still write into it through CUDA IPC.
     """
+    import kernels
+
     group = dist.new_group(list(range(world)))
     xs, ws, b = make_inputs(op, world, 13, 24, 20, bias=True, seed=3, dtype=dtype, device=device)
+    public = {"ag": kernels.all_gather_matmul, "rs": kernels.matmul_reduce_scatter}.get(op, kernels.matmul_all_reduce)
+
+    def run_op(op: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Any) -> torch.Tensor:
+        return public(x, w, b, group=group, backend="fused")
+
     run_op(op, xs[rank], ws[rank], b, group)
     if rank != 0:
         if linger_s:
@@ -195,13 +205,13 @@ def absent_peer_body(
         elapsed, message = time.monotonic() - start, str(e)
     else:
         raise AssertionError("the second call returned although rank 1 never made it")
-    # Fail-stop: the group's ranks disagree on the call sequence now, so every later fused call on
-    # it raises at once instead of pairing its heap rebuild with some other call of a peer.
+    # Fail-stop: the group's ranks are out of step now (rank 0 gave up at the admission rank 1 never made), so
+    # every later call on it raises at once instead of pairing with some other call of a peer.
     start = time.monotonic()
     try:
         run_op(op, xs[rank], ws[rank], b, group)
     except RuntimeError as e:
-        assert "earlier fused call on this process group failed" in str(e), e
+        assert "an earlier call on this process group failed at its admission" in str(e), e
         assert time.monotonic() - start < 1.0
     else:
         raise AssertionError("a fused call on a group with a timed-out call ran")
@@ -502,9 +512,9 @@ def check_w8a16_case(
     device: torch.device,
 ) -> None:
     """The fused w8A16 all-reduce against fp64 math on the weights it dequantizes (rounded to ``dtype``)."""
-    from kernels.call import Operands
     from kernels.format import int8
     from kernels.fused import all_reduce
+    from kernels.ops.gemm import Operands
 
     xs, ws, b = make_inputs(
         "ar", world, m_local, k, n, bias=bias, seed=seed, noncontig=False, dtype=dtype, device=str(device)

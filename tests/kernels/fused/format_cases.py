@@ -77,9 +77,9 @@ def _per_row_scales(fmt: Any, scale: torch.Tensor, rows: int) -> torch.Tensor:
 def all_gather_body(rank: int, world: int, name: str) -> int:
     """Two weights, one gather, along dim 1 of x ``[2, 3, k]`` (outer blocks of 3 rows), with the gathered
     rows (and FP8 scale rows) returned; then the same call on a group of one."""
-    from kernels.call import Operands
     from kernels.format import OperandFormat
     from kernels.fused import all_gather
+    from kernels.ops.gemm import Operands
 
     fmt = OperandFormat.decode(name)
     k, out_dtype = K[fmt.kind], OUT_DTYPE[fmt.kind]
@@ -138,9 +138,9 @@ def all_gather_body(rank: int, world: int, name: str) -> int:
 
 def reduce_scatter_body(rank: int, world: int, name: str) -> int:
     """Reduce-scatter along dim 1 of x ``[2, 3 W, k]`` (every outer block scattered on its own)."""
-    from kernels.call import Operands
     from kernels.format import OperandFormat
     from kernels.fused import scatter
+    from kernels.ops.gemm import Operands
 
     fmt = OperandFormat.decode(name)
     k, out_dtype = K[fmt.kind], OUT_DTYPE[fmt.kind]
@@ -172,9 +172,9 @@ def reduce_scatter_body(rank: int, world: int, name: str) -> int:
 
 def all_reduce_body(rank: int, world: int, name: str) -> dict[str, torch.Tensor]:
     """Both all-reduce algorithms, each against the reference; returns the outputs (ranks must agree)."""
-    from kernels.call import Operands
     from kernels.format import OperandFormat
     from kernels.fused import all_reduce
+    from kernels.ops.gemm import Operands
 
     fmt = OperandFormat.decode(name)
     k, out_dtype = K[fmt.kind], OUT_DTYPE[fmt.kind]
@@ -202,9 +202,9 @@ def local_gemm_strided_bias(name: str) -> None:
     """The local GEMM (:func:`kernels.fused.matmul.run`, every op's W == 1 path) with a stride-2 bias view
     whose gaps hold NaN (a unit-stride read shows as NaN): bit for bit the call with the bias contiguous,
     and within the bound of the fp64 reference. Runs in the calling process (no group)."""
-    from kernels.call import OpCall, Operands
     from kernels.format import OperandFormat
     from kernels.fused import matmul
+    from kernels.ops.gemm import GemmCall, Operands
 
     fmt = OperandFormat.decode(name)
     k, out_dtype = K[fmt.kind], OUT_DTYPE[fmt.kind]
@@ -214,7 +214,7 @@ def local_gemm_strided_bias(name: str) -> None:
     b = torch.randn(20, generator=g).to(out_dtype)
     strided = torch.stack([b, torch.full_like(b, float("nan"))], dim=1)[:, 0]
     assert strided.stride() == (2,)
-    call = OpCall(pattern="matmul", fmt=fmt, out_dtype=out_dtype)
+    call = GemmCall(op="scaled_matmul", pattern="matmul", fmt=fmt, out_dtype=out_dtype)
     y, y_contiguous = (matmul.run(call, Operands(x, (q,), (bias,), x_scale, (s,), (o,)))[0] for bias in (strided, b))
     assert torch.equal(y, y_contiguous), f"{name}: a strided bias changes the result"
     want = x64 @ w64.T + b.double()
@@ -283,9 +283,9 @@ def _fp8_uneven_n(world: int, seed: int) -> tuple[list, list]:
 
 
 def _fp8_all_gather(x: Any, w: Any, group: Any) -> torch.Tensor:
-    from kernels.call import Operands
     from kernels.format import fp8
     from kernels.fused import all_gather
+    from kernels.ops.gemm import Operands
 
     call = fused_call("all_gather", group, fp8("row"), out_dtype=torch.float32)
     return all_gather.run(call, Operands(x[0], (w[0],), (None,), x[1], (w[1],)))[0][0]
@@ -350,9 +350,9 @@ def fp8_tuned_tiles_body(rank: int, world: int, tuned_dir: str) -> list[str]:
     first call and at a later one."""
     import os
 
-    from kernels.call import Operands
     from kernels.format import fp8
     from kernels.fused import all_reduce, scatter, tuned
+    from kernels.ops.gemm import Operands
     from kernels.testing import fp8 as fp8_testing
 
     g = torch.Generator().manual_seed(rank)

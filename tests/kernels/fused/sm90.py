@@ -154,15 +154,16 @@ def reduce_slots_args(
     )
 
 
-def gather_rows_args(tab: Any, out: Any, shape: tuple, cfg: Any, timeout: int) -> dict:
+def gather_rows_args(tab: Any, out: Any, shape: tuple, cfg: Any, timeout: int, residual: Any = None) -> dict:
     """Example arguments of ``all_reduce._gather_rows_kernel`` as the two-shot all-reduce launches it;
-    ``shape = (rows per owner, n, slot row stride, world)``."""
+    ``shape = (rows per owner, n, slot row stride, world)``; ``residual``: this rank's rows added as they are
+    gathered (fp32 out: all_reduce_rmsnorm and the GEMM epilogue)."""
     from kernels.fused import signals
 
     rows, n, ld, world = shape
     return dict(
         heap=(tab, tab, world * rows * ld, signals.channel_offset(signals.CH_AR, world)),
-        OUT=(out, n, 1),
+        OUT=(out, n, 1, residual, 0 if residual is None else n, 0 if residual is None else 1),
         dims=(world * rows, n, ld, rows),
         rank=world - 2,
         target=7 * world,

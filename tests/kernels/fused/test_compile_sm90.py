@@ -421,12 +421,13 @@ def _plain_cases() -> list[Case]:
 
 def _norm_cases() -> list[Case]:
     """all_reduce_rmsnorm (kernels/fused/all_reduce_norm.py): the row push (one-shot, two-shot), the reduce into
-    fp32 with the residual (two-shot pushes), and the norm (bf16 out; fp32 out before FP8 quantization)."""
+    fp32 with the residual (one-shot) and the two-shot gather adding it, and the norm (bf16 out; fp32 out before FP8
+    quantization)."""
     import torch
 
     from kernels.fp8.quantize_triton import FP8_FORMAT
     from kernels.fp8.scales import FP8_MAX
-    from kernels.fused import all_reduce_norm, scatter, signals
+    from kernels.fused import all_reduce, all_reduce_norm, scatter, signals
 
     cases = []
     cfg = all_reduce_norm.block_config(torch.device("cuda"))
@@ -459,8 +460,11 @@ def _norm_cases() -> list[Case]:
                     narrow=n % 16 == 0,
                 )
             )
-        reduce_args = reduce_slots_args(tab, None, _t(torch.float32), (-(-m // w), n, ld, w), True, cfg, TIMEOUT, bf16)
+        # One-shot: the reduce adds the residual; two-shot: each rank adds its own as it gathers the reduced rows.
+        reduce_args = reduce_slots_args(tab, None, _t(torch.float32), (m, n, ld, w), False, cfg, TIMEOUT, bf16)
         cases.append(Case(f"norm reduce residual {tag}", scatter._reduce_slots_kernel, reduce_args, cfg.num_warps, 1))
+        gather_args = gather_rows_args(tab, _t(torch.float32), (-(-m // w), n, ld, w), cfg, TIMEOUT, residual=bf16)
+        cases.append(Case(f"norm gather residual {tag}", all_reduce._gather_rows_kernel, gather_args, cfg.num_warps, 1))
         e4m3 = torch.float8_e4m3fn
         fp8 = (FP8_MAX[e4m3], *FP8_FORMAT[e4m3])
         f32 = _t(torch.float32)

@@ -84,8 +84,7 @@ def _dim_mismatch_body(rank: int, world: int) -> list[str]:
 def _layout_mismatch_body(rank: int, world: int) -> list[str]:
     """The last rank's x is [4W, 2, K] where its peers' is [2, 4W, K], all with dim 1: the same
     flattened rows, but other blocks before the dim, so the rows would land elsewhere. Refused by
-    name on every backend: fused at a group's first call (heap exchange) and later (kernel check),
-    sequential under COC_CHECK=1."""
+    name on every backend, at a group's first call and later (the admission compares x's shape)."""
     messages = []
     x = torch.randn(2, 4 * world, K, dtype=torch.float64)
     x_odd = x.reshape(4 * world, 2, K)
@@ -123,9 +122,10 @@ def test_fused_ranks_disagreeing_on_the_dim_are_refused_by_name() -> None:
 
 
 def test_ranks_with_other_blocks_before_the_dim_are_refused_by_name() -> None:
-    for messages in run_ranks(_layout_mismatch_body, 2, timeout=300, env={"COC_CHECK": "1"}):
+    for messages in run_ranks(_layout_mismatch_body, 2, timeout=300):
         assert len(messages) == 6, messages
         for i, message in enumerate(messages):
-            name = "gather_dim" if i < 3 else "scatter_dim"
+            field = "x.shape" if i < 3 else "x.shape[:-1]"
+            last = f"{field}=(8, 2, {K})" if i < 3 else f"{field}=(8, 2)"
             assert "ranks disagree" in message, message
-            assert f"prod(x.shape[:{name}])=2" in message and f"prod(x.shape[:{name}])=8" in message, message
+            assert f"rank 0 has {field}=(2, 8" in message and last in message, message

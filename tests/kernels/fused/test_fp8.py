@@ -51,7 +51,7 @@ def test_fp8_reductions_are_deterministic_and_ranks_agree():
 @pytest.mark.parametrize(
     ("field", "named"),
     [
-        ("quant_mode", "scaling mode (from the scale shapes)=block"),
+        ("quant_mode", "rank 0 has format=fp8:block, rank 1 has format=fp8:row"),
         ("out_dtype", "out_dtype=torch.bfloat16"),
         ("weight_dtype", "torch.float8_e5m2"),
     ],
@@ -64,8 +64,8 @@ def test_fp8_ranks_that_disagree_are_refused_by_name(field, named):
 
 def _scaled_matmul(fmt, tensors, out_dtype, cfg):
     """The local GEMM (the tile core every FP8 op uses) of ``(x, x_scale, w, w_scale, bias)``."""
-    from kernels.call import Operands
     from kernels.fused.matmul import gemm
+    from kernels.ops.gemm import Operands
 
     x, xs, w, ws, b = tensors
     return gemm(fmt, Operands(x, (w,), (b,), xs, (ws,)), out_dtype=out_dtype, cfg=cfg)

@@ -232,13 +232,13 @@ def test_locality_reason_is_the_same_verdict_on_every_rank():
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_that_disagree_raise_naming_the_field(world):
     results = run_ranks(fused_mismatch_cases.mismatch_body, world, timeout=300)
-    cases = list(fused_mismatch_cases.MISMATCH_CASES) + [("rs", "n", None)]
+    cases = list(fused_mismatch_cases.MISMATCH_CASES) + [("rs", "weight.shape[0] (n)", None)]
     last = world - 1
     for rank, messages in enumerate(results):
         assert len(messages) == len(cases)
         for (op, field, _), message in zip(cases, messages, strict=False):
             name = {"ag": "all_gather_matmul", "rs": "matmul_reduce_scatter", "ar": "matmul_all_reduce"}[op]
-            assert message.startswith(f"fused {name}: ranks disagree"), message
+            assert message.startswith(f"{name}: ranks disagree: rank 0 has {field}="), message
             # Both ranks named, with the field: this rank and the odd one out (which names some peer).
             assert f"has {field}=" in message, (field, message)
             if rank != last:

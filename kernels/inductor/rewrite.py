@@ -25,10 +25,10 @@ the mm become the same operators with an FP8 ``OpCall`` (docs/inductor.md, "FP8 
 is an int8 weight dequantized in the graph becomes them with the int8 format (docs/inductor.md, "int8 weights").
 
 An all-reduce (sum) whose result is added to a residual and RMS-normalized becomes ``coc.all_reduce_rmsnorm``, or
-with a matmul before it the GEMM epilogue ``coc.matmul_all_reduce_rmsnorm`` (:mod:`kernels.inductor_norm`).
+with a matmul before it the GEMM epilogue ``coc.matmul_all_reduce_rmsnorm`` (:mod:`kernels.inductor.norm`).
 
-The patterns are found by :mod:`kernels.inductor_patterns` (FP8: :mod:`kernels.inductor_scaled`, int8 weights:
-:mod:`kernels.inductor_int8`); this
+The patterns are found by :mod:`kernels.inductor.patterns` (FP8: :mod:`kernels.inductor.scaled`, int8 weights:
+:mod:`kernels.inductor.int8`); this
 module rewrites them, records what it did and switches the pass on and off.
 
 Everything else is left as it was, with the reason logged (logger ``kernels.inductor_pass``, INFO)
@@ -54,11 +54,16 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import dispatch, inductor_int8, inductor_norm, inductor_patterns, inductor_scaled
-from .call import OpCall, Operands
-from .format import PLAIN, OperandFormat, fp8
-from .inductor_int8 import Int8Matmul, int8_consumers, int8_reduced, op_operands
-from .inductor_patterns import (
+from ..format import PLAIN, OperandFormat, fp8
+from ..ops import all_gather, all_reduce, reduce_scatter
+from ..ops.gemm import PUBLIC_NAMES, GemmCall
+from ..protocol import decide, requested
+from . import int8 as inductor_int8
+from . import norm as inductor_norm
+from . import patterns as inductor_patterns
+from . import scaled as inductor_scaled
+from .int8 import Int8Matmul, int8_consumers, int8_reduced, op_operands
+from .patterns import (
     Gather,
     LeftAlone,
     Matmul,
@@ -68,8 +73,8 @@ from .inductor_patterns import (
     meta_val,
     reduce_bias,
 )
-from .inductor_patterns import new_node as _call
-from .inductor_scaled import (
+from .patterns import new_node as _call
+from .scaled import (
     RowScale,
     ScaledMatmul,
     find_fp8_gather,
@@ -79,7 +84,6 @@ from .inductor_scaled import (
     scaled_gather_consumers,
     scaled_product,
 )
-from .ops import all_gather, all_reduce, reduce_scatter
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +136,13 @@ _PATTERNS = {
 }
 
 
+_SPECS = {
+    "all_gather_matmul": all_gather.SPEC,
+    "matmul_reduce_scatter": reduce_scatter.SPEC,
+    "matmul_all_reduce": all_reduce.SPEC,
+}
+
+
 def _decide(
     op: str,
     x2d: torch.Tensor,
@@ -141,20 +152,21 @@ def _decide(
     *,
     fmt: OperandFormat = PLAIN,
     out_dtype: torch.dtype | None = None,
-) -> OpCall:
+) -> GemmCall:
     """The call of the coc op replacing ``op``'s pattern, its backend and split count from the COC_*
     environment, as the eager op would choose.
 
-    The ranks' calls are not compared here (kernels.callcheck): a rank whose compiled graph comes from
-    Inductor's cache runs no pass, so a collective here could wait forever. The fused kernels still
-    compare every call."""
+    The ranks' calls are not compared here: a rank whose compiled graph comes from Inductor's cache runs no
+    pass, so a collective here could wait forever. The compiled graph's operators admit every call when they
+    run (:mod:`kernels.protocol.admission`)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def stand_in(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.empty((), dtype=dtype or t.dtype, device=t.device).expand(shape)
 
     dim = g.dim if op != "matmul_all_reduce" else 0
-    call = OpCall(
+    call = GemmCall(
+        op=PUBLIC_NAMES[(_PATTERNS[op], fmt.kind)],
         pattern=_PATTERNS[op],
         fmt=fmt,
         out_dtype=out_dtype,
@@ -167,7 +179,10 @@ def _decide(
         x = stand_in(x2d, tuple(x2d.shape))
         w_dtype = torch.int8 if fmt.kind == "int8" else None  # the eager int8 op's weights
         weights = tuple(stand_in(w, (w.shape[1], w.shape[0]), w_dtype) for w in ws)
-        return dispatch.decide(call, Operands(x=x, weights=weights, biases=(None,) * len(weights)))
+        shape = (x.shape[0], x.shape[1], sum(w.shape[0] for w in weights))
+        out = out_dtype or x.dtype
+        dtypes = (out, out if fmt.kind == "fp8" else weights[0].dtype)
+        return decide(_SPECS[op], requested(call, shape), x.device, (shape, dtypes))
 
 
 def _check_same(new: fx.Node, old: fx.Node) -> None:
@@ -269,7 +284,7 @@ def _rewrite_gather(graph: fx.Graph, g: Gather, mms: list[Matmul], rows: RowScal
             out_dtype=out_dtype,
         )
         backend, num = call.backend, call.parallel_num
-        fused = _call(graph, all_gather.operator, g.shard, x_scale, ws, w_scales, nones, biases, call.encode())
+        fused = _call(graph, all_gather.SPEC.operator, g.shard, x_scale, ws, w_scales, nones, biases, call.encode())
         new.append(fused)
         y_list = _call(graph, operator.getitem, fused, 0)
         new.append(y_list)
@@ -361,7 +376,7 @@ def _rewrite_reduce(graph: fx.Graph, r: Reduce) -> tuple[str, fx.Node]:
             fmt, out_dtype = fp8(mm.mode), mm.out_dtype
         call = _decide(r.op, xv, [meta_val(b)], r, fmt=fmt, out_dtype=out_dtype)
         backend, num = call.backend, call.parallel_num
-        target = reduce_scatter.operator if r.op == "matmul_reduce_scatter" else all_reduce.operator
+        target = reduce_scatter.SPEC.operator if r.op == "matmul_reduce_scatter" else all_reduce.SPEC.operator
         y = op = _call(graph, target, x, x_scale, w, w_scale, None, bias, call.encode())
         new.append(y)
         if r.op == "matmul_all_reduce":
@@ -485,7 +500,7 @@ class CocInductorPass:
     def uuid(self) -> Any:
         from torch._inductor.custom_graph_pass import get_hash_for_files
 
-        from .config import get_config
+        from ..config import get_config
 
         # The chosen backend and split count are constants of the compiled code: a cached graph is
         # valid only for the environment it was compiled in, and for the code that found its patterns.
@@ -557,7 +572,7 @@ def enable_from_environment() -> bool:
 
     Only this variable is read here, so a bad value of another ``COC_*`` variable still raises at the
     first op call, not at import; a bad value of this one raises ``ValueError`` naming it."""
-    from .config import ENV_INDUCTOR_PASS, build_config
+    from ..config import ENV_INDUCTOR_PASS, build_config
 
     raw = os.environ.get(ENV_INDUCTOR_PASS)
     if raw is not None and build_config({ENV_INDUCTOR_PASS: raw}).inductor_pass:

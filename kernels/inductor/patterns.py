@@ -1,4 +1,4 @@
-"""Pattern finding for the coc Inductor pass (kernels/inductor_pass.py, docs/inductor.md).
+"""Pattern finding for the coc Inductor pass (kernels/inductor/rewrite.py, docs/inductor.md).
 
 Each finder starts from one ``_c10d_functional`` collective of a post-grad aten graph and returns
 what a rewrite needs (:class:`Gather` and the :class:`Matmul` nodes consuming it, or a
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .call import resolve_group as resolve_group_name
+from ..protocol import resolve_group as resolve_group_name
 
 log = logging.getLogger("kernels.inductor_pass")
 

@@ -20,7 +20,7 @@ def _compiled_mlp(rank: int, world: int, sequence_parallel: bool, backend_env: s
         parallelize_module,
     )
 
-    from kernels import inductor_pass
+    from kernels.inductor import rewrite as inductor_pass
     from kernels.testing import backend_calls
     from kernels.testing.compile import graph_passes_backend
 
@@ -102,7 +102,7 @@ def _dynamic_sp_mlp(rank: int, world: int, dynamic: bool | None) -> list[dict]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     import kernels
-    from kernels import inductor_pass
+    from kernels.inductor import rewrite as inductor_pass
     from kernels.testing.compile import graph_passes_backend
 
     torch._dynamo.reset()
@@ -176,7 +176,7 @@ def test_split_helpers_leave_symbolic_split_sizes_alone():
 
     import torch.fx as fx
 
-    from kernels.inductor_patterns import LeftAlone, split_pieces, split_source
+    from kernels.inductor.patterns import LeftAlone, split_pieces, split_source
 
     aten = torch.ops.aten
     for sized in (lambda s: s, lambda s: [s, s]):

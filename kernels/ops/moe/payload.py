@@ -4,7 +4,7 @@ carry their scales.
 One implementation moves both: an FP8 row and its fp32 scales are packed into one ``uint8`` row
 (:func:`kernels.format.pack_rows`, as the dense FP8 all-gather does), every backend moves those bytes as it moves
 plain rows, and the received rows are unpacked. The format is part of the call value
-(:class:`kernels.ops.moe_ep_routing.EpCall`) and of its descriptor (x's dtype and the scale layout), so ranks that
+(:class:`kernels.ops.moe.layout.EpCall`) and of its descriptor (x's dtype and the scale layout), so ranks that
 disagree on it are refused by name before anything moves.
 
 Convention (DeepEP's ``x = (x_fp8, x_scale)``): ``x_fp8 [m_local, k]`` float8_e4m3fn / float8_e5m2 with
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from ..format import PLAIN, OperandFormat, fp8, unpack_rows
-from ..fp8.scales import BLOCK, FP8_DTYPES, ceil_div
-from .grouped_matmul import PLAIN_DTYPES
+from ...format import PLAIN, OperandFormat, fp8, unpack_rows
+from ...fp8.scales import BLOCK, FP8_DTYPES, ceil_div
+from ..grouped_matmul import PLAIN_DTYPES
 
 
 def split_x(x: object) -> tuple[object, object]:

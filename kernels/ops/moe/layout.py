@@ -1,4 +1,4 @@
-"""Expert-parallel dispatch / combine (:mod:`kernels.ops.moe_ep`): checks, the handle, the call value, the layout.
+"""Expert-parallel dispatch / combine (:mod:`kernels.ops.moe.ep`): checks, the handle, the call value, the layout.
 
 Notation: ``W`` ranks, this rank ``me``, ``E`` experts split evenly (expert ``e`` lives on rank ``e // E_l``,
 ``E_l = E / W``), ``m`` this rank's tokens, ``topk`` slots, ``S = m * topk`` pairs, pair ``p = t * topk + s``.
@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .. import agree
-from ..call import resolve_group
-from ..format import OperandFormat
-from .grouped_matmul import PLAIN_DTYPES
-from .moe_ep_payload import check_payload, split_x
-from .moe_routing import ID_DTYPES, check_id_values
+from ...format import PLAIN, OperandFormat
+from ...protocol import Call
+from ...protocol.call import Items, shown_as
+from ..grouped_matmul import PLAIN_DTYPES
+from .payload import check_payload, split_x
+from .routing import ID_DTYPES, check_id_values
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"
 
@@ -49,7 +49,7 @@ class MoeDispatchHandle(NamedTuple):
     rows that hold data (``R`` in exact mode); ``pair_dest [S]`` int64: ``row * W + rank`` of each of this rank's
     pairs, its row on the rank of its expert (-1: dropped by a bounded overflow); ``rows_bound`` (0-d int64): the
     most rows any rank holds (``max_tokens`` in bounded mode; the same on every rank); ``topk_weights [m, topk]``:
-    as given; ``call``: the dispatch's :class:`EpCall` text.
+    as given; ``call``: the dispatch's :class:`EpCall` string.
     """
 
     expert_offsets: torch.Tensor
@@ -67,36 +67,22 @@ class MoeDispatchHandle(NamedTuple):
     call: str
 
 
-@dataclass(frozen=True)
-class EpCall:
-    """One dispatch / combine call without its tensors: the string the registered operators carry.
-    ``max_tokens`` 0 is the exact mode; ``fmt`` the dispatch's payload format
-    (:meth:`kernels.format.OperandFormat.encode`: ``plain``, ``fp8:row``, ``fp8:block``; a combine's is plain)."""
+@dataclass(frozen=True, kw_only=True)
+class EpCall(Call):
+    """One dispatch / combine call without its tensors. ``num_experts`` E (a multiple of W), ``topk``,
+    ``max_tokens`` (0: the exact mode), ``fmt`` the dispatch's payload format (plain, ``fp8:row``, ``fp8:block``;
+    a combine's is plain), ``deterministic`` (the combine's; always summed in slot order)."""
 
-    backend: str
-    parallel_num: int
-    group_name: str
-    world: int
-    num_experts: int
-    max_tokens: int
-    fmt: str = "plain"
+    num_experts: int = 0
+    topk: int = 0
+    max_tokens: int = 0
+    fmt: OperandFormat = field(default=PLAIN, metadata=shown_as("format"))
+    deterministic: bool = True
 
-    def encode(self) -> str:
-        fields = (
-            self.backend,
-            self.parallel_num,
-            self.group_name,
-            self.world,
-            self.num_experts,
-            self.max_tokens,
-            self.fmt,
-        )
-        return "|".join(str(f) for f in fields)
-
-    @staticmethod
-    def decode(text: str) -> EpCall:
-        backend, num, name, world, num_e, cap, fmt = text.split("|")
-        return EpCall(backend, int(num), name, int(world), int(num_e), int(cap), fmt)
+    def operand_items(self, operands: Any) -> Items:
+        # m_local (each rank's own token count) may differ between ranks; the row width and dtype may not.
+        x, name = operands.rows_in, "y" if self.op == COMBINE else "x"
+        return ((f"{name}.shape[1]", x.shape[1]), (f"{name}.dtype", x.dtype))
 
     @property
     def bounded(self) -> bool:
@@ -113,7 +99,7 @@ def check_dispatch(
     x: object, topk_ids: object, topk_weights: object, sizes: tuple[object, object, int]
 ) -> OperandFormat:
     """``moe_dispatch``'s metadata and its payload format; ``x`` as given (a tensor or an ``(x_fp8, x_scale)``
-    pair, :mod:`kernels.ops.moe_ep_payload`), ``sizes = (num_experts, max_tokens, W)``."""
+    pair, :mod:`kernels.ops.moe.payload`), ``sizes = (num_experts, max_tokens, W)``."""
     num_experts, max_tokens, world = sizes
     payload, x_scale = split_x(x)
     fmt = check_payload(payload, x_scale)
@@ -175,39 +161,8 @@ def check_combine(y: object, handle: object, deterministic: object) -> MoeDispat
 
 
 def check_id_range(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Every id in ``[0, num_experts)`` (a host read, where :func:`kernels.ops.moe_routing.wanted` says so)."""
+    """Every id in ``[0, num_experts)`` (a host read, where :func:`kernels.ops.moe.routing.wanted` says so)."""
     check_id_values(topk_ids, num_experts, named="num_experts")
-
-
-def describe(
-    op: str,
-    shape: tuple[int, int],
-    dtype: torch.dtype,
-    *,
-    request: tuple,
-    ep: tuple,
-    fmt: OperandFormat | None = None,
-) -> tuple:
-    """The call descriptor (:mod:`kernels.agree`): ``shape = (m_local, k)`` (combine: ``(m_local, n)``),
-    ``dtype`` x's (an FP8 dispatch: the payload's), ``request = (backend, parallel_num)``,
-    ``ep = (E, topk, max_tokens or 0, deterministic)``, ``fmt`` a dispatch's payload format (its scale layout is
-    the "quant_mode" word). Words: "n" holds ``max_tokens`` (the mode), "group_size" E, "comm_dim" top-k (names
-    in ``agree._EP_NAMES``)."""
-    num_e, topk, cap, deterministic = ep
-    return agree.describe_call(
-        op,
-        shape[0],
-        shape[1],
-        cap,
-        dtype,
-        bias=False,
-        flag=deterministic,
-        backend=request[0],
-        parallel_num=request[1],
-        group_size=num_e,
-        comm_dim=topk,
-        quant_mode=None if fmt is None else fmt.mode,
-    )
 
 
 def my_rank(call: EpCall, group: dist.ProcessGroup | None) -> int:
@@ -382,7 +337,7 @@ def _a2a(out: torch.Tensor, inp: torch.Tensor, splits: tuple[list[int], list[int
     # gloo's all-to-all takes no 2-byte dtype: 2-byte floats travel as their bytes (uint8), splits unchanged.
     if out.element_size() == 2:
         out, inp = out.view(torch.uint8), inp.view(torch.uint8)
-    group = resolve_group(call.group_name)
+    group = call.group
     return dist.all_to_all_single(out, inp, splits[0], splits[1], group=group, async_op=True)
 
 

@@ -18,7 +18,7 @@ module reads ``W`` as that format's operands (:func:`as_int8`) only where the gr
 Any other dequantization raises :class:`LeftAlone` with the reason (a product in fp64, or in a narrow dtype
 from an fp32 scale the multiply rounds first, a narrow product rounded again, scales along k, zero points, a
 constant scale). The pass then rewrites the plain op on the graph's own dequantized weight, which stays in
-the graph: the graph's arithmetic, without the int8 format. Like :mod:`kernels.inductor_patterns`, the finders
+the graph: the graph's arithmetic, without the int8 format. Like :mod:`kernels.inductor.patterns`, the finders
 change nothing; :func:`op_operands` builds the op's operands.
 """
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .format import OperandFormat, int8
-from .inductor_patterns import RESHAPES, LeftAlone, Matmul, meta_val, new_node
+from ..format import OperandFormat, int8
+from .patterns import RESHAPES, LeftAlone, Matmul, meta_val, new_node
 
 aten = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default

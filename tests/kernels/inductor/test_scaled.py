@@ -128,7 +128,7 @@ def _fp8_block(rank: int, world: int, mode: str, gather: str, bias_in_mm: str) -
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from kernels import inductor_pass
+    from kernels.inductor import rewrite as inductor_pass
     from kernels.testing import backend_calls
     from kernels.testing.compile import graph_passes_backend
 
@@ -322,7 +322,7 @@ def _graph_with_scaled_mm(
     ],
 )
 def test_scaled_mm_read_as_an_fp8_matmul(a, scale_a, scale_b, kwargs, mode):
-    from kernels.inductor_scaled import as_scaled_matmul
+    from kernels.inductor.scaled import as_scaled_matmul
 
     mm = as_scaled_matmul(_graph_with_scaled_mm(a, scale_a, scale_b, **kwargs))
     assert (mm.mode, mm.out_dtype, mm.fast_accum, mm.n) == (
@@ -348,8 +348,8 @@ def test_scaled_mm_read_as_an_fp8_matmul(a, scale_a, scale_b, kwargs, mode):
 def test_scaled_mm_left_alone_with_the_reason(a, scale_a, scale_b, extra, reason):
     """Each refusal of a ``_scaled_mm`` names what the coc FP8 ops do not compute (an FP8 output, other dtypes,
     scales other than tensorwise / rowwise, a bias in neither out_dtype nor fp32)."""
-    from kernels.inductor_patterns import LeftAlone
-    from kernels.inductor_scaled import as_scaled_matmul
+    from kernels.inductor.patterns import LeftAlone
+    from kernels.inductor.scaled import as_scaled_matmul
 
     scale_dtype = extra.pop("scale_dtype", torch.float32)
     node = _graph_with_scaled_mm(a, scale_a, scale_b, scale_dtype, **extra)
@@ -358,8 +358,8 @@ def test_scaled_mm_left_alone_with_the_reason(a, scale_a, scale_b, extra, reason
 
 
 def test_scale_result_left_alone():
-    from kernels.inductor_patterns import LeftAlone
-    from kernels.inductor_scaled import as_scaled_matmul
+    from kernels.inductor.patterns import LeftAlone
+    from kernels.inductor.scaled import as_scaled_matmul
 
     node = _graph_with_scaled_mm(E4M3, (), (), out_dtype=E4M3)
     node.update_kwarg("scale_result", node.args[2])
@@ -370,8 +370,8 @@ def test_scale_result_left_alone():
 def test_product_upcast_joins_and_a_downcast_does_not():
     """``_scaled_mm(..., bf16).float()`` before a reduction is read as one fp32 FP8 matmul; a narrowing convert
     is not (the op would round to a dtype the graph does not)."""
-    from kernels.inductor_patterns import LeftAlone
-    from kernels.inductor_scaled import scaled_product
+    from kernels.inductor.patterns import LeftAlone
+    from kernels.inductor.scaled import scaled_product
 
     mm_node = _graph_with_scaled_mm(E4M3, (), (), out_dtype=torch.float32)
     graph = mm_node.graph
@@ -420,8 +420,8 @@ def _post_scaled_graph(scale_b_shape: tuple) -> fx.Node:
 def test_row_scales_after_a_unit_scaled_mm_read_as_one_rowwise_matmul():
     """torchao's rowwise product without fast accumulation is one rowwise FP8 matmul: scale_a [m, 1], scale_b
     [1, n], the result's dtype its out_dtype; scales that are not such an outer product are named."""
-    from kernels.inductor_patterns import LeftAlone
-    from kernels.inductor_scaled import scaled_product
+    from kernels.inductor.patterns import LeftAlone
+    from kernels.inductor.scaled import scaled_product
 
     top = _post_scaled_graph((1, 8))
     mm = scaled_product(top)
@@ -435,7 +435,7 @@ def test_erase_takes_a_node_listed_twice_once():
     """A node named twice (one constant scale passed as both scales) is erased once, without torch's warning."""
     import warnings
 
-    from kernels.inductor_pass import _erase
+    from kernels.inductor.rewrite import _erase
 
     graph = fx.Graph()
     x = graph.placeholder("x")
@@ -451,7 +451,9 @@ def test_cache_key_covers_the_pattern_modules(monkeypatch):
     (plain and FP8) are part of it, so a change there recompiles."""
     import torch._inductor.custom_graph_pass as custom_graph_pass
 
-    from kernels import inductor_pass, inductor_patterns, inductor_scaled
+    from kernels.inductor import patterns as inductor_patterns
+    from kernels.inductor import rewrite as inductor_pass
+    from kernels.inductor import scaled as inductor_scaled
 
     hashed = []
     real = custom_graph_pass.get_hash_for_files

@@ -1,4 +1,4 @@
-"""Routing for the tensor-parallel MoE ops (:mod:`kernels.ops.moe`): checks, the routing value, the call value.
+"""Routing for the tensor-parallel MoE ops (:mod:`kernels.ops.moe.tp`): their call value, checks and routing.
 
 The gathered tokens' rows are grouped by expert with a stable sort of the flattened ``topk_ids`` (ties in
 ``(token, slot)`` order)::
@@ -8,29 +8,54 @@ The gathered tokens' rows are grouped by expert with a stable sort of the flatte
     expert_offsets[e] = count(topk_ids_gathered <= e)               # cumulative end rows, last = M * topk
 
 The ops' local grouped GEMMs are here too (:func:`grouped_mm`, :func:`grouped_mm_loop`), shared by the forward
-(:mod:`kernels.ops.moe`) and the backward (:mod:`kernels.ops.moe_autograd`). Everything else here runs on the
+(:mod:`kernels.ops.moe.tp`) and the backward (:mod:`kernels.ops.moe.autograd`). Everything else here runs on the
 device with shapes known on the host (sort, ``searchsorted``, index ops): no host
 read of the routing, except the value checks that :func:`kernels.fp8.scales.value_check_wanted` asks for.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from .. import agree, checks
-from ..capture import capturing
-from ..config import get_config
-from ..format import PLAIN, OperandFormat, compute, dequantize_weight, dequantize_x
-from ..fp8 import scales
-from .grouped_matmul import kernel_runs_on, operand_format
+from ...capture import capturing
+from ...format import PLAIN, OperandFormat, compute, dequantize_weight, dequantize_x
+from ...fp8 import scales
+from ...protocol import Call, kernel_runs_on
+from ...protocol.call import Items, shown_as
+from ..grouped_matmul import operand_format
 
 ID_DTYPES = (torch.int32, torch.int64)
-_warned: set[tuple[str, str]] = set()
+GATHER, SCATTER = "all_gather_grouped_matmul", "grouped_matmul_reduce_scatter"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeCall(Call):
+    """One tensor-parallel MoE call without its tensors: the operands' format (plain or FP8) and an FP8 call's
+    output dtype (None: plain, the output in x's dtype), the expert count and top-k."""
+
+    fmt: OperandFormat = field(default=PLAIN, metadata=shown_as("format"))
+    out_dtype: torch.dtype | None = None
+    num_experts: int = 0
+    topk: int = 0
+
+    def operand_items(self, operands: Any) -> Items:
+        if self.op == GATHER:
+            # Every rank's tokens are gathered: m_local and k must agree; the column shards may differ in n_local.
+            x, weight = operands.x, operands.weight
+            items: tuple = (("x.shape", tuple(x.shape)), ("x.dtype", x.dtype))
+        else:
+            # The row shards may differ in n_local (h's and the weight's last dim); the rest must agree.
+            x, weight = operands.h, operands.weight
+            items = (
+                ("h.shape[0] (rows)", x.shape[0]),
+                ("h.dtype", x.dtype),
+                ("weight.shape[1] (k_out)", weight.shape[1]),
+                ("topk_weights.shape", tuple(operands.topk_weights.shape)),
+            )
+        return items + ((("weight.dtype", weight.dtype),) if self.fmt.kind == "fp8" else ())
 
 
 class MoeRouting(NamedTuple):
@@ -44,40 +69,6 @@ class MoeRouting(NamedTuple):
     expert_offsets: torch.Tensor
     token_index: torch.Tensor
     slot: torch.Tensor
-
-
-_OUT_DTYPES = {str(d): d for d in scales.OUT_DTYPES}
-
-
-@dataclass(frozen=True)
-class MoeCall:
-    """One MoE call without its tensors: the string the registered operators carry. ``fmt``: the operands'
-    format (:mod:`kernels.format`: plain or FP8); ``out_dtype``: an FP8 call's output dtype (None: plain, the
-    output in x's dtype). A string of the first four fields alone (before the formats) decodes as plain."""
-
-    backend: str
-    parallel_num: int
-    group_name: str
-    world: int
-    fmt: OperandFormat = PLAIN
-    out_dtype: torch.dtype | None = None
-
-    def encode(self) -> str:
-        fields = (self.backend, str(self.parallel_num), self.group_name, str(self.world), self.fmt.encode())
-        return "|".join(fields + (str(self.out_dtype or ""),))
-
-    @staticmethod
-    def decode(text: str) -> MoeCall:
-        backend, num, name, world, *rest = text.split("|")
-        if not rest:
-            return MoeCall(backend, int(num), name, int(world))
-        fmt, out = rest
-        return MoeCall(backend, int(num), name, int(world), OperandFormat.decode(fmt), _OUT_DTYPES.get(out))
-
-    @property
-    def scaled(self) -> bool:
-        """Whether the operands are FP8 payloads with scales."""
-        return self.fmt.kind == "fp8"
 
 
 def _tensor(name: str, t: object) -> torch.Tensor:
@@ -233,97 +224,14 @@ def check_routing_values(routing: MoeRouting, topk: int) -> None:
         )
 
 
+def needs_grad(*tensors: object) -> bool:
+    """Whether a call on ``tensors`` must go through its autograd Function."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def wanted(device: torch.device) -> bool:
     """Whether to read routing values on the host (CPU always; CUDA under ``COC_CHECK=1``; not in capture)."""
     return scales.value_check_wanted(device) and not capturing(device)
-
-
-def describe(
-    op: str,
-    shape: tuple[int, int, int],
-    dtype: torch.dtype,
-    *,
-    request: tuple,
-    moe: tuple,
-    tiles: tuple[int, int] | None = None,
-    fp8: tuple | None = None,
-) -> tuple:
-    """The call descriptor (:mod:`kernels.agree`): ``shape = (m, k, n)`` as the op names them, ``request =
-    (backend, parallel_num)`` as asked, ``moe = (E, topk)``; ``tiles``: the fused reduce's push tile; ``fp8 =
-    (format, weight dtype, out_dtype)`` of an FP8 call (its scaling mode and dtypes must agree too)."""
-    backend, parallel_num = request
-    scaled = {}
-    if fp8 is not None and fp8[0].kind == "fp8":
-        scaled = {"quant_mode": fp8[0].mode, "weight_dtype": fp8[1], "out_dtype": fp8[2]}
-    return agree.describe_call(
-        op,
-        *shape,
-        dtype,
-        bias=False,
-        flag=op == "grouped_matmul_reduce_scatter",  # its sum is always in rank order
-        backend=backend,
-        parallel_num=parallel_num,
-        group_size=moe[0],
-        comm_dim=moe[1],
-        tiles=tiles,
-        **scaled,
-    )
-
-
-def resolve(
-    op: str,
-    request: tuple,
-    shape: tuple[int, int, int],
-    group: dist.ProcessGroup | None,
-    *,
-    device: torch.device | None = None,
-    fmt: tuple = (PLAIN, None),
-) -> MoeCall:
-    """The backend and split count that run: the argument, else the environment (``USE_COC_FUSED_KERNEL``,
-    ``COC_PARALLEL_NUM``, ``customized_coc``). ``"fused"`` runs :mod:`kernels.fused.moe` where the fused kernels
-    can run on ``group`` and ``device`` (:func:`kernels.fused.unavailable_reason`: a collective at the group's
-    first ask), else warns once per reason and runs chunked. ``"auto"`` warns once and runs ``parallel_num=1``:
-    these ops have no tuner entry yet. ``fmt = (format, out_dtype)``: what the call carries (None: plain)."""
-    backend, parallel_num = request
-    config = get_config()
-    if backend is None and config.use_fused:
-        backend = "fused"
-    if backend == "fused":
-        reason = _fused_unavailable(group, device)
-        if reason is None:
-            from ..call import group_name
-
-            return MoeCall("fused", 1, group_name(group), checks.world_of(group), *fmt)
-        _warn_once(op, reason, f"the fused backend cannot run here ({reason}); running the chunked path")
-        backend = "chunked"
-    num = parallel_num if parallel_num is not None else config.parallel_num_for(*shape)
-    if num == "auto":
-        _warn_once(op, "auto", "COC_PARALLEL_NUM=auto does not tune the MoE ops yet; running with parallel_num=1")
-        num = 1
-    assert isinstance(num, int)
-    if backend == "sequential":
-        num = 1
-    elif backend is None:
-        backend = "chunked" if num > 1 else "sequential"
-    from ..call import group_name
-
-    return MoeCall(backend, num, group_name(group), checks.world_of(group), *fmt)
-
-
-def _fused_unavailable(group: dist.ProcessGroup | None, device: torch.device | None) -> str | None:
-    """None when the fused kernels can run on ``group`` and ``device``, else why not."""
-    if device is None:
-        return "the device of the call is unknown"
-    from .. import fused
-
-    return fused.unavailable_reason(group, device)
-
-
-def _warn_once(op: str, key: str, what: str) -> None:
-    if (op, key) in _warned:
-        return
-    _warned.add((op, key))
-    warnings.warn(f"{op}: {what} (this warning is shown once)", RuntimeWarning, stacklevel=4)
 
 
 def route(ids: torch.Tensor, num_experts: int) -> MoeRouting:
@@ -402,7 +310,7 @@ def grouped_mm(
     where it runs, else :func:`grouped_mm_loop`; ``fp8`` as there."""
     if not kernel_runs_on(x.device):
         return grouped_mm_loop(x, weight, offsets, out_dtype, fp8=fp8)
-    from ..fused import grouped
+    from ...fused import grouped
 
     out = torch.empty((x.shape[0], weight.shape[1]), dtype=out_dtype, device=x.device)
     if fp8 is None:
@@ -412,10 +320,10 @@ def grouped_mm(
     return grouped.launch(fmt, x.contiguous(), weight.contiguous(), offsets.contiguous(), out, x_scale=xs, w_scale=ws)
 
 
-def x_scale_of(call: MoeCall, x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor | None:
+def x_scale_of(fmt: OperandFormat, x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor | None:
     """An FP8 call's x scale in the kernels' layout (0-dim for a tensorwise one, else ``[m, G]``), contiguous;
     None for plain. :func:`kernels.format.pack_rows` and :func:`kernels.format.row_scales` take it from there."""
-    if not call.scaled:
+    if fmt.kind != "fp8":
         return None
     assert x_scale is not None
-    return scales.kernel_scale(x_scale, str(call.fmt.mode), x.shape[0]).contiguous()
+    return scales.kernel_scale(x_scale, str(fmt.mode), x.shape[0]).contiguous()

@@ -1,12 +1,12 @@
-"""When calls are compared across ranks (kernels.callcheck), and one rank's bad arguments raised on every rank.
+"""One rank's bad arguments, at any call, raise the same named error on every rank (kernels.protocol.admission):
+the local validation outcome travels with the admission, which every call makes, so no peer is left waiting.
 
-* COC_CHECK=1 compares every call, unset the first call of each new signature (cached: a repeated call
-  communicates nothing more), 0 none on sequential / chunked;
-* a rank whose arguments are invalid (wrong dtype, k mismatch, a bad FP8 scale) raises on its own only
-  when nobody checks; when the call is checked its error travels in the exchange, and every rank raises
-  the same exception naming that rank, on every backend (fused too: the host check runs before a
-  group's heap exists), at a first call by default and at any call under COC_CHECK=1;
-* the README's two-rank example at three ranks (uneven sequence shards) is refused by name by default.
+* a rank whose arguments are invalid (wrong dtype, k mismatch, not a tensor, a bad FP8 scale) makes every rank raise
+  the same exception naming that rank, on every backend (fused too: before any kernel), at a group's first call
+  and in the steady state alike; the group runs a correct call right after;
+* the README's two-rank example at three ranks (uneven sequence shards) is refused by name;
+* FP8 calls that differ in their format, weight dtype or output dtype name the field and both values;
+* a long, non-ASCII message travels whole; the admission runs inside CUDA-graph capture (host data only).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import kernels
-from kernels import callcheck
 from kernels.testing import run_ranks
 
 M, K, N = 6, 8, 5
@@ -24,58 +23,6 @@ M, K, N = 6, 8, 5
 def _tensors(m: int, k: int, n: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(*shape, generator=g).to(dtype) for shape in ((m, k), (n, k), (n,)))
-
-
-def _count_exchanges(rank: int, world: int, backend: str) -> list[str]:
-    """The ops whose calls were exchanged over a script: A, A again, B (another m), A again, per op."""
-    seen: list[str] = []
-    real = callcheck.exchange
-
-    def counting(op, *args, **kwargs):
-        seen.append(op)
-        return real(op, *args, **kwargs)
-
-    callcheck.exchange = counting
-    try:
-        a = _tensors(M, K, N)
-        b = _tensors(2 * M, K, N)
-        qw, scale = kernels.quantize_weight(a[1])
-        xq, xs = kernels.quantize_fp8(a[0], "row")
-        wq, ws = kernels.quantize_fp8(a[1], "row")
-        with torch.no_grad():
-            for x, w, bias in (a, a, b, a):
-                kernels.all_gather_matmul(x, w, bias, backend=backend)
-                kernels.matmul_reduce_scatter(x, w, bias, backend=backend)
-                kernels.matmul_all_reduce(x, w, bias, backend=backend)
-                kernels.quantized_matmul_all_reduce(x, qw, scale, bias, backend=backend)
-                kernels.scaled_matmul_all_reduce(xq, xs, wq, ws, backend=backend)
-    finally:
-        callcheck.exchange = real
-    return seen
-
-
-OPS = [
-    "all_gather_matmul",
-    "matmul_reduce_scatter",
-    "matmul_all_reduce",
-    "quantized_matmul_all_reduce",
-    "scaled_matmul_all_reduce",
-]
-
-
-@pytest.mark.parametrize("backend", ["sequential", "chunked"])
-@pytest.mark.parametrize("check", ["1", None, "0", ""], ids=["check1", "default", "check0", "empty"])
-def test_calls_are_compared_as_coc_check_says(check: str | None, backend: str) -> None:
-    """1: every call; unset or empty: the first call of each signature (A, B; not A again); 0: none. The
-    FP8 call's signature is the same in all four rounds (its shapes do not change)."""
-    seen = run_ranks(_count_exchanges, 2, backend, env={"COC_CHECK": check})
-    if check == "1":
-        expected = OPS * 4
-    elif check == "0":
-        expected = []
-    else:
-        expected = OPS + OPS[:4]
-    assert seen == [expected, expected]
 
 
 def _fp8_pair(rank: int, bad: bool) -> tuple[torch.Tensor, ...]:
@@ -137,7 +84,7 @@ def _one_rank_bad(rank: int, world: int, case: str, backend: str, warm: bool) ->
 
 @pytest.mark.parametrize("backend", ["sequential", "chunked", "fused"])
 @pytest.mark.parametrize(
-    ("check", "warm"), [(None, False), ("1", True)], ids=["default-first-call", "check1-steady-state"]
+    ("check", "warm"), [(None, False), (None, True), ("1", True)], ids=["first", "steady", "check1"]
 )
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_one_rank_with_bad_arguments_raises_on_every_rank(case: str, check: str | None, warm: bool, backend: str):
@@ -162,9 +109,8 @@ def _readme_example(rank: int, world: int) -> str:
 
 def test_readme_example_with_uneven_shards_is_refused_by_name_by_default():
     for message in run_ranks(_readme_example, 3, env={"COC_CHECK": None}):
-        assert message.startswith("all_gather_matmul: ranks disagree: rank 0 has m_local=6, rank 2 has m_local=4"), (
-            message
-        )
+        want = "all_gather_matmul: ranks disagree: rank 0 has x.shape=(3, 2, 16), rank 1 has x.shape=(3, 2, 16), "
+        assert message.startswith(want + "rank 2 has x.shape=(2, 2, 16)"), message
 
 
 def _fp8_disagree(rank: int, world: int, field: str) -> str:
@@ -186,34 +132,35 @@ def _fp8_disagree(rank: int, world: int, field: str) -> str:
 @pytest.mark.parametrize(
     ("field", "named"),
     [
-        (
-            "mode",
-            "rank 0 has scaling mode (from the scale shapes)=block, rank 1 has scaling mode (from the "
-            "scale shapes)=row",
-        ),
+        ("mode", "rank 0 has format=fp8:block, rank 1 has format=fp8:row"),
         ("weight_dtype", "rank 0 has weight.dtype=torch.float8_e4m3fn, rank 1 has weight.dtype=torch.float8_e5m2"),
         ("out_dtype", "rank 0 has out_dtype=torch.bfloat16, rank 1 has out_dtype=torch.float32"),
     ],
 )
 def test_fp8_disagreements_name_the_op_the_field_and_both_values(field: str, named: str) -> None:
     for message in run_ranks(_fp8_disagree, 2, field, env={"COC_CHECK": "1"}):
-        assert message.startswith(f"all_gather_scaled_matmul: ranks disagree: {named} ("), message
+        assert message.startswith(f"all_gather_scaled_matmul: ranks disagree: {named}; "), message
         assert "tensor-mode" not in message and "[[" not in message, message
 
 
-def test_long_and_non_ascii_messages_travel_cut_at_a_character() -> None:
-    long = ValueError("é" * 400)
-    row = callcheck._encode(None, long)
-    assert len(row) == callcheck.ROW_WORDS
-    cls, message = callcheck._decode(row)
-    assert cls is ValueError and message.endswith(" ...") and message.startswith("é" * 200)
-    cls, message = callcheck._decode(callcheck._encode(None, KeyError("x")))
-    assert cls is RuntimeError and message == "'x'"
+def _long_message(rank: int, world: int) -> str:
+    x, w, b = _tensors(M, K, N)
+    try:
+        # 400 two-byte characters in the error of rank 1 alone.
+        kernels.matmul_all_reduce(x, w, b, backend="é" * 400 if rank else None)
+    except ValueError as e:
+        return str(e)
+    return "returned"
+
+
+def test_long_and_non_ascii_messages_travel_whole() -> None:
+    for message in run_ranks(_long_message, 2):
+        assert message.startswith("matmul_all_reduce: rank 1 refused its arguments: backend=") and "é" * 400 in message
 
 
 def _in_capture(rank: int, world: int, check: str | None) -> list[str]:
-    """A stand-in for capture (the check needs a host read that capture cannot hold): COC_CHECK=1 refuses by
-    name, the default leaves the unseen signature unchecked with one warning."""
+    """A stand-in for capture: the admission moves host data on a CPU group, so it runs inside capture too (a
+    captured call is admitted once, at capture), without a warning; one rank's error is still every rank's."""
     import warnings
 
     from kernels import capture
@@ -225,12 +172,12 @@ def _in_capture(rank: int, world: int, check: str | None) -> list[str]:
         x, w, b = _tensors(M, K, N)
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for _ in range(2):
-                try:
-                    kernels.matmul_all_reduce(x, w, b, backend="sequential")
-                    out.append("ran")
-                except RuntimeError as e:
-                    out.append(str(e))
+            kernels.matmul_all_reduce(x, w, b, backend="sequential")
+            out.append("ran")
+            try:
+                kernels.matmul_all_reduce(x, w[:, :-1] if rank else w, b, backend="sequential")
+            except ValueError as e:
+                out.append(str(e).split(": x has", 1)[0])
         out += [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
     finally:
         capture.capturing = real
@@ -238,10 +185,6 @@ def _in_capture(rank: int, world: int, check: str | None) -> list[str]:
 
 
 @pytest.mark.parametrize("check", ["1", None], ids=["check1", "default"])
-def test_check_inside_capture(check: str | None) -> None:
-    for out in run_ranks(_in_capture, 2, check, env={"COC_CHECK": check}):
-        if check == "1":
-            assert len(out) == 2 and all("COC_CHECK=1 inside CUDA-graph capture" in m for m in out), out
-        else:
-            assert out[:2] == ["ran", "ran"] and len(out) == 3, out
-            assert "first seen inside CUDA-graph capture is not compared across ranks" in out[2], out
+def test_admission_inside_capture(check: str | None) -> None:
+    outs = run_ranks(_in_capture, 2, check, env={"COC_CHECK": check})
+    assert outs[0] == outs[1] == ["ran", "matmul_all_reduce: rank 1 refused its arguments: k mismatch"], outs

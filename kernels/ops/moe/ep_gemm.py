@@ -1,16 +1,15 @@
 """Expert-parallel dispatch fused with the first expert GEMM: :func:`moe_dispatch_grouped_matmul` (docs/api.md,
 "Expert-parallel MoE"), the all-to-all of :func:`kernels.moe_dispatch` overlapped with
-:func:`kernels.grouped_matmul` on its rows. Semantics: :func:`moe_dispatch_grouped_matmul_reference`. Registered
-operator::
+:func:`kernels.grouped_matmul` on its rows. Registered operator::
 
     coc::moe_dispatch_grouped_matmul(Tensor x, Tensor topk_ids, Tensor weight, str call)
-        -> (Tensor y, Tensor rows, Tensor[11] handle tensors)        # call: moe_ep_routing.EpCall.encode()
+        -> (Tensor y, Tensor rows, Tensor[11] handle tensors)        # call: kernels.ops.moe.layout.EpCall
 
-One implementation, the dispatch's own (:func:`kernels.ops.moe_ep._dispatch_run`), with the GEMM a parameter (as
+One implementation, the dispatch's own (:func:`kernels.ops.moe.ep.dispatch_run`), with the GEMM a parameter (as
 PyTorch's ``_fused_all_gather_matmul_impl`` takes its matmul):
 
 - ``sequential`` / ``fused``: the dispatch, then the grouped GEMM on all rows.
-- ``chunked``: as each of the ``parallel_num`` pieces lands (:func:`kernels.ops.moe_ep_routing.to_experts`'s
+- ``chunked``: as each of the ``parallel_num`` pieces lands (:func:`kernels.ops.moe.layout.to_experts`'s
   ``landed``), the grouped GEMM on that piece's rows, written into their final rows of ``y``, while the later
   pieces are in flight. A piece holds a range of every (source, destination) block, so its rows are runs per
   (source, local expert) scattered over the final rows; sorted by final row they are grouped by local expert, and
@@ -28,24 +27,40 @@ for another row count.
 
 FP8 x is refused by name (use :func:`kernels.moe_dispatch` with an ``(x_fp8, x_scale)`` pair, then
 :func:`kernels.grouped_matmul`). Differentiable in plain ``x`` and ``weight``
-(:class:`kernels.ops.moe_ep_autograd.MoeDispatchGroupedMatmulFunction`).
+(:class:`kernels.ops.moe.autograd.MoeDispatchGroupedMatmulFunction`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..op_registration import define_op
-from . import moe_ep
-from .grouped_matmul import check_operands, grouped_matmul, grouped_matmul_reference
-from .moe_ep_payload import split_x
-from .moe_ep_routing import EpCall, Layout, MoeDispatchHandle
+from ...protocol import OpSpec, admitted, run
+from ..grouped_matmul import check_operands, grouped_matmul
+from .ep import DispatchOperands, dispatch_builder, dispatch_fake, dispatch_run
+from .layout import EpCall, Layout, MoeDispatchHandle
+from .payload import split_x
+from .routing import needs_grad
 
 OP = "moe_dispatch_grouped_matmul"
 Gemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DispatchGemmOperands(DispatchOperands):
+    """A dispatch's tensors (plain x) and this rank's experts' weights ``[E / W, n, k]``."""
+
+    weight: torch.Tensor | None = None
+
+    def flat(self) -> tuple:
+        return (self.x, self.topk_ids, self.weight)
+
+    @staticmethod
+    def of(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor) -> DispatchGemmOperands:
+        return DispatchGemmOperands(x, None, topk_ids, weight)
 
 
 def moe_dispatch_grouped_matmul(
@@ -61,43 +76,36 @@ def moe_dispatch_grouped_matmul(
     parallel_num: int | None = None,
 ) -> tuple[torch.Tensor, MoeDispatchHandle]:
     """``(y [R, n], handle)``: :func:`kernels.moe_dispatch`'s rows times this rank's experts' weights
-    ``weight [E_local, n, k]`` (``E_local = num_experts / W``, x's dtype), ``y = grouped_matmul(rows, weight,
-    handle.expert_offsets)``, with the chunked backend's pieces multiplied as they land (module docstring).
-    Arguments as :func:`kernels.moe_dispatch` (plain x only); semantics:
-    :func:`moe_dispatch_grouped_matmul_reference`. Differentiable in ``x`` and ``weight``.
-    """
-    call = _admit(OP, (x, topk_ids, topk_weights, weight), (num_experts, max_tokens), group, (backend, parallel_num))
-    if moe_ep._needs_grad(x, weight):
-        from .moe_ep_autograd import MoeDispatchGroupedMatmulFunction
-
-        out = MoeDispatchGroupedMatmulFunction.apply(x, weight, topk_ids, call.encode())
-    else:
-        out = operator(x, topk_ids, weight, call.encode())
-    y, _, *parts = out
-    return y, MoeDispatchHandle(*parts, topk_weights=topk_weights, call=call.encode())
-
-
-def moe_dispatch_grouped_matmul_reference(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    num_experts: int,
-    weight: torch.Tensor,
-    *,
-    max_tokens: int | None = None,
-    group: dist.ProcessGroup | None = None,
-) -> tuple[torch.Tensor, MoeDispatchHandle]:
-    """The semantics of :func:`moe_dispatch_grouped_matmul` (validated and rank-checked the same way; forward only,
-    as ``grouped_matmul_reference``)::
+    ``weight [E_local, n, k]`` (``E_local = num_experts / W``, x's dtype), with the chunked backend's pieces
+    multiplied as they land (module docstring). Semantics (the ``sequential`` backend)::
 
         rows, handle = moe_dispatch(x, topk_ids, topk_weights, num_experts, max_tokens=max_tokens, group=group)
         y = grouped_matmul(rows, weight, handle.expert_offsets)      # [R, n]
         return y, handle
+
+    Arguments as :func:`kernels.moe_dispatch` (plain x only). Differentiable in ``x`` and ``weight``.
     """
+    request = (backend, parallel_num)
+
+    def also(world: int) -> None:
+        check_weight(x, weight, num_experts, world)
+
+    def operands(x_: torch.Tensor, x_scale: object, ids: torch.Tensor) -> DispatchGemmOperands:
+        return DispatchGemmOperands(x_, None, ids, weight)
+
     sizes = (num_experts, max_tokens)
-    call = _admit(f"{OP}_reference", (x, topk_ids, topk_weights, weight), sizes, group, ("sequential", None))
-    rows, handle = moe_ep._dispatch_apply(split_x(x), topk_ids, topk_weights, call)
-    return grouped_matmul_reference(rows, weight, handle.expert_offsets), handle
+    build = dispatch_builder(OP, (x, topk_ids, topk_weights), sizes, group, request, also=also, operands=operands)
+    built, call, text = admitted(SPEC, OP, group, build)
+    if needs_grad(x, weight):
+        from .autograd import MoeDispatchGroupedMatmulFunction
+
+        text = text or call.encode()
+        out = MoeDispatchGroupedMatmulFunction.apply(x, weight, topk_ids, text)
+    else:
+        out = run(SPEC, call, built.operands, text)
+        text = text or call.encode()
+    y, _, *parts = out
+    return y, MoeDispatchHandle(*parts, topk_weights=topk_weights, call=text)
 
 
 def check_weight(x: object, weight: object, num_experts: int, world: int) -> None:
@@ -122,16 +130,6 @@ def check_weight(x: object, weight: object, num_experts: int, world: int) -> Non
     check_operands(payload.detach(), weight.detach(), offsets)
 
 
-def _admit(op: str, tensors: tuple, sizes: tuple, group: object, request: tuple) -> EpCall:
-    x, topk_ids, topk_weights, weight = tensors
-    world = moe_ep.checks.world_of(group)  # type: ignore[arg-type]
-
-    def also() -> None:
-        check_weight(x, weight, sizes[0], world)
-
-    return moe_ep._admit_dispatch(op, (x, topk_ids, topk_weights), sizes, group, request, also=also)
-
-
 class PieceGemm:
     """The chunked backend's consumer: ``gemm`` on each piece's rows as it lands, into ``y``'s final rows."""
 
@@ -153,9 +151,10 @@ class PieceGemm:
         self.y[rows] = self.gemm(out[rows], self.weight, offsets)
 
 
-def run(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, call_text: str, *, gemm: Gemm) -> tuple:
+def dispatch_gemm(call: EpCall, ops: DispatchGemmOperands, *, gemm: Gemm = grouped_matmul) -> tuple:
     """``(y, rows, *handle tensors)`` of one call (module docstring), ``gemm(rows, weight, offsets)`` the GEMM."""
-    call = EpCall.decode(call_text)
+    weight = ops.weight
+    assert weight is not None
     if call.backend == "chunked":
         consumers: list[PieceGemm] = []
 
@@ -163,24 +162,25 @@ def run(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, call_text
             consumers.append(PieceGemm(gemm, weight, lay, call.bounded))
             return consumers[-1]
 
-        rows, _, *handle = moe_ep._dispatch_run(x, None, topk_ids, call_text, consumer=consumer)
+        rows, _, *handle = dispatch_run(call, ops, consumer=consumer)
         return (consumers[0].y[: rows.shape[0]], rows, *handle)
-    rows, _, *handle = moe_ep._dispatch_run(x, None, topk_ids, call_text)
+    rows, _, *handle = dispatch_run(call, ops)
     return (gemm(rows, weight, handle[0]), rows, *handle)
 
 
-def _run(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, call_text: str) -> tuple:
-    return run(x, topk_ids, weight, call_text, gemm=grouped_matmul)
+def _fake(call: EpCall, ops: DispatchGemmOperands) -> tuple:
+    rows, _, *handle = dispatch_fake(call, ops)
+    assert ops.weight is not None
+    return (rows.new_empty((rows.shape[0], ops.weight.shape[1])), rows, *handle)
 
 
-def _fake(x: torch.Tensor, topk_ids: torch.Tensor, weight: torch.Tensor, call_text: str) -> tuple:
-    rows, _, *handle = moe_ep._dispatch_fake(x, None, topk_ids, call_text)
-    return (rows.new_empty((rows.shape[0], weight.shape[1])), rows, *handle)
-
-
-operator = define_op(
-    f"{OP}(Tensor x, Tensor topk_ids, Tensor weight, str call) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+SPEC = OpSpec(
+    name=OP,
+    call=EpCall,
+    schema="(Tensor x, Tensor topk_ids, Tensor weight, str call) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
     "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-    _run,
-    _fake,
+    operands=DispatchGemmOperands.of,
+    flat=DispatchGemmOperands.flat,
+    impl={"sequential": dispatch_gemm, "chunked": dispatch_gemm, "fused": dispatch_gemm},
+    fake=_fake,
 )

@@ -60,7 +60,7 @@ def _norm_runs() -> Iterator[collections.Counter]:
     from kernels.ops import all_reduce_rmsnorm
 
     runs: collections.Counter = collections.Counter()
-    saved = dict(all_reduce_rmsnorm.IMPL)
+    saved = dict(all_reduce_rmsnorm.SPEC.impl)
 
     def spy(backend: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def run(*args: object) -> torch.Tensor:
@@ -70,11 +70,11 @@ def _norm_runs() -> Iterator[collections.Counter]:
         return run
 
     for backend, fn in saved.items():
-        all_reduce_rmsnorm.IMPL[backend] = spy(backend, fn)
+        all_reduce_rmsnorm.SPEC.impl[backend] = spy(backend, fn)
     try:
         yield runs
     finally:
-        all_reduce_rmsnorm.IMPL.update(saved)
+        all_reduce_rmsnorm.SPEC.impl.update(saved)
 
 
 def _bound(case: str, xs: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple:
@@ -109,7 +109,7 @@ def _compiled_cases(rank: int, world: int, cases: list[tuple[str, torch.dtype]])
     """Compile :func:`_layer_end` for each case with the pass; what each rewrote, ran and how far from eager."""
     import torch.distributed as dist
 
-    from kernels import inductor_pass
+    from kernels.inductor import rewrite as inductor_pass
     from kernels.testing import backend_calls
     from kernels.testing.compile import graph_passes_backend
 
@@ -210,8 +210,8 @@ def test_find_norm_checks_each_step(fn: object, shapes: list, reason: str | None
     """fp32 norms after a stand-in for the reduced tensor (the first input), traced without Inductor."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from kernels.inductor_norm import find_norm
-    from kernels.inductor_patterns import LeftAlone
+    from kernels.inductor.norm import find_norm
+    from kernels.inductor.patterns import LeftAlone
 
     graph = make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes)).graph  # type: ignore[arg-type]
     y, r, wt = (n for n in graph.nodes if n.op == "placeholder")

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
-from .call import decode
-from .inductor_patterns import RESHAPES, LeftAlone, ancestors, arg, meta_val, new_node, resolve_group
-from .ops import all_reduce, all_reduce_rmsnorm
+from ..ops import all_reduce, all_reduce_rmsnorm
+from ..ops.gemm import GemmCall
+from ..protocol import decide, requested
+from .patterns import RESHAPES, LeftAlone, ancestors, arg, meta_val, new_node, resolve_group
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -280,12 +281,15 @@ def rewrite_all_reduce(graph: fx.Graph, coll: fx.Node) -> str:
         # The eager op's own choices (its backend for this group and device, its size switch), constants of the
         # compiled graph as the matmul ops' backends are.
         algorithm = all_reduce_rmsnorm.choose_algorithm("auto", stand_in, world)
-        backend = all_reduce_rmsnorm._backend(None, group, xv.device)
-    call = all_reduce_rmsnorm.NormCall(None, torch.float8_e4m3fn, algorithm, backend, name, world)
+        call = all_reduce_rmsnorm.NormCall(
+            op="all_reduce_rmsnorm", group_name=name, world=world, algorithm=algorithm, eps=float(tail.eps)
+        )
+        call = decide(all_reduce_rmsnorm.SPEC, requested(call, None), xv.device)
+    backend = call.backend
     new: list[fx.Node] = []
     with graph.inserting_before(tail.add):
         residual = _residual_rows(graph, tail, new)
-        op = new_node(graph, all_reduce_rmsnorm.operator, x, residual, tail.weight, tail.eps, call.encode())
+        op = new_node(graph, all_reduce_rmsnorm.SPEC.operator, x, residual, tail.weight, call.encode())
         new.append(op)
         _replace(graph, tail, op, new)
     _erase(graph, [coll, *tail.replaced()])
@@ -298,13 +302,15 @@ def rewrite_all_reduce(graph: fx.Graph, coll: fx.Node) -> str:
 def _fuse(graph: fx.Graph, node: fx.Node) -> str:
     """The ``coc.matmul_all_reduce`` ``node`` and the norm after it as ``coc.matmul_all_reduce_rmsnorm``."""
     tail = find_norm(node)
-    call = decode(node.args[-1])
+    call = GemmCall.decode(node.args[-1])
     new: list[fx.Node] = []
     with graph.inserting_before(tail.add):
         residual = _residual_rows(graph, tail, new)
-        # The backend was chosen for this call already; the epilogue changes what follows the reduction only.
-        text = replace(call, epilogue="rmsnorm").encode()
-        op = new_node(graph, all_reduce.norm_operator, *node.args[:-1], residual, tail.weight, tail.eps, text)
+        # The backend was chosen for this call already; the epilogue changes what follows the reduction only, and
+        # the epilogue has no chunked backend (the reduction serves decode sizes whole).
+        backend = "sequential" if call.backend == "chunked" else call.backend
+        text = replace(call, epilogue="rmsnorm", eps=float(tail.eps), backend=backend, parallel_num=1).encode()
+        op = new_node(graph, all_reduce.NORM_SPEC.operator, *node.args[:-1], residual, tail.weight, text)
         new.append(op)
         _replace(graph, tail, op, new)
     _erase(graph, tail.replaced())
@@ -319,7 +325,7 @@ def fuse_norm(graph: fx.Graph, node: fx.Node, pattern: str, detail: str) -> tupl
     RMSNorm after it into the GEMM epilogue. Returns the rewrite's pattern and detail for the report, the norm's
     part added (or, when a norm follows and differs, the reason it stays: the matmul all-reduce is rewritten all
     the same), so that the report keeps one entry per collective."""
-    if node.target is not all_reduce.operator or decode(node.args[-1]).epilogue or not norm_follows(node):
+    if node.target is not all_reduce.SPEC.operator or GemmCall.decode(node.args[-1]).epilogue or not norm_follows(node):
         return pattern, detail
     try:
         return "matmul_all_reduce_rmsnorm", f"{detail}; {_fuse(graph, node)}"

@@ -5,15 +5,15 @@
 (``b`` the weight transposed) and fp32 scales, tensorwise (one value, ``[]`` or ``[1]``) or rowwise
 (``scale_a [m, 1]``, ``scale_b [1, n]``): the operands of the coc FP8 ops in mode ``tensor`` or ``row``
 (``w_scale`` is ``scale_b`` as ``[n, 1]``). This module finds, from one collective, what the rewrite
-of :mod:`kernels.inductor_pass` needs:
+of :mod:`kernels.inductor.rewrite` needs:
 
 * an all-gather of an FP8 payload feeding ``_scaled_mm``\\ s as their ``a`` (:func:`find_fp8_gather`,
   :func:`scaled_gather_consumers`); rowwise, ``scale_a`` must be the all-gather of each rank's scale rows
   on the same dim and group (:class:`RowScale`), which the coc op moves with the rows;
 * a ``_scaled_mm`` feeding a reduce-scatter or all-reduce (:func:`scaled_product`, the producer
-  :func:`kernels.inductor_patterns.find_reduce` is given).
+  :func:`kernels.inductor.patterns.find_reduce` is given).
 
-Like :mod:`kernels.inductor_patterns`, it changes nothing and raises :class:`LeftAlone` with the reason.
+Like :mod:`kernels.inductor.patterns`, it changes nothing and raises :class:`LeftAlone` with the reason.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .fp8.scales import FP8_DTYPES, OUT_DTYPES
-from .inductor_patterns import (
+from ..fp8.scales import FP8_DTYPES, OUT_DTYPES
+from .patterns import (
     RESHAPES,
     SPLITS,
     Gather,
@@ -175,7 +175,7 @@ def _post_scaled(node: fx.Node) -> ScaledMatmul | None:
 def scaled_product(node: object) -> Matmul:
     """The product a reduction reads: a ``_scaled_mm``, its upcast to a wider float (torch's float8
     training computes a rowwise fp32 layer in bf16 and converts), torchao's rowwise product applied after a
-    unit-scaled ``_scaled_mm`` (:func:`_post_scaled`), else what :func:`kernels.inductor_patterns.as_matmul_or_sum`
+    unit-scaled ``_scaled_mm`` (:func:`_post_scaled`), else what :func:`kernels.inductor.patterns.as_matmul_or_sum`
     finds."""
     post = _post_scaled(node) if isinstance(node, fx.Node) else None
     if post is not None:
@@ -202,7 +202,7 @@ def scaled_product(node: object) -> Matmul:
 
 
 def find_fp8_gather(ag: fx.Node) -> Gather:
-    """:func:`kernels.inductor_patterns.find_gather`, and the form DTensor gives an FP8 gather on dim d > 0:
+    """:func:`kernels.inductor.patterns.find_gather`, and the form DTensor gives an FP8 gather on dim d > 0:
     the gathered pieces viewed as ``uint8`` for the cat (CPU has no FP8 cat) and the cat viewed back."""
     g = find_gather(ag)
     if g.result is not g.chain[1]:

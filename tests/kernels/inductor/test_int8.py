@@ -115,7 +115,7 @@ def _int8_block(rank: int, world: int, mode: str, form: str, sp: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from kernels import inductor_pass
+    from kernels.inductor import rewrite as inductor_pass
     from kernels.quant import dequantize
     from kernels.testing import backend_calls
     from kernels.testing.compile import graph_passes_backend
@@ -318,7 +318,7 @@ def _tensor_int8_times_bf16(call, q, s):
     ],
 )
 def test_dequantizations_read_as_the_int8_format(build, s_shape, s_dtype, mode, group_size, how):
-    from kernels.inductor_int8 import int8_weight
+    from kernels.inductor.int8 import int8_weight
 
     b = _dequant_graph(build, (8, 32), s_shape, s_dtype)
     w = int8_weight(b, BF16)
@@ -362,8 +362,8 @@ def _bf16_then_fp16(call, q, s):
     ],
 )
 def test_dequantizations_left_to_the_plain_op_with_the_reason(build, s_shape, s_dtype, reason):
-    from kernels.inductor_int8 import int8_weight
-    from kernels.inductor_patterns import LeftAlone
+    from kernels.inductor.int8 import int8_weight
+    from kernels.inductor.patterns import LeftAlone
 
     b = _dequant_graph(build, (8, 32), s_shape, s_dtype)
     with pytest.raises(LeftAlone, match=re.escape(reason)):
@@ -390,7 +390,7 @@ def _trained_block(rank: int, world: int, sp: bool) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from kernels import inductor_pass
+    from kernels.inductor import rewrite as inductor_pass
     from kernels.testing import backend_calls
     from kernels.testing.compile import graph_passes_backend
 
@@ -451,7 +451,8 @@ def test_cache_key_covers_the_int8_module(monkeypatch):
     """A change to the int8 pattern module compiles anew: it is part of the pass's Inductor cache key."""
     import torch._inductor.custom_graph_pass as custom_graph_pass
 
-    from kernels import inductor_int8, inductor_pass
+    from kernels.inductor import int8 as inductor_int8
+    from kernels.inductor import rewrite as inductor_pass
 
     hashed = []
     real = custom_graph_pass.get_hash_for_files

@@ -151,7 +151,7 @@ def compiled_llama(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from kernels import inductor_pass
+    from kernels.inductor import rewrite as inductor_pass
     from kernels.testing.compile import graph_passes_backend
     from tests.autopar.tp.hf_cases import build, environment
 
