@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from bench.runner import Reference, check_backend, magnitude_bound, make_inputs, op_call
-from bench.suites import Case
-from bench.timing import Timer
+from bench.dense.runner import Reference, check_backend, magnitude_bound, make_inputs, op_call
+from bench.harness.suites import Case
+from bench.harness.timing import Timer
 from kernels.testing import REPO_ROOT
 
 # Bounds on hangs only, generous for a loaded 2-core machine (the tiny suite took 2 min 14 s on one):
@@ -252,14 +252,14 @@ def _records_for_plot():
 
 def test_plot_is_written_when_matplotlib_is_installed(tmp_path):
     pytest.importorskip("matplotlib")
-    from bench import report
+    from bench.harness import report
 
     assert report.write_plot(str(tmp_path / "p.png"), _records_for_plot(), "t") is None
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_plot_is_skipped_with_a_message_without_matplotlib(tmp_path, monkeypatch):
-    from bench import report
+    from bench.harness import report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     why = report.write_plot(str(tmp_path / "p.png"), _records_for_plot(), "t")
@@ -315,7 +315,7 @@ def _launch_probe(rank, world, device, mode):
 
 
 def test_spawned_ranks_report_results_errors_and_deaths():
-    from bench.launch import LaunchError, spawn
+    from bench.harness.launch import LaunchError, spawn
 
     assert spawn(_launch_probe, 2, "cpu", 60, "ok") == (0, 2, "cpu")
     with pytest.raises(LaunchError, match="(?s)rank 1 raised:.*fails on purpose"):

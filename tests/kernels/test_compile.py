@@ -419,7 +419,7 @@ def test_auto_split_choice_inside_capture_raises(monkeypatch: pytest.MonkeyPatch
 
 
 def test_host_cost_bench_reports_every_backend(tmp_path: Any) -> None:
-    """``python -m bench.host_cost`` at world 1 (eager, thread clock) gives a figure per op and backend."""
+    """``python -m bench.cost.host`` at world 1 (eager, thread clock) gives a figure per op and backend."""
     import json
     import subprocess
     import sys
@@ -431,7 +431,7 @@ def test_host_cost_bench_reports_every_backend(tmp_path: Any) -> None:
         [
             sys.executable,
             "-m",
-            "bench.host_cost",
+            "bench.cost.host",
             "--worlds",
             "1",
             "--no-compile",

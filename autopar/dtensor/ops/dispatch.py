@@ -31,7 +31,7 @@ from ..tensor import DistTensor, empty_local, lid_of, make, uninit, wrap
 RULE_CACHE: dict[tuple, tuple] = {}
 # (op, input layout ids) -> (mesh, out placements, out shape, out layout id) for calls that need no
 # reshard, no overlapped kernel and no autograd: the per-op hot path of inference (and of
-# bench.dispatch_overhead). The mesh is compared by identity, so an entry serves one mesh only.
+# bench.cost.dispatch). The mesh is compared by identity, so an entry serves one mesh only.
 PLAIN: dict[tuple, tuple] = {}
 
 
@@ -81,7 +81,7 @@ def rule_entry(key: tuple, rule: Callable[..., RuleResult], inputs: Sequence[Dis
 
 
 # The hot paths for one and two inputs (no gradient wanted, rule cached, inputs already in the
-# layout the rule wants, this rank in the mesh): bench.dispatch_overhead times exactly these, so
+# layout the rule wants, this rank in the mesh): bench.cost.dispatch times exactly these, so
 # they do nothing beyond the lookup, the local op and the wrapper, and fill PLAIN for next time.
 _grad_enabled = torch.is_grad_enabled
 

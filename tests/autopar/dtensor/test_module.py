@@ -274,8 +274,8 @@ def test_docs_distributed_tensor_example_runs(tmp_path):
 
 
 def test_dispatch_overhead_bench_runs_at_world_2():
-    """bench.dispatch_overhead spawns its ranks and reports every row against DTensor."""
-    from bench.dispatch_overhead import run_world
+    """bench.cost.dispatch spawns its ranks and reports every row against DTensor."""
+    from bench.cost.dispatch import run_world
 
     res = run_world(2, iters=3, repeats=1)
     assert res["world"] == 2

@@ -1,4 +1,4 @@
-"""What a tp_plan leaves out (autopar/tp/hf_regions.py), on the families the sweep (bench/hf_sweep.py) found:
+"""What a tp_plan leaves out (autopar/tp/hf_regions.py), on the families the sweep (bench/sweep/hf.py) found:
 
 - Apertus: its MLP's learnable xIELU activation scalars sit between the column- and row-parallel linears; each
   rank's gradient was its shard's part (0.009 off one process, silently). Now summed over the ranks.
@@ -34,7 +34,7 @@ def test_activation_parameters_in_a_sharded_region_get_the_summed_gradient() -> 
 
 def _refusal(rank: int, world: int, family: str, sp: bool) -> str:
     import autopar
-    from bench.hf_sweep import build
+    from bench.sweep.hf import build
 
     try:
         autopar.parallelize_hf(build(family), sequence_parallel=sp)
