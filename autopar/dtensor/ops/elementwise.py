@@ -169,7 +169,7 @@ def pow_(x, exponent) -> DistTensor:
 
 def _operator(op: str) -> Callable[[Any, Any], DistTensor]:
     """``a <op> b`` as a method: the hot path when both are DistTensors of a cached layout."""
-    fn = _BINARY[op][0]
+    fn = _BINARY[op].local_fn
 
     def method(a, b):
         if type(b) is DistTensor and type(a) is DistTensor:
