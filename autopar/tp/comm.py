@@ -66,48 +66,6 @@ def rank_of(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _dim_kw(name: str, dim: int) -> dict[str, int]:
-    # Dim 0 is passed as the ops' default so that the common Megatron call stays the plain one.
-    return {} if dim == 0 else {name: dim}
-
-
-def all_gather_matmul(
-    x: torch.Tensor,
-    weight: Any,
-    bias: Any,
-    group: Group,
-    *,
-    return_gathered: bool,
-    gather_dim: int = 0,
-) -> Any:
-    """``all_gather(x, dim=gather_dim) @ weight.T + bias`` (and the gathered ``x``); ``group=None``: local.
-    ``weight`` / ``bias`` may be lists (one gather, one output each), as ``kernels.all_gather_matmul`` takes."""
-    if group is None:
-        if isinstance(weight, (list, tuple)):
-            y = [torch.nn.functional.linear(x, w, b) for w, b in zip(weight, bias, strict=True)]
-        else:
-            y = torch.nn.functional.linear(x, weight, bias)
-        return (y, x) if return_gathered else y
-    return kernels.all_gather_matmul(
-        x, weight, bias, group=group, return_gathered=return_gathered, **_dim_kw("gather_dim", gather_dim)
-    )
-
-
-def matmul_reduce_scatter(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group, scatter_dim: int = 0
-) -> torch.Tensor:
-    """``reduce_scatter(x @ weight.T, dim=scatter_dim) + bias``; ``group=None``: local."""
-    if group is None:
-        return torch.nn.functional.linear(x, weight, bias)
-    return kernels.matmul_reduce_scatter(x, weight, bias, group=group, **_dim_kw("scatter_dim", scatter_dim))
-
-
-def matmul_all_reduce(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Group) -> torch.Tensor:
-    if group is None:
-        return torch.nn.functional.linear(x2d, weight, bias)
-    return kernels.matmul_all_reduce(x2d, weight, bias, group=group)
-
-
 def start_gather_rows(x: torch.Tensor, group: Group, dim: int = 0) -> torch.Tensor:
     """``all_gather(x, dim)``, started: read it through :func:`wait` (eager mode runs other work
     meanwhile; a compiled graph holds the collective and its wait)."""

@@ -94,18 +94,11 @@ def strided_slice(full: torch.Tensor, dim: int, stride: int, rank: int, world: i
     return torch.cat(pieces, dim=dim)
 
 
-def from_weight(
-    cls: type,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    column: bool,
-    config: Any,
-    stride: int = 1,
-    tp_group: Group = None,
-    **kwargs: Any,
-) -> nn.Module:
-    """A ``cls`` layer holding this rank's slice of ``weight [out, in]`` (and ``bias``)."""
+def from_weight(cls: type, weight: torch.Tensor, bias: torch.Tensor | None, *, config: Any, **kwargs: Any) -> nn.Module:
+    """A ``cls`` layer (``kwargs``: its other constructor arguments) holding this rank's slice of
+    ``weight [out, in]`` and of ``bias``. The slice is the one the layer's weight declares in Megatron's
+    attributes (``partition_dim``, ``partition_stride``); a bias is cut with the weight's rows (column) or
+    whole (row)."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(
             f"weight must be a 2-D [out_features, in_features] tensor, got {getattr(weight, 'shape', weight)}"
@@ -115,27 +108,16 @@ def from_weight(
     if bias is not None and tuple(bias.shape) != (out_features,):
         raise ValueError(f"bias must have shape ({out_features},) = [out_features], got {tuple(bias.shape)}")
     layer = cls(
-        in_features,
-        out_features,
-        config=_NoInit(config),
-        init_method=_unused_init,
-        bias=bias is not None,
-        stride=stride,
-        tp_group=tp_group,
-        **kwargs,
+        in_features, out_features, config=_NoInit(config), init_method=_unused_init, bias=bias is not None, **kwargs
     )
     layer.config = config
     group = layer.tp_group
     rank, world = rank_of(group), world_size(group)
+    dim, stride = layer.weight.partition_dim, layer.weight.partition_stride
     with torch.no_grad():
-        if column:
-            layer.weight.copy_(strided_slice(weight.detach(), 0, stride, rank, world))
-            if bias is not None:
-                layer.bias.copy_(strided_slice(bias.detach(), 0, stride, rank, world))
-        else:
-            layer.weight.copy_(strided_slice(weight.detach(), 1, stride, rank, world))
-            if bias is not None:
-                layer.bias.copy_(bias.detach())
+        layer.weight.copy_(strided_slice(weight.detach(), dim, stride, rank, world))
+        if bias is not None:
+            layer.bias.copy_(strided_slice(bias.detach(), 0, stride, rank, world) if dim == 0 else bias.detach())
     return layer
 
 

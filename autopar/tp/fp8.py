@@ -33,7 +33,8 @@ import torch
 import kernels
 from kernels.fp8.scales import FP8_DTYPES, OUT_DTYPES
 
-from .comm import Group, rows
+from .comm import rows
+from .operands import CommCall
 
 ENV_FP8 = "COC_FP8"
 
@@ -177,58 +178,48 @@ class Fp8Operands:
         with _no_autocast(a[0]):
             return kernels.scaled_matmul(*a, *w, bias, out_dtype=out_dtype)
 
-    def linear_all_reduce(
-        self, a: Quantized, w: Quantized, bias: torch.Tensor | None, *, group: Group, out_dtype: torch.dtype
-    ) -> torch.Tensor:
-        if group is None:
-            return self.linear(a, w, bias, out_dtype=out_dtype)
+    def linear_all_reduce(self, a: Quantized, w: Quantized, bias: torch.Tensor | None, call: CommCall) -> torch.Tensor:
+        if call.group is None:
+            return self.linear(a, w, bias, out_dtype=call.out_dtype)
         with _no_autocast(a[0]):
-            return kernels.scaled_matmul_all_reduce(*a, *w, bias, out_dtype=out_dtype, group=group)
+            return kernels.scaled_matmul_all_reduce(*a, *w, bias, out_dtype=call.out_dtype, group=call.group)
 
     def linear_reduce_scatter(
-        self, a: Quantized, w: Quantized, bias: torch.Tensor | None, *, group: Group, dim: int, out_dtype: torch.dtype
+        self, a: Quantized, w: Quantized, bias: torch.Tensor | None, call: CommCall
     ) -> torch.Tensor:
-        if group is None:
-            return self.linear(a, w, bias, out_dtype=out_dtype)
+        if call.group is None:
+            return self.linear(a, w, bias, out_dtype=call.out_dtype)
         with _no_autocast(a[0]):
-            return kernels.scaled_matmul_reduce_scatter(*a, *w, bias, out_dtype=out_dtype, group=group, scatter_dim=dim)
+            return kernels.scaled_matmul_reduce_scatter(
+                *a, *w, bias, out_dtype=call.out_dtype, group=call.group, scatter_dim=call.dim
+            )
 
     def all_gather_linear(
-        self,
-        a: Quantized,
-        w: Quantized,
-        bias: torch.Tensor | None,
-        *,
-        group: Group,
-        dim: int,
-        out_dtype: torch.dtype,
-        keep: bool,
+        self, a: Quantized, w: Quantized, bias: torch.Tensor | None, call: CommCall, *, keep: bool
     ) -> tuple[torch.Tensor, Quantized | None]:
-        if group is None:
-            return self.linear(a, w, bias, out_dtype=out_dtype), (a if keep else None)
+        if call.group is None:
+            return self.linear(a, w, bias, out_dtype=call.out_dtype), (a if keep else None)
+        gather = {"out_dtype": call.out_dtype, "group": call.group, "gather_dim": call.dim}
         with _no_autocast(a[0]):
             if not keep:
-                y = kernels.all_gather_scaled_matmul(*a, *w, bias, out_dtype=out_dtype, group=group, gather_dim=dim)
-                return y, None
-            y, xg, xsg = kernels.all_gather_scaled_matmul(
-                *a, *w, bias, out_dtype=out_dtype, group=group, gather_dim=dim, return_gathered=True
-            )
+                return kernels.all_gather_scaled_matmul(*a, *w, bias, **gather), None
+            y, xg, xsg = kernels.all_gather_scaled_matmul(*a, *w, bias, **gather, return_gathered=True)
         return y, (xg, xsg)
 
     def all_gather_linears(
-        self, a: Quantized, ws: list, bs: list, *, group: Group, dim: int, out_dtype: torch.dtype
+        self, a: Quantized, ws: list, bs: list, call: CommCall
     ) -> tuple[list[torch.Tensor], Quantized]:
-        if group is None:
-            return [self.linear(a, w, b, out_dtype=out_dtype) for w, b in zip(ws, bs, strict=True)], a
+        if call.group is None:
+            return [self.linear(a, w, b, out_dtype=call.out_dtype) for w, b in zip(ws, bs, strict=True)], a
         with _no_autocast(a[0]):
             ys, xg, xsg = kernels.all_gather_scaled_matmul(
                 *a,
                 [w[0] for w in ws],
                 [w[1] for w in ws],
                 list(bs),
-                out_dtype=out_dtype,
-                group=group,
-                gather_dim=dim,
+                out_dtype=call.out_dtype,
+                group=call.group,
+                gather_dim=call.dim,
                 return_gathered=True,
             )
         return ys, (xg, xsg)

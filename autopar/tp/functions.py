@@ -100,7 +100,7 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
     @custom_bwd
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         weight, x_tokens = _saved(ctx)
-        ops, group = ctx.ops, ctx.opts.group
+        ops, opts = ctx.ops, ctx.opts
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_y = grad_y.contiguous()
         grad_y2d = rows(grad_y)
@@ -109,12 +109,12 @@ class ColumnParallelLinearFunction(torch.autograd.Function):
         if need_x:
             g, w_t = ops.grad(grad_y), ops.weight_t(weight)
             if ctx.allreduce_dgrad and ops.fused_dgrad:
-                grad_x = ops.linear_all_reduce(g, w_t, None, group=group, out_dtype=grad_y.dtype)
+                grad_x = ops.linear_all_reduce(g, w_t, None, opts.comm_call(grad_y.dtype))
             else:
                 grad_x = ops.linear(g, w_t, None, out_dtype=grad_y.dtype)
                 if ctx.allreduce_dgrad:
                     # Waited for after the weight gradient, which it overlaps.
-                    grad_x = comm.start_all_reduce(grad_x, group)
+                    grad_x = comm.start_all_reduce(grad_x, opts.group)
                     reducing = True
         deferred = need_w and defer_wgrad(grad_y, ctx.wgrad_opts)
         grad_w, grad_b = wgrad_and_bias_grad(ctx, None if deferred else grad_y2d, x_tokens, grad_y2d)
@@ -166,13 +166,7 @@ class ColumnParallelLinearSPFunction(torch.autograd.Function):
         # none, in particular not the W-times larger gathered input.
         keep_gathered = need_w and not ops.recompute_all_gather
         y, gathered = ops.all_gather_linear(
-            ops.input(x_shard_s),
-            ops.weight(weight),
-            bias,
-            group=opts.group,
-            dim=opts.seq_dim,
-            out_dtype=x_shard_s.dtype,
-            keep=keep_gathered,
+            ops.input(x_shard_s), ops.weight(weight), bias, opts.comm_call(x_shard_s.dtype), keep=keep_gathered
         )
         kept = gathered if keep_gathered else (x_shard_s if need_w else None)
         ctx.save_for_backward(*ops.pack(kept), weight)
@@ -200,7 +194,7 @@ class ColumnParallelLinearSPFunction(torch.autograd.Function):
         if need_x:
             g, w_t = ops.grad(grad_y), ops.weight_t(weight)
             if ops.fused_dgrad:
-                grad_x = ops.linear_reduce_scatter(g, w_t, None, group=group, dim=dim, out_dtype=grad_y.dtype)
+                grad_x = ops.linear_reduce_scatter(g, w_t, None, opts.comm_call(grad_y.dtype))
             else:
                 grad_x = ops.linear(g, w_t, None, out_dtype=grad_y.dtype)
                 if world > 1:
@@ -246,9 +240,7 @@ class RowParallelLinearFunction(torch.autograd.Function):
         ops = opts.operands
         kept = ops.wgrad_input(x_shard_k) if ctx.needs_input_grad[1] else None
         ctx.save_for_backward(*ops.pack(kept), weight)
-        return ops.linear_all_reduce(
-            ops.input(x_shard_k), ops.weight(weight), bias, group=opts.group, out_dtype=x_shard_k.dtype
-        )
+        return ops.linear_all_reduce(ops.input(x_shard_k), ops.weight(weight), bias, opts.comm_call(x_shard_k.dtype))
 
     @staticmethod
     @custom_bwd
@@ -310,7 +302,7 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
         kept = ops.wgrad_input(x_shard_k) if ctx.needs_input_grad[1] else None
         ctx.save_for_backward(*ops.pack(kept), weight)
         return ops.linear_reduce_scatter(
-            ops.input(x_shard_k), ops.weight(weight), bias, group=opts.group, dim=dim, out_dtype=x_shard_k.dtype
+            ops.input(x_shard_k), ops.weight(weight), bias, opts.comm_call(x_shard_k.dtype)
         )
 
     @staticmethod
@@ -323,13 +315,7 @@ class RowParallelLinearSPFunction(torch.autograd.Function):
         grad_x = grad_y = None
         if need_x:
             grad_x, gathered = ops.all_gather_linear(
-                ops.grad(grad_y_shard_s),
-                ops.weight_t(weight),
-                None,
-                group=opts.group,
-                dim=opts.seq_dim,
-                out_dtype=grad_y_shard_s.dtype,
-                keep=need_w,
+                ops.grad(grad_y_shard_s), ops.weight_t(weight), None, opts.comm_call(grad_y_shard_s.dtype), keep=need_w
             )
             grad_x = grad_x.view(ctx.x_shape)
             grad_y = ops.dequant(gathered) if need_w else None

@@ -14,6 +14,7 @@ import datetime
 import itertools
 import os
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,45 +61,47 @@ def coc_style(
     default recipe when ``COC_FP8=1``, as for the styles); embeddings and norms have no GEMM.
     ``fuse_norm``: the row-parallel linears' ``fuse_norm`` (:class:`CocRowwiseParallel`).
     """
-    seq = Shard(SEQ_DIM)
-    out = seq if sequence_parallel else Replicate()
-    local = not sequence_parallel
-    if name == "colwise":
-        return CocColwiseParallel(fp8=fp8)
-    if name in ("colwise_gather_output", "colwise_rep"):
-        return CocColwiseParallel(output_layouts=Replicate(), fp8=fp8)
     if name.startswith("packed_colwise"):
         _, _, blocks = name.partition(":")
         return CocColwiseParallel(packed=int(blocks or 2), fp8=fp8)
-    fuse = fuse_norm and not sequence_parallel
-    if name == "rowwise":
-        return CocRowwiseParallel(output_layouts=out, use_local_output=local, fp8=fp8, fuse_norm=fuse)
-    if name in ("rowwise_split_input", "rowwise_rep"):
+    out = Shard(SEQ_DIM) if sequence_parallel else Replicate()
+    local = not sequence_parallel
+    row = {
+        "output_layouts": out,
+        "use_local_output": local,
+        "fp8": fp8,
+        "fuse_norm": fuse_norm and not sequence_parallel,
+    }
+    styles: dict[str, Callable[[], ParallelStyle]] = {
+        "colwise": lambda: CocColwiseParallel(fp8=fp8),
+        "colwise_gather_output": lambda: CocColwiseParallel(output_layouts=Replicate(), fp8=fp8),
+        "colwise_rep": lambda: CocColwiseParallel(output_layouts=Replicate(), fp8=fp8),
+        "rowwise": lambda: CocRowwiseParallel(**row),
         # Under SP the residual it is added to is sequence-sharded: its output must be too (a plain replicated
         # tensor beside a Shard(1) DTensor fails in the add).
-        return CocRowwiseParallel(
-            input_layouts=Replicate(), output_layouts=out, use_local_output=local, fp8=fp8, fuse_norm=fuse
-        )
-    if name == "embedding_rowwise":
-        return CocRowwiseParallel(input_layouts=Replicate(), output_layouts=out, use_local_output=local)
-    if name == "sequence_parallel":
-        return CocSequenceParallel(sequence_dim=SEQ_DIM, use_local_output=local)
-    if name == "moe_tp_experts":
+        "rowwise_split_input": lambda: CocRowwiseParallel(input_layouts=Replicate(), **row),
+        "rowwise_rep": lambda: CocRowwiseParallel(input_layouts=Replicate(), **row),
+        "embedding_rowwise": lambda: CocRowwiseParallel(
+            input_layouts=Replicate(), output_layouts=out, use_local_output=local
+        ),
+        "sequence_parallel": lambda: CocSequenceParallel(sequence_dim=SEQ_DIM, use_local_output=local),
         # Under sequence parallelism parallelize_hf also puts CocMoeBlockSequenceParallel on the sparse block.
-        return CocMoeExpertsParallel()
-    if name == "ep_dispatch_experts":
+        "moe_tp_experts": CocMoeExpertsParallel,
         # Whole experts per rank over the same mesh (transformers' ep_size == tp_size); under sequence parallelism
         # the sparse block gets CocMoeBlockSequenceParallel too.
-        return CocEpDispatchExpertsParallel()
-    if name == "replicated_with_grad_allreduce":
+        "ep_dispatch_experts": CocEpDispatchExpertsParallel,
         # Qwen3's q / k norms, on this rank's heads (a plain local tensor in both modes): replicated weights whose
         # gradient on each rank covers its own heads only, summed over the mesh in the backward (the same sum
         # CocSequenceParallel makes over each rank's rows).
-        return CocSequenceParallel(sequence_dim=SEQ_DIM, use_local_output=True)
-    why = REFUSED_PLAN_STRINGS.get(name, "not a transformers tp_plan string this version of autopar knows")
-    raise ValueError(
-        f"tp_plan style {name!r} has no CoC equivalent: {why}. Supported: {', '.join(SUPPORTED_PLAN_STRINGS)}"
-    )
+        "replicated_with_grad_allreduce": lambda: CocSequenceParallel(sequence_dim=SEQ_DIM, use_local_output=True),
+    }
+    style = styles.get(name)
+    if style is None:
+        why = REFUSED_PLAN_STRINGS.get(name, "not a transformers tp_plan string this version of autopar knows")
+        raise ValueError(
+            f"tp_plan style {name!r} has no CoC equivalent: {why}. Supported: {', '.join(SUPPORTED_PLAN_STRINGS)}"
+        )
+    return style()
 
 
 SUPPORTED_PLAN_STRINGS = (
@@ -348,21 +351,10 @@ def parallelize_hf(
     """
     recipe = resolve_recipe(fp8)
     if device_mesh is None:
-        if not dist.is_initialized():
-            raise RuntimeError("parallelize_hf: torch.distributed is not initialized and no device_mesh was given")
-        device = next(model.parameters()).device.type
-        if device == "meta":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        device_mesh = init_device_mesh(device, (dist.get_world_size(),))
-    strings = hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan)
-    strings = without_expert_params(with_ep_plan(model, strings) if expert_parallel else strings)
-    retie = tied_weights_to_keep(model, strings)
-    check_shardable(model, _sharded_modules(model, strings), device_mesh.size())
-    check_moe_plan(model, strings, device_mesh.size())
-    check_ep_plan(model, strings, device_mesh.size())
-    summed = check_regions(model, strings)
-    if sequence_parallel:
-        check_sequence_parallel(model, strings)
+        device_mesh = _default_mesh(model)
+    strings, retie, summed = _checked_plan(
+        model, device_mesh.size(), sequence_parallel=sequence_parallel, plan=plan, expert_parallel=expert_parallel
+    )
     if _model_type(model) == "gpt2":
         _adjust_gpt2(model, device_mesh.size())
     fuse = fuse_norm and not sequence_parallel and recipe is None
@@ -381,15 +373,48 @@ def parallelize_hf(
         tmod, _, tname = target.rpartition(".")
         setattr(model.get_submodule(tmod), tname, getattr(model.get_submodule(owner), pname))
     if checkpoint is not None:
-        local = torch.device(device_mesh.device_type)
-        if local.type == "cuda":
-            local = torch.device("cuda", torch.cuda.current_device())
-        load_shards(model, checkpoint, device=local)
+        load_shards(model, checkpoint, device=_mesh_device(device_mesh))
     sum_gradients_over(model, summed, device_mesh.get_group())
     if callable(getattr(type(model), "save_pretrained", None)):
         # A bound method, not a closure: copy.deepcopy(model) rebinds it to the copy.
         model.save_pretrained = types.MethodType(_save_pretrained_gathered, model)
     return model
+
+
+def _default_mesh(model: nn.Module) -> DeviceMesh:
+    """Every rank of the default group, on the model's device type (a meta model: the accelerator's, if any)."""
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize_hf: torch.distributed is not initialized and no device_mesh was given")
+    device = next(model.parameters()).device.type
+    if device == "meta":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def _checked_plan(
+    model: nn.Module, world: int, *, sequence_parallel: bool, plan: dict[str, str] | None, expert_parallel: bool
+) -> tuple[dict[str, str], list[tuple[str, str]], list[str]]:
+    """``(the plan's tp_plan strings, the ties to restore after sharding, the parameters whose gradients are
+    summed over the mesh)``, every check of the plan against the model and the mesh size run: before anything
+    is sharded."""
+    strings = hf_plan_strings(model, sequence_parallel=sequence_parallel, plan=plan)
+    strings = without_expert_params(with_ep_plan(model, strings) if expert_parallel else strings)
+    retie = tied_weights_to_keep(model, strings)
+    check_shardable(model, _sharded_modules(model, strings), world)
+    check_moe_plan(model, strings, world)
+    check_ep_plan(model, strings, world)
+    summed = check_regions(model, strings)
+    if sequence_parallel:
+        check_sequence_parallel(model, strings)
+    return strings, retie, summed
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device of the mesh's type (a checkpoint's shards are read onto it)."""
+    local = torch.device(mesh.device_type)
+    if local.type == "cuda":
+        local = torch.device("cuda", torch.cuda.current_device())
+    return local
 
 
 def install_norm_fusion(model: nn.Module) -> None:

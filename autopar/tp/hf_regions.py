@@ -28,6 +28,7 @@ import fnmatch
 import functools
 import types
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,6 +54,23 @@ def _is_activation(name: str, module: nn.Module) -> bool:
     return name.rpartition(".")[2] in _ACTIVATION_NAMES or type(module).__module__.endswith(".activations")
 
 
+def _is_region(parent: nn.Module, prefix: str, strings: dict[str, str]) -> bool:
+    """Whether ``parent`` (named ``prefix`` with its dot) holds a column- and a row-parallel linear: the
+    children between them see this rank's shard of the features."""
+    styles = [_style(prefix + child, strings) or "" for child, _ in parent.named_children()]
+    column = any(s == "colwise" or s.startswith("packed_colwise") for s in styles)
+    return column and any(s in _ROW for s in styles)
+
+
+def _unplanned_params(module: nn.Module, name: str, strings: dict[str, str]) -> Iterator[tuple[str, nn.Module, str]]:
+    """``(submodule name, submodule, parameter name)`` of every parameter under ``module`` (named ``name``) that
+    no plan entry names."""
+    for sub_name, sub in module.named_modules(prefix=name):
+        for pname, _ in sub.named_parameters(recurse=False):
+            if _style(f"{sub_name}.{pname}", strings) is None:
+                yield sub_name, sub, pname
+
+
 def check_regions(model: nn.Module, strings: dict[str, str]) -> list[str]:
     """The names of the activations' parameters inside sharded regions (module docstring), whose gradients must
     be summed over the ranks; raises ``ValueError`` naming any other parameter there that the plan leaves out."""
@@ -60,21 +78,16 @@ def check_regions(model: nn.Module, strings: dict[str, str]) -> list[str]:
     refused: list[str] = []
     for parent_name, parent in model.named_modules():
         prefix = f"{parent_name}." if parent_name else ""
-        styles = [_style(prefix + child, strings) or "" for child, _ in parent.named_children()]
-        column = any(s == "colwise" or s.startswith("packed_colwise") for s in styles)
-        if not (column and any(s in _ROW for s in styles)):
+        if not _is_region(parent, prefix, strings):
             continue
         for child_name, child in parent.named_children():
             if _style(prefix + child_name, strings) is not None:
                 continue
-            for sub_name, sub in child.named_modules(prefix=prefix + child_name):
-                for pname, _ in sub.named_parameters(recurse=False):
-                    if _style(f"{sub_name}.{pname}", strings) is not None:
-                        continue
-                    if _is_activation(sub_name, sub):
-                        summed.append(f"{sub_name}.{pname}")
-                    else:
-                        refused.append(f"{sub_name}.{pname} ({type(sub).__name__})")
+            for sub_name, sub, pname in _unplanned_params(child, prefix + child_name, strings):
+                if _is_activation(sub_name, sub):
+                    summed.append(f"{sub_name}.{pname}")
+                else:
+                    refused.append(f"{sub_name}.{pname} ({type(sub).__name__})")
         for pname, _ in parent.named_parameters(recurse=False):
             # A parameter the plan names itself (transformers' "local_params" on attention sinks) is the plan's.
             if _style(prefix + pname, strings) is None:

@@ -240,7 +240,7 @@ def _coc_ep_implementation() -> type:
     from transformers.distributed.expert_parallel import EPImplementation
 
     from .moe_ep import check_ep_experts, coc_ep_forward
-    from .styles import local_of
+    from .style_common import local_of
 
     class CocEP(EPImplementation):
         """``kernels.moe_dispatch_grouped_matmul`` over the EP group (this rank's experts on the CoC grouped GEMM),

@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from .styles import is_conv1d
+from .style_common import is_conv1d
 
 # Config fields that count attention heads (several families' spellings); aliases in a config's
 # ``attribute_map`` (GPT-2's num_attention_heads for n_head) are skipped so that each field is named once.

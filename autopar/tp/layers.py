@@ -52,56 +52,90 @@ def _use_device_init(config: Any) -> bool:
     return random is not None and random.get_cuda_rng_tracker().is_initialized()
 
 
-def _init_weight(
-    weight: Parameter,
-    *,
-    output_size: int,
-    input_size: int,
-    per_partition: int,
-    partition_dim: int,
-    init_method: Callable,
-    stride: int,
-    return_master: bool,
-    params_dtype: torch.dtype,
-    rank: int,
-    world: int,
-    device_init: bool,
-    is_expert: bool,
-) -> torch.Tensor | None:
-    """Megatron's ``_initialize_affine_weight_cpu`` / ``_gpu``: same values for the same seed."""
-    _set_tp_attributes(weight, True, partition_dim, stride)
-    if device_init:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
-
-        tracker = get_cuda_rng_tracker()
-        with tracker.fork(get_expert_parallel_rng_tracker_name()) if is_expert else tracker.fork():
-            init_method(weight)
-        return None
-    master = torch.empty(output_size, input_size, dtype=torch.float, requires_grad=False)
-    init_method(master)
-    master = master.to(dtype=params_dtype)
-    per_stride = _divide(per_partition, stride, "per-partition size / stride")
-    pieces = torch.split(master, per_stride, dim=partition_dim)[rank::world]
-    with torch.no_grad():
-        weight.data.copy_(torch.cat(pieces, dim=partition_dim))
-    return master if return_master else None
-
-
 def _param_device(config: Any) -> torch.device:
     if not getattr(config, "use_cpu_initialization", False) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-class _ExtraStateMixin:
-    """Megatron/TE state-dict compatibility: Megatron's ``_extra_state`` entries load (and are
-    ignored), ``state_dict()`` holds no ``None`` (safetensors and ``save_pretrained`` refuse one),
+def _new_param(config: Any, *shape: int) -> Parameter:
+    """An uninitialized parameter where and in the dtype Megatron's config puts them."""
+    return Parameter(
+        torch.empty(*shape, device=_param_device(config), dtype=getattr(config, "params_dtype", torch.float32))
+    )
+
+
+class _ParallelLinearMixin:
+    """What the two layers share: the settings read from their common arguments, Megatron's weight and bias
+    initialization, and Megatron/TE state-dict compatibility: Megatron's ``_extra_state`` entries load (and
+    are ignored), ``state_dict()`` holds no ``None`` (safetensors and ``save_pretrained`` refuse one),
     ``sharded_state_dict()`` has the entry Megatron's own modules put there."""
 
-    def _register_extra_state_hook(self) -> None:
+    def _setup(self, input_size: int, output_size: int, *, config: Any, is_expert: bool, tp_group: Group) -> int:
+        """The attributes both layers derive from their common arguments; returns the group's size W."""
+        self.input_size = input_size
+        self.output_size = output_size
+        self.config = config
+        self.is_expert = is_expert
+        self.expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
+        self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
+        self.tp_group = resolve_tp_group(tp_group, is_expert=is_expert)
+        world = world_size(self.tp_group)
+        self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
+        return world
+
+    def _perform_init(self) -> bool:
+        return getattr(self.config, "perform_initialization", True)
+
+    def _allreduce(self) -> bool:
+        """Megatron's ``param.allreduce``: False for the experts' own parameters under expert parallelism."""
+        return not (self.is_expert and self.expert_parallel)
+
+    def _add_weight(self, dim: int, stride: int, init_method: Callable, keep_master: bool) -> None:
+        """``self.weight``, this rank's shard of ``[output_size, input_size]`` split along ``dim``, and
+        ``self.master_weight`` (the full weight when ``keep_master`` and initialized on the CPU, else None)."""
+        shape = [self.output_size, self.input_size]
+        shape[dim] //= world_size(self.tp_group)
+        self.weight = _new_param(self.config, *shape)
+        self.master_weight = None
+        _set_tp_attributes(self.weight, True, dim, stride)
+        if self._perform_init():
+            self.master_weight = self._init_weight(dim, stride, init_method, keep_master)
+        self.weight.allreduce = self._allreduce()
+
+    def _init_weight(self, dim: int, stride: int, init_method: Callable, return_master: bool) -> torch.Tensor | None:
+        """Megatron's ``_initialize_affine_weight_cpu`` / ``_gpu``: same values for the same seed."""
+        if _use_device_init(self.config):
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+
+            tracker = get_cuda_rng_tracker()
+            with tracker.fork(get_expert_parallel_rng_tracker_name()) if self.is_expert else tracker.fork():
+                init_method(self.weight)
+            return None
+        master = torch.empty(self.output_size, self.input_size, dtype=torch.float, requires_grad=False)
+        init_method(master)
+        master = master.to(dtype=self.weight.dtype)
+        per_stride = _divide(self.weight.shape[dim], stride, "per-partition size / stride")
+        pieces = torch.split(master, per_stride, dim=dim)[rank_of(self.tp_group) :: world_size(self.tp_group)]
+        with torch.no_grad():
+            self.weight.data.copy_(torch.cat(pieces, dim=dim))
+        return master if return_master else None
+
+    def _new_bias(self, size: int) -> Parameter:
+        bias = _new_param(self.config, size)
+        if self._perform_init():
+            with torch.no_grad():
+                bias.zero_()
+        bias.allreduce = self._allreduce()
+        return bias
+
+    def _finish(self, fp8: Fp8Recipe | None) -> None:
         self._register_load_state_dict_pre_hook(
             lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state")
         )
+        # Opt-in FP8 GEMMs (autopar.tp.fp8): fp8=Fp8Recipe(...) or COC_FP8=1 at construction.
+        self.fp8 = resolve_recipe(fp8)
+        self.fp8_cache = Fp8WeightCache()
 
     def set_extra_state(self, state: Any) -> None:
         """Extra state is ignored (Megatron's modules save None there)."""
@@ -135,7 +169,7 @@ class _ExtraStateMixin:
         )
 
 
-class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
+class ColumnParallelLinear(_ParallelLinearMixin, torch.nn.Module):
     """``Y = X A^T + b`` with ``A [output_size, input_size]`` split along its rows (the output
     features): each rank holds ``weight [output_size / W, input_size]`` and ``bias [output_size / W]``.
 
@@ -167,58 +201,21 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
+        world = self._setup(input_size, output_size, config=config, is_expert=is_expert, tp_group=tp_group)
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
-        self.is_expert = is_expert
-        self.expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
         self.embedding_activation_buffer = embedding_activation_buffer
         self.grad_output_buffer = grad_output_buffer
-        self.config = config
         self.disable_grad_reduce = disable_grad_reduce
-        self.tp_group = resolve_tp_group(tp_group, is_expert=is_expert)
-        world, rank = world_size(self.tp_group), rank_of(self.tp_group)
-        self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
         self.output_size_per_partition = _divide(output_size, world, "output_size")
-        params_dtype = getattr(config, "params_dtype", torch.float32)
-        device = _param_device(config)
-        perform_init = getattr(config, "perform_initialization", True)
-
-        self.master_weight = None
-        if not skip_weight_param_allocation:
-            self.weight = Parameter(
-                torch.empty(self.output_size_per_partition, input_size, device=device, dtype=params_dtype)
-            )
-            if perform_init:
-                self.master_weight = _init_weight(
-                    self.weight,
-                    output_size=output_size,
-                    input_size=input_size,
-                    per_partition=self.output_size_per_partition,
-                    partition_dim=0,
-                    init_method=init_method,
-                    stride=stride,
-                    return_master=keep_master_weight_for_test,
-                    params_dtype=params_dtype,
-                    rank=rank,
-                    world=world,
-                    device_init=_use_device_init(config),
-                    is_expert=is_expert,
-                )
-            else:
-                _set_tp_attributes(self.weight, True, 0, stride)
-            self.weight.allreduce = not (self.is_expert and self.expert_parallel)
-        else:
+        if skip_weight_param_allocation:
             self.weight = None
-
+            self.master_weight = None
+        else:
+            self._add_weight(0, stride, init_method, keep_master_weight_for_test)
         if bias:
-            self.bias = Parameter(torch.empty(self.output_size_per_partition, device=device, dtype=params_dtype))
+            self.bias = self._new_bias(self.output_size_per_partition)
             _set_tp_attributes(self.bias, True, 0, stride)
-            if perform_init:
-                with torch.no_grad():
-                    self.bias.zero_()
-            self.bias.allreduce = not (self.is_expert and self.expert_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -231,11 +228,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
             )
             self.sequence_parallel = False
         self.allreduce_dgrad = world > 1 and not self.sequence_parallel and not disable_grad_reduce
-        self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
-        self._register_extra_state_hook()
-        # Opt-in FP8 GEMMs (autopar.tp.fp8): fp8=Fp8Recipe(...) or COC_FP8=1 at construction.
-        self.fp8 = resolve_recipe(fp8)
-        self.fp8_cache = Fp8WeightCache()
+        self._finish(fp8)
 
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
@@ -271,9 +264,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         **kwargs: Any,
     ) -> ColumnParallelLinear:
         """This rank's slice of a full ``weight [output_size, input_size]`` and ``bias [output_size]``."""
-        return convert.from_weight(
-            cls, weight, bias, column=True, config=config, stride=stride, tp_group=tp_group, **kwargs
-        )
+        return convert.from_weight(cls, weight, bias, config=config, stride=stride, tp_group=tp_group, **kwargs)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Megatron distributed checkpointing: weight and bias sharded along axis 0 over TP."""
@@ -287,7 +278,7 @@ class ColumnParallelLinear(_ExtraStateMixin, torch.nn.Module):
         )
 
 
-class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
+class RowParallelLinear(_ParallelLinearMixin, torch.nn.Module):
     """``Y = X A^T + b`` with ``A [output_size, input_size]`` split along its columns (the input
     features): each rank holds ``weight [output_size, input_size / W]``; ``bias [output_size]`` is
     whole and added once, after the reduction.
@@ -314,64 +305,22 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
         fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.input_is_parallel = input_is_parallel
-        self.skip_bias_add = skip_bias_add
-        self.config = config
-        self.is_expert = is_expert
-        self.expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
-        self.gradient_accumulation_fusion = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
         if self.sequence_parallel and not input_is_parallel:
             raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
-        self.tp_group = resolve_tp_group(tp_group, is_expert=is_expert)
-        world, rank = world_size(self.tp_group), rank_of(self.tp_group)
-        self.explicit_expert_comm = self.is_expert and (world > 1 or self.expert_parallel)
+        world = self._setup(input_size, output_size, config=config, is_expert=is_expert, tp_group=tp_group)
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
         self.input_size_per_partition = _divide(input_size, world, "input_size")
-        params_dtype = getattr(config, "params_dtype", torch.float32)
-        device = _param_device(config)
-        perform_init = getattr(config, "perform_initialization", True)
-
-        self.weight = Parameter(
-            torch.empty(output_size, self.input_size_per_partition, device=device, dtype=params_dtype)
-        )
-        self.master_weight = None
-        if perform_init:
-            self.master_weight = _init_weight(
-                self.weight,
-                output_size=output_size,
-                input_size=input_size,
-                per_partition=self.input_size_per_partition,
-                partition_dim=1,
-                init_method=init_method,
-                stride=stride,
-                return_master=keep_master_weight_for_test,
-                params_dtype=params_dtype,
-                rank=rank,
-                world=world,
-                device_init=_use_device_init(config),
-                is_expert=is_expert,
-            )
-        else:
-            _set_tp_attributes(self.weight, True, 1, stride)
-        self.weight.allreduce = not (self.is_expert and self.expert_parallel)
-
+        self._add_weight(1, stride, init_method, keep_master_weight_for_test)
         if bias:
-            self.bias = Parameter(torch.empty(output_size, device=device, dtype=params_dtype))
-            if perform_init:
-                with torch.no_grad():
-                    self.bias.zero_()
-            self.bias.allreduce = not (self.is_expert and self.expert_parallel)
+            self.bias = self._new_bias(output_size)
             # With sequence parallelism each rank's bias gradient covers its own rows only; the
             # trainer all-reduces gradients of parameters carrying this flag over the TP group.
             self.bias.sequence_parallel = self.sequence_parallel
         else:
             self.register_parameter("bias", None)
-        self._register_extra_state_hook()
-        # Opt-in FP8 GEMMs (autopar.tp.fp8): fp8=Fp8Recipe(...) or COC_FP8=1 at construction.
-        self.fp8 = resolve_recipe(fp8)
-        self.fp8_cache = Fp8WeightCache()
+        self._finish(fp8)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``input_ [s, b, input_size / W]`` (or ``[s, b, input_size]`` when not
@@ -424,7 +373,6 @@ class RowParallelLinear(_ExtraStateMixin, torch.nn.Module):
             cls,
             weight,
             bias,
-            column=False,
             config=config,
             input_is_parallel=input_is_parallel,
             skip_bias_add=skip_bias_add,

@@ -29,13 +29,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 import kernels
 
 from . import comm, strided_load
-from .styles import AllReduceGrad, StridedShard, distribute_param, install_forward, local_of, mesh_group
+from .style_common import (
+    AllReduceGrad,
+    StridedShard,
+    distribute_param,
+    install_forward,
+    local_input,
+    local_of,
+    mesh_group,
+    replicate_param,
+)
 
 # The parameter entries transformers' plans give a "moe_tp_experts" module, which its style shards itself.
 EXPERT_PARAM_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
@@ -237,24 +246,12 @@ class CocMoeBlockSequenceParallel(ParallelStyle):
                 "is not supported yet: use sequence_parallel=False"
             )
         for owner, pname, param in _replicated_params(module):
-            owner.register_parameter(
-                pname,
-                nn.Parameter(
-                    DTensor.from_local(param, device_mesh, [Replicate()], run_check=False),
-                    requires_grad=param.requires_grad,
-                ),
-            )
+            replicate_param(owner, pname, param, device_mesh)
         return install_forward(module, functools.partial(self._forward, device_mesh, module.forward))
 
     def _forward(self, mesh: DeviceMesh, inner: Any, module: nn.Module, x: torch.Tensor, *args: Any, **kw: Any):
         group = mesh_group(mesh)
-        if isinstance(x, DTensor):
-            if isinstance(x.placements[0], Partial):
-                x = x.redistribute(placements=[Replicate()])
-            layout = x.placements[0]
-            x = x.to_local()
-        else:
-            layout = Shard(self.sequence_dim)
+        x, layout = local_input(x, Shard(self.sequence_dim))
         sharded = isinstance(layout, Shard)
         params = list(_replicated_params(module))
         try:

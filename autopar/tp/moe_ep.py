@@ -38,7 +38,7 @@ from kernels.ops.grouped_matmul import grouped_matmul_grads
 
 from . import comm
 from .moe import ExpertsStyle, GatherRows, SplitRows, apply_gate, check_experts_module, plan_key_matches
-from .styles import distribute_param, install_forward, mesh_group
+from .style_common import distribute_param, install_forward, mesh_group
 
 _STYLE = "ep_dispatch_experts"
 

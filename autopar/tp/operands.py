@@ -12,17 +12,28 @@ operand; the results keep ``a``'s leading dims.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 
+import kernels
 from kernels import checks
 
-from . import comm
 from .comm import Group, rows
 from .wgrad import autocast_operands
 
 Operand = Any  # torch.Tensor (plain) or (fp8 bytes, fp32 scales)
+
+
+class CommCall(NamedTuple):
+    """A communicating GEMM's call besides its operands (as kernels' ``GemmCall``): the group (None: one
+    process, the local GEMM), the dtype the result is rounded to, and the dim its collective gathers or
+    scatters along (an all-reduce has none)."""
+
+    group: Group
+    out_dtype: torch.dtype
+    dim: int = 0
 
 
 class Operands(Protocol):
@@ -63,39 +74,30 @@ class Operands(Protocol):
     def linear(self, a: Operand, w: Operand, bias: torch.Tensor | None, *, out_dtype: torch.dtype) -> torch.Tensor:
         """``a @ w.T + bias``, local."""
 
-    def linear_all_reduce(
-        self, a: Operand, w: Operand, bias: torch.Tensor | None, *, group: Group, out_dtype: torch.dtype
-    ) -> torch.Tensor:
+    def linear_all_reduce(self, a: Operand, w: Operand, bias: torch.Tensor | None, call: CommCall) -> torch.Tensor:
         """``all_reduce(a @ w.T) + bias``."""
 
-    def linear_reduce_scatter(
-        self, a: Operand, w: Operand, bias: torch.Tensor | None, *, group: Group, dim: int, out_dtype: torch.dtype
-    ) -> torch.Tensor:
-        """``reduce_scatter(a @ w.T, dim) + bias``."""
+    def linear_reduce_scatter(self, a: Operand, w: Operand, bias: torch.Tensor | None, call: CommCall) -> torch.Tensor:
+        """``reduce_scatter(a @ w.T, call.dim) + bias``."""
 
     def all_gather_linear(
-        self,
-        a: Operand,
-        w: Operand,
-        bias: torch.Tensor | None,
-        *,
-        group: Group,
-        dim: int,
-        out_dtype: torch.dtype,
-        keep: bool,
+        self, a: Operand, w: Operand, bias: torch.Tensor | None, call: CommCall, *, keep: bool
     ) -> tuple[torch.Tensor, Operand | None]:
-        """``(all_gather(a, dim) @ w.T + bias, the gathered operand if keep else None)``."""
+        """``(all_gather(a, call.dim) @ w.T + bias, the gathered operand if keep else None)``."""
 
-    def all_gather_linears(
-        self, a: Operand, ws: list, bs: list, *, group: Group, dim: int, out_dtype: torch.dtype
-    ) -> tuple[list[torch.Tensor], Operand]:
-        """``([all_gather(a, dim) @ w_i.T + b_i for each i], the gathered operand)`` from one gather."""
+    def all_gather_linears(self, a: Operand, ws: list, bs: list, call: CommCall) -> tuple[list[torch.Tensor], Operand]:
+        """``([all_gather(a, call.dim) @ w_i.T + b_i for each i], the gathered operand)`` from one gather."""
 
     def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype partial sums are kept in before a separate reduction (the shared gather's dgrad)."""
 
     def wgrad_gemm(self, grad_y2d: torch.Tensor, x_tokens: Operand, dtype: torch.dtype) -> torch.Tensor:
         """``grad_y2d.T @ x`` (``[n, k]``, in the weight's ``dtype``), contracting over the tokens."""
+
+
+def _dim_kw(name: str, dim: int) -> dict[str, int]:
+    # Dim 0 is passed as the ops' default so that the common Megatron call stays the plain one.
+    return {} if dim == 0 else {name: dim}
 
 
 class PlainOperands:
@@ -140,44 +142,43 @@ class PlainOperands:
     def linear(
         self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        return torch.nn.functional.linear(a, w, bias)
+        return F.linear(a, w, bias)
 
     def linear_all_reduce(
-        self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, group: Group, out_dtype: torch.dtype
+        self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, call: CommCall
     ) -> torch.Tensor:
-        return comm.matmul_all_reduce(rows(a), w, bias, group).view(*a.shape[:-1], w.shape[0])
+        a2d = rows(a)
+        if call.group is None:
+            y = F.linear(a2d, w, bias)
+        else:
+            y = kernels.matmul_all_reduce(a2d, w, bias, group=call.group)
+        return y.view(*a.shape[:-1], w.shape[0])
 
     def linear_reduce_scatter(
-        self,
-        a: torch.Tensor,
-        w: torch.Tensor,
-        bias: torch.Tensor | None,
-        *,
-        group: Group,
-        dim: int,
-        out_dtype: torch.dtype,
+        self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, call: CommCall
     ) -> torch.Tensor:
-        return comm.matmul_reduce_scatter(a, w, bias, group, dim)
+        if call.group is None:
+            return F.linear(a, w, bias)
+        return kernels.matmul_reduce_scatter(a, w, bias, group=call.group, **_dim_kw("scatter_dim", call.dim))
 
     def all_gather_linear(
-        self,
-        a: torch.Tensor,
-        w: torch.Tensor,
-        bias: torch.Tensor | None,
-        *,
-        group: Group,
-        dim: int,
-        out_dtype: torch.dtype,
-        keep: bool,
+        self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, call: CommCall, *, keep: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if keep:
-            return comm.all_gather_matmul(a, w, bias, group, return_gathered=True, gather_dim=dim)
-        return comm.all_gather_matmul(a, w, bias, group, return_gathered=False, gather_dim=dim), None
+        if call.group is None:
+            return F.linear(a, w, bias), (a if keep else None)
+        out = kernels.all_gather_matmul(
+            a, w, bias, group=call.group, return_gathered=keep, **_dim_kw("gather_dim", call.dim)
+        )
+        return out if keep else (out, None)
 
     def all_gather_linears(
-        self, a: torch.Tensor, ws: list, bs: list, *, group: Group, dim: int, out_dtype: torch.dtype
+        self, a: torch.Tensor, ws: list, bs: list, call: CommCall
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        return comm.all_gather_matmul(a, ws, bs, group, return_gathered=True, gather_dim=dim)
+        if call.group is None:
+            return [F.linear(a, w, b) for w, b in zip(ws, bs, strict=True)], a
+        return kernels.all_gather_matmul(
+            a, ws, bs, group=call.group, return_gathered=True, **_dim_kw("gather_dim", call.dim)
+        )
 
     def partial_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype
@@ -186,4 +187,4 @@ class PlainOperands:
         return grad_y2d.t().matmul(rows(x_tokens))
 
 
-__all__ = ["Operand", "Operands", "PlainOperands"]
+__all__ = ["CommCall", "Operand", "Operands", "PlainOperands"]

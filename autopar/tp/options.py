@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from .comm import Group
 from .fp8 import Fp8Operands, Fp8Recipe, Fp8WeightCache
-from .operands import Operands, PlainOperands
+from .operands import CommCall, Operands, PlainOperands
 from .wgrad import WgradOptions
 
 _PLAIN_WGRAD = WgradOptions()
@@ -50,6 +51,11 @@ class LinearOptions:
     operands: Operands = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
+        # The attribute is derived from the fields, so setting it once here keeps the value frozen.
+        object.__setattr__(self, "operands", self._operand_format())
+
+    def _check_types(self) -> None:
         if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             raise TypeError(f"LinearOptions.group must be a ProcessGroup or None, got {type(self.group).__name__}")
         if not isinstance(self.seq_dim, int) or isinstance(self.seq_dim, bool):
@@ -59,12 +65,13 @@ class LinearOptions:
                 raise TypeError(f"LinearOptions.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.wgrad, WgradOptions):
             raise TypeError(f"LinearOptions.wgrad must be a WgradOptions, got {type(self.wgrad).__name__}")
+
+    def _operand_format(self) -> Operands:
+        """Plain operands without a recipe; the FP8 recipe's with its cache, refusing what it does not run."""
         if self.recipe is None:
             if self.cache is not None:
                 raise ValueError("LinearOptions: an FP8 weight cache without an FP8 recipe")
-            # The attribute is derived from the fields, so setting it once here keeps the value frozen.
-            object.__setattr__(self, "operands", PlainOperands(self.coc_in_backward, self.recompute_all_gather))
-            return
+            return PlainOperands(self.coc_in_backward, self.recompute_all_gather)
         if not isinstance(self.recipe, Fp8Recipe):
             raise TypeError(f"LinearOptions.recipe must be an autopar.Fp8Recipe or None, got {self.recipe!r}")
         if not isinstance(self.cache, Fp8WeightCache):
@@ -78,7 +85,11 @@ class LinearOptions:
         ):
             if on:
                 raise NotImplementedError(f"{name} is not supported with the FP8 recipe")
-        object.__setattr__(self, "operands", Fp8Operands(self.recipe, self.cache))
+        return Fp8Operands(self.recipe, self.cache)
+
+    def comm_call(self, out_dtype: torch.dtype) -> CommCall:
+        """The communicating GEMMs' call: over ``group``, along ``seq_dim``, rounded to ``out_dtype``."""
+        return CommCall(self.group, out_dtype, self.seq_dim)
 
 
 __all__ = ["LinearOptions"]

@@ -71,9 +71,7 @@ class SharedGatherColumnSPFunction(torch.autograd.Function):
             ops.input(x),
             [opts.operands.weight(w) for opts, w in zip(members, weights, strict=True)],
             biases,
-            group=first.group,
-            dim=first.seq_dim,
-            out_dtype=x.dtype,
+            first.comm_call(x.dtype),
         )
         need_w = any(ctx.needs_input_grad[2 : 2 + count])
         kept = (x if ops.recompute_all_gather else gathered) if need_w else None

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
@@ -46,11 +46,17 @@ from .functions import (
 )
 from .options import LinearOptions
 from .shared_gather import SharedGather, sharing_applies
-
-try:  # torch's layout for weights packed along a sharded dim (q/k/v in one GEMM); private, stable since 2.5
-    from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
-except ImportError:  # pragma: no cover
-    StridedShard = None
+from .style_common import (
+    AllReduceGrad,
+    StridedShard,
+    distribute_param,
+    install_forward,
+    is_conv1d,
+    local_input,
+    local_of,
+    mesh_group,
+    replicate_param,
+)
 
 _warned: set[str] = set()
 
@@ -59,15 +65,6 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-def mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"the CoC styles take a 1-D tensor-parallel mesh (mesh['tp'] of a larger one), got a {mesh.ndim}-D mesh "
-            f"{tuple(mesh.mesh.shape)}"
-        )
-    return mesh.get_group()
 
 
 def _one(layout: Placement | tuple | None, default: Placement, name: str) -> Placement:
@@ -87,16 +84,6 @@ def _dim(placement: Placement, ndim: int) -> int | None:
     if isinstance(placement, Shard):
         return placement.dim % ndim
     return None
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D`` (GPT-2): a linear whose weight is stored ``[in, out]``."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
-
-
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    # Differentiable: the gradient of the local piece becomes the DTensor's gradient (its placements).
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _conv1d_class(module: nn.Module) -> type | None:
@@ -130,28 +117,6 @@ def _linear_weight(module: nn.Module) -> torch.Tensor:
     """The local weight in ``F.linear`` layout ``[n, k]``."""
     w = local_of(module.weight)
     return w.t() if is_conv1d(module) else w
-
-
-class AllReduceGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the group.
-
-    For a replicated parameter applied to sequence-sharded rows: each rank's gradient covers its
-    own rows only, the parameter's gradient is their sum::
-
-        forward:  w_out = w
-        backward: grad_w = all_reduce(grad_w_out)
-    """
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if comm.world_size(ctx.group) == 1:
-            return grad, None
-        return comm.wait(comm.start_all_reduce(grad.contiguous(), ctx.group)), None
 
 
 class _ReduceToLayout(torch.autograd.Function):
@@ -194,6 +159,17 @@ def _check_embedding(module: nn.Embedding) -> None:
         )
 
 
+def _linear_style_repr(style: ParallelStyle, **extra: Any) -> str:
+    fields = {
+        "input_layouts": style.input_layouts,
+        "output_layouts": style.output_layouts,
+        "use_local_output": style.use_local_output,
+        **extra,
+        "fp8": style.fp8,
+    }
+    return f"{type(style).__name__}({', '.join(f'{k}={v}' for k, v in fields.items())})"
+
+
 def _wrap(y: torch.Tensor, mesh: DeviceMesh, layout: Placement, use_local_output: bool) -> torch.Tensor:
     if use_local_output:
         return y
@@ -211,24 +187,6 @@ def _sequence_layout(seq_dim: int, y_shape: torch.Size, world: int, who: str) ->
         "matmul_reduce_scatter; same result). Shown once.",
     )
     return None, Replicate()
-
-
-def distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None):
-    param = module._parameters.get(name)
-    if param is None:
-        return
-    module.register_parameter(
-        name,
-        nn.Parameter(
-            distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
-            requires_grad=param.requires_grad,
-        ),
-    )
-
-
-def install_forward(module: nn.Module, forward: Any) -> nn.Module:
-    module.forward = functools.partial(forward, module)
-    return module
 
 
 def _attach_fp8(module: nn.Module, recipe: Fp8Recipe | None) -> None:
@@ -323,13 +281,7 @@ class CocColwiseParallel(ParallelStyle):
             waiting = link.take(module, source)
             if waiting is not None:
                 return _wrap(waiting, mesh, self.output_layouts[0], self.use_local_output)
-        if isinstance(x, DTensor):
-            if isinstance(x.placements[0], Partial):
-                x = x.redistribute(placements=[Replicate()])
-            layout = x.placements[0]
-            x = x.to_local()
-        else:
-            layout = self.input_layouts[0]
+        x, layout = local_input(x, self.input_layouts[0])
         weight = _linear_weight(module)
         bias = local_of(module.bias) if module.bias is not None else None
         d = _dim(layout, x.dim())
@@ -357,10 +309,7 @@ class CocColwiseParallel(ParallelStyle):
         return _wrap(y, mesh, out, self.use_local_output)
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
-            f"use_local_output={self.use_local_output}, packed={self.packed}, fp8={self.fp8})"
-        )
+        return _linear_style_repr(self, packed=self.packed)
 
 
 class CocRowwiseParallel(ParallelStyle):
@@ -424,38 +373,60 @@ class CocRowwiseParallel(ParallelStyle):
 
     def _forward(self, mesh: DeviceMesh, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         group = mesh_group(mesh)
-        world = mesh.size()
-        if isinstance(x, DTensor):
-            if _dim(x.placements[0], x.dim()) != x.dim() - 1:
-                x = x.redistribute(placements=[Shard(x.dim() - 1)])
-            x = x.to_local()
-        elif isinstance(self.input_layouts[0], Replicate):
-            x = ScatterToTensorParallelRegion.apply(x, group)
-        elif _dim(self.input_layouts[0], x.dim()) != x.dim() - 1:
-            raise ValueError(
-                f"CocRowwiseParallel: input_layouts {self.input_layouts[0]} on a local tensor; a row-parallel linear "
-                "takes its input sharded on the last dim (Shard(-1)) or replicated"
-            )
+        x = self._local_input(x, group)
         weight = _linear_weight(module)
         bias = local_of(module.bias) if module.bias is not None else None
-        out = self.output_layouts[0]
-        d = _dim(out, x.dim())
-        if d is not None and d != x.dim() - 1:
-            d, out = _sequence_layout(d, x.shape, world, "CocRowwiseParallel")
-        elif d is not None:
-            raise ValueError(f"CocRowwiseParallel: output_layouts {out} shards the output features; use Replicate()")
+        d, out = self._output_layout(x, mesh.size())
         if d is None:
-            if self.fuse_norm and self.use_local_output and self.fp8 is None and isinstance(module, nn.Linear):
-                if not torch.is_autocast_enabled(x.device.type):
-                    pending = decode.defer(x, weight, bias, group)
-                    if pending is not None:
-                        return pending
+            pending = self._pending(module, x, weight, bias, group)
+            if pending is not None:
+                return pending
             y = RowParallelLinearFunction.apply(x, weight, bias, _options(module, self.fp8, group, 0))
         else:
             if bias is not None:
                 bias = AllReduceGrad.apply(bias, group)
             y = RowParallelLinearSPFunction.apply(x, weight, bias, _options(module, self.fp8, group, d))
         return _wrap(y, mesh, out, self.use_local_output)
+
+    def _local_input(self, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """This rank's input features: a DTensor's own shard of them, a replicated plain tensor's slice."""
+        if isinstance(x, DTensor):
+            if _dim(x.placements[0], x.dim()) != x.dim() - 1:
+                x = x.redistribute(placements=[Shard(x.dim() - 1)])
+            return x.to_local()
+        if isinstance(self.input_layouts[0], Replicate):
+            return ScatterToTensorParallelRegion.apply(x, group)
+        if _dim(self.input_layouts[0], x.dim()) != x.dim() - 1:
+            raise ValueError(
+                f"CocRowwiseParallel: input_layouts {self.input_layouts[0]} on a local tensor; a row-parallel linear "
+                "takes its input sharded on the last dim (Shard(-1)) or replicated"
+            )
+        return x
+
+    def _output_layout(self, x: torch.Tensor, world: int) -> tuple[int | None, Placement]:
+        """``(the sequence dim the output is scattered along or None, the output's layout)``."""
+        out = self.output_layouts[0]
+        d = _dim(out, x.dim())
+        if d is None:
+            return None, out
+        if d == x.dim() - 1:
+            raise ValueError(f"CocRowwiseParallel: output_layouts {out} shards the output features; use Replicate()")
+        return _sequence_layout(d, x.shape, world, "CocRowwiseParallel")
+
+    def _pending(
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+    ) -> Any:
+        """The output left pending for the fused norm (``fuse_norm``), or None where that path does not apply."""
+        if not (self.fuse_norm and self.use_local_output and self.fp8 is None and isinstance(module, nn.Linear)):
+            return None
+        if torch.is_autocast_enabled(x.device.type):
+            return None
+        return decode.defer(x, weight, bias, group)
 
     def _embedding_forward(
         self, mesh: DeviceMesh, inner: Any, module: nn.Embedding, ids: torch.Tensor, *args: Any, **kwargs: Any
@@ -495,10 +466,7 @@ class CocRowwiseParallel(ParallelStyle):
         return _wrap(y, mesh, out, self.use_local_output)
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
-            f"use_local_output={self.use_local_output}, fp8={self.fp8})"
-        )
+        return _linear_style_repr(self)
 
 
 class CocSequenceParallel(ParallelStyle):
@@ -519,27 +487,14 @@ class CocSequenceParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, param in list(module.named_parameters(recurse=False)):
-            # Norm weights are initialized identically everywhere (ones), as torch's style assumes.
-            module.register_parameter(
-                name,
-                nn.Parameter(
-                    DTensor.from_local(param, device_mesh, [Replicate()], run_check=False),
-                    requires_grad=param.requires_grad,
-                ),
-            )
+            replicate_param(module, name, param, device_mesh)
         return install_forward(module, functools.partial(self._forward, device_mesh, module.forward))
 
     def _forward(
         self, mesh: DeviceMesh, inner: Any, module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any
     ) -> Any:
         group = mesh_group(mesh)
-        if isinstance(x, DTensor):
-            if isinstance(x.placements[0], Partial):
-                x = x.redistribute(placements=[Replicate()])
-            layout = x.placements[0]
-            x = x.to_local()
-        else:
-            layout = self.sequence_sharding[0]
+        x, layout = local_input(x, self.sequence_sharding[0])
         sharded = isinstance(layout, Shard)
         saved = dict(module._parameters)
         try:

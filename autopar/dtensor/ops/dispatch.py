@@ -10,7 +10,7 @@ shape, dtype, mesh and placements; its backward likewise does nothing there.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +27,21 @@ from ..mesh import ProcessMesh
 from ..placements import REPLICATE
 from ..rules import RuleResult
 from ..tensor import DistTensor, empty_local, lid_of, make, uninit, wrap
+
+
+class Op(NamedTuple):
+    """One op on DistTensors: its SPMD rule, the torch op on the local pieces, and their vector-Jacobian
+    product ``vjp(saved_input_pieces, grad_piece, need)``.
+
+    The rule runs only when the call's key is not cached, so a module-level function (not a closure made per
+    call) keeps the hot path free of allocations. Without a vjp the local op is recorded on torch's graph and
+    differentiated with ``torch.autograd.grad`` (a reentrant engine call, several times slower).
+    """
+
+    rule: Callable[..., RuleResult]
+    local_fn: Callable
+    vjp: Callable | None = None
+
 
 RULE_CACHE: dict[tuple, tuple] = {}
 # (op, input layout ids) -> (mesh, out placements, out shape, out layout id) for calls that need no
@@ -86,65 +101,39 @@ def rule_entry(key: tuple, rule: Callable[..., RuleResult], inputs: Sequence[Dis
 _grad_enabled = torch.is_grad_enabled
 
 
-def apply1(
-    key: tuple,
-    rule: Callable[..., RuleResult],
-    local_fn: Callable,
-    x: DistTensor,
-    *,
-    vjp: Callable | None = None,
-    plain: dict[int, tuple] | None = None,
-) -> DistTensor:
+def apply1(key: tuple, op: Op, x: DistTensor, *, plain: dict[int, tuple] | None = None) -> DistTensor:
     """``plain``: the op's UNARY_PLAIN table, for ops whose registered torch functions compute
     ``local_fn(piece)`` when given the piece alone; a call served here enters its layout there."""
     entry = RULE_CACHE.get(key)
     if entry is not None and not _grad_enabled() and x._lid == entry[1][0] and x._mesh._coord is not None:
-        local = local_fn(x._local)
+        local = op.local_fn(x._local)
         res = entry[0]
         f = (x._mesh, res.out_placements, res.out_shape, entry[2])
         if plain is not None:
             plain[x._lid] = f
         return wrap(local, *f)
-    return apply(key, rule, local_fn, [x], vjp=vjp)
+    return apply(key, op, [x])
 
 
-def apply2(
-    key: tuple,
-    rule: Callable[..., RuleResult],
-    local_fn: Callable,
-    a: DistTensor,
-    b: DistTensor,
-    *,
-    vjp: Callable | None = None,
-) -> DistTensor:
+def apply2(key: tuple, op: Op, a: DistTensor, b: DistTensor) -> DistTensor:
     entry = RULE_CACHE.get(key)
     if entry is not None and not _grad_enabled():
         in_lids = entry[1]
         if a._lid == in_lids[0] and b._lid == in_lids[1] and a._mesh._coord is not None:
-            local = local_fn(a._local, b._local)
+            local = op.local_fn(a._local, b._local)
             res = entry[0]
             PLAIN[key] = (a._mesh, res.out_placements, res.out_shape, entry[2])
             return wrap(local, a._mesh, res.out_placements, res.out_shape, entry[2])
-    return apply(key, rule, local_fn, [a, b], vjp=vjp)
+    return apply(key, op, [a, b])
 
 
-def apply(
-    key: tuple,
-    rule: Callable[..., RuleResult],
-    local_fn: Callable,
-    inputs: list[DistTensor],
-    *,
-    out_dtype: torch.dtype | None = None,
-    vjp: Callable | None = None,
-) -> DistTensor:
+def apply(key: tuple, op: Op, inputs: list[DistTensor], *, out_dtype: torch.dtype | None = None) -> DistTensor:
     """Run one op: cached rule, reshard inputs, local op (or clip), record the autograd node.
 
-    ``rule(*inputs)`` is called only when ``key`` is not cached (a module-level function, so the
-    hot path allocates no closure). ``vjp(saved_input_pieces, grad_piece, need)``: the op's local
-    vector-Jacobian product; without one, the local op is recorded on torch's graph and
-    differentiated with ``torch.autograd.grad`` (a reentrant engine call, several times slower).
+    ``op.rule(*inputs)`` is called only when ``key`` is not cached. ``out_dtype``: the output's dtype where
+    it is not the inputs' promoted one (a clipped rank computes nothing to read it from).
     """
-    res, in_lids, out_lid = rule_entry(key, rule, inputs)
+    res, in_lids, out_lid = rule_entry(key, op.rule, inputs)
     for i, x in enumerate(inputs):
         if x._lid != in_lids[i]:
             inputs[i] = reshard_same_mesh(x, res.in_placements[i])
@@ -152,17 +141,8 @@ def apply(
     need = requires_grads(inputs) if _grad_enabled() else None
     if need is None or not any(need):
         if mesh._coord is None:
-            dtype = out_dtype or promote(inputs)
-            return make(
-                empty_local(dtype, inputs[0]._local.device),
-                mesh,
-                res.out_placements,
-                res.out_shape,
-                dtype,
-                init=False,
-                lid=out_lid,
-            )
-        local = local_fn(*[x._local for x in inputs])
+            return _clipped(inputs, res, out_lid, out_dtype)
+        local = op.local_fn(*[x._local for x in inputs])
         return wrap(local, mesh, res.out_placements, res.out_shape, out_lid)
     ctx = (
         res,
@@ -170,30 +150,34 @@ def apply(
         [x._shape for x in inputs],
         [x._dtype for x in inputs],
         need,
-        vjp or graph_vjp,
+        op.vjp or graph_vjp,
     )
     if mesh._coord is None:
-        dtype = out_dtype or promote(inputs)
-        out = make(
-            empty_local(dtype, inputs[0]._local.device),
-            mesh,
-            res.out_placements,
-            res.out_shape,
-            dtype,
-            init=False,
-            lid=out_lid,
-        )
-        return record(out, inputs, vjp_backward, ctx)
-    if vjp is not None:
+        return record(_clipped(inputs, res, out_lid, out_dtype), inputs, vjp_backward, ctx)
+    if op.vjp is not None:
         pieces = [x._local for x in inputs]
-        local = local_fn(*pieces)
+        local = op.local_fn(*pieces)
         out = make(local, mesh, res.out_placements, res.out_shape, local.dtype, lid=out_lid)
         return record(out, inputs, vjp_backward, ctx, pieces)
     leaves = [x._local.detach().requires_grad_() if n else x._local for x, n in zip(inputs, need, strict=False)]
     with torch.enable_grad():
-        local = local_fn(*leaves)
+        local = op.local_fn(*leaves)
     out = make(local.detach(), mesh, res.out_placements, res.out_shape, local.dtype, lid=out_lid)
     return record(out, inputs, vjp_backward, ctx, [local] + [leaf for leaf, n in zip(leaves, need, strict=False) if n])
+
+
+def _clipped(inputs: list[DistTensor], res: RuleResult, out_lid: int, out_dtype: torch.dtype | None) -> DistTensor:
+    """The output on a rank outside the op's mesh: uninitialized, no storage."""
+    dtype = out_dtype or promote(inputs)
+    return make(
+        empty_local(dtype, inputs[0]._local.device),
+        inputs[0]._mesh,
+        res.out_placements,
+        res.out_shape,
+        dtype,
+        init=False,
+        lid=out_lid,
+    )
 
 
 def promote(ins: list[DistTensor]) -> torch.dtype:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..rules import RuleResult, broadcast_labels, einsum_rule
 from ..tensor import HANDLERS, UNARY_PLAIN, DistTensor, wrap
-from .dispatch import PLAIN, apply, apply1, apply2, as_dist, mesh_of
+from .dispatch import PLAIN, Op, apply, apply1, apply2, as_dist, mesh_of
 
 _grad_enabled = torch.is_grad_enabled
 
@@ -51,13 +51,13 @@ def _vjp_div(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
     return [fit(g / b, a) if need[0] else None, fit(-g * a / (b * b), b) if need[1] else None]
 
 
-# op -> (local function, rule, local vjp): + and - keep matching Partials, * is linear in each
-# operand (one Partial may stay), / is not linear in its divisor.
+# + and - keep matching Partials, * is linear in each operand (one Partial may stay), / is not linear in
+# its divisor.
 _BINARY = {
-    "add": (operator.add, _broadcast_rule("add"), _vjp_add),
-    "sub": (operator.sub, _broadcast_rule("add"), _vjp_sub),
-    "mul": (operator.mul, _broadcast_rule("linear"), _vjp_mul),
-    "div": (operator.truediv, _broadcast_rule("nonlinear"), _vjp_div),
+    "add": Op(_broadcast_rule("add"), operator.add, _vjp_add),
+    "sub": Op(_broadcast_rule("add"), operator.sub, _vjp_sub),
+    "mul": Op(_broadcast_rule("linear"), operator.mul, _vjp_mul),
+    "div": Op(_broadcast_rule("nonlinear"), operator.truediv, _vjp_div),
 }
 
 
@@ -69,8 +69,7 @@ def binary(op: str, a, b) -> DistTensor:
             return with_scalar(op, a if a_dt else b, b if a_dt else a, a_dt)
         mesh = mesh_of(a, b)
         a, b = as_dist(a, mesh), as_dist(b, mesh)
-    fn, rule, vjp = _BINARY[op]
-    return apply2((op, a._lid, b._lid), rule, fn, a, b, vjp=vjp)
+    return apply2((op, a._lid, b._lid), _BINARY[op], a, b)
 
 
 def linear_elementwise_rule(x: DistTensor) -> RuleResult:
@@ -88,36 +87,15 @@ def with_scalar(op: str, x: DistTensor, c: float, x_first: bool) -> DistTensor:
     """x * c and x / c scale (linear: a Partial stays Partial); x + c, c - x, c / x do not."""
     if op == "mul" or (op == "div" and x_first):
         c = c if op == "mul" else 1.0 / c
-        return apply(
-            ("scale", x._lid),
-            linear_elementwise_rule,
-            lambda t: t * c,
-            [x],
-            vjp=lambda saved, g, need: [fit(g * c, saved[0])],
-        )
-    fn = _BINARY[op][0]
+        scale = Op(linear_elementwise_rule, lambda t: t * c, lambda saved, g, need: [fit(g * c, saved[0])])
+        return apply(("scale", x._lid), scale, [x])
+    fn = _BINARY[op].local_fn
     local_fn = (lambda t: fn(t, c)) if x_first else (lambda t: fn(c, t))
-    return apply(("scalar_" + op, x._lid, x_first), nonlinear_rule, local_fn, [x])
+    return apply(("scalar_" + op, x._lid, x_first), Op(nonlinear_rule, local_fn), [x])
 
 
 def neg(x: DistTensor) -> DistTensor:
     return with_scalar("mul", x, -1.0, True)
-
-
-_GELU_PLAIN: dict[int, tuple] = {}
-_RELU_PLAIN: dict[int, tuple] = {}
-
-
-def _gelu(x: DistTensor, approximate: str = "none") -> DistTensor:
-    if approximate == "none":
-        return apply1(("gelu", x._lid), nonlinear_rule, F.gelu, x, vjp=_vjp_gelu, plain=_GELU_PLAIN)
-    return apply1(
-        ("gelu", x._lid, approximate),
-        nonlinear_rule,
-        lambda t: F.gelu(t, approximate=approximate),
-        x,
-        vjp=lambda saved, g, need: [torch.ops.aten.gelu_backward(g, saved[0], approximate=approximate)],
-    )
 
 
 def _vjp_gelu(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
@@ -128,10 +106,30 @@ def _vjp_relu(saved: tuple, g: torch.Tensor, need: list[bool]) -> list:
     return [torch.ops.aten.threshold_backward(g, saved[0], 0)]
 
 
+_GELU = Op(nonlinear_rule, F.gelu, _vjp_gelu)
+_RELU = Op(nonlinear_rule, torch.relu, _vjp_relu)
+_GELU_PLAIN: dict[int, tuple] = {}
+_RELU_PLAIN: dict[int, tuple] = {}
+
+
+def _gelu(x: DistTensor, approximate: str = "none") -> DistTensor:
+    if approximate == "none":
+        return apply1(("gelu", x._lid), _GELU, x, plain=_GELU_PLAIN)
+    return apply1(
+        ("gelu", x._lid, approximate),
+        Op(
+            nonlinear_rule,
+            lambda t: F.gelu(t, approximate=approximate),
+            lambda saved, g, need: [torch.ops.aten.gelu_backward(g, saved[0], approximate=approximate)],
+        ),
+        x,
+    )
+
+
 def _relu(x: DistTensor, inplace: bool = False) -> DistTensor:
     if inplace:
         raise NotImplementedError("relu(inplace=True) on a DistTensor; use relu()")
-    return apply1(("relu", x._lid), nonlinear_rule, torch.relu, x, vjp=_vjp_relu, plain=_RELU_PLAIN)
+    return apply1(("relu", x._lid), _RELU, x, plain=_RELU_PLAIN)
 
 
 # Unary functions with a rule (nonlinear: a Partial input is reduced first, shards stay) and the
@@ -152,10 +150,12 @@ _UNARY: dict[str, Callable] = {
 
 
 def _unary(name: str, fn: Callable) -> Callable[..., DistTensor]:
+    op = Op(nonlinear_rule, fn)
+
     def handler(x: DistTensor, inplace: bool = False) -> DistTensor:
         if inplace:
             raise NotImplementedError(f"{name}(inplace=True) on a DistTensor; use {name}()")
-        return apply1((name, x._lid), nonlinear_rule, fn, x)
+        return apply1((name, x._lid), op, x)
 
     return handler
 
@@ -164,12 +164,12 @@ def pow_(x, exponent) -> DistTensor:
     """``x ** c`` for a Python number ``c`` (nonlinear); a tensor exponent has no rule."""
     if not isinstance(x, DistTensor) or isinstance(exponent, torch.Tensor):
         raise NotImplementedError("pow on DistTensors: only DistTensor ** (Python number) has an SPMD rule")
-    return apply1(("pow", x._lid, exponent), nonlinear_rule, lambda t: torch.pow(t, exponent), x)
+    return apply1(("pow", x._lid, exponent), Op(nonlinear_rule, lambda t: torch.pow(t, exponent)), x)
 
 
 def _operator(op: str) -> Callable[[Any, Any], DistTensor]:
     """``a <op> b`` as a method: the hot path when both are DistTensors of a cached layout."""
-    fn = _BINARY[op][0]
+    fn = _BINARY[op].local_fn
 
     def method(a, b):
         if type(b) is DistTensor and type(a) is DistTensor:

@@ -5,8 +5,6 @@ all-gather of a Shard(0) activation fused with the GEMM).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -23,7 +21,7 @@ from ..autograd import (
 from ..placements import Partial, Replicate, Shard
 from ..rules import RuleResult, einsum_rule, matmul_labels
 from ..tensor import HANDLERS, DistTensor, lid_of, make, pending, uninit, wrap
-from .dispatch import PLAIN, apply, as_dist, mesh_of
+from .dispatch import PLAIN, Op, apply, as_dist, mesh_of
 from .elementwise import binary
 
 _MM_CACHE: dict[tuple, tuple] = {}
@@ -90,16 +88,14 @@ def _record_mm(
     return record(out, [x, b], _mm_backward, ctx, list(pieces))
 
 
-def _matmul_like(
-    key: tuple, rule: Callable[..., RuleResult], local_fn: Callable, a: DistTensor, b: DistTensor, *, transposed: bool
-) -> DistTensor:
+def _matmul_like(key: tuple, op: Op, a: DistTensor, b: DistTensor, *, transposed: bool) -> DistTensor:
     """matmul / linear with a 2-D weight: route the two overlappable patterns to ``kernels``.
 
     ``transposed``: b is ``[k, n]`` (matmul) rather than ``[n, k]`` (linear).
     """
     entry = _MM_CACHE.get(key)
     if entry is None:
-        res = rule(a, b)
+        res = op.rule(a, b)
         partial = [m for m, p in enumerate(res.out_placements) if type(p) is Partial]
         pend_dim = (
             partial[0]
@@ -115,7 +111,7 @@ def _matmul_like(
     res, in_lids, out_lid, pend_dim = entry
     mesh = a._mesh
     if mesh._coord is None or b._lid != in_lids[1]:
-        return apply(key, rule, local_fn, [a, b])
+        return apply(key, op, [a, b])
     if a._lid == in_lids[0]:
         if pend_dim >= 0 and mesh.shape[pend_dim] > 1 and pieces_nonempty(a._shape[-1], mesh.shape[pend_dim]):
             w_local = b._local.mT if transposed else b._local
@@ -130,7 +126,7 @@ def _matmul_like(
                 lid=out_lid,
             )
             return _record_mm(out, (a, b), (a._local, w_local), res, transposed)
-        local = local_fn(a._local, b._local)
+        local = op.local_fn(a._local, b._local)
         out = make(local, mesh, res.out_placements, res.out_shape, local.dtype, lid=out_lid)
         if not _grad_enabled():
             PLAIN[key] = (mesh, res.out_placements, res.out_shape, out_lid)
@@ -141,7 +137,7 @@ def _matmul_like(
     # sharded on the output columns there, and nothing else changes.
     diff = [m for m, (p, q) in enumerate(zip(a._placements, res.in_placements[0], strict=False)) if p != q]
     if len(diff) != 1:
-        return apply(key, rule, local_fn, [a, b])
+        return apply(key, op, [a, b])
     m = diff[0]
     W = mesh.shape[m]
     if (
@@ -150,7 +146,7 @@ def _matmul_like(
         or res.out_placements[m] != Shard(a.ndim - 1)
         or a._shape[0] % W
     ):
-        return apply(key, rule, local_fn, [a, b])
+        return apply(key, op, [a, b])
     y, gathered = kernels_api().all_gather_matmul(a._local, w_local, group=mesh.get_group(m), return_gathered=True)
     a_full = make(gathered, mesh, res.in_placements[0], a._shape, a._dtype, lid=in_lids[0])
     if torch.is_grad_enabled() and requires_grad(a):
@@ -172,6 +168,9 @@ def _matmul_rule(a: DistTensor, b: DistTensor) -> RuleResult:
     )
 
 
+_MATMUL = Op(_matmul_rule, torch.matmul)
+
+
 def matmul(a, b) -> DistTensor:
     if type(a) is DistTensor and type(b) is DistTensor:
         f = PLAIN.get(("matmul", a._lid, b._lid))
@@ -183,8 +182,8 @@ def matmul(a, b) -> DistTensor:
         a, b = as_dist(a, mesh), as_dist(b, mesh)
     key = ("matmul", a._lid, b._lid)
     if len(b._shape) == 2 and len(a._shape) >= 2:
-        return _matmul_like(key, _matmul_rule, torch.matmul, a, b, transposed=True)
-    return apply(key, _matmul_rule, torch.matmul, [a, b])
+        return _matmul_like(key, _MATMUL, a, b, transposed=True)
+    return apply(key, _MATMUL, [a, b])
 
 
 def _linear_rule(x: DistTensor, w: DistTensor) -> RuleResult:
@@ -196,16 +195,15 @@ def _linear_rule(x: DistTensor, w: DistTensor) -> RuleResult:
     )
 
 
+_LINEAR = Op(_linear_rule, F.linear)
+
+
 def linear(x, weight, bias=None) -> DistTensor:
     """``F.linear``: ``x @ weight.T`` (einsum ``...k,nk->...n``), then ``+ bias`` by the add rule."""
     mesh = mesh_of(x, weight, bias)
     x, w = as_dist(x, mesh), as_dist(weight, mesh)
     key = ("linear", x._lid, w._lid)
-    y = (
-        _matmul_like(key, _linear_rule, F.linear, x, w, transposed=False)
-        if x.ndim >= 2
-        else apply(key, _linear_rule, F.linear, [x, w])
-    )
+    y = _matmul_like(key, _LINEAR, x, w, transposed=False) if x.ndim >= 2 else apply(key, _LINEAR, [x, w])
     return y if bias is None else binary("add", y, bias)
 
 

@@ -12,7 +12,7 @@ from ..placements import REPLICATE, Shard, chunk_bounds
 from ..rules import RuleResult
 from ..rules.nn import cross_entropy_rule, embedding_rule, sdpa_rule
 from ..tensor import HANDLERS, DistTensor
-from .dispatch import apply, as_dist, mesh_of, rule_entry
+from .dispatch import Op, apply, as_dist, mesh_of, rule_entry
 
 
 def embedding(
@@ -69,7 +69,7 @@ def embedding(
         out = F.embedding(local.masked_fill(outside, 0), w_piece, pad, scale_grad_by_freq=scale_grad_by_freq)
         return out.masked_fill(outside.unsqueeze(-1), 0)
 
-    return apply(key, rule, local_fn, [ids, w], out_dtype=w._dtype)
+    return apply(key, Op(rule, local_fn), [ids, w], out_dtype=w._dtype)
 
 
 def scaled_dot_product_attention(
@@ -109,7 +109,7 @@ def scaled_dot_product_attention(
             q, k, v, attn_mask=mask[0] if mask else None, is_causal=is_causal, scale=scale, **gqa
         )
 
-    return apply(op_key, rule, local_fn, ins, out_dtype=ins[0]._dtype)
+    return apply(op_key, Op(rule, local_fn), ins, out_dtype=ins[0]._dtype)
 
 
 def cross_entropy(
@@ -150,7 +150,7 @@ def cross_entropy(
             label_smoothing=label_smoothing,
         )
 
-    return apply(key, rule, local_fn, ins, out_dtype=ins[0]._dtype)
+    return apply(key, Op(rule, local_fn), ins, out_dtype=ins[0]._dtype)
 
 
 def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False) -> DistTensor:

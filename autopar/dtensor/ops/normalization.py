@@ -7,16 +7,15 @@ import torch.nn.functional as F
 
 from ..rules import RuleResult, einsum_rule
 from ..tensor import HANDLERS, DistTensor
-from .dispatch import apply, as_dist, mesh_of
+from .dispatch import Op, apply, as_dist, mesh_of
 from .elementwise import nonlinear_rule
 
 
 def softmax(x: DistTensor, dim: int, _stacklevel: int = 3, dtype=None) -> DistTensor:
     d = dim % x.ndim
     key = ("softmax", x._lid, d)
-    return apply(
-        key, lambda t: nonlinear_rule(t, [d]), lambda t: torch.softmax(t, d, dtype=dtype), [x], out_dtype=dtype
-    )
+    op = Op(lambda t: nonlinear_rule(t, [d]), lambda t: torch.softmax(t, d, dtype=dtype))
+    return apply(key, op, [x], out_dtype=dtype)
 
 
 def _torch_softmax(x: DistTensor, dim: int, dtype=None) -> DistTensor:
@@ -54,7 +53,7 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5) -
         b = wb[-1] if has_b else None
         return F.layer_norm(xl, normalized_shape, w, b, eps)
 
-    return apply(key, rule, local_fn, ops)
+    return apply(key, Op(rule, local_fn), ops)
 
 
 def install() -> None:

@@ -8,7 +8,7 @@ import torch
 from ..placements import Shard
 from ..rules import RuleResult, einsum_rule, reduction_labels
 from ..tensor import HANDLERS, DistTensor
-from .dispatch import apply
+from .dispatch import Op, apply
 
 
 def _reduce(op: str, x: DistTensor, dim, keepdim: bool, dtype: torch.dtype | None = None) -> DistTensor:
@@ -47,7 +47,7 @@ def _reduce(op: str, x: DistTensor, dim, keepdim: bool, dtype: torch.dtype | Non
         g = g.expand(t.shape)
         return [(g if count == 1 else g / count).to(t.dtype)]
 
-    return apply(key, rule, local_fn, [x], out_dtype=dtype, vjp=vjp)
+    return apply(key, Op(rule, local_fn, vjp), [x], out_dtype=dtype)
 
 
 def _sum(x, dim=None, keepdim=False, dtype=None, **kw):

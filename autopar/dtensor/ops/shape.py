@@ -28,7 +28,7 @@ from ..rules.shape import (
     view_rule,
 )
 from ..tensor import HANDLERS, DistTensor
-from .dispatch import apply, as_dist, mesh_of, rule_entry
+from .dispatch import Op, apply, as_dist, mesh_of, rule_entry
 
 
 def _sizes(args: tuple) -> tuple:
@@ -57,7 +57,7 @@ def reshape_to(x: DistTensor, dst: Sequence[int], what: str = "view") -> DistTen
         shape = _rd.local_shape(res.out_shape, mesh, res.out_placements)
         return piece.view(shape) if _viewable(piece, shape) else piece.reshape(shape)
 
-    return apply(key, rule, local_fn, [x], vjp=_vjp_reshape)
+    return apply(key, Op(rule, local_fn, _vjp_reshape), [x])
 
 
 def _viewable(piece: torch.Tensor, shape: Sequence[int]) -> bool:
@@ -119,13 +119,12 @@ def permute(x: DistTensor, *dims: Any) -> DistTensor:
     if sorted(perm) != list(range(nd)):
         raise ValueError(f"permute(dims): {list(_sizes(dims))} is not a permutation of the {nd} dims")
     inverse = tuple(perm.index(d) for d in range(nd))
-    return apply(
-        ("permute", x._lid, perm),
+    op = Op(
         lambda t: permute_rule(t._shape, t._placements, perm),
         lambda piece: piece.permute(perm),
-        [x],
-        vjp=lambda saved, g, need: [g.permute(inverse)],
+        lambda saved, g, need: [g.permute(inverse)],
     )
+    return apply(("permute", x._lid, perm), op, [x])
 
 
 def transpose(x: DistTensor, dim0: int, dim1: int) -> DistTensor:
@@ -160,13 +159,12 @@ def expand(x: DistTensor, *sizes: Any) -> DistTensor:
         return expand_rule(t._shape, t._placements, sizes)
 
     res = rule_entry(key, rule, [x])[0]
-    return apply(
-        key,
+    op = Op(
         rule,
         lambda piece: piece.expand(_rd.local_shape(res.out_shape, mesh, res.out_placements)),
-        [x],
-        vjp=lambda saved, g, need: [g.sum_to_size(saved[0].shape)],
+        lambda saved, g, need: [g.sum_to_size(saved[0].shape)],
     )
+    return apply(key, op, [x])
 
 
 def _expand_as(x: DistTensor, other: torch.Tensor) -> DistTensor:
@@ -183,7 +181,7 @@ def getitem(x: DistTensor, index: Any) -> DistTensor:
         z[idx] = g
         return [z]
 
-    return apply(key, lambda t: getitem_rule(t._shape, t._placements, idx), lambda piece: piece[idx], [x], vjp=vjp)
+    return apply(key, Op(lambda t: getitem_rule(t._shape, t._placements, idx), lambda piece: piece[idx], vjp), [x])
 
 
 def cat(tensors: Sequence[Any], dim: int = 0, *, out: Any = None) -> DistTensor:
@@ -202,13 +200,12 @@ def cat(tensors: Sequence[Any], dim: int = 0, *, out: Any = None) -> DistTensor:
         parts = torch.split(g, [s.shape[d] for s in saved], d)
         return [p if n else None for p, n in zip(parts, need, strict=True)]
 
-    return apply(
-        key,
+    op = Op(
         lambda *ts: cat_rule([t._shape for t in ts], [t._placements for t in ts], d),
         lambda *pieces: torch.cat(pieces, d),
-        xs,
-        vjp=vjp,
+        vjp,
     )
+    return apply(key, op, xs)
 
 
 def _torch_concatenate(tensors: Sequence[Any], axis: int = 0, *, out: Any = None) -> DistTensor:
@@ -217,13 +214,12 @@ def _torch_concatenate(tensors: Sequence[Any], axis: int = 0, *, out: Any = None
 
 def _contiguous(x: DistTensor, memory_format: torch.memory_format = torch.contiguous_format) -> DistTensor:
     identity = tuple(range(x.ndim))
-    return apply(
-        ("contiguous", x._lid),
+    op = Op(
         lambda t: permute_rule(t._shape, t._placements, identity),
         lambda piece: piece.contiguous(),
-        [x],
-        vjp=lambda saved, g, need: [g],
+        lambda saved, g, need: [g],
     )
+    return apply(("contiguous", x._lid), op, [x])
 
 
 def install() -> None:

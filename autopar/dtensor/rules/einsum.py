@@ -22,7 +22,7 @@ normalization axis, broadcast size-1 axes) are never sharded.
 from __future__ import annotations
 
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -56,7 +56,36 @@ def einsum_rule(
 ) -> RuleResult:
     if kind not in KINDS:
         raise ValueError(f"einsum_rule(kind): {kind!r} not in {KINDS}")
+    sizes = _label_sizes(in_labels, shapes)
+
+    def allowed(lab: str) -> bool:
+        return lab not in forbidden and (kind == "linear" or lab in out_labels)
+
+    _check_conflicts(in_labels, out_labels, placements, allowed)
     mesh_ndim = len(placements[0])
+    n_in = len(in_labels)
+    req: list[list[Placement]] = [[REPLICATE] * mesh_ndim for _ in range(n_in)]
+    out: list[Placement] = [REPLICATE] * mesh_ndim
+    order = range(n_in) if priority is None else priority
+    for m in range(mesh_ndim):
+        column = [placements[i][m] for i in range(n_in)]
+        chosen = _chosen_label(in_labels, column, order, allowed)
+        if chosen is not None:
+            for i in range(n_in):
+                if chosen in in_labels[i]:
+                    req[i][m] = Shard(in_labels[i].index(chosen))
+            out[m] = Shard(out_labels.index(chosen)) if chosen in out_labels else PARTIAL_SUM
+            continue
+        keep = _kept_partials(column, kind)
+        for i in keep:
+            req[i][m] = column[i]
+        if keep:
+            out[m] = column[keep[0]]
+    return RuleResult(tuple(tuple(r) for r in req), tuple(out), torch.Size([sizes[lab] for lab in out_labels]))
+
+
+def _label_sizes(in_labels: Sequence[str], shapes: Sequence[Sequence[int]]) -> dict[str, int]:
+    """The size of each label; a label with two sizes (or a shape with another count of labels) raises."""
     sizes: dict[str, int] = {}
     for i, (labels, shape) in enumerate(zip(in_labels, shapes, strict=False)):
         if len(labels) != len(shape):
@@ -67,60 +96,59 @@ def einsum_rule(
                     f"size mismatch on axis {lab!r}: input {i} dim {axis} has {n}, "
                     f"another input has {sizes[lab]} (shapes {[list(s) for s in shapes]})"
                 )
+    return sizes
 
-    def allowed(lab: str) -> bool:
-        return lab not in forbidden and (kind == "linear" or lab in out_labels)
 
+def _check_conflicts(
+    in_labels: Sequence[str],
+    out_labels: str,
+    placements: Sequence[Sequence[Placement]],
+    allowed: Callable[[str], bool],
+) -> None:
+    """Refuse one label sharded on two mesh dims (by different inputs)."""
     owner: dict[str, tuple[int, int, int]] = {}
     for i, pl in enumerate(placements):
         for m, p in enumerate(pl):
-            if type(p) is Shard:
-                lab = in_labels[i][p.dim]
-                if not allowed(lab):
-                    continue
-                prev = owner.get(lab)
-                if prev is not None and prev[0] != m:
-                    raise ValueError(
-                        f"conflicting shardings of one tensor axis: input {prev[1]} dim {prev[2]} is "
-                        f"sharded on mesh dim {prev[0]} but input {i} dim {p.dim} (the same axis "
-                        f"{lab!r} of '{','.join(in_labels)}->{out_labels}') is sharded on mesh dim {m}"
-                    )
-                owner.setdefault(lab, (m, i, p.dim))
+            if type(p) is not Shard:
+                continue
+            lab = in_labels[i][p.dim]
+            if not allowed(lab):
+                continue
+            prev = owner.setdefault(lab, (m, i, p.dim))
+            if prev[0] != m:
+                raise ValueError(
+                    f"conflicting shardings of one tensor axis: input {prev[1]} dim {prev[2]} is "
+                    f"sharded on mesh dim {prev[0]} but input {i} dim {p.dim} (the same axis "
+                    f"{lab!r} of '{','.join(in_labels)}->{out_labels}') is sharded on mesh dim {m}"
+                )
 
-    n_in = len(in_labels)
-    req: list[list[Placement]] = [[REPLICATE] * mesh_ndim for _ in range(n_in)]
-    out: list[Placement] = [REPLICATE] * mesh_ndim
-    order = range(n_in) if priority is None else priority
-    for m in range(mesh_ndim):
-        chosen = None
-        for i in order:
-            p = placements[i][m]
-            if type(p) is Shard and allowed(in_labels[i][p.dim]):
-                chosen = in_labels[i][p.dim]
-                break
-        if chosen is not None:
-            for i in range(n_in):
-                if chosen in in_labels[i]:
-                    req[i][m] = Shard(in_labels[i].index(chosen))
-            out[m] = Shard(out_labels.index(chosen)) if chosen in out_labels else PARTIAL_SUM
-            continue
-        partial = [i for i in range(n_in) if type(placements[i][m]) is Partial]
-        if not partial:
-            continue
-        rt = placements[partial[0]][m].reduce_op
-        keep: list[int] = []
-        if rt in ("sum", "avg"):
-            if kind == "linear":
-                keep = partial[:1]
-            elif kind == "add" and len(partial) == n_in and all(placements[i][m].reduce_op == rt for i in partial):
-                keep = partial
-            elif kind == "linear_first" and partial[0] == 0:
-                keep = [0]
-        for i in keep:
-            req[i][m] = placements[i][m]
-        if keep:
-            out[m] = placements[keep[0]][m]
-    return RuleResult(tuple(tuple(r) for r in req), tuple(out), torch.Size([sizes[lab] for lab in out_labels]))
+
+def _chosen_label(
+    in_labels: Sequence[str], column: Sequence[Placement], order: Sequence[int], allowed: Callable[[str], bool]
+) -> str | None:
+    """The label one mesh dim shards: that of the first input in ``order`` sharding an allowed label on it
+    (``column``: each input's placement on that mesh dim)."""
+    for i in order:
+        p = column[i]
+        if type(p) is Shard and allowed(in_labels[i][p.dim]):
+            return in_labels[i][p.dim]
+    return None
+
+
+def _kept_partials(column: Sequence[Placement], kind: str) -> list[int]:
+    """The inputs whose Partial placement on a mesh dim no label shards stays Partial (the output is then
+    Partial as theirs); the others are reduced."""
+    partial = [i for i, p in enumerate(column) if type(p) is Partial]
+    if not partial or column[partial[0]].reduce_op not in ("sum", "avg"):
+        return []
+    rt = column[partial[0]].reduce_op
+    if kind == "linear":
+        return partial[:1]
+    if kind == "add" and len(partial) == len(column) and all(column[i].reduce_op == rt for i in partial):
+        return partial
+    if kind == "linear_first" and partial[0] == 0:
+        return [0]
+    return []
 
 
 # -- label builders -----------------------------------------------------------------------------
