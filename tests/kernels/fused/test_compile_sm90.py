@@ -196,7 +196,7 @@ def _gemm_cases(fmt: Any, shape: tuple, dtypes: tuple, variants: tuple) -> list[
                     FMT=fmt_code,
                     TILE=cfg.tile(),
                     MATH=math,
-                    PROTO=(
+                    PROTO=all_gather.AllGatherProto(
                         w,
                         signals.CH_AG,
                         signals.AG_MAX_SPLITS,
@@ -222,8 +222,10 @@ def _gemm_cases(fmt: Any, shape: tuple, dtypes: tuple, variants: tuple) -> list[
                     heap=(tab, tab, s_base),
                     dims=(rows, k, sk, 256, 4),
                     rank=w - 2,
-                    PROTO=(w, signals.channel_offset(signals.CH_AG, w), signals.AG_MAX_SPLITS),
-                    BLOCKS=(32, all_gather.push_cols(fmt, cuda, k), min(64, 1 << (sk - 1).bit_length())),
+                    PROTO=all_gather.PushProto(w, signals.channel_offset(signals.CH_AG, w), signals.AG_MAX_SPLITS),
+                    BLOCKS=all_gather.PushBlocks(
+                        32, all_gather.push_cols(fmt, cuda, k), min(64, 1 << (sk - 1).bit_length())
+                    ),
                 ),
                 4,
                 3,
@@ -252,7 +254,7 @@ def _gemm_cases(fmt: Any, shape: tuple, dtypes: tuple, variants: tuple) -> list[
                     FMT=fmt_code,
                     TILE=scfg.tile(),
                     MATH=math,
-                    PROTO=(w, broadcast, split, True),
+                    PROTO=scatter.ScatterProto(w, broadcast, split, True),
                 ),
                 scfg.num_warps,
                 scfg.num_stages,
@@ -454,7 +456,7 @@ def _norm_cases() -> list[Case]:
                         rank=w - 2,
                         timeout=TIMEOUT,
                         TILE=cfg.tile(),
-                        PROTO=(w, broadcast, False, True),
+                        PROTO=scatter.ScatterProto(w, broadcast, False, True),
                     ),
                     cfg.num_warps,
                     1,
@@ -467,7 +469,7 @@ def _norm_cases() -> list[Case]:
         gather_args = gather_rows_args(tab, _t(torch.float32), (-(-m // w), n, ld, w), cfg, TIMEOUT, residual=bf16)
         cases.append(Case(f"norm gather residual {tag}", all_reduce._gather_rows_kernel, gather_args, cfg.num_warps, 1))
         e4m3 = torch.float8_e4m3fn
-        fp8 = (FP8_MAX[e4m3], *FP8_FORMAT[e4m3])
+        fp8 = all_reduce_norm.Fp8Format(FP8_MAX[e4m3], *FP8_FORMAT[e4m3])
         f32 = _t(torch.float32)
         # QUANT 0: bf16 out; 1: fp32 y32 (tensor mode, quantized after); 2 / 3: FP8 row / block in the kernel.
         for quant, out, block_n in ((0, bf16, 1024), (1, f32, 1024), (2, _t(e4m3), 1024), (3, _t(e4m3), 1024)):
