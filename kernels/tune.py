@@ -41,6 +41,7 @@ from . import capture
 from .config import ENV_TUNE_CACHE, PARALLEL_NUMS, get_config
 from .format import PLAIN
 from .ops.gemm import GemmCall, Operands
+from .protocol.spec import forget_signatures
 
 Choice = int | str
 Impls = dict[str, Callable[..., Any]]
@@ -78,6 +79,8 @@ def clear_memory_cache() -> None:
     """Forget every in-memory choice (tests, or a user who changed the machine under a process)."""
     _memory.clear()
     _file_cache.clear()
+    # A signature resolved before carries the choice made then: forget it too, or it would outlive the cache.
+    forget_signatures()
 
 
 def _check_choice(value: Any, where: str) -> Choice:

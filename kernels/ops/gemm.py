@@ -253,7 +253,7 @@ def builder(
     ``build`` of :func:`kernels.protocol.submit`."""
 
     def build(world: int) -> Built:
-        if options.dim is not None and isinstance(options.x, torch.Tensor) and options.x.dim() >= 1:
+        if options.dim is not None and isinstance(options.x, torch.Tensor) and options.x.dim() >= 2:
             checks.normalize_dim(options.dim[0], options.dim[1], options.x)
         fmt, ops = operands()
         checks.check_backend(options.backend)

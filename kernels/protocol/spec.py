@@ -186,6 +186,12 @@ _RESOLVED: dict[tuple, tuple] = {}
 _RESOLVED_MAX = 4096
 
 
+def forget_signatures() -> None:
+    """Drop every resolved signature, so that the next call of each validates and chooses its backend again
+    (the tuner's choices were forgotten, or the machine changed under the process)."""
+    _RESOLVED.clear()
+
+
 def submit(
     spec: OpSpec,
     op: str,
@@ -200,7 +206,9 @@ def submit(
     before (``_RESOLVED``)."""
     if fast is not None and not torch.compiler.is_compiling():
         entry = _RESOLVED.get(fast[0])
-        if entry is not None and entry[5] is get_config():
+        # The group's size is read again on every call: the same key (group=None) names a group of one before
+        # init_process_group and the default group after it, and torchrun's WORLD_SIZE without a group is refused.
+        if entry is not None and entry[5] is get_config() and entry[2] == (1 if spec.local else world_of(group)):
             requested_call, call, world, digest, heap_device, _ = entry
             operands = fast[1]()
             if world > 1:

@@ -96,6 +96,17 @@ def test_launched_with_several_processes_but_no_process_group(monkeypatch, world
             call()
 
 
+def test_resolved_signature_still_reads_the_group(monkeypatch):
+    """A signature resolved as a group of one (no process group) is not reused once WORLD_SIZE says there are
+    several processes: the call is refused as it would have been at its first call."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    torch.testing.assert_close(kernels.matmul_all_reduce(X, W), X @ W.T)
+    torch.testing.assert_close(kernels.matmul_all_reduce(X, W), X @ W.T)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"not initialized but WORLD_SIZE=2 .*init_process_group"):
+        kernels.matmul_all_reduce(X, W)
+
+
 def _reduce_scatter_bad_rows(rank, world):
     with pytest.raises(ValueError) as e:
         kernels.matmul_reduce_scatter(torch.randn(7, 6), W)

@@ -177,7 +177,7 @@ def _in_capture(rank: int, world: int, check: str | None) -> list[str]:
             try:
                 kernels.matmul_all_reduce(x, w[:, :-1] if rank else w, b, backend="sequential")
             except ValueError as e:
-                out.append(str(e)[:60])
+                out.append(str(e).split(": x has", 1)[0])
         out += [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
     finally:
         capture.capturing = real
