@@ -51,7 +51,7 @@ _COPY_FIRST = tl.constexpr(COPY_FIRST)
 
 
 class PushProto(NamedTuple):
-    """``PROTO`` of :func:`_push_kernel`: flag ``AG[src, c]`` lies at ``FLAG_OFFSET + src * FLAG_STRIDE + c``."""
+    """``PROTO`` of :func:`push_kernel`: flag ``AG[src, c]`` lies at ``FLAG_OFFSET + src * FLAG_STRIDE + c``."""
 
     WORLD: int
     FLAG_OFFSET: int
@@ -59,7 +59,7 @@ class PushProto(NamedTuple):
 
 
 class PushBlocks(NamedTuple):
-    """``BLOCKS`` of :func:`_push_kernel`: ``BLOCK_R`` rows per copy step, ``BLOCK_K`` payload and ``BLOCK_S``
+    """``BLOCKS`` of :func:`push_kernel`: ``BLOCK_R`` rows per copy step, ``BLOCK_K`` payload and ``BLOCK_S``
     scale columns per step."""
 
     BLOCK_R: int
@@ -91,7 +91,7 @@ def _scale_region(data_tab_ptr, rank, s_base):
 
 
 @triton.jit(do_not_specialize=["rank"])
-def _push_kernel(X, heap, dims, rank, PROTO: tl.constexpr, BLOCKS: tl.constexpr):
+def push_kernel(X, heap, dims, rank, PROTO: tl.constexpr, BLOCKS: tl.constexpr):
     # X as the GEMM's (scale None: no scale rows); heap = (data table, signal table, S base);
     # dims = (M_LOCAL, K, SK, chunk_rows, n_chunks); PROTO: PushProto; BLOCKS: PushBlocks.
     # Program (step, c) copies chunk c of x into row block ``rank`` of rank (rank - 1 - step)'s
@@ -287,7 +287,7 @@ def _push(call: runtime.FusedCall, fmt: OperandFormat, ops: Operands, chunk: int
     if gpu:
         side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
-        _push_kernel[((w - 1) * n_chunks,)](
+        push_kernel[((w - 1) * n_chunks,)](
             x_operand(fmt, x, ops.x_scale),
             (heap.data_ptrs, heap.sig_ptrs, scale_base(w * m_local * k * x.element_size())),
             (m_local, k, sk, chunk, n_chunks),

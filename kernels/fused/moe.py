@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ..format import PLAIN, pack_rows, unpack_rows
 from . import grouped, runtime, signals
-from .all_gather import PushBlocks, PushProto, _push_kernel, scale_base
+from .all_gather import PushBlocks, PushProto, push_kernel, scale_base
 from .all_reduce_norm import block_config
 from .blocks import BlockConfig, chunk_rows
 from .scatter import ScatterProto, push_tile, reduce_slots, scatter_tile, slot_stride, tiles
@@ -219,7 +219,7 @@ def _collect(call: runtime.FusedCall, x: torch.Tensor, ids: torch.Tensor, i_base
     ids_f32 = ids.to(torch.float32)
     # The push kernel of all_gather_matmul, the ids as its fp32 "scale rows": pushed before the collect, in
     # stream order; it waits for nothing but the call check, so no peer's collect can keep it from finishing.
-    _push_kernel[((w - 1) * n_chunks,)](
+    push_kernel[((w - 1) * n_chunks,)](
         (x, x.stride(0), x.stride(1), ids_f32, ids_f32.stride(0), ids_f32.stride(1)),
         (heap.data_ptrs, heap.sig_ptrs, i_base),
         (m_local, k, topk, chunk, n_chunks),

@@ -216,7 +216,7 @@ def _gemm_cases(fmt: Any, shape: tuple, dtypes: tuple, variants: tuple) -> list[
         cases.append(
             Case(
                 f"push {name} {tag}",
-                all_gather._push_kernel,
+                all_gather.push_kernel,
                 dict(
                     X=X,
                     heap=(tab, tab, s_base),
