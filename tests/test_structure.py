@@ -7,7 +7,9 @@
   in the product (an explicit table, ``kernels.ops.table.OPS``, maps each op to its implementations), and that
   table covers every registered operator;
 * no private name used outside its module (but the few named with their reason);
-* product functions with more than 5 positional parameters (ruff's PLR0917) within a budget that only goes down.
+* product functions with more than 5 positional parameters (ruff's PLR0917) within a budget that only goes down;
+* no ``@triton.jit`` function in kernels/ reads a tuple argument by constant index (``PROTO[1]``): constexpr bundles
+  are named tuples read by field, runtime bundles are unpacked by name.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ MAX_LINES = 600
 # Triton does not specialize on them); +2 for all_reduce_rmsnorm's row push and norm kernels. The registered
 # operators' bodies take their schema's arguments as one tuple (kernels.protocol.OpSpec): 20.
 POSITIONAL_BUDGET = 20
+
+
+# ``path:function: expression`` of the indexed tuple reads still allowed in @triton.jit functions: none.
+INDEXED_TUPLES_ALLOWED: frozenset[str] = frozenset()
 
 
 def _modules() -> dict[str, Path]:
@@ -230,3 +236,82 @@ def test_no_private_name_used_across_modules() -> None:
                     uses.add(f"{name} -> {owner}.{node.attr}")
     assert uses <= set(PRIVATE_USES), sorted(uses - set(PRIVATE_USES))
     assert len(PRIVATE_USES) <= 5
+
+
+def _is_triton_jit(decorator: ast.expr) -> bool:
+    return ast.unparse(decorator.func if isinstance(decorator, ast.Call) else decorator) == "triton.jit"
+
+
+def _constant_index(node: ast.expr) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        node = node.operand
+    return isinstance(node, ast.Constant) and isinstance(node.value, int)
+
+
+def _indexed_tuple_reads(source: str) -> tuple[int, list[tuple[str, int, str]]]:
+    """``(@triton.jit functions, (function, line, expression) of each read by constant index)`` in ``source``.
+
+    A read counts when its target is a parameter of the function, or a local bound with a ``tl.constexpr``
+    annotation (a field of a named constexpr taken out of its bundle): ``PROTO[0]`` gives a position a meaning
+    that only the launch site's tuple states, and the same position of another kernel's bundle can mean another
+    thing. Slices and tensor indexing (``offs_m[:, None]``) are not constant indices."""
+    functions, found = 0, []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, ast.FunctionDef) or not any(_is_triton_jit(d) for d in fn.decorator_list):
+            continue
+        functions += 1
+        names = {a.arg for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs}
+        names |= {
+            node.target.id
+            for node in ast.walk(fn)
+            if isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and ast.unparse(node.annotation) == "tl.constexpr"
+        }
+        found += [
+            (fn.name, node.lineno, ast.unparse(node))
+            for node in ast.walk(fn)
+            if isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in names
+            and _constant_index(node.slice)
+        ]
+    return functions, found
+
+
+def test_indexed_tuple_reads_are_found() -> None:
+    source = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def k(X, dims, PROTO: tl.constexpr, CONFIG: tl.constexpr):
+    x_ptr, stride_xm = X
+    TILE: tl.constexpr = CONFIG.TILE
+    offs = tl.arange(0, TILE.BLOCK_M)
+    tl.store(x_ptr + offs[:, None], PROTO.WORLD + dims[3] + PROTO[-1] + TILE[0])
+
+
+def host(t):
+    return t[0]
+"""
+    functions, found = _indexed_tuple_reads(source)
+    assert functions == 1
+    assert sorted(expr for _, _, expr in found) == ["PROTO[-1]", "TILE[0]", "dims[3]"]
+
+
+def test_triton_kernels_read_no_tuple_by_index() -> None:
+    functions, unexpected = 0, []
+    for path in sorted(Path(REPO_ROOT, "kernels").rglob("*.py")):
+        n, reads = _indexed_tuple_reads(path.read_text(encoding="utf-8"))
+        functions += n
+        where = path.relative_to(REPO_ROOT).as_posix()
+        unexpected += [
+            f"{where}:{line}: {fn}: {expr}"
+            for fn, line, expr in reads
+            if f"{where}:{fn}: {expr}" not in INDEXED_TUPLES_ALLOWED
+        ]
+    # The walk sees the kernels at all (a decorator spelled otherwise would hide them).
+    assert functions > 50, functions
+    assert not unexpected, "tuple arguments read by index in @triton.jit functions:\n" + "\n".join(unexpected)

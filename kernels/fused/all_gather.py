@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -49,6 +50,39 @@ _STORE_IN_GEMM = tl.constexpr(STORE_IN_GEMM)
 _COPY_FIRST = tl.constexpr(COPY_FIRST)
 
 
+class PushProto(NamedTuple):
+    """``PROTO`` of :func:`push_kernel`: flag ``AG[src, c]`` lies at ``FLAG_OFFSET + src * FLAG_STRIDE + c``."""
+
+    WORLD: int
+    FLAG_OFFSET: int
+    FLAG_STRIDE: int
+
+
+class PushBlocks(NamedTuple):
+    """``BLOCKS`` of :func:`push_kernel`: ``BLOCK_R`` rows per copy step, ``BLOCK_K`` payload and ``BLOCK_S``
+    scale columns per step."""
+
+    BLOCK_R: int
+    BLOCK_K: int
+    BLOCK_S: int
+
+
+class AllGatherProto(NamedTuple):
+    """``PROTO`` of :func:`_ag_gemm_kernel`: ``CHANNEL``, the phase its timeouts report (``AG``); the flags'
+    stride per source; ``SPLIT_BLOCKS``, x's rows are outer blocks gathered on their own (``gather_dim > 0``);
+    ``STORE_A``, where the gathered rows are written (the constants above); ``BLOCK_S``, scale columns per copy
+    step; ``ROUND``, the epilogue's rounding (:func:`tile.store_tile`)."""
+
+    WORLD: int
+    CHANNEL: int
+    FLAG_STRIDE: int
+    SPLIT_BLOCKS: bool
+    STORE_A: int
+    BLOCK_S: int
+    ROUND: int
+    USE_GLOBALTIMER: bool
+
+
 @triton.jit
 def _scale_region(data_tab_ptr, rank, s_base):
     """Rank ``rank``'s gathered scale region ``S`` (fp32, ``s_base`` elements into the data region, a
@@ -57,18 +91,19 @@ def _scale_region(data_tab_ptr, rank, s_base):
 
 
 @triton.jit(do_not_specialize=["rank"])
-def _push_kernel(X, heap, dims, rank, PROTO: tl.constexpr, BLOCKS: tl.constexpr):
+def push_kernel(X, heap, dims, rank, PROTO: tl.constexpr, BLOCKS: tl.constexpr):
     # X as the GEMM's (scale None: no scale rows); heap = (data table, signal table, S base);
-    # dims = (M_LOCAL, K, SK, chunk_rows, n_chunks); PROTO = (WORLD, FLAG_OFFSET, FLAG_STRIDE);
-    # BLOCKS = (BLOCK_R, BLOCK_K, BLOCK_S).
+    # dims = (M_LOCAL, K, SK, chunk_rows, n_chunks); PROTO: PushProto; BLOCKS: PushBlocks.
     # Program (step, c) copies chunk c of x into row block ``rank`` of rank (rank - 1 - step)'s
     # gather buffer and then raises that rank's flag AG[rank, c]. Rank d's GEMM reads its own rows
     # (from its x) first and shard d + 1 next, so rank - 1 is served first, then rank - 2, ...
     x_ptr, stride_xm, stride_xk, xs_ptr, stride_xsm, stride_xsk = X
     data_tab_ptr, sig_tab_ptr, s_base = heap
     M_LOCAL, K, SK, chunk_rows, n_chunks = dims
-    WORLD: tl.constexpr = PROTO[0]
-    BLOCK_R: tl.constexpr = BLOCKS[0]
+    WORLD: tl.constexpr = PROTO.WORLD
+    BLOCK_R: tl.constexpr = BLOCKS.BLOCK_R
+    BLOCK_K: tl.constexpr = BLOCKS.BLOCK_K
+    BLOCK_S: tl.constexpr = BLOCKS.BLOCK_S
     pid = tl.program_id(0)
     step = pid // n_chunks
     c = pid % n_chunks
@@ -84,12 +119,13 @@ def _push_kernel(X, heap, dims, rank, PROTO: tl.constexpr, BLOCKS: tl.constexpr)
         for r0 in range(c * chunk_rows, end, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
             mask_r = rows < end
-            copy_rows((x_ptr, stride_xm, stride_xk, rows), (g, rank * M_LOCAL + rows), mask_r, K, BLOCKS[1])
+            copy_rows((x_ptr, stride_xm, stride_xk, rows), (g, rank * M_LOCAL + rows), mask_r, K, BLOCK_K)
             if xs_ptr is not None:
                 # Before the flag: one flag covers a chunk's payload and scale rows.
-                copy_rows((xs_ptr, stride_xsm, stride_xsk, rows), (gs, rank * M_LOCAL + rows), mask_r, SK, BLOCKS[2])
+                copy_rows((xs_ptr, stride_xsm, stride_xsk, rows), (gs, rank * M_LOCAL + rows), mask_r, SK, BLOCK_S)
         signals.send_signal(
-            signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + PROTO[1] + rank * PROTO[2] + c, signals.call_epoch(pad)
+            signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + PROTO.FLAG_OFFSET + rank * PROTO.FLAG_STRIDE + c,
+            signals.call_epoch(pad),
         )
 
 
@@ -101,9 +137,9 @@ def _gemm_tile(A, W, OUT, where, FMT: tl.constexpr, TILE: tl.constexpr, MATH: tl
     and where the gathered rows start in ``x_gathered`` for the copy inside the GEMM core."""
     a_rows, local_rows, offs_m, mask_m, offs_n, mask_n, src, rows_per_block, pid_n, g_base, K, SK = where
     y_ptr, stride_ym, stride_yn, bias_ptr, g_ptr, gs_ptr = OUT
-    WORLD: tl.constexpr = PROTO[0]
-    SPLIT_BLOCKS: tl.constexpr = PROTO[3]
-    STORE_A: tl.constexpr = PROTO[4]
+    WORLD: tl.constexpr = PROTO.WORLD
+    SPLIT_BLOCKS: tl.constexpr = PROTO.SPLIT_BLOCKS
+    STORE_A: tl.constexpr = PROTO.STORE_A
     if STORE_A == _COPY_FIRST:
         # Before the GEMM (nothing of it live yet): x_gathered's rows are strided (SPLIT_BLOCKS), or
         # the k loop of a scaled format would carry the copy's registers.
@@ -113,9 +149,9 @@ def _gemm_tile(A, W, OUT, where, FMT: tl.constexpr, TILE: tl.constexpr, MATH: tl
             else:
                 g_rows = offs_m
             a_ptr, stride_am, stride_ak, as_ptr, stride_asm, stride_ask = A
-            copy_rows((a_ptr, stride_am, stride_ak, a_rows), (g_ptr, g_rows), mask_m, K, TILE[2])
+            copy_rows((a_ptr, stride_am, stride_ak, a_rows), (g_ptr, g_rows), mask_m, K, TILE.BLOCK_K)
             if gs_ptr is not None:
-                copy_rows((as_ptr, stride_asm, stride_ask, a_rows), (gs_ptr, g_rows), mask_m, SK, PROTO[5])
+                copy_rows((as_ptr, stride_asm, stride_ask, a_rows), (gs_ptr, g_rows), mask_m, SK, PROTO.BLOCK_S)
     if STORE_A == _STORE_IN_GEMM:
         # Only the n-tile-0 programs write x_gathered (the interpreter cannot broadcast a scalar
         # predicate into a mask, hence the vector form).
@@ -127,7 +163,7 @@ def _gemm_tile(A, W, OUT, where, FMT: tl.constexpr, TILE: tl.constexpr, MATH: tl
         offs_y = split_rows(local_rows, src, rows_per_block, WORLD)
     else:
         offs_y = offs_m
-    store_tile((y_ptr, stride_ym, stride_yn, bias_ptr), acc, (offs_y, mask_m, offs_n, mask_n), PROTO[6])
+    store_tile((y_ptr, stride_ym, stride_yn, bias_ptr), acc, (offs_y, mask_m, offs_n, mask_n), PROTO.ROUND)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout", "rows_per_block"])
@@ -147,12 +183,13 @@ def _ag_gemm_kernel(
 ):
     # X: this rank's x (and scales); OUT = (y, stride_ym, stride_yn, bias, x_gathered, x_scale_gathered);
     # heap = (data table, signal table, AG offset, S base); dims = (M_LOCAL, N, K, SK, n_tiles, chunk_rows);
-    # PROTO = (WORLD, CHANNEL, FLAG_STRIDE, SPLIT_BLOCKS, STORE_A, BLOCK_S, ROUND, USE_GLOBALTIMER).
+    # PROTO: AllGatherProto.
+    x_ptr, _, _, xs_ptr, _, _ = X
     data_tab_ptr, sig_tab_ptr, flag_offset, s_base = heap
     M_LOCAL, N, K, SK, n_tiles, chunk_rows = dims
-    BLOCK_M: tl.constexpr = TILE[0]
-    BLOCK_N: tl.constexpr = TILE[1]
-    WORLD: tl.constexpr = PROTO[0]
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    WORLD: tl.constexpr = PROTO.WORLD
     pid = tl.program_id(0)
     tiles_per_shard = tl.cdiv(M_LOCAL, BLOCK_M)
     pid_m = pid // n_tiles
@@ -163,7 +200,7 @@ def _ag_gemm_kernel(
     # chunk_rows is the same on every rank (it follows the checked m_local only) while BLOCK_M is this
     # rank's own (tuned by its n, which column shards need not share): a tile waits for every chunk
     # of src's shard its rows overlap.
-    flags = flag_offset + src * PROTO[2]
+    flags = flag_offset + src * PROTO.FLAG_STRIDE
     first_chunk = first_row // chunk_rows
     last_chunk = (tl.minimum(first_row + BLOCK_M, M_LOCAL) - 1) // chunk_rows
     local_rows = first_row + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -184,13 +221,13 @@ def _ag_gemm_kernel(
             _gemm_tile(X, W, OUT, where, FMT, TILE, MATH, PROTO)
     else:
         epoch = signals.call_epoch(pad)
-        code = 1 + src + WORLD * PROTO[1]
-        ready = signals.wait_signal(pad + flags + first_chunk, epoch, pad, timeout, code, PROTO[7])
+        code = 1 + src + WORLD * PROTO.CHANNEL
+        ready = signals.wait_signal(pad + flags + first_chunk, epoch, pad, timeout, code, PROTO.USE_GLOBALTIMER)
         for c in range(first_chunk + 1, last_chunk + 1):
-            ready = ready & signals.wait_signal(pad + flags + c, epoch, pad, timeout, code, PROTO[7])
+            ready = ready & signals.wait_signal(pad + flags + c, epoch, pad, timeout, code, PROTO.USE_GLOBALTIMER)
         if ready:
-            g_local = signals.peer_ptr(data_tab_ptr, rank, X[0].dtype.element_ty)
-            if X[3] is not None:
+            g_local = signals.peer_ptr(data_tab_ptr, rank, x_ptr.dtype.element_ty)
+            if xs_ptr is not None:
                 A = (g_local, K, 1, _scale_region(data_tab_ptr, rank, s_base), SK, 1)
             else:
                 A = (g_local, K, 1, None, 0, 0)
@@ -250,13 +287,13 @@ def _push(call: runtime.FusedCall, fmt: OperandFormat, ops: Operands, chunk: int
     if gpu:
         side.wait_stream(torch.cuda.current_stream(x.device))
     with torch.cuda.stream(side) if gpu else contextlib.nullcontext():
-        _push_kernel[((w - 1) * n_chunks,)](
+        push_kernel[((w - 1) * n_chunks,)](
             x_operand(fmt, x, ops.x_scale),
             (heap.data_ptrs, heap.sig_ptrs, scale_base(w * m_local * k * x.element_size())),
             (m_local, k, sk, chunk, n_chunks),
             r,
-            PROTO=(w, signals.channel_offset(signals.CH_AG, w), signals.AG_MAX_SPLITS),
-            BLOCKS=(32 if gpu else 16, push_cols(fmt, x.device, k), _block_s(sk)),
+            PROTO=PushProto(w, signals.channel_offset(signals.CH_AG, w), signals.AG_MAX_SPLITS),
+            BLOCKS=PushBlocks(32 if gpu else 16, push_cols(fmt, x.device, k), _block_s(sk)),
             num_warps=4 if gpu else 1,
         )
     return gpu
@@ -314,7 +351,7 @@ def _gemm(call: runtime.FusedCall, fmt: OperandFormat, ops: Operands, layout: tu
             FMT=kernel_format(fmt, cfg),
             TILE=cfg.tile(),
             MATH=dot_math(x.dtype, x.device),
-            PROTO=(
+            PROTO=AllGatherProto(
                 w,
                 signals.CH_AG,
                 signals.AG_MAX_SPLITS,

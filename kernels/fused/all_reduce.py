@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import triton
@@ -28,12 +28,20 @@ import triton.language as tl
 from ..ops.gemm import GemmCall, Operands
 from . import matmul, runtime, signals
 from .blocks import BlockConfig, block_config
-from .scatter import Partials, reduce_slots, slot_stride, slot_tile
+from .scatter import Partials, SlotTile, reduce_slots, slot_stride, slot_tile
 
 # Outputs (in the partial dtype) up to this many bytes use one-shot: latency (one exchange, no second
 # kernel round) wins over the ~W/2 times larger traffic while messages are small.
 ONE_SHOT_MAX_BYTES = 256 * 1024
 ALGORITHMS = ("auto", "one_shot", "two_shot")
+
+
+class GatherRowsProto(NamedTuple):
+    """``PROTO`` of :func:`_gather_rows_kernel`: ``CHANNEL``, the phase its timeouts report (``AR``)."""
+
+    WORLD: int
+    CHANNEL: int
+    USE_GLOBALTIMER: bool
 
 
 @triton.jit(do_not_specialize=["rank", "target", "timeout"])
@@ -42,13 +50,13 @@ def _gather_rows_kernel(
 ):
     # heap = (data table, signal table, O region's base, AR offset); OUT = (out, stride_om, stride_on, residual,
     # stride_rm, stride_rn): residual None, or this rank's rows added to the reduced ones (fp32 or fp64 out);
-    # dims = (M, N, LD, ROWS_OWN); TILE = (BLOCK_M, BLOCK_N); PROTO = (WORLD, CHANNEL, USE_GLOBALTIMER).
+    # dims = (M, N, LD, ROWS_OWN); TILE: scatter.SlotTile; PROTO: GatherRowsProto.
     data_tab_ptr, sig_tab_ptr, o_base, ar_offset = heap
     out_ptr, stride_om, stride_on, res_ptr, stride_rm, stride_rn = OUT
     M, N, LD, ROWS_OWN = dims
-    BLOCK_M: tl.constexpr = TILE[0]
-    BLOCK_N: tl.constexpr = TILE[1]
-    WORLD: tl.constexpr = PROTO[0]
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    WORLD: tl.constexpr = PROTO.WORLD
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_owner = tl.cdiv(ROWS_OWN, BLOCK_M) * n_tiles
@@ -65,8 +73,8 @@ def _gather_rows_kernel(
         target,
         pad,
         timeout,
-        1 + owner + WORLD * PROTO[1],
-        PROTO[2],
+        1 + owner + WORLD * PROTO.CHANNEL,
+        PROTO.USE_GLOBALTIMER,
     )
     if ok:
         # o_base is W * ROWS_OWN * LD elements, a multiple of 8 (LD is).
@@ -228,8 +236,8 @@ def all_reduce_partials(
                 call.rank,
                 ar_target,
                 call.timeout_ticks,
-                TILE=(cfg.block_m, cfg.block_n),
-                PROTO=(w, signals.CH_AR, call.use_globaltimer),
+                TILE=SlotTile(cfg.block_m, cfg.block_n),
+                PROTO=GatherRowsProto(w, signals.CH_AR, call.use_globaltimer),
                 num_warps=cfg.num_warps,
             )
     return out

@@ -25,6 +25,7 @@ its ``y32`` is quantized after the kernel by that torch function.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,7 +36,7 @@ from ..fp8.scales import BLOCK, EPS, FP8_MAX
 from . import runtime, signals
 from .all_reduce import all_reduce_partials
 from .blocks import BlockConfig
-from .scatter import push_tile, scatter_tile, slot_stride, tiles
+from .scatter import ScatterProto, push_tile, scatter_tile, slot_stride, tiles
 
 # Rows and columns of a push / reduce tile (small m: decode steps of 1 to 256 tokens).
 _CPU_BLOCKS = BlockConfig(block_m=8, block_n=32, block_k=16, num_warps=1, num_stages=1, ag_splits=1, group_m=1)
@@ -50,11 +51,21 @@ _AMAX_EPS = tl.constexpr(EPS)
 _QBLOCK = tl.constexpr(BLOCK)
 
 
+class Fp8Format(NamedTuple):
+    """``FP8`` of :func:`_rmsnorm_kernel`: the FP8 dtype's largest value and the (mantissa bits, smallest normal
+    exponent) of its grid (:data:`kernels.fp8.quantize_triton.FP8_FORMAT`)."""
+
+    MAX: float
+    MANTISSA: int
+    MIN_EXP: int
+
+
 @triton.jit(do_not_specialize=["rank", "timeout"])
 def _push_rows_kernel(X, heap, dims, rank, timeout: tl.int64, TILE: tl.constexpr, PROTO: tl.constexpr):
     # X = (x, stride_xm, stride_xn); heap = (data table, signal table, DONE offset, RS offset);
-    # dims = (M, N, 0, LD, ROWS_OWN); PROTO = (WORLD, BROADCAST, 0, USE_GLOBALTIMER), as the scatter GEMM's.
+    # dims = (M, N, 0, LD, ROWS_OWN); PROTO: scatter.ScatterProto, as the scatter GEMM's (SPLIT_BLOCKS False).
     x_ptr, stride_xm, stride_xn = X
+    _, _, _, LD, ROWS_OWN = dims
     owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, dims, TILE, PROTO)
     # Columns [N, LD) load as zeros: the slot rows' padding, as the GEMM's masked columns.
     values = tl.load(
@@ -62,7 +73,7 @@ def _push_rows_kernel(X, heap, dims, rank, timeout: tl.int64, TILE: tl.constexpr
         mask=mask_m[:, None] & mask_n[None, :],
         other=0.0,
     )
-    push_tile(values, heap, (owner, local_rows, mask_m, offs_n, dims[3], dims[4], rank, timeout), PROTO)
+    push_tile(values, heap, (owner, local_rows, mask_m, offs_n, LD, ROWS_OWN, rank, timeout), PROTO)
 
 
 @triton.jit
@@ -143,8 +154,8 @@ def _y32(PTRS, ROWS, rstd, start, BLOCK_N: tl.constexpr):
 @triton.jit
 def _scale(amax, bad, FP8: tl.constexpr):
     """``max(amax, EPS) / FP8_MAX`` (correctly rounded, as torch divides), NaN where the block held a NaN or
-    Inf: :func:`kernels.fp8.quantize.quantize_fp8`'s scale. ``FP8 = (FP8_MAX, mantissa bits, min exponent)``."""
-    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), tl.full(amax.shape, FP8[0], tl.float32))
+    Inf: :func:`kernels.fp8.quantize.quantize_fp8`'s scale. ``FP8``: :class:`Fp8Format`."""
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_EPS), tl.full(amax.shape, FP8.MAX, tl.float32))
     return tl.where(bad > 0, float("nan"), scale)
 
 
@@ -153,9 +164,9 @@ def _quantized(y, scale, DTYPE: tl.constexpr, FP8: tl.constexpr):
     """``cast(clamp(y / scale, -FP8_MAX, FP8_MAX))`` rounded to nearest even (the interpreter's cast does not:
     :mod:`kernels.fp8.quantize_triton`)."""
     scaled = tl.math.div_rn(y, scale[:, None])
-    scaled = tl.minimum(tl.maximum(scaled, -FP8[0]), FP8[0])
+    scaled = tl.minimum(tl.maximum(scaled, -FP8.MAX), FP8.MAX)
     if ROUND_BEFORE_CAST:
-        scaled = round_to_fp8_grid(scaled, FP8[1], FP8[2])
+        scaled = round_to_fp8_grid(scaled, FP8.MANTISSA, FP8.MIN_EXP)
     return scaled.to(DTYPE)
 
 
@@ -211,7 +222,7 @@ class Rows:
                 call.rank,
                 call.timeout_ticks,
                 TILE=cfg.tile(),
-                PROTO=(w, broadcast, False, call.use_globaltimer),
+                PROTO=ScatterProto(w, broadcast, False, call.use_globaltimer),
                 num_warps=cfg.num_warps,
             )
         return per_owner
@@ -281,7 +292,7 @@ def rmsnorm(
             BLOCK_M=block_m,
             BLOCK_N=min(_NORM_BLOCK_N[h.device.type], triton.next_power_of_2(max(n, 1))),
             QUANT=code,
-            FP8=(FP8_MAX[fp8_dtype], *FP8_FORMAT[fp8_dtype]),
+            FP8=Fp8Format(FP8_MAX[fp8_dtype], *FP8_FORMAT[fp8_dtype]),
             num_warps=4 if h.device.type == "cuda" else 1,
         )
     return y, residual_out, scale

@@ -8,8 +8,9 @@ every rank agrees on (the rows per tile owner, ``n``, the op, the dtype and the 
 counts that become signal targets are the same on every rank; ``block_k`` may follow each rank's own
 ``k`` (uneven contracted shards), since no count depends on it.
 
-The kernels take each operand as one tuple (:func:`x_operand`, :func:`w_operand`) and the format as
-constexprs (:func:`kernel_format`); see :mod:`tile` for their layout.
+The kernels take each operand as one tuple (:func:`x_operand`, :func:`w_operand`) and the format, tiles
+and dot arithmetic as named constexprs (:func:`kernel_format`, :meth:`BlockConfig.tile`,
+:func:`dot_math`); see :mod:`tile` for their layout.
 """
 
 from __future__ import annotations
@@ -23,7 +24,20 @@ import triton.language as tl
 from ..format import OperandFormat
 from . import tuned
 from .gemm_configs import GemmConfig
-from .tile import FP8, INT8, PER_BLOCK, PER_CHANNEL, PER_GROUP, PER_GROUP_ALIGNED, PER_ROW, PER_TENSOR, PLAIN
+from .tile import (
+    FP8,
+    INT8,
+    PER_BLOCK,
+    PER_CHANNEL,
+    PER_GROUP,
+    PER_GROUP_ALIGNED,
+    PER_ROW,
+    PER_TENSOR,
+    PLAIN,
+    Format,
+    Math,
+    Tile,
+)
 
 
 @dataclass(frozen=True)
@@ -43,9 +57,9 @@ class BlockConfig:
     ag_splits: int
     group_m: int
 
-    def tile(self) -> tuple[int, int, int, int]:
+    def tile(self) -> Tile:
         """The ``TILE`` constexpr of the kernels."""
-        return (self.block_m, self.block_n, self.block_k, self.group_m)
+        return Tile(self.block_m, self.block_n, self.block_k, self.group_m)
 
     def launch(self) -> dict[str, int]:
         return dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -173,27 +187,27 @@ def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
     return "tf32"
 
 
-def dot_math(dtype: torch.dtype, device: torch.device) -> tuple[tl.dtype, str]:
+def dot_math(dtype: torch.dtype, device: torch.device) -> Math:
     """The ``MATH`` constexpr of the kernels for an x of ``dtype``: (accumulator, dot precision). FP8 tiles
     accumulate in fp32 whatever it says."""
-    return acc_dtype(dtype), dot_precision(dtype, device)
+    return Math(acc_dtype(dtype), dot_precision(dtype, device))
 
 
-def kernel_format(fmt: OperandFormat, cfg: BlockConfig) -> tuple[int, int, bool]:
-    """The ``FMT`` constexpr of the kernels: ``(kind, scale layout, offset)`` (:mod:`tile`).
+def kernel_format(fmt: OperandFormat, cfg: BlockConfig) -> Format:
+    """The ``FMT`` constexpr of the kernels: :class:`tile.Format`, ``(kind, scale layout, offset)``.
 
     int8 per-group scales are ``PER_GROUP_ALIGNED`` when a k step lies inside one group
     (``group_size % block_k == 0``: one ``[BLOCK_N]`` scale row per step), else gathered per element.
     """
     if fmt.kind == "fp8":
-        return (FP8, PER_BLOCK if fmt.mode == "block" else PER_ROW, False)
+        return Format(FP8, PER_BLOCK if fmt.mode == "block" else PER_ROW, False)
     if fmt.kind == "int8":
         if fmt.mode == "per_group":
             layout = PER_GROUP_ALIGNED if fmt.group_size % cfg.block_k == 0 else PER_GROUP
         else:
             layout = PER_TENSOR if fmt.mode == "per_tensor" else PER_CHANNEL
-        return (INT8, layout, fmt.offset)
-    return (PLAIN, 0, False)
+        return Format(INT8, layout, fmt.offset)
+    return Format(PLAIN, 0, False)
 
 
 def _scale_strides(fmt: OperandFormat, scale: torch.Tensor) -> tuple[int, int]:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .gemm_configs import GemmConfig
 from .runtime import triton_interpreted
-from .tile import dot_acc
+from .tile import Math, Tile, dot_acc
 
 # Programs of an interpreted persistent launch: a few, so tests see several tiles per program.
 INTERPRETER_SMS = 3
@@ -54,24 +54,24 @@ def _record(walk_ptr, tile_id):
 @triton.jit(do_not_specialize=["num_programs"])
 def _tma_kernel(a_desc, b_desc, c_desc, bias_ptr, walk_ptr, dims, num_programs, TILE: tl.constexpr, MATH: tl.constexpr):
     M, N, K = dims
-    BLOCK_M: tl.constexpr = TILE[0]
-    BLOCK_N: tl.constexpr = TILE[1]
-    BLOCK_K: tl.constexpr = TILE[2]
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_K: tl.constexpr = TILE.BLOCK_K
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     for tile_id in range(tl.program_id(0), num_tiles, num_programs):
-        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, TILE[3])
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, TILE.GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=MATH[0])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=MATH.ACC_DTYPE)
         for k0 in range(0, K, BLOCK_K):
             a = a_desc.load([off_m, k0])
             b = b_desc.load([off_n, k0])
             acc = dot_acc(a, b.T, acc, MATH)
         if bias_ptr is not None:
             offs_n = off_n + tl.arange(0, BLOCK_N)
-            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(MATH[0])[None, :]
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(MATH.ACC_DTYPE)[None, :]
         c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
         _record(walk_ptr, tile_id)
 
@@ -82,20 +82,20 @@ def _pointer_kernel(A, B, OUT, walk_ptr, dims, num_programs, TILE: tl.constexpr,
     a_ptr, stride_am, stride_ak = A
     b_ptr, stride_bn, stride_bk = B
     c_ptr, stride_cm, stride_cn, bias_ptr = OUT
-    BLOCK_M: tl.constexpr = TILE[0]
-    BLOCK_N: tl.constexpr = TILE[1]
-    BLOCK_K: tl.constexpr = TILE[2]
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_K: tl.constexpr = TILE.BLOCK_K
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     for tile_id in range(tl.program_id(0), num_tiles, num_programs):
-        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, TILE[3])
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, TILE.GROUP_M)
         # int64: offs * stride of a large (or transposed) operand may pass 2^31.
         offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=MATH[0])
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=MATH.ACC_DTYPE)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
             mask_k = offs_k < K
@@ -111,7 +111,7 @@ def _pointer_kernel(A, B, OUT, walk_ptr, dims, num_programs, TILE: tl.constexpr,
             )
             acc = dot_acc(a, b, acc, MATH)
         if bias_ptr is not None:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(MATH[0])[None, :]
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(MATH.ACC_DTYPE)[None, :]
         tl.store(
             c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
             acc.to(c_ptr.dtype.element_ty),
@@ -173,12 +173,12 @@ def launch(
     out: torch.Tensor,
     cfg: GemmConfig,
     *,
-    math: tuple[tl.dtype, str],
+    math: Math,
     walk: torch.Tensor | None = None,
 ) -> None:
     """``out = x @ weight.T + bias`` with the persistent kernel of ``cfg.variant`` ("tma" or "persistent").
 
-    ``math``: the kernels' ``(accumulator dtype, dot precision)`` (:func:`blocks.dot_math`). ``walk``
+    ``math``: the kernels' ``MATH`` (:func:`blocks.dot_math`). ``walk``
     (tests): int32 ``[tiles]`` that every computed tile increments. The caller checks
     :func:`tma_usable` before asking for "tma".
     """
@@ -188,7 +188,7 @@ def launch(
     programs = num_programs(x.device, tiles)
     bias = bias.contiguous() if bias is not None else None
     common = dict(
-        TILE=(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m),
+        TILE=Tile(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m),
         MATH=math,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -17,6 +17,8 @@ skipped. Within an expert the tiles go in grouped order (:func:`gemm_persistent.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -25,9 +27,17 @@ from ..format import OperandFormat
 from .blocks import BlockConfig, block_config, dot_math, kernel_format, w_operand, x_operand
 from .gemm_persistent import num_programs, tile_coords
 from .matmul import ROUNDING
-from .tile import PLAIN, store_tile, tile_matmul
+from .tile import PLAIN, Format, Tile, store_tile, tile_matmul
 
 _PLAIN = tl.constexpr(PLAIN)
+
+
+class GroupedConfig(NamedTuple):
+    """``CONFIG`` of :func:`_grouped_kernel`: the tile core's format and tiles and the epilogue's rounding."""
+
+    FMT: Format
+    TILE: Tile
+    ROUND: int
 
 
 @triton.jit
@@ -39,16 +49,18 @@ def _clamped(end, start, M):
 
 @triton.jit
 def _grouped_kernel(OPERANDS, OUT, GROUPS, CONFIG: tl.constexpr, MATH: tl.constexpr):
-    # OPERANDS = (X, W) and CONFIG = (FMT, TILE, ROUND) hold tile.py's bundles: five parameters at most (the
-    # repo's positional budget; Triton 3.6's interpreter cannot bind keyword-only ones), MATH on its own (Triton
-    # 3.6 cannot take a constexpr tuple holding a string out of a larger one).
+    # OPERANDS = (X, W) and CONFIG (GroupedConfig) hold tile.py's bundles: five parameters at most (the repo's
+    # positional budget; Triton 3.6's interpreter cannot bind keyword-only ones), MATH on its own (Triton 3.6
+    # could not take a constexpr tuple holding a string out of a larger one by index).
     X, W = OPERANDS
     w_ptr, stride_wn, stride_wk, ws_ptr, wo_ptr, stride_wsn, stride_wsk, group_size = W
-    FMT: tl.constexpr = CONFIG[0]
-    TILE: tl.constexpr = CONFIG[1]
-    ROUND: tl.constexpr = CONFIG[2]
-    BLOCK_M: tl.constexpr = TILE[0]
-    BLOCK_N: tl.constexpr = TILE[1]
+    # Bound to constexpr locals before they are passed on: Triton 3.6 reads a nested named tuple's field as a
+    # plain tuple, which a function call cannot take.
+    FMT: tl.constexpr = CONFIG.FMT
+    TILE: tl.constexpr = CONFIG.TILE
+    ROUND: tl.constexpr = CONFIG.ROUND
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
     offsets_ptr, num_experts, M, N, K, stride_we, stride_wse = GROUPS
     n_tiles = tl.cdiv(N, BLOCK_N)
     # Every expert holds at most one partial row tile: the walk's bound from the shapes alone.
@@ -69,7 +81,7 @@ def _grouped_kernel(OPERANDS, OUT, GROUPS, CONFIG: tl.constexpr, MATH: tl.conste
             end = _clamped(tl.load(offsets_ptr + e), start, M)
             tiles = tl.cdiv(end - start, BLOCK_M)
         if tile_m < first + tiles:
-            pid_m, pid_n = tile_coords(tile_id - first * n_tiles, tiles, n_tiles, TILE[3])
+            pid_m, pid_n = tile_coords(tile_id - first * n_tiles, tiles, n_tiles, TILE.GROUP_M)
             offs_m = start.to(tl.int64) + pid_m * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
             offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
             tile = (offs_m, offs_m < end, offs_n, offs_n < N)
@@ -77,7 +89,7 @@ def _grouped_kernel(OPERANDS, OUT, GROUPS, CONFIG: tl.constexpr, MATH: tl.conste
             # cannot return a tuple holding None (the plain format's scale, any format's offset) from a function.
             e64 = e.to(tl.int64)
             w_e = w_ptr + e64 * stride_we
-            if FMT[0] == _PLAIN:
+            if FMT.KIND == _PLAIN:
                 W_e = (w_e, stride_wn, stride_wk, ws_ptr, wo_ptr, stride_wsn, stride_wsk, group_size)
             else:
                 ws_e = ws_ptr + e64 * stride_wse
@@ -125,7 +137,7 @@ def launch(
         (x_operand(fmt, x, x_scale), w_operand(fmt, weight[0], scale_e, None)),
         (out, out.stride(0), out.stride(1), None),
         (expert_offsets, num_experts, m, n, k, weight.stride(0), 0 if w_scale is None else w_scale.stride(0)),
-        (kernel_format(fmt, cfg), cfg.tile(), ROUNDING[fmt.kind]),
+        GroupedConfig(kernel_format(fmt, cfg), cfg.tile(), ROUNDING[fmt.kind]),
         dot_math(x.dtype, x.device),
         **cfg.launch(),
     )

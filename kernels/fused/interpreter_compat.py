@@ -308,12 +308,13 @@ def fixed_order_create_dot(original: Callable[..., Any], dtypes: frozenset[np.dt
     import triton.language as tl
     from triton.runtime import interpreter
 
-    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+    def create_dot(self: Any, a: Any, b: Any, d: Any, *precision: Any) -> Any:
+        # precision: Triton's (input_precision, max_num_imprecise_acc), passed on as they came.
         if d.data.dtype not in dtypes:
-            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+            return original(self, a, b, d, *precision)
         a_data, b_data = a.data, b.data
-        # Triton's own operand handling (3.6 and 3.9 alike): FP8 operands are multiplied as fp16; input_precision
-        # and max_num_imprecise_acc are ignored, as Triton ignores them.
+        # Triton's own operand handling (3.6 and 3.9 alike): FP8 operands are multiplied as fp16; precision
+        # (input_precision, max_num_imprecise_acc) is ignored, as Triton ignores it.
         if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or (
             b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()
         ):

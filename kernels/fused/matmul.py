@@ -21,7 +21,7 @@ from ..ops.gemm import GemmCall, Operands
 from . import gemm_persistent, tuned
 from .blocks import NARROW_BLOCK_K, BlockConfig, block_config, dot_math, kernel_format, w_operand, x_operand
 from .gemm_configs import GemmConfig
-from .tile import CAST, ROUND_FIRST, grouped_tile, store_tile, tile_matmul
+from .tile import CAST, ROUND_FIRST, Tile, grouped_tile, store_tile, tile_matmul
 
 # The epilogue of each format (tile.store_tile).
 ROUNDING = {"plain": CAST, "int8": ROUND_FIRST, "fp8": CAST}
@@ -192,7 +192,7 @@ def linear(
         (out, out.stride(0), out.stride(1), None if bias is None else bias.contiguous()),
         (m, n, k),
         FMT=kernel_format(PLAIN, None),
-        TILE=(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m),
+        TILE=Tile(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m),
         MATH=dot_math(x.dtype, x.device),
         ROUND=CAST,
         num_warps=cfg.num_warps,

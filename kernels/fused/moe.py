@@ -48,6 +48,7 @@ on a GPU, by FMA contraction of the combine (each product-add rounded once inste
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,14 +56,34 @@ import triton.language as tl
 
 from ..format import PLAIN, pack_rows, unpack_rows
 from . import grouped, runtime, signals
-from .all_gather import _push_kernel, scale_base
+from .all_gather import PushBlocks, PushProto, push_kernel, scale_base
 from .all_reduce_norm import block_config
 from .blocks import BlockConfig, chunk_rows
-from .scatter import push_tile, reduce_slots, scatter_tile, slot_stride, tiles
-from .tile import copy_rows, grouped_tile
+from .scatter import ScatterProto, push_tile, reduce_slots, scatter_tile, slot_stride, tiles
+from .tile import Tile, copy_rows, grouped_tile
 
 # Columns per copy step of the collect kernel (the push kernel's, :func:`all_gather.push_cols`).
 _COPY_COLS = {"cpu": 64, "cuda": 128}
+
+
+class CombineConfig(NamedTuple):
+    """``CONFIG`` of :func:`_combine_push_kernel`: its tile and the scatter GEMM's protocol (one constexpr: a kernel
+    takes five parameters at most)."""
+
+    TILE: Tile
+    PROTO: ScatterProto
+
+
+class CollectConfig(NamedTuple):
+    """``CONFIG`` of :func:`_collect_kernel`: the all-gather flags' stride per source, ``BLOCK_R`` rows per copy
+    step and ``BLOCK_K`` / ``BLOCK_S`` columns of x / of the ids per step."""
+
+    WORLD: int
+    FLAG_STRIDE: int
+    BLOCK_R: int
+    BLOCK_K: int
+    BLOCK_S: int
+    USE_GLOBALTIMER: bool
 
 
 @triton.jit
@@ -77,8 +98,8 @@ def _combine_tile(P, ROUTE, tile, TILE: tl.constexpr):
     p_ptr, stride_pm, rows, N = P
     rows_ptr, stride_rm, w_ptr, stride_wm, topk = ROUTE
     offs_m, mask_m, offs_n = tile
-    BLOCK_M: tl.constexpr = TILE[0]
-    BLOCK_N: tl.constexpr = TILE[1]
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
     mask = mask_m[:, None] & (offs_n < N)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Slot order, one product-add per slot, in fp32: the reference's order (kernels.ops.moe.tp: the combine).
@@ -95,21 +116,25 @@ def _combine_tile(P, ROUTE, tile, TILE: tl.constexpr):
 @triton.jit(do_not_specialize=["rank", "timeout"])
 def _combine_push_kernel(OPERANDS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
     # OPERANDS = (P, ROUTE, dims) with dims = (M, N, 0, LD, ROWS_OWN) as the scatter GEMM's; heap = (data table,
-    # signal table, DONE offset, RS offset); CONFIG = (TILE, PROTO), PROTO = (WORLD, False, 0, USE_GLOBALTIMER).
+    # signal table, DONE offset, RS offset); CONFIG: CombineConfig.
     P, ROUTE, dims = OPERANDS
-    TILE: tl.constexpr = CONFIG[0]
-    PROTO: tl.constexpr = CONFIG[1]
+    _, _, _, LD, ROWS_OWN = dims
+    # Bound to constexpr locals before they are passed on: Triton 3.6 reads a nested named tuple's field as a
+    # plain tuple, which a function call cannot take.
+    TILE: tl.constexpr = CONFIG.TILE
+    PROTO: tl.constexpr = CONFIG.PROTO
     owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, dims, TILE, PROTO)
     # offs_n runs to the slot row's padding [N, LD): those columns are zeros (the reduce never copies them out).
     values = _combine_tile(P, ROUTE, (offs_m, mask_m, offs_n), TILE)
-    push_tile(values, heap, (owner, local_rows, mask_m, offs_n, dims[3], dims[4], rank, timeout), PROTO)
+    push_tile(values, heap, (owner, local_rows, mask_m, offs_n, LD, ROWS_OWN, rank, timeout), PROTO)
 
 
 @triton.jit
 def _combine_kernel(P, ROUTE, OUT, TILE: tl.constexpr):
     # W = 1: the combine stored in out's dtype (one rounding). OUT = (out, stride_om, M).
     out_ptr, stride_om, M = OUT
-    offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, P[3], TILE)
+    _, _, _, N = P
+    offs_m, mask_m, offs_n, mask_n = grouped_tile(tl.program_id(0), M, N, TILE)
     acc = _combine_tile(P, ROUTE, (offs_m, mask_m, offs_n), TILE)
     mask = mask_m[:, None] & mask_n[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -118,13 +143,12 @@ def _combine_kernel(P, ROUTE, OUT, TILE: tl.constexpr):
 @triton.jit(do_not_specialize=["rank", "timeout"])
 def _collect_kernel(ROWS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
     # ROWS = (x, stride_xm, stride_xk, ids, stride_im, stride_ik, x_gathered, ids_gathered, dims), dims = (M_LOCAL,
-    # K, TOPK, chunk_rows, n_chunks); heap = (data table, signal table, AG offset, I base);
-    # CONFIG = (WORLD, FLAG_STRIDE, BLOCK_R, BLOCK_K, BLOCK_S, USE_GLOBALTIMER).
+    # K, TOPK, chunk_rows, n_chunks); heap = (data table, signal table, AG offset, I base); CONFIG: CollectConfig.
     x_ptr, stride_xm, stride_xk, ids_ptr, stride_im, stride_ik, xg_ptr, idg_ptr, dims = ROWS
     data_tab_ptr, sig_tab_ptr, flag_offset, i_base = heap
     M_LOCAL, K, TOPK, chunk, n_chunks = dims
-    WORLD: tl.constexpr = CONFIG[0]
-    BLOCK_R: tl.constexpr = CONFIG[2]
+    WORLD: tl.constexpr = CONFIG.WORLD
+    BLOCK_R: tl.constexpr = CONFIG.BLOCK_R
     pid = tl.program_id(0)
     # Own rows first (already here), then the ring r + 1, r + 2, ...: roughly the order the peers' flags arrive.
     src = (rank + pid // n_chunks) % WORLD
@@ -138,22 +162,22 @@ def _collect_kernel(ROWS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
                 rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
                 mask_r = rows < end
                 g_rows = rank * M_LOCAL + rows
-                copy_rows((x_ptr, stride_xm, stride_xk, rows), (xg_ptr, g_rows), mask_r, K, CONFIG[3])
-                copy_rows((ids_ptr, stride_im, stride_ik, rows), (idg_ptr, g_rows), mask_r, TOPK, CONFIG[4])
+                copy_rows((x_ptr, stride_xm, stride_xk, rows), (xg_ptr, g_rows), mask_r, K, CONFIG.BLOCK_K)
+                copy_rows((ids_ptr, stride_im, stride_ik, rows), (idg_ptr, g_rows), mask_r, TOPK, CONFIG.BLOCK_S)
     else:
         epoch = signals.call_epoch(pad)
-        flag = pad + flag_offset + src * CONFIG[1] + c
+        flag = pad + flag_offset + src * CONFIG.FLAG_STRIDE + c
         # The acquire in wait_signal orders the loads below after the peer's chunk (its release-store of the flag).
-        if signals.wait_signal(flag, epoch, pad, timeout, 1 + src + WORLD * signals.CH_AG, CONFIG[5]):
+        if signals.wait_signal(flag, epoch, pad, timeout, 1 + src + WORLD * signals.CH_AG, CONFIG.USE_GLOBALTIMER):
             g = signals.peer_ptr(data_tab_ptr, rank, xg_ptr.dtype.element_ty)
             # i_base: fp32 elements, a multiple of 4 (all_gather.scale_base): 16-byte aligned.
             ids_region = signals.peer_ptr(data_tab_ptr, rank, tl.float32) + tl.multiple_of(i_base, 4)
             for r0 in range(c * chunk, end, BLOCK_R):
                 rows = src * M_LOCAL + r0 + tl.arange(0, BLOCK_R).to(tl.int64)
                 mask_r = rows < src * M_LOCAL + end
-                copy_rows((g, K, 1, rows), (xg_ptr, rows), mask_r, K, CONFIG[3])
+                copy_rows((g, K, 1, rows), (xg_ptr, rows), mask_r, K, CONFIG.BLOCK_K)
                 # fp32 ids stored into int64: exact (the pushed values are integers below 2^24).
-                copy_rows((ids_region, TOPK, 1, rows), (idg_ptr, rows), mask_r, TOPK, CONFIG[4])
+                copy_rows((ids_region, TOPK, 1, rows), (idg_ptr, rows), mask_r, TOPK, CONFIG.BLOCK_S)
 
 
 def _grouped(
@@ -195,13 +219,13 @@ def _collect(call: runtime.FusedCall, x: torch.Tensor, ids: torch.Tensor, i_base
     ids_f32 = ids.to(torch.float32)
     # The push kernel of all_gather_matmul, the ids as its fp32 "scale rows": pushed before the collect, in
     # stream order; it waits for nothing but the call check, so no peer's collect can keep it from finishing.
-    _push_kernel[((w - 1) * n_chunks,)](
+    push_kernel[((w - 1) * n_chunks,)](
         (x, x.stride(0), x.stride(1), ids_f32, ids_f32.stride(0), ids_f32.stride(1)),
         (heap.data_ptrs, heap.sig_ptrs, i_base),
         (m_local, k, topk, chunk, n_chunks),
         rank,
-        PROTO=(w, signals.channel_offset(signals.CH_AG, w), signals.AG_MAX_SPLITS),
-        BLOCKS=(32 if gpu else 16, cols, block_s),
+        PROTO=PushProto(w, signals.channel_offset(signals.CH_AG, w), signals.AG_MAX_SPLITS),
+        BLOCKS=PushBlocks(32 if gpu else 16, cols, block_s),
         num_warps=4 if gpu else 1,
     )
     _collect_kernel[(w * n_chunks,)](
@@ -219,7 +243,7 @@ def _collect(call: runtime.FusedCall, x: torch.Tensor, ids: torch.Tensor, i_base
         (heap.data_ptrs, heap.sig_ptrs, signals.channel_offset(signals.CH_AG, w), i_base),
         rank,
         call.timeout_ticks,
-        CONFIG=(w, signals.AG_MAX_SPLITS, 32 if gpu else 16, cols, block_s, call.use_globaltimer),
+        CONFIG=CollectConfig(w, signals.AG_MAX_SPLITS, 32 if gpu else 16, cols, block_s, call.use_globaltimer),
         num_warps=4 if gpu else 1,
     )
     return x_gathered, ids_gathered
@@ -336,7 +360,7 @@ def reduce_scatter(
                 ),
                 call.rank,
                 call.timeout_ticks,
-                CONFIG=(cfg.tile(), (w, False, 0, call.use_globaltimer)),
+                CONFIG=CombineConfig(cfg.tile(), ScatterProto(w, False, False, call.use_globaltimer)),
                 num_warps=cfg.num_warps,
             )
         reduce_slots(call, out, None, (m_local, m_local), per_owner, cfg=cfg, slot_dtype=torch.float32)

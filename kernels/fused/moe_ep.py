@@ -75,7 +75,7 @@ experts whose rows have landed (it would wait on per-expert counters).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -94,6 +94,27 @@ _COUNTS_FLAG = tl.constexpr(0)
 _INTERPRETED = tl.constexpr(runtime.triton_interpreted())
 
 
+class CountsConfig(NamedTuple):
+    """``CONFIG`` of :func:`_counts_kernel`: the all-gather flags' stride per source, ``BLOCK_E`` experts per step."""
+
+    WORLD: int
+    FLAG_STRIDE: int
+    BLOCK_E: int
+    USE_GLOBALTIMER: bool
+
+
+class RowsConfig(NamedTuple):
+    """``CONFIG`` of the kernels that move rows (push, collect, publish, pull): ``CHUNKS`` programs per (source,
+    destination) pair, each a receiver's counter increment; ``BLOCK_R`` rows (the pull: tokens) and ``BLOCK_C``
+    columns per step (:func:`_blocks`). ``USE_GLOBALTIMER`` serves the kernels that wait (collect, pull)."""
+
+    WORLD: int
+    CHUNKS: int
+    BLOCK_R: int
+    BLOCK_C: int
+    USE_GLOBALTIMER: bool
+
+
 def _align(nbytes: int) -> int:
     """Round a region's byte size up to 16: every region starts 16-byte aligned."""
     return -(-nbytes // 16) * 16
@@ -107,12 +128,12 @@ def _blocks(device: torch.device) -> tuple[int, int, int]:
 @triton.jit(do_not_specialize=["rank", "timeout"])
 def _counts_kernel(COUNTS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
     # COUNTS = (mine [E] int64, table [W, E] int64, E); heap = (data table, signal table, AG offset);
-    # CONFIG = (WORLD, FLAG_STRIDE, BLOCK_E, USE_GLOBALTIMER). One program: it stores before it waits, so every
-    # rank's stores precede every rank's waits and no wait depends on a later program.
+    # CONFIG: CountsConfig. One program: it stores before it waits, so every rank's stores precede every rank's
+    # waits and no wait depends on a later program.
     mine_ptr, table_ptr, E = COUNTS
     data_tab_ptr, sig_tab_ptr, flag_offset = heap
-    WORLD: tl.constexpr = CONFIG[0]
-    BLOCK_E: tl.constexpr = CONFIG[2]
+    WORLD: tl.constexpr = CONFIG.WORLD
+    BLOCK_E: tl.constexpr = CONFIG.BLOCK_E
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     epoch = signals.call_epoch(pad)
     if signals.failed(pad) == 0:
@@ -124,7 +145,7 @@ def _counts_kernel(COUNTS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
                 mask = offs < E
                 tl.store(region + rank * E + offs, tl.load(mine_ptr + offs, mask=mask), mask=mask)
             # Release: the row above is visible before the flag (module docstring).
-            flag = signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + flag_offset + rank * CONFIG[1] + _COUNTS_FLAG
+            flag = signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + flag_offset + rank * CONFIG.FLAG_STRIDE + _COUNTS_FLAG
             signals.send_signal(flag, epoch)
         for e0 in range(0, E, BLOCK_E):
             offs = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
@@ -133,9 +154,9 @@ def _counts_kernel(COUNTS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
     own = signals.peer_ptr(data_tab_ptr, rank, tl.int64)
     for step in tl.static_range(1, WORLD):
         src = (rank + step) % WORLD
-        flag = pad + flag_offset + src * CONFIG[1] + _COUNTS_FLAG
+        flag = pad + flag_offset + src * CONFIG.FLAG_STRIDE + _COUNTS_FLAG
         # A failed wait leaves the row zero (the table was allocated zeroed): no count ever indexes past a buffer.
-        if signals.wait_signal(flag, epoch, pad, timeout, 1 + src + WORLD * signals.CH_AG, CONFIG[3]):
+        if signals.wait_signal(flag, epoch, pad, timeout, 1 + src + WORLD * signals.CH_AG, CONFIG.USE_GLOBALTIMER):
             for e0 in range(0, E, BLOCK_E):
                 offs = e0 + tl.arange(0, BLOCK_E).to(tl.int64)
                 mask = offs < E
@@ -146,13 +167,13 @@ def _counts_kernel(COUNTS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
 def _push_rows_kernel(X, ROUTE, heap, rank, CONFIG: tl.constexpr):
     # X = (x, stride_xm, stride_xk, K); ROUTE = (order, pair_dest, send_start, send_counts, topk);
     # heap = (data table, signal table, ROWS base (x elements), PAIRS base (int64 elements), RS offset);
-    # CONFIG = (WORLD, CHUNKS, BLOCK_R, BLOCK_K).
+    # CONFIG: RowsConfig (BLOCK_C: columns of x per copy step).
     x_ptr, stride_xm, stride_xk, K = X
     order_ptr, dest_ptr, start_ptr, count_ptr, topk = ROUTE
     data_tab_ptr, sig_tab_ptr, rows_base, pairs_base, rs_offset = heap
-    WORLD: tl.constexpr = CONFIG[0]
-    CHUNKS: tl.constexpr = CONFIG[1]
-    BLOCK_R: tl.constexpr = CONFIG[2]
+    WORLD: tl.constexpr = CONFIG.WORLD
+    CHUNKS: tl.constexpr = CONFIG.CHUNKS
+    BLOCK_R: tl.constexpr = CONFIG.BLOCK_R
     pid = tl.program_id(0)
     # Peers first, own rows last (read by this rank's collect only, after this whole launch).
     dst = (rank + 1 + pid // CHUNKS) % WORLD
@@ -174,7 +195,7 @@ def _push_rows_kernel(X, ROUTE, heap, rank, CONFIG: tl.constexpr):
             # -1: dropped by a bounded overflow (reported by name; module docstring).
             keep = mask & (where >= 0)
             row = tl.where(keep, where // WORLD, 0)
-            copy_rows((x_ptr, stride_xm, stride_xk, pair // topk), (g, row), keep, K, CONFIG[3])
+            copy_rows((x_ptr, stride_xm, stride_xk, pair // topk), (g, row), keep, K, CONFIG.BLOCK_C)
             tl.store(gp + row, pair, mask=keep)
         counter = signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + signals.counter(pad, rs_offset, rank, WORLD)
         signals.add_signal(counter, 1)
@@ -183,23 +204,24 @@ def _push_rows_kernel(X, ROUTE, heap, rank, CONFIG: tl.constexpr):
 @triton.jit(do_not_specialize=["rank", "timeout"])
 def _collect_kernel(OUT, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
     # OUT = (rows [R, K] zeroed, pairs [R] int64 filled with -1, valid (0-d int64), R, K); heap as the push's;
-    # CONFIG = (WORLD, CHUNKS, BLOCK_R, BLOCK_K, USE_GLOBALTIMER).
+    # CONFIG: RowsConfig.
     rows_ptr, pairs_ptr, valid_ptr, R, K = OUT
     data_tab_ptr, sig_tab_ptr, rows_base, pairs_base, rs_offset = heap
-    WORLD: tl.constexpr = CONFIG[0]
-    BLOCK_R: tl.constexpr = CONFIG[2]
+    WORLD: tl.constexpr = CONFIG.WORLD
+    BLOCK_R: tl.constexpr = CONFIG.BLOCK_R
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     ready = True
     for src in tl.static_range(WORLD):
         # Every source's CHUNKS pushes (an empty one too) have landed: the acquire of the final count.
         flag = pad + signals.counter(pad, rs_offset, src, WORLD)
-        ready = ready & signals.wait_signal(flag, CONFIG[1], pad, timeout, 1 + src + WORLD * signals.CH_RS, CONFIG[4])
+        code = 1 + src + WORLD * signals.CH_RS
+        ready = ready & signals.wait_signal(flag, CONFIG.CHUNKS, pad, timeout, code, CONFIG.USE_GLOBALTIMER)
     if ready:
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
         # Every row below valid was written by exactly one push (the placement is a bijection onto them).
         has = (rows < R) & (rows < tl.load(valid_ptr))
         g = signals.peer_ptr(data_tab_ptr, rank, rows_ptr.dtype.element_ty) + rows_base
-        copy_rows((g, K, 1, rows), (rows_ptr, rows), has, K, CONFIG[3])
+        copy_rows((g, K, 1, rows), (rows_ptr, rows), has, K, CONFIG.BLOCK_C)
         gp = signals.peer_ptr(data_tab_ptr, rank, tl.int64) + pairs_base
         tl.store(pairs_ptr + rows, tl.load(gp + rows, mask=has), mask=has)
 
@@ -207,12 +229,12 @@ def _collect_kernel(OUT, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
 @triton.jit(do_not_specialize=["rank"])
 def _publish_kernel(Y, heap, rank, CONFIG: tl.constexpr):
     # Y = (y, stride_ym, stride_yn, R, N); heap = (data table, signal table, RS offset);
-    # CONFIG = (WORLD, CHUNKS, BLOCK_R, BLOCK_N). Program c copies row blocks c, c + CHUNKS, ... of y.
+    # CONFIG: RowsConfig. Program c copies row blocks c, c + CHUNKS, ... of y.
     y_ptr, stride_ym, stride_yn, R, N = Y
     data_tab_ptr, sig_tab_ptr, rs_offset = heap
-    WORLD: tl.constexpr = CONFIG[0]
-    CHUNKS: tl.constexpr = CONFIG[1]
-    BLOCK_R: tl.constexpr = CONFIG[2]
+    WORLD: tl.constexpr = CONFIG.WORLD
+    CHUNKS: tl.constexpr = CONFIG.CHUNKS
+    BLOCK_R: tl.constexpr = CONFIG.BLOCK_R
     c = tl.program_id(0)
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     # After a failed check this rank's Y may still be read by a peer's previous call: leave it.
@@ -220,7 +242,7 @@ def _publish_kernel(Y, heap, rank, CONFIG: tl.constexpr):
         g = signals.peer_ptr(data_tab_ptr, rank, y_ptr.dtype.element_ty)
         for r0 in range(c * BLOCK_R, R, CHUNKS * BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
-            copy_rows((y_ptr, stride_ym, stride_yn, rows), (g, rows), rows < R, N, CONFIG[3])
+            copy_rows((y_ptr, stride_ym, stride_yn, rows), (g, rows), rows < R, N, CONFIG.BLOCK_C)
         for dst in tl.static_range(WORLD):
             signals.add_signal(
                 signals.peer_ptr(sig_tab_ptr, dst, tl.int64) + signals.counter(pad, rs_offset, rank, WORLD), 1
@@ -248,9 +270,9 @@ def _pull_slot(OUT, ROUTE, tile, s, CONFIG: tl.constexpr):
     out_ptr, ret_ptr, M, N = OUT
     dest_ptr, w_ptr, stride_wm, topk = ROUTE
     data_tab_ptr, tokens, mask_m, cols, mask_n = tile
-    WORLD: tl.constexpr = CONFIG[0]
-    BLOCK_M: tl.constexpr = CONFIG[2]
-    BLOCK_N: tl.constexpr = CONFIG[3]
+    WORLD: tl.constexpr = CONFIG.WORLD
+    BLOCK_M: tl.constexpr = CONFIG.BLOCK_R
+    BLOCK_N: tl.constexpr = CONFIG.BLOCK_C
     pairs = tokens * topk + s
     where = tl.load(dest_ptr + pairs, mask=mask_m, other=-1)
     row = tl.where(where >= 0, where // WORLD, 0)
@@ -270,32 +292,35 @@ def _pull_slot(OUT, ROUTE, tile, s, CONFIG: tl.constexpr):
 def _pull_kernel(OPERANDS, heap, rank, timeout: tl.int64, CONFIG: tl.constexpr):
     # OPERANDS = (OUT, ROUTE): OUT = (out [M, N], returned [M * topk, N], M, N); ROUTE = (pair_dest [M * topk] int64
     # (row * W + rank, -1 dropped), topk_weights, stride_wm, topk); heap = (data table, signal table, RS offset);
-    # CONFIG = (WORLD, CHUNKS, BLOCK_M, BLOCK_N, USE_GLOBALTIMER). Program: a tile of tokens x columns.
+    # CONFIG: RowsConfig, a tile of BLOCK_R tokens x BLOCK_C columns per program.
     OUT, ROUTE = OPERANDS
-    M, N = OUT[2], OUT[3]
+    out_ptr, _, M, N = OUT
+    _, _, _, topk = ROUTE
     data_tab_ptr, sig_tab_ptr, rs_offset = heap
-    WORLD: tl.constexpr = CONFIG[0]
-    BLOCK_M: tl.constexpr = CONFIG[2]
-    BLOCK_N: tl.constexpr = CONFIG[3]
+    WORLD: tl.constexpr = CONFIG.WORLD
+    BLOCK_M: tl.constexpr = CONFIG.BLOCK_R
+    BLOCK_N: tl.constexpr = CONFIG.BLOCK_C
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tokens = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    tile = (data_tab_ptr, tokens, tokens < M, cols, cols < N)
+    mask_m = tokens < M
+    mask_n = cols < N
+    tile = (data_tab_ptr, tokens, mask_m, cols, mask_n)
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     ready = True
     # Own rows last: its own publish ran before this launch, the peers' flags arrive meanwhile.
     for step in tl.static_range(1, WORLD + 1):
         d = (rank + step) % WORLD
         flag = pad + signals.counter(pad, rs_offset, d, WORLD)
-        ready = ready & signals.wait_signal(flag, CONFIG[1], pad, timeout, 1 + d + WORLD * signals.CH_RS, CONFIG[4])
+        code = 1 + d + WORLD * signals.CH_RS
+        ready = ready & signals.wait_signal(flag, CONFIG.CHUNKS, pad, timeout, code, CONFIG.USE_GLOBALTIMER)
     if ready:
         # Slot order, one product and one add per slot in fp32, rounded once: weighted_sum's order and roundings.
         acc = _pull_slot(OUT, ROUTE, tile, 0, CONFIG)
-        for s in range(1, ROUTE[3]):
+        for s in range(1, topk):
             acc = acc + _pull_slot(OUT, ROUTE, tile, s, CONFIG)
-        out_ptr = OUT[0]
-        mask = tile[2][:, None] & tile[4][None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
         tl.store(out_ptr + tokens[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -309,7 +334,9 @@ def _exchange_counts(call: runtime.FusedCall, mine: torch.Tensor) -> torch.Tenso
         (heap.data_ptrs, heap.sig_ptrs, signals.channel_offset(signals.CH_AG, w)),
         call.rank,
         call.timeout_ticks,
-        CONFIG=(w, signals.AG_MAX_SPLITS, min(triton.next_power_of_2(max(num_e, 1)), 1024), call.use_globaltimer),
+        CONFIG=CountsConfig(
+            w, signals.AG_MAX_SPLITS, min(triton.next_power_of_2(max(num_e, 1)), 1024), call.use_globaltimer
+        ),
         num_warps=1,
     )
     return table
@@ -332,7 +359,7 @@ def _move_rows(call: runtime.FusedCall, x: torch.Tensor, plan: tuple, regions: t
         (order, lay.pair_dest, send_start, lay.send_counts, topk),
         bases,
         call.rank,
-        CONFIG=(w, chunks, block_r, block_c),
+        CONFIG=RowsConfig(w, chunks, block_r, block_c, call.use_globaltimer),
         num_warps=warps,
     )
     rows = torch.zeros((out_rows, k), dtype=x.dtype, device=x.device)
@@ -343,7 +370,7 @@ def _move_rows(call: runtime.FusedCall, x: torch.Tensor, plan: tuple, regions: t
         bases,
         call.rank,
         call.timeout_ticks,
-        CONFIG=(w, chunks, block_r, block_c, call.use_globaltimer),
+        CONFIG=RowsConfig(w, chunks, block_r, block_c, call.use_globaltimer),
         num_warps=warps,
     )
     return rows, pairs
@@ -429,7 +456,7 @@ def combine(
             (y, y.stride(0), y.stride(1), y.shape[0], n),
             bases,
             call.rank,
-            CONFIG=(w, chunks, block_r, block_c),
+            CONFIG=RowsConfig(w, chunks, block_r, block_c, call.use_globaltimer),
             num_warps=warps,
         )
         tiles = triton.cdiv(m, block_r) * max(triton.cdiv(n, block_c), 1)
@@ -438,7 +465,7 @@ def combine(
             bases,
             call.rank,
             call.timeout_ticks,
-            CONFIG=(w, chunks, block_r, block_c, call.use_globaltimer),
+            CONFIG=RowsConfig(w, chunks, block_r, block_c, call.use_globaltimer),
             num_warps=warps,
         )
     return out, returned

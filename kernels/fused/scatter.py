@@ -27,6 +27,7 @@ to every rank (one-shot all-reduce) and with ``PUSH`` the reduce sends its rows 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,6 +42,36 @@ from .tile import FP8, grouped_tile, split_rows, tile_matmul
 _FP8 = tl.constexpr(FP8)
 
 
+class ScatterProto(NamedTuple):
+    """``PROTO`` of the kernels that push tiles into owners' slots (:func:`scatter_tile`, :func:`push_tile`): the
+    scatter GEMM, :mod:`all_reduce_norm`'s row push and :mod:`moe`'s combine push. ``BROADCAST``: every tile to
+    every rank (one-shot all-reduce); ``SPLIT_BLOCKS``: x's rows are outer blocks scattered on their own (the
+    scatter GEMM's ``scatter_dim > 0``; False for the others)."""
+
+    WORLD: int
+    BROADCAST: bool
+    SPLIT_BLOCKS: bool
+    USE_GLOBALTIMER: bool
+
+
+class ReduceProto(NamedTuple):
+    """``PROTO`` of :func:`_reduce_slots_kernel`: ``CHANNEL``, the phase its timeouts report (``RS``); ``PUSH``:
+    send the reduced rows to every rank (two-shot all-reduce) instead of storing them."""
+
+    WORLD: int
+    CHANNEL: int
+    PUSH: bool
+    USE_GLOBALTIMER: bool
+
+
+class SlotTile(NamedTuple):
+    """``TILE`` of the kernels that sum or copy slot rows (no k loop): :func:`_reduce_slots_kernel` and
+    :mod:`all_reduce`'s gather."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+
+
 @triton.jit
 def scatter_tile(pid, rank, dims, TILE: tl.constexpr, PROTO: tl.constexpr):
     """The tile of scatter-GEMM program ``pid``: ``(owner, local_rows, offs_m, mask_m, offs_n, mask_n)``.
@@ -49,9 +80,9 @@ def scatter_tile(pid, rank, dims, TILE: tl.constexpr, PROTO: tl.constexpr):
     (:func:`tile.grouped_tile`), which changes no tile count.
     """
     M, N, _, _, ROWS_OWN = dims
-    WORLD: tl.constexpr = PROTO[0]
-    tiles_per_owner = tl.cdiv(ROWS_OWN, TILE[0]) * tl.cdiv(N, TILE[1])
-    if PROTO[1]:
+    WORLD: tl.constexpr = PROTO.WORLD
+    tiles_per_owner = tl.cdiv(ROWS_OWN, TILE.BLOCK_M) * tl.cdiv(N, TILE.BLOCK_N)
+    if PROTO.BROADCAST:
         owner = pid * 0
     else:
         # Peers' rows first (r + 1 first), own rows last: remote stores start as early as possible.
@@ -82,8 +113,8 @@ def push_tile(values, heap, where, PROTO: tl.constexpr):
     ``values`` are zeros (masked weight rows)."""
     data_tab_ptr, sig_tab_ptr, done_offset, cnt_offset = heap
     owner, local_rows, mask_m, offs_n, LD, ROWS_OWN, rank, timeout = where
-    WORLD: tl.constexpr = PROTO[0]
-    USE_GLOBALTIMER: tl.constexpr = PROTO[3]
+    WORLD: tl.constexpr = PROTO.WORLD
+    USE_GLOBALTIMER: tl.constexpr = PROTO.USE_GLOBALTIMER
     pad = signals.peer_ptr(sig_tab_ptr, rank, tl.int64)
     epoch = signals.call_epoch(pad)
     # This rank's counter in the receiving rank's bank of this call (the bank is the epoch's parity
@@ -91,7 +122,7 @@ def push_tile(values, heap, where, PROTO: tl.constexpr):
     cnt = signals.counter(pad, cnt_offset, rank, WORLD)
     slot_offs, col_mask = slot_tile(rank * ROWS_OWN + local_rows, offs_n, LD)
     slot_mask = mask_m[:, None] & col_mask
-    if PROTO[1]:
+    if PROTO.BROADCAST:
         for i in tl.static_range(WORLD):
             dst = (rank + 1 + i) % WORLD
             ok = signals.wait_signal(pad + done_offset + dst, epoch - 1, pad, timeout, 1 + dst, USE_GLOBALTIMER)
@@ -119,19 +150,21 @@ def _gemm_scatter_kernel(
     MATH: tl.constexpr,
     PROTO: tl.constexpr,
 ):
-    # dims = (M, N, K, LD, ROWS_OWN); PROTO = (WORLD, BROADCAST, SPLIT_BLOCKS, USE_GLOBALTIMER).
+    # dims = (M, N, K, LD, ROWS_OWN); PROTO: ScatterProto.
+    x_ptr, _, _, _, _, _ = X
+    _, _, K, LD, ROWS_OWN = dims
     owner, local_rows, offs_m, mask_m, offs_n, mask_n = scatter_tile(tl.program_id(0), rank, dims, TILE, PROTO)
-    if PROTO[2]:
+    if PROTO.SPLIT_BLOCKS:
         # scatter_dim > 0: x's rows are outer blocks of W owner blocks of rows_per_block rows each;
         # mask_m stays valid (it masks local rows >= ROWS_OWN). x's scale rows (FP8) follow its rows.
-        offs_m = split_rows(local_rows, owner, rows_per_block, PROTO[0])
-    acc = tile_matmul(X, W, (offs_m, mask_m, offs_n, mask_n), dims[2], None, FMT, TILE, MATH)
-    if FMT[0] == _FP8:
+        offs_m = split_rows(local_rows, owner, rows_per_block, PROTO.WORLD)
+    acc = tile_matmul(X, W, (offs_m, mask_m, offs_n, mask_n), K, None, FMT, TILE, MATH)
+    if FMT.KIND == _FP8:
         # fp32 partials: the FP8 product is rounded only once, after the reduction.
         values = acc
     else:
-        values = acc.to(X[0].dtype.element_ty)
-    push_tile(values, heap, (owner, local_rows, mask_m, offs_n, dims[3], dims[4], rank, timeout), PROTO)
+        values = acc.to(x_ptr.dtype.element_ty)
+    push_tile(values, heap, (owner, local_rows, mask_m, offs_n, LD, ROWS_OWN, rank, timeout), PROTO)
 
 
 @triton.jit(do_not_specialize=["rank", "target", "timeout"])
@@ -150,15 +183,15 @@ def _reduce_slots_kernel(
     # heap = (data table, signal table, RS offset, DONE offset, AR offset, pushed rows' base);
     # OUT = (out, stride_om, stride_on, bias, residual, stride_rm, stride_rn): residual (None: none) is
     # [ROWS_VALID, N], the owned rows of a term added after the reduction, as bias is;
-    # dims = (ROWS_OWN, ROWS_VALID, N, LD); TILE = (BLOCK_M, BLOCK_N); PROTO = (WORLD, CHANNEL, PUSH,
-    # USE_GLOBALTIMER). The slots hold SLOT_DTYPE, the output (and pushed rows) out's dtype.
+    # dims = (ROWS_OWN, ROWS_VALID, N, LD); TILE: SlotTile; PROTO: ReduceProto. The slots hold
+    # SLOT_DTYPE, the output (and pushed rows) out's dtype.
     data_tab_ptr, sig_tab_ptr, cnt_offset, done_offset, push_offset, push_base = heap
     out_ptr, stride_om, stride_on, bias_ptr, res_ptr, stride_rm, stride_rn = OUT
     ROWS_OWN, ROWS_VALID, N, LD = dims
-    BLOCK_M: tl.constexpr = TILE[0]
-    BLOCK_N: tl.constexpr = TILE[1]
-    WORLD: tl.constexpr = PROTO[0]
-    USE_GLOBALTIMER: tl.constexpr = PROTO[3]
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    WORLD: tl.constexpr = PROTO.WORLD
+    USE_GLOBALTIMER: tl.constexpr = PROTO.USE_GLOBALTIMER
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     offs_m = (pid // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -173,7 +206,7 @@ def _reduce_slots_kernel(
             target,
             pad,
             timeout,
-            1 + src + WORLD * PROTO[1],
+            1 + src + WORLD * PROTO.CHANNEL,
             USE_GLOBALTIMER,
         )
     if ok:
@@ -191,7 +224,7 @@ def _reduce_slots_kernel(
             res_offs = offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn
             acc += tl.load(res_ptr + res_offs, mask=res_mask, other=0.0).to(ACC_DTYPE)
         result = acc.to(out_ptr.dtype.element_ty)
-        if PROTO[2]:
+        if PROTO.PUSH:
             epoch = signals.call_epoch(pad)
             push_offs, col_mask = slot_tile(rank * ROWS_OWN + offs_m, offs_n, LD)
             push_mask = mask_m[:, None] & col_mask
@@ -299,7 +332,7 @@ def scatter_partials(call: runtime.FusedCall, partials: Partials, rows_own: int,
             FMT=kernel_format(fmt, cfg),
             TILE=cfg.tile(),
             MATH=dot_math(x.dtype, x.device),
-            PROTO=(w, broadcast, partials.outer > 1, call.use_globaltimer),
+            PROTO=ScatterProto(w, broadcast, partials.outer > 1, call.use_globaltimer),
             **cfg.launch(),
         )
     return per_owner
@@ -352,8 +385,8 @@ def reduce_slots(
             call.rank,
             target,
             call.timeout_ticks,
-            TILE=(cfg.block_m, cfg.block_n),
-            PROTO=(w, signals.CH_RS, push, call.use_globaltimer),
+            TILE=SlotTile(cfg.block_m, cfg.block_n),
+            PROTO=ReduceProto(w, signals.CH_RS, push, call.use_globaltimer),
             ACC_DTYPE=acc_dtype(out.dtype),
             SLOT_DTYPE=getattr(tl, str(slot_dtype or out.dtype).removeprefix("torch.")),
             num_warps=cfg.num_warps,

@@ -423,10 +423,11 @@ def _finish_call_kernel(
     DONE_OFFSET: tl.constexpr,
     OUTPUTS: tl.constexpr,
     BLOCK: tl.constexpr,
-    INTEGER: tl.constexpr,
+    INTEGER0: tl.constexpr,
+    INTEGER1: tl.constexpr,
 ):
-    # INTEGER = (out0's, out1's): an integer output (packed FP8 rows and their scales travel as bytes) gets
-    # all-ones bits, a NaN in every float format a byte row unpacks to (fp32, e4m3fn, e5m2); a float one NaN.
+    # INTEGER0, INTEGER1: out0, out1 is an integer output (packed FP8 rows and their scales travel as bytes): it
+    # gets all-ones bits, a NaN in every float format a byte row unpacks to (fp32, e4m3fn, e5m2); a float one NaN.
     pid = tl.program_id(0)
     pad = peer_ptr(sig_tab_ptr, rank, tl.int64)
     epoch = call_epoch(pad)
@@ -437,14 +438,14 @@ def _finish_call_kernel(
             step = tl.num_programs(0) * BLOCK
             for start in range(pid * BLOCK, n0, step):
                 offs = start + tl.arange(0, BLOCK).to(tl.int64)
-                if INTEGER[0]:
+                if INTEGER0:
                     tl.store(out0_ptr + offs, -1, mask=offs < n0)
                 else:
                     tl.store(out0_ptr + offs, float("nan"), mask=offs < n0)
             if OUTPUTS > 1:
                 for start in range(pid * BLOCK, n1, step):
                     offs = start + tl.arange(0, BLOCK).to(tl.int64)
-                    if INTEGER[1]:
+                    if INTEGER1:
                         tl.store(out1_ptr + offs, -1, mask=offs < n1)
                     else:
                         tl.store(out1_ptr + offs, float("nan"), mask=offs < n1)
@@ -506,5 +507,6 @@ def finish_call(heap, outputs: tuple, programs: int) -> None:
         DONE_OFFSET=channel_offset(CH_DONE, w),
         OUTPUTS=len(outs),
         BLOCK=1024,
-        INTEGER=integer[:2],
+        INTEGER0=integer[0],
+        INTEGER1=integer[1],
     )

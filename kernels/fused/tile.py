@@ -18,8 +18,16 @@ kernel must not specialize on, such as the rank, stay separate arguments):
   and group of ``group_size`` k columns, with optional zero points ``offset`` of the scale's layout;
 * ``tile = (offs_m, mask_m, offs_n, mask_n)``: the rows of X and the columns of the output of a tile;
 * ``OUT = (c, stride_cm, stride_cn, bias)``: an output and its bias (``None``: no bias);
-* constexprs ``FMT = (KIND, SCALES, HAS_OFFSET)``, ``TILE = (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)``,
-  ``MATH = (ACC_DTYPE, DOT_PRECISION)`` and the epilogue's ``ROUND``.
+* constexprs ``FMT`` (:class:`Format`), ``TILE`` (:class:`Tile`), ``MATH`` (:class:`Math`) and the
+  epilogue's ``ROUND``.
+
+Constexpr bundles are ``typing.NamedTuple`` values read by field name, never by position: one
+named structure per kernel family (this module's for the tile core, the protocol's in each op's
+module), built at the launch site. Triton 3.6 and 3.9 both specialize on them as on a plain
+tuple, in the interpreter and compiled. Under 3.6 a field read is the plain Python value, not a
+constexpr (as a read by index was): a field used as a shape or a ``tl.static_range`` bound is
+bound to a ``NAME: tl.constexpr`` local first, and so is a named tuple nested in another before
+it is passed to a function.
 
 Formats (``FMT``):
 
@@ -40,16 +48,45 @@ of its format alone.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 from .runtime import triton_interpreted
 
-# FMT[0]: the operand format.
+
+class Format(NamedTuple):
+    """The ``FMT`` constexpr (:func:`blocks.kernel_format`): the operand format ``KIND`` (``PLAIN``, ``FP8``,
+    ``INT8``), its scale layout ``SCALES`` (the constants below) and whether int8 scales carry zero points."""
+
+    KIND: int
+    SCALES: int
+    HAS_OFFSET: bool
+
+
+class Tile(NamedTuple):
+    """The ``TILE`` constexpr of the GEMM kernels (:meth:`blocks.BlockConfig.tile`): a ``[BLOCK_M, BLOCK_N]``
+    output tile, ``BLOCK_K``-deep k steps, ``GROUP_M`` row tiles per group of the grouped order."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int
+
+
+class Math(NamedTuple):
+    """The ``MATH`` constexpr (:func:`blocks.dot_math`): the accumulator dtype and ``tl.dot``'s input precision."""
+
+    ACC_DTYPE: tl.dtype
+    DOT_PRECISION: str
+
+
+# FMT.KIND: the operand format.
 PLAIN, FP8, INT8 = 0, 1, 2
-# FMT[1] of FP8: scales constant along k (per row; tensorwise as stride 0) or per 128-deep k block.
+# FMT.SCALES of FP8: scales constant along k (per row; tensorwise as stride 0) or per 128-deep k block.
 PER_ROW, PER_BLOCK = 0, 1
-# FMT[1] of int8 (kernels.quant's layouts). PER_GROUP_ALIGNED is per_group with group_size % BLOCK_K
+# FMT.SCALES of int8 (kernels.quant's layouts). PER_GROUP_ALIGNED is per_group with group_size % BLOCK_K
 # == 0: a k step lies inside one group, so one [BLOCK_N] row of scales serves the whole step.
 PER_TENSOR, PER_CHANNEL, PER_GROUP, PER_GROUP_ALIGNED = 0, 1, 2, 3
 # The epilogue's rounding: one cast to the output dtype after bias is added in fp32, to nearest even
@@ -93,9 +130,9 @@ def grouped_tile(pid, M, N, TILE: tl.constexpr):
     row-major order every row tile streams all of B again. The mapping is a bijection (the last
     group may have fewer row tiles).
     """
-    BLOCK_M: tl.constexpr = TILE[0]
-    BLOCK_N: tl.constexpr = TILE[1]
-    GROUP_M: tl.constexpr = TILE[3]
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    GROUP_M: tl.constexpr = TILE.GROUP_M
     m_tiles = tl.cdiv(M, BLOCK_M)
     per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
     first_m = (pid // per_group) * GROUP_M
@@ -139,10 +176,10 @@ def dot_acc(a, b, acc, MATH: tl.constexpr):
     """``acc + a @ b`` for the plain and int8 formats (see ``_WIDEN_BF16_DOT``)."""
     if _WIDEN_BF16_DOT and a.dtype == tl.bfloat16:
         # fp32 operands must not be rounded to TF32 here: they hold exact bf16 values.
-        result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=MATH[0])
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=MATH.ACC_DTYPE)
     else:
         # out_dtype must name the accumulator's type: Triton 3.6 rejects an fp64 acc with the fp32 default.
-        result = tl.dot(a, b, acc, input_precision=MATH[1], out_dtype=MATH[0])
+        result = tl.dot(a, b, acc, input_precision=MATH.DOT_PRECISION, out_dtype=MATH.ACC_DTYPE)
     return result
 
 
@@ -192,9 +229,9 @@ def _fp8_step(A, B, tile, k0, K, blk, BLOCK_K: tl.constexpr):
 @triton.jit
 def _fp8_tile(X, W, tile, K, FMT: tl.constexpr, TILE: tl.constexpr):
     """fp32 ``dequant(x)[offs_m, :] @ dequant(w)[offs_n, :].T`` (the module docstring's FP8 format)."""
-    BLOCK_M: tl.constexpr = TILE[0]
-    BLOCK_N: tl.constexpr = TILE[1]
-    BLOCK_K: tl.constexpr = TILE[2]
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_K: tl.constexpr = TILE.BLOCK_K
     tl.static_assert(_SCALE_BLOCK % BLOCK_K == 0, "BLOCK_K must divide the 128-deep scale block")
     tl.static_assert(_SCALE_BLOCK % BLOCK_N == 0, "BLOCK_N must divide the 128-row weight scale block")
     x_ptr, stride_xm, stride_xk, xs_ptr, stride_xsm, stride_xsk = X
@@ -203,7 +240,7 @@ def _fp8_tile(X, W, tile, K, FMT: tl.constexpr, TILE: tl.constexpr):
     A = (x_ptr, stride_xm, stride_xk)
     B = (w_ptr, stride_wn, stride_wk)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FMT[1] == _PER_BLOCK:
+    if FMT.SCALES == _PER_BLOCK:
         # BLOCK_N divides 128 and tiles start at multiples of BLOCK_N: one weight scale row per tile.
         bs_row = ws_ptr + (tl.min(offs_n, axis=0) // _SCALE_BLOCK) * stride_wsn
         as_rows = xs_ptr + offs_m * stride_xsm
@@ -216,14 +253,14 @@ def _fp8_tile(X, W, tile, K, FMT: tl.constexpr, TILE: tl.constexpr):
             # A loop, not unrolled: eight unrolled 16-deep steps of byte loads spilled on sm_90.
             for k1 in range(k0, tl.minimum(k0 + _SCALE_BLOCK, K), BLOCK_K):
                 blk = _fp8_step(A, B, tile, k1, K, blk, BLOCK_K)
-        if FMT[1] == _PER_BLOCK:
+        if FMT.SCALES == _PER_BLOCK:
             kb = k0 // _SCALE_BLOCK
             sa = tl.load(as_rows + kb * stride_xsk, mask=mask_m, other=0.0)
             sb = tl.load(bs_row + kb * stride_wsk)
             acc += blk * (sa[:, None] * sb)
         else:
             acc += blk
-    if FMT[1] != _PER_BLOCK:
+    if FMT.SCALES != _PER_BLOCK:
         sa = tl.load(xs_ptr + offs_m * stride_xsm, mask=mask_m, other=0.0)
         sb = tl.load(ws_ptr + offs_n * stride_wsn, mask=mask_n, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
@@ -237,45 +274,45 @@ def tile_matmul(X, W, tile, K, G, FMT: tl.constexpr, TILE: tl.constexpr, MATH: t
     ``G = (g, stride_gm, g_mask_m)`` (plain and int8 only; ``None``: nothing stored): also copy the
     A rows selected by ``g_mask_m`` to ``g`` as the k loop loads them.
     """
-    if FMT[0] == _FP8:
+    if FMT.KIND == _FP8:
         acc = _fp8_tile(X, W, tile, K, FMT, TILE)
     else:
-        BLOCK_M: tl.constexpr = TILE[0]
-        BLOCK_N: tl.constexpr = TILE[1]
-        BLOCK_K: tl.constexpr = TILE[2]
+        BLOCK_M: tl.constexpr = TILE.BLOCK_M
+        BLOCK_N: tl.constexpr = TILE.BLOCK_N
+        BLOCK_K: tl.constexpr = TILE.BLOCK_K
         x_ptr, stride_xm, stride_xk, _, _, _ = X
         w_ptr, stride_wn, stride_wk, s_ptr, o_ptr, stride_sn, stride_sg, group_size = W
         offs_m, _, offs_n, mask_n = tile
         A = (x_ptr, stride_xm, stride_xk)
         B = (w_ptr, stride_wn, stride_wk)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=MATH[0])
-        if FMT[0] == _INT8:
-            if FMT[1] == _PER_TENSOR:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=MATH.ACC_DTYPE)
+        if FMT.KIND == _INT8:
+            if FMT.SCALES == _PER_TENSOR:
                 s_tile = tl.load(s_ptr).to(tl.float32)
-                if FMT[2]:
+                if FMT.HAS_OFFSET:
                     o_tile = tl.load(o_ptr).to(tl.float32)
-            if FMT[1] == _PER_CHANNEL:
+            if FMT.SCALES == _PER_CHANNEL:
                 s_tile = tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                if FMT[2]:
+                if FMT.HAS_OFFSET:
                     o_tile = tl.load(o_ptr + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         for k0 in range(0, K, BLOCK_K):
             a, offs_k, mask_k = load_a(A, tile, k0, K, BLOCK_K)
             b = load_b(B, tile, offs_k, mask_k)
-            if FMT[0] == _INT8:
+            if FMT.KIND == _INT8:
                 b = b.to(tl.float32)
                 b_mask = mask_n[None, :] & mask_k[:, None]
-                if FMT[1] == _PER_GROUP_ALIGNED:
+                if FMT.SCALES == _PER_GROUP_ALIGNED:
                     s_offs = offs_n * stride_sn + (k0 // group_size) * stride_sg
                     s_tile = tl.load(s_ptr + s_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                    if FMT[2]:
+                    if FMT.HAS_OFFSET:
                         o_tile = tl.load(o_ptr + s_offs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-                if FMT[1] == _PER_GROUP:
+                if FMT.SCALES == _PER_GROUP:
                     # Groups run along k; a partial last group indexes the same column as its full peers.
                     s_offs = offs_n[None, :] * stride_sn + (offs_k // group_size)[:, None] * stride_sg
                     s_tile = tl.load(s_ptr + s_offs, mask=b_mask, other=0.0).to(tl.float32)
-                    if FMT[2]:
+                    if FMT.HAS_OFFSET:
                         o_tile = tl.load(o_ptr + s_offs, mask=b_mask, other=0.0).to(tl.float32)
-                if FMT[2]:
+                if FMT.HAS_OFFSET:
                     b = b - o_tile
                 # Round to x's dtype before the dot, as kernels.quant.dequantize does for the reference.
                 b = (b * s_tile).to(x_ptr.dtype.element_ty)

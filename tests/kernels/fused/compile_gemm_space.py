@@ -39,7 +39,11 @@ def _args(cfg, shape, dtype) -> tuple[object, dict]:
     def t(dt=dtype):
         return torch.empty(64, dtype=dt)
 
-    common = dict(dims=(m, n, k), TILE=(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m), MATH=(tl.float32, "tf32"))
+    common = dict(
+        dims=(m, n, k),
+        TILE=tile.Tile(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m),
+        MATH=tile.Math(tl.float32, "tf32"),
+    )
     if cfg.variant == "tma":
         base = t()
         descs = dict(
@@ -56,7 +60,7 @@ def _args(cfg, shape, dtype) -> tuple[object, dict]:
         X=(t(), k, 1, None, 0, 0),
         W=(t(), k, 1, None, None, 0, 0, 1),
         OUT=(t(), n, 1, t()),
-        FMT=(tile.PLAIN, 0, False),
+        FMT=tile.Format(tile.PLAIN, 0, False),
         ROUND=tile.CAST,
         **common,
     )

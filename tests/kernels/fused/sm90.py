@@ -130,7 +130,7 @@ def reduce_slots_args(
     all_reduce_rmsnorm)."""
     import triton.language as tl
 
-    from kernels.fused import blocks, signals
+    from kernels.fused import blocks, scatter, signals
 
     rows, n, ld, world = shape
     return dict(
@@ -147,8 +147,8 @@ def reduce_slots_args(
         rank=world - 2,
         target=7 * world,
         timeout=timeout,
-        TILE=(cfg.block_m, cfg.block_n),
-        PROTO=(world, signals.CH_RS, push, True),
+        TILE=scatter.SlotTile(cfg.block_m, cfg.block_n),
+        PROTO=scatter.ReduceProto(world, signals.CH_RS, push, True),
         ACC_DTYPE=blocks.acc_dtype(out.dtype),
         SLOT_DTYPE=getattr(tl, str((out if residual is None else residual).dtype).removeprefix("torch.")),
     )
@@ -158,7 +158,7 @@ def gather_rows_args(tab: Any, out: Any, shape: tuple, cfg: Any, timeout: int, r
     """Example arguments of ``all_reduce._gather_rows_kernel`` as the two-shot all-reduce launches it;
     ``shape = (rows per owner, n, slot row stride, world)``; ``residual``: this rank's rows added as they are
     gathered (fp32 out: all_reduce_rmsnorm and the GEMM epilogue)."""
-    from kernels.fused import signals
+    from kernels.fused import all_reduce, scatter, signals
 
     rows, n, ld, world = shape
     return dict(
@@ -168,6 +168,6 @@ def gather_rows_args(tab: Any, out: Any, shape: tuple, cfg: Any, timeout: int, r
         rank=world - 2,
         target=7 * world,
         timeout=timeout,
-        TILE=(cfg.block_m, cfg.block_n),
-        PROTO=(world, signals.CH_AR, True),
+        TILE=scatter.SlotTile(cfg.block_m, cfg.block_n),
+        PROTO=all_reduce.GatherRowsProto(world, signals.CH_AR, True),
     )

@@ -133,7 +133,7 @@ def _format_label(fmt: Any, fmt_code: tuple) -> str:
 
     if fmt.kind == "int8":
         names = {tile.PER_GROUP_ALIGNED: "per_group_aligned", tile.PER_GROUP: "per_group"}
-        return f"int8 {names.get(fmt_code[1], fmt.mode)}"
+        return f"int8 {names.get(fmt_code.SCALES, fmt.mode)}"
     return "plain" if fmt.kind == "plain" else f"fp8 {fmt.mode}"
 
 
@@ -143,7 +143,7 @@ def _gemm_cases(fmt: Any, shape: tuple, dtypes: tuple, variants: tuple) -> list[
     ``split``: scatter_dim > 0)."""
     import torch
 
-    from kernels.fused import all_gather, blocks, matmul, scatter, signals
+    from kernels.fused import all_gather, blocks, matmul, scatter, signals, tile
 
     w, k, n, rows = shape
     x_dtype, w_dtype, out_dtype = dtypes
@@ -157,7 +157,7 @@ def _gemm_cases(fmt: Any, shape: tuple, dtypes: tuple, variants: tuple) -> list[
     X, W = _operands(fmt, cfg, k, n, x_dtype, w_dtype)
     tab = _t(torch.int64)
     sk = fmt.scale_cols(k)
-    math = (blocks.acc_dtype(x_dtype), "tf32")
+    math = tile.Math(blocks.acc_dtype(x_dtype), "tf32")
     fp8 = fmt.kind == "fp8"
     gmma = ("QGMMA.E5M2.E4M3" if x_dtype == torch.float8_e5m2 else "QGMMA.E4M3.E4M3") if aligned else "HGMMA"
     checks = dict(narrow=aligned and not fp8)
@@ -196,7 +196,7 @@ def _gemm_cases(fmt: Any, shape: tuple, dtypes: tuple, variants: tuple) -> list[
                     FMT=fmt_code,
                     TILE=cfg.tile(),
                     MATH=math,
-                    PROTO=(
+                    PROTO=all_gather.AllGatherProto(
                         w,
                         signals.CH_AG,
                         signals.AG_MAX_SPLITS,
@@ -216,14 +216,16 @@ def _gemm_cases(fmt: Any, shape: tuple, dtypes: tuple, variants: tuple) -> list[
         cases.append(
             Case(
                 f"push {name} {tag}",
-                all_gather._push_kernel,
+                all_gather.push_kernel,
                 dict(
                     X=X,
                     heap=(tab, tab, s_base),
                     dims=(rows, k, sk, 256, 4),
                     rank=w - 2,
-                    PROTO=(w, signals.channel_offset(signals.CH_AG, w), signals.AG_MAX_SPLITS),
-                    BLOCKS=(32, all_gather.push_cols(fmt, cuda, k), min(64, 1 << (sk - 1).bit_length())),
+                    PROTO=all_gather.PushProto(w, signals.channel_offset(signals.CH_AG, w), signals.AG_MAX_SPLITS),
+                    BLOCKS=all_gather.PushBlocks(
+                        32, all_gather.push_cols(fmt, cuda, k), min(64, 1 << (sk - 1).bit_length())
+                    ),
                 ),
                 4,
                 3,
@@ -252,7 +254,7 @@ def _gemm_cases(fmt: Any, shape: tuple, dtypes: tuple, variants: tuple) -> list[
                     FMT=fmt_code,
                     TILE=scfg.tile(),
                     MATH=math,
-                    PROTO=(w, broadcast, split, True),
+                    PROTO=scatter.ScatterProto(w, broadcast, split, True),
                 ),
                 scfg.num_warps,
                 scfg.num_stages,
@@ -302,7 +304,7 @@ def _reduce_cases(shape: tuple, dtypes: tuple, label: str) -> list[Case]:
 def _matmul_case(fmt: Any, m: int, dtypes: tuple, precision: str, label: str) -> Case:
     import torch
 
-    from kernels.fused import blocks, matmul
+    from kernels.fused import blocks, matmul, tile
 
     x_dtype, w_dtype, out_dtype = dtypes
     k, n = (4096, 4096) if fmt.kind != "fp8" else (8192, 7168)
@@ -325,7 +327,7 @@ def _matmul_case(fmt: Any, m: int, dtypes: tuple, precision: str, label: str) ->
             dims=(m, n, k),
             FMT=blocks.kernel_format(fmt, cfg),
             TILE=cfg.tile(),
-            MATH=(blocks.acc_dtype(x_dtype), precision),
+            MATH=tile.Math(blocks.acc_dtype(x_dtype), precision),
             ROUND=matmul.ROUNDING[fmt.kind],
         ),
         cfg.num_warps,
@@ -409,7 +411,8 @@ def _plain_cases() -> list[Case]:
                 DONE_OFFSET=signals.channel_offset(signals.CH_DONE, 4),
                 OUTPUTS=2,
                 BLOCK=1024,
-                INTEGER=(False, True),
+                INTEGER0=False,
+                INTEGER1=True,
             ),
             4,
             1,
@@ -453,7 +456,7 @@ def _norm_cases() -> list[Case]:
                         rank=w - 2,
                         timeout=TIMEOUT,
                         TILE=cfg.tile(),
-                        PROTO=(w, broadcast, False, True),
+                        PROTO=scatter.ScatterProto(w, broadcast, False, True),
                     ),
                     cfg.num_warps,
                     1,
@@ -466,7 +469,7 @@ def _norm_cases() -> list[Case]:
         gather_args = gather_rows_args(tab, _t(torch.float32), (-(-m // w), n, ld, w), cfg, TIMEOUT, residual=bf16)
         cases.append(Case(f"norm gather residual {tag}", all_reduce._gather_rows_kernel, gather_args, cfg.num_warps, 1))
         e4m3 = torch.float8_e4m3fn
-        fp8 = (FP8_MAX[e4m3], *FP8_FORMAT[e4m3])
+        fp8 = all_reduce_norm.Fp8Format(FP8_MAX[e4m3], *FP8_FORMAT[e4m3])
         f32 = _t(torch.float32)
         # QUANT 0: bf16 out; 1: fp32 y32 (tensor mode, quantized after); 2 / 3: FP8 row / block in the kernel.
         for quant, out, block_n in ((0, bf16, 1024), (1, f32, 1024), (2, _t(e4m3), 1024), (3, _t(e4m3), 1024)):
@@ -637,13 +640,14 @@ def test_gpu_block_config_keeps_tile_counts_agreed():
     assert blocks.block_config(fp8("block"), cuda, 512, 4104, dtype=e4m3).block_k == blocks.NARROW_BLOCK_K
     aligned = blocks.block_config(int8("per_group", 128, False), cuda, 512, 4096, dtype=f16)
     assert aligned == blocks.GPU_BLOCKS
-    assert blocks.kernel_format(int8("per_group", 128, False), aligned)[1] == tile.PER_GROUP_ALIGNED
+    assert blocks.kernel_format(int8("per_group", 128, False), aligned).SCALES == tile.PER_GROUP_ALIGNED
     narrowed = blocks.block_config(int8("per_group", 48, False), cuda, 512, 4096, dtype=f16)
     assert (narrowed.block_k, narrowed.block_m) == (16, 128)
-    assert blocks.kernel_format(int8("per_group", 48, False), narrowed)[1] == tile.PER_GROUP_ALIGNED
+    assert blocks.kernel_format(int8("per_group", 48, False), narrowed).SCALES == tile.PER_GROUP_ALIGNED
     unaligned = int8("per_group", 40, False)
     assert (
-        blocks.kernel_format(unaligned, blocks.block_config(unaligned, cuda, 512, 4096, dtype=f16))[1] == tile.PER_GROUP
+        blocks.kernel_format(unaligned, blocks.block_config(unaligned, cuda, 512, 4096, dtype=f16)).SCALES
+        == tile.PER_GROUP
     )
     assert [slot_stride(n) for n in (1, 8, 9, 4097)] == [8, 8, 16, 4104]
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.format import PLAIN
-from kernels.fused import blocks, gemm_configs, gemm_persistent, matmul, tuned
+from kernels.fused import blocks, gemm_configs, gemm_persistent, matmul, tile, tuned
 from kernels.fused.gemm_configs import GemmConfig
 
 try:
@@ -90,7 +90,7 @@ def test_persistent_walk_covers_every_tile_once(monkeypatch, order, variant, m, 
     tiles = -(-m // 16) * -(-n // 16)
     walk = torch.zeros(tiles, dtype=torch.int32)
     out = torch.full((m, n), float("nan"))
-    gemm_persistent.launch(x, w, None, out, cfg, math=(blocks.acc_dtype(x.dtype), "ieee"), walk=walk)
+    gemm_persistent.launch(x, w, None, out, cfg, math=tile.Math(blocks.acc_dtype(x.dtype), "ieee"), walk=walk)
     assert walk.tolist() == [1] * tiles
     _assert_close(out, x, w, None)
 

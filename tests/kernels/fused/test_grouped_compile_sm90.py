@@ -41,7 +41,7 @@ def main() -> None:
             OPERANDS=((torch.empty(64, dtype=dtype), k, 1, *x_tail), (torch.empty(64, dtype=dtype), k, 1, *w_tail)),
             OUT=(torch.empty(64, dtype=torch.bfloat16), n, 1, None),
             GROUPS=(torch.empty(64, dtype=torch.int32), experts, m, n, k, n * k, -(-n // 128) * sk),
-            CONFIG=(blocks.kernel_format(fmt, cfg), cfg.tile(), matmul.ROUNDING[fmt.kind]),
+            CONFIG=grouped.GroupedConfig(blocks.kernel_format(fmt, cfg), cfg.tile(), matmul.ROUNDING[fmt.kind]),
             MATH=blocks.dot_math(dtype, torch.device("cuda")),
         )
         kernel = compile_like_launch(grouped._grouped_kernel, args, cfg.num_warps, cfg.num_stages)

@@ -15,6 +15,7 @@ def main() -> None:
     import torch
 
     from kernels.fused import moe, signals
+    from kernels.fused.scatter import ScatterProto
     from tests.kernels.fused.sm90 import compile_like_launch, report_failures, resources
 
     cuda = torch.device("cuda")
@@ -34,7 +35,7 @@ def main() -> None:
                 heap=heap,
                 rank=world - 2,
                 timeout=10**9,
-                CONFIG=(cfg.tile(), (world, False, 0, True)),
+                CONFIG=moe.CombineConfig(cfg.tile(), ScatterProto(world, False, False, True)),
             ),
         ),
         "combine (W = 1)": (
@@ -58,7 +59,7 @@ def main() -> None:
                 heap=(tab, tab, signals.channel_offset(signals.CH_AG, world), world * tokens * k // 2),
                 rank=world - 2,
                 timeout=10**9,
-                CONFIG=(world, signals.AG_MAX_SPLITS, 32, 128, 8, True),
+                CONFIG=moe.CollectConfig(world, signals.AG_MAX_SPLITS, 32, 128, 8, True),
             ),
         ),
     }
