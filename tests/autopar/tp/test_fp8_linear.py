@@ -240,9 +240,24 @@ def test_styles_and_parallelize_hf_take_the_recipe(monkeypatch: pytest.MonkeyPat
         autopar.parallelize_hf(torch.nn.Linear(2, 2), fp8=True)
 
 
+def _smaller_curves_rank(rank: int, world: int, steps: int) -> tuple[list[float], list[float]]:
+    """``bench.fp8_curve.curves_rank`` at hidden 128, ffn 256 (the bench's model at half its widths, each
+    still a whole 128-wide FP8 scale block per rank): the same code, under half the CPU time. The bench's
+    sizes are restored after (the rank processes are pooled)."""
+    from bench import fp8_curve
+
+    saved = fp8_curve.HIDDEN, fp8_curve.FFN
+    fp8_curve.HIDDEN, fp8_curve.FFN = 128, 256
+    try:
+        return curves_rank(rank, world, steps)
+    finally:
+        fp8_curve.HIDDEN, fp8_curve.FFN = saved
+
+
 def test_200_steps_within_2_percent_of_bf16() -> None:
-    bf16, fp8 = run_ranks(curves_rank, 2, 200, timeout=900)[0]
+    bf16, fp8 = run_ranks(_smaller_curves_rank, 2, 200, timeout=900)[0]
     assert len(bf16) == len(fp8) == 200
     assert bf16[-1] < 0.8 * bf16[0]  # it trained
     gap = relative_gap(bf16, fp8)
+    print(f"bf16 {bf16[0]:.4f} -> {bf16[-1]:.4f}, fp8 -> {fp8[-1]:.4f}, gap {100 * gap:.3f} %")
     assert gap < 0.02, f"FP8 loss {100 * gap:.2f} % from bf16's over the last 20 steps"
