@@ -11,6 +11,7 @@ Rank bodies live in this module (the rank pools import them by reference).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -239,6 +240,9 @@ def heap_outlives_capture_body(rank: int, world: int) -> list[str]:
         failures.append("growth did not retire the captured heap (replaced and kept mapped)")
     xs, _, _ = _plain_rs_inputs(world, 2)
     static_x.copy_(xs[rank])
+    # Both ranks replay from here: the grown call above may keep one rank busy for long on a loaded machine, and a
+    # replay's wait for its peer is bounded by COC_TIMEOUT (long in this part, short only where a wait must fail).
+    dist.barrier(group)
     graph.replay()
     inputs = ([(x, None) for x in xs], weight, b)
     _check(f"replay after growth rank={rank}", "plain", "rs", _snapshot(static_out), inputs, rank, torch.float32)
@@ -247,7 +251,9 @@ def heap_outlives_capture_body(rank: int, world: int) -> list[str]:
     if not captured.closed or heaps_of(group):
         failures.append("destroy_heap left the retired heap mapped")
 
-    # A failure on the captured heap: rank 0 replays while the peers make another call on it.
+    # A failure on the captured heap: rank 0 replays while the peers make another call on it. Its wait must time
+    # out, so the graph captures a short COC_TIMEOUT (read when the call is captured).
+    os.environ["COC_TIMEOUT"] = "5"
     group = dist.new_group(list(range(world)))
     graph, static_out = _captured(group, static_x, weight[rank], b)
     captured = peek_heap(group, dev)
@@ -289,7 +295,7 @@ def test_capture_refuses_first_call_and_growth() -> None:
 
 @pytest.mark.one_triton  # host-side heap retirement; the replayed kernels rerun under 3.6 in the cases above
 def test_captured_heap_outlives_growth_and_failure() -> None:
-    assert run_ranks(heap_outlives_capture_body, 2, env={"COC_TIMEOUT": "5"}, timeout=120) == [[], []]
+    assert run_ranks(heap_outlives_capture_body, 2, env={"COC_TIMEOUT": "120"}, timeout=400) == [[], []]
 
 
 @pytest.mark.gpu
