@@ -117,6 +117,12 @@ def test_under_torchrun(tmp_path):
             "ag,rs",
             "--backends",
             "sequential,chunked2",
+            "--tokens",
+            "40",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
             "--no-progress",
             "--format",
             "json,csv",
@@ -147,7 +153,8 @@ def test_operand_formats_run_through_the_same_runner(tmp_path):
     """FP8 cases get the unfused baseline row (torch._scaled_mm + the collective) and are checked with the FP8
     bounds; a mode this torch's _scaled_mm refuses (block on CPU) skips the baseline with torch's message and
     still checks the ops."""
-    args = ["--suite", "tiny", "--operand-formats", "fp8:tensor,fp8:block", "--ops", "ag,ar", "--world-sizes", "2"]
+    args = ["--suite", "tiny", "--tokens", "40", "--operand-formats", "fp8:tensor,fp8:block", "--ops", "ag,ar"]
+    args += ["--world-sizes", "2"]
     r = _bench(args + ["--backends", "sequential,fused", "--repeats", "1", "--warmup", "0", "--no-progress"], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     records = json.loads((tmp_path / "out.json").read_text())["records"]

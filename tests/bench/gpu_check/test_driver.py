@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels.testing import REPO_ROOT
+from tests.bench.shared import completed, run_once
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the --allow-cpu flow; a GPU runs the real one")
 
@@ -23,52 +24,66 @@ def _env(**extra):
     return env
 
 
-def _gpu_check(out_dir, *extra, timeout=900):
-    r = subprocess.run(
-        [sys.executable, "-m", "bench", "--mode", "gpu-check", "--allow-cpu", "--out-dir", str(out_dir), *extra],
-        cwd=REPO_ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+@pytest.fixture(scope="module")
+def cpu_gpu_check(tmp_path_factory):
+    """One ``--mode gpu-check --allow-cpu`` run of the env, tune and speed sections (minutes under the
+    interpreter), shared by the tests below: ``(process, report, Markdown, out dir)``; the process also holds
+    the checkout's configs/tuned/cpu.yaml mtime before and after."""
+    checkout_file = Path(REPO_ROOT) / "configs" / "tuned" / "cpu.yaml"
+
+    def mtime():
+        return checkout_file.stat().st_mtime_ns if checkout_file.exists() else None
+
+    def run(out_dir: Path) -> dict:
+        before = mtime()
+        r = subprocess.run(
+            [sys.executable, "-m", "bench", "--mode", "gpu-check", "--allow-cpu", "--out-dir", str(out_dir)]
+            + ["--sections", "env,tune,speed"],
+            cwd=REPO_ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        return {**completed(r), "before": before, "after": mtime()}
+
+    r, out_dir = run_once(tmp_path_factory, "gpu-check-cpu", run)
     reports = sorted(out_dir.glob("cpu-gpu-check-*.json"))
     assert len(reports) == 1, (r.stdout, r.stderr[-3000:])
     md = reports[0].with_suffix(".md")
-    return r, json.loads(reports[0].read_text()), md.read_text()
+    return r, json.loads(reports[0].read_text()), md.read_text(), out_dir
 
 
 @no_gpu
-def test_allow_cpu_reports_environment_and_speed(tmp_path):
-    r, doc, md = _gpu_check(tmp_path, "--sections", "env,speed")
+def test_allow_cpu_reports_environment_and_speed(cpu_gpu_check):
+    r, doc, md, _ = cpu_gpu_check
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     sections = {s["section"]: s for s in doc["sections"]}
-    assert sorted(sections) == ["env", "speed"]
+    assert [s["section"] for s in doc["sections"]] == ["env", "tune", "speed"]
     env = {it["name"]: it for it in sections["env"]["items"]}
     assert env["CUDA GPU"]["status"] == "skip" and "--allow-cpu" in env["CUDA GPU"]["detail"]
     assert doc["environment"]["source_sha256"] and doc["environment"]["torch"] == torch.__version__
     speed = sections["speed"]
     assert speed["verdict"] == "PASS" and any(it.get("kind") == "core" for it in speed["items"])
     assert "| core / cuBLAS speed |" in md and "No GPU: this run used `--allow-cpu`" in md
-    # The table is printed last, one line per section, then the overall verdict; the total counts
-    # from the process start (cold import torch included).
+    # The table is printed last: a header and its rule, one line per section, then the overall verdict; the
+    # total counts from the process start (cold import torch included).
     tail = r.stdout.strip().splitlines()
-    assert tail[-1].startswith("overall: PASS") and len(tail) == 5, r.stdout
+    assert tail[-1].startswith("overall: PASS") and len(tail) == 2 + len(sections) + 1, r.stdout
     assert 0 < doc["meta"]["seconds"] <= doc["meta"]["total_budget_s"]
 
 
 @no_gpu
-def test_allow_cpu_tuner_writes_into_out_dir_not_configs(tmp_path):
+def test_allow_cpu_tuner_writes_into_out_dir_not_configs(cpu_gpu_check):
     """The tune section of a CPU run writes cpu.yaml beside the report (--out-dir), never into the
     checkout's configs/tuned, where the kernels would not read it anyway."""
-    checkout_file = Path(REPO_ROOT) / "configs" / "tuned" / "cpu.yaml"
-    before = checkout_file.stat().st_mtime_ns if checkout_file.exists() else None
-    r, doc, _ = _gpu_check(tmp_path, "--sections", "tune")
+    r, doc, _, out_dir = cpu_gpu_check
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    items = {it["name"]: it for it in doc["sections"][0]["items"]}
-    assert items["tuned file"]["detail"].startswith(f"{tmp_path / 'cpu.yaml'} in "), items["tuned file"]
-    assert (tmp_path / "cpu.yaml").is_file()
-    assert (checkout_file.stat().st_mtime_ns if checkout_file.exists() else None) == before
+    (tune,) = (s for s in doc["sections"] if s["section"] == "tune")
+    items = {it["name"]: it for it in tune["items"]}
+    assert items["tuned file"]["detail"].startswith(f"{out_dir / 'cpu.yaml'} in "), items["tuned file"]
+    assert (out_dir / "cpu.yaml").is_file()
+    assert r.after == r.before
 
 
 @pytest.mark.skipif(

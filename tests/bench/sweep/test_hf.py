@@ -18,8 +18,9 @@ from bench.__main__ import build_parser  # noqa: E402
 from bench.sweep import hf, hf_report  # noqa: E402
 
 # Gemma / Gemma2: scaled embeddings; Qwen3: q / k norms (replicated_with_grad_allreduce); Phi-3 / GLM: split
-# inputs under SP; OLMo2: q / k norms over all heads; GPT-2: autopar's own plan (packed c_attn); granite_swa: a
-# named refusal ("local_params").
+# inputs under SP; OLMo2: q / k norms over all heads; GPT-2: autopar's own plan (packed c_attn); Llama: the plain
+# plan; granite_swa: a named refusal ("local_params"). The other plain families (Qwen2, Mistral, Granite, Cohere)
+# take the sweep's path Llama takes; tests/autopar/tp/test_hf_families.py checks each of them.
 FAMILIES = [
     "gemma",
     "gemma2",
@@ -29,10 +30,6 @@ FAMILIES = [
     "olmo2",
     "gpt2",
     "llama",
-    "qwen2",
-    "mistral",
-    "granite",
-    "cohere",
     "granite_swa",
 ]
 

@@ -20,6 +20,7 @@ from kernels.fused.gemm_configs import GemmConfig
 from kernels.ops.gemm import Operands
 from kernels.testing import REPO_ROOT
 from kernels.testing import fp8 as fp8_reference
+from tests.bench.shared import completed, run_once
 
 pytestmark = pytest.mark.triton
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the --allow-cpu flow; a GPU tunes its own shapes")
@@ -133,24 +134,41 @@ def test_gpu_shapes_are_llama70b_tp8_and_8192_cubed():
     assert {op for s in tuner.gpu_shapes() for op in s.ops} == set(tuned.OPS)
 
 
-def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """One ``python -m bench --mode tune --allow-cpu`` without ``--out-dir``, from another directory (the CPU
+    tuner's whole space takes a while under the interpreter), shared by the tests below: ``(process, the
+    folder it ran in)``, the process also holding the checkout's configs/tuned/cpu.yaml mtime before and
+    after. On CPU a named ``--out-dir`` and the default take the same path (bench/__main__.py hands
+    either to the tuner)."""
+
+    def run(cwd: Path) -> dict:
+        before = _checkout_cpu_file()
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", tuned.ENV_TUNED_DIR)}
+        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench", "--mode", "tune", "--allow-cpu"],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        return {**completed(proc), "before": before, "after": _checkout_cpu_file()}
+
+    return run_once(tmp_path_factory, "tune-cli", run)
+
+
+@no_gpu
+def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(cpu_run, monkeypatch):
     """The CPU run writes plain entries and, under ``format:``, FP8 (block, row, tensor) and int8 (per_group,
     per_channel, per_tensor) entries for every op and shape; the lookup returns each for its own format: the bare
     matmul's plain entry through ``matmul_config``, every other through ``block_config`` (the local GEMM
     and the fused ops)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", tuned.ENV_TUNED_DIR)}
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--mode", "tune", "--allow-cpu", "--out-dir", str(tmp_path)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc, cwd = cpu_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    path = tmp_path / "cpu.yaml"
-    assert f"wrote {path}" in proc.stdout
+    path = cwd / "bench_results" / "cpu.yaml"
+    assert f"wrote {path.relative_to(cwd)}" in proc.stdout
     assert "no config ran" not in proc.stdout, proc.stdout
     entries = tuned.load(path)
     cases = {(c.fmt.encode(), tuned.dtype_name(c.dtype)) for c in tuner.cpu_cases()}
@@ -170,7 +188,7 @@ def test_allow_cpu_runs_end_to_end_and_the_kernels_read_its_file(tmp_path, monke
         assert {e.op for e in mine} == set(tuned.OPS) - (set() if has_grouped else set(grouped.OPS)), case
         assert {(e.m, e.n, e.k) for e in mine} == shapes, case
     assert "format: fp8:block" in path.read_text() and "format: plain" not in path.read_text()
-    monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(tmp_path))
+    monkeypatch.setenv(tuned.ENV_TUNED_DIR, str(path.parent))
     for e in entries:
         fmt = OperandFormat.decode(e.format)
         x = torch.empty(e.m, e.k, dtype=getattr(torch, e.dtype))
@@ -397,7 +415,9 @@ def _checkout_cpu_file() -> int | None:
 
 @no_gpu
 def test_run_prints_each_winner_once_under_one_header(tmp_path, capsys):
-    result = tuner.run(str(tmp_path), allow_cpu=True, timer=_fake_timer({}, []))
+    # Two cases (the CPU space's plain and one format) are enough to print the header twice if it were per case.
+    cases = [tuner.Case(PLAIN, torch.bfloat16), tuner.Case(fp8("row"), torch.float8_e4m3fn)]
+    result = tuner.run(str(tmp_path), allow_cpu=True, timer=_fake_timer({}, []), cases=cases)
     out = capsys.readouterr().out.splitlines()
     head, *_ = tuner.table([]).splitlines()
     assert out.count(head) == 1 and result["rows"], out
@@ -406,25 +426,15 @@ def test_run_prints_each_winner_once_under_one_header(tmp_path, capsys):
 
 
 @no_gpu
-def test_cpu_run_writes_into_out_dir_never_into_configs(tmp_path):
+def test_cpu_run_writes_into_out_dir_never_into_configs(cpu_run):
     """``--mode tune --allow-cpu`` without ``--out-dir``, from another directory: the file goes to the
     default report folder (./bench_results, ignored by git), not into the checkout's configs/tuned
     (where the kernels never read a CPU file)."""
-    before = _checkout_cpu_file()
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", tuned.ENV_TUNED_DIR)}
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--mode", "tune", "--allow-cpu"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc, cwd = cpu_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    written = tmp_path / "bench_results" / "cpu.yaml"
-    assert f"wrote {written.relative_to(tmp_path)}" in proc.stdout and tuned.load(written)
-    assert _checkout_cpu_file() == before
+    written = cwd / "bench_results" / "cpu.yaml"
+    assert f"wrote {written.relative_to(cwd)}" in proc.stdout and tuned.load(written)
+    assert proc.after == proc.before
     with pytest.raises(ValueError, match="out_dir: a CPU run of the tuner needs one"):
         tuner.run(None, allow_cpu=True)
 
