@@ -1,6 +1,7 @@
 """The host time an eager call adds over the same torch arithmetic (issue 37's lean eager path).
 
-``python -m bench.cost.eager [--iters N] [--repeats R] [--json PATH]``, or ``python -m bench --mode eager``.
+``python -m bench.cost.eager [--iters N] [--repeats R] [--json PATH]`` (beside ``bench.cost.host``, ``.decode``,
+``.admission``).
 
 One process, no process group (W = 1), the sequential backend, ``x [4, 64]``, ``weight [64, 64]`` fp32 (the norm:
 ``x``, ``residual [4, 64]``, ``weight [64]``), torch on one thread, under ``torch.no_grad()``. For each of
