@@ -40,7 +40,7 @@ from .gemm import (
     rows_of,
     submit_plain,
 )
-from .norm import NormOutputs, accumulator, cast_to, check_epilogue, finish, scale_shape
+from .norm import EpilogueArgs, NormOutputs, NormSpec, accumulator, cast_to, check_epilogue, finish, scale_shape
 
 
 def matmul_all_reduce(
@@ -210,7 +210,7 @@ def _submit(options: Options, operands: Any, norm: tuple) -> torch.Tensor | Norm
         shape = tuple(ops.x.shape[:-1]) + (ops.weights[0].shape[0],)
         dtype = options.out_dtype or ops.x.dtype
         names = (options.op, "residual", "norm_weight")
-        check_epilogue(residual, norm_weight, eps, quant, shape=shape, dtype=dtype, names=names)
+        check_epilogue(EpilogueArgs(*norm), shape=shape, dtype=dtype, names=names)
 
     out, residual_out, scale = submit(
         NORM_SPEC,
@@ -417,9 +417,8 @@ def _norm_finished(reduced: Any) -> Any:
         mode = call.epilogue.partition(":")[2] or None
         dtypes = (residual.dtype, residual.dtype)
         quant = (mode, torch.float8_e4m3fn)
-        fused_norm = call.backend == "fused"
-        shape = tuple(residual.shape)
-        return finish(h, ops.norm_weight, call.eps, dtypes=dtypes, quant=quant, fused=fused_norm, shape=shape)
+        spec = NormSpec(call.eps, dtypes, quant, call.backend == "fused", tuple(residual.shape))
+        return finish(h, ops.norm_weight, spec)
 
     return run
 

@@ -34,7 +34,17 @@ from ..protocol import Built, Call, OpSpec, group_name, submit, tensors_key
 from ..protocol.call import Items
 from .all_reduce import fixed_order_all_reduce
 from .gemm import rows_of
-from .norm import NormOutputs, accumulator, cast_to, check_epilogue, check_fp8_dtype, finish, scale_shape
+from .norm import (
+    EpilogueArgs,
+    NormOutputs,
+    NormSpec,
+    accumulator,
+    cast_to,
+    check_epilogue,
+    check_fp8_dtype,
+    finish,
+    scale_shape,
+)
 
 ALGORITHMS = ("auto", "one_shot", "two_shot", "unfused")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -99,7 +109,7 @@ def all_reduce_rmsnorm(
     """
 
     def build(world: int) -> Built:
-        _check(x, residual, weight, eps, quant=quant, fp8_dtype=fp8_dtype, algorithm=algorithm)
+        _check(x, EpilogueArgs(residual, weight, eps, quant), fp8_dtype=fp8_dtype, algorithm=algorithm)
         checks.check_backend(backend)
         call = NormCall(
             op="all_reduce_rmsnorm",
@@ -122,16 +132,14 @@ def all_reduce_rmsnorm(
     return NormOutputs(out, residual_out, scale if quant else None)
 
 
-def _check(
-    x: object, residual: object, weight: object, eps: object, *, quant: object, fp8_dtype: object, algorithm: object
-) -> None:
+def _check(x: object, given: EpilogueArgs, *, fp8_dtype: object, algorithm: object) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"all_reduce_rmsnorm: x must be a tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.dtype not in _DTYPES:
         raise ValueError(f"all_reduce_rmsnorm: x must be [..., n] of {_DTYPES}, got {tuple(x.shape)} {x.dtype}")
     names = ("all_reduce_rmsnorm", "residual", "weight")
-    check_epilogue(residual, weight, eps, quant, shape=tuple(x.shape), dtype=x.dtype, names=names)
-    devices = {t.device for t in (x, residual, weight)}  # type: ignore[union-attr]
+    check_epilogue(given, shape=tuple(x.shape), dtype=x.dtype, names=names)
+    devices = {t.device for t in (x, given.residual, given.weight)}  # type: ignore[union-attr]
     if len(devices) > 1:
         raise ValueError(
             f"all_reduce_rmsnorm: x, residual and weight must be on one device, got {sorted(map(str, devices))}"
@@ -182,9 +190,8 @@ def fused(x: torch.Tensor, residual: torch.Tensor, call: NormCall, described: No
 def _normed(call: NormCall, ops: NormOperands, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x, residual = ops.x, ops.residual
     quant = (call.quant, call.fp8_dtype)
-    dtypes = (x.dtype, residual.dtype)
-    fused_norm = call.backend == "fused"
-    return finish(h, ops.weight, call.eps, dtypes=dtypes, quant=quant, fused=fused_norm, shape=tuple(x.shape))
+    spec = NormSpec(call.eps, (x.dtype, residual.dtype), quant, call.backend == "fused", tuple(x.shape))
+    return finish(h, ops.weight, spec)
 
 
 def _sequential(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -35,18 +35,21 @@ class NormOutputs(NamedTuple):
     scale: torch.Tensor | None
 
 
+class EpilogueArgs(NamedTuple):
+    """The epilogue's arguments as the caller gave them (not yet checked: :func:`check_epilogue`)."""
+
+    residual: object
+    weight: object
+    eps: object
+    quant: object
+
+
 def check_epilogue(
-    residual: object,
-    weight: object,
-    eps: object,
-    quant: object,
-    *,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    names: tuple[str, str, str],
+    given: EpilogueArgs, *, shape: tuple[int, ...], dtype: torch.dtype, names: tuple[str, str, str]
 ) -> None:
     """``residual`` of ``shape`` and ``dtype``, ``weight`` a floating ``[n]``, ``eps`` finite and >= 0, ``quant``
     one of :data:`QUANT_MODES`; ``names``: (the op, the residual's and the weight's argument names)."""
+    residual, weight, eps, quant = given
     op, residual_name, weight_name = names
     for name, t in ((residual_name, residual), (weight_name, weight)):
         if not isinstance(t, torch.Tensor):
@@ -85,42 +88,41 @@ def cast_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _torch_norm(
-    h: torch.Tensor, weight: torch.Tensor, eps: float, *, x_dtype: torch.dtype, residual_dtype: torch.dtype, quant: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+class NormSpec(NamedTuple):
+    """How :func:`finish` turns ``h`` into the outputs, fixed by the call and its operands: ``eps``, ``dtypes =
+    (x's, the residual's)``, ``quant = (mode or None, FP8 dtype)``, ``fused`` (the Triton kernel, else torch) and
+    the outputs' ``shape``."""
+
+    eps: float
+    dtypes: tuple[torch.dtype, torch.dtype]
+    quant: tuple[str | None, torch.dtype]
+    fused: bool
+    shape: tuple[int, ...]
+
+
+def _torch_norm(h: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    x_dtype, residual_dtype = spec.dtypes
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.eps)
     w = cast_to(weight, h.dtype)
-    if quant:
+    if spec.quant[0] is not None:
         return h * rstd * w, cast_to(h, residual_dtype)
     return cast_to(cast_to(cast_to(h * rstd, x_dtype), h.dtype) * w, x_dtype), cast_to(h, residual_dtype)
 
 
-def finish(
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    dtypes: tuple[torch.dtype, torch.dtype],
-    quant: tuple[str | None, torch.dtype],
-    fused: bool,
-    shape: tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, residual_out, scale)`` of the module docstring from ``h [m, n]``, shaped ``shape``; ``dtypes =
-    (x's, the residual's)``, ``quant = (mode or None, FP8 dtype)``; ``scale`` is an empty fp32 tensor without
-    quantization (a registered operator returns tensors only)."""
-    x_dtype, residual_dtype = dtypes
-    mode, fp8_dtype = quant
+def finish(h: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, residual_out, scale)`` of the module docstring from ``h [m, n]``, shaped ``spec.shape``; ``scale`` is
+    an empty fp32 tensor without quantization (a registered operator returns tensors only)."""
+    mode, fp8_dtype = spec.quant
+    shape = spec.shape
     scale = None
-    if fused:
+    if spec.fused:
         from ..fused import all_reduce_norm
 
         y, residual_out, scale = all_reduce_norm.rmsnorm(
-            h, weight.contiguous(), eps=eps, dtypes=(x_dtype, residual_dtype), quant=quant
+            h, weight.contiguous(), eps=spec.eps, dtypes=spec.dtypes, quant=spec.quant
         )
     else:
-        y, residual_out = _torch_norm(
-            h, weight, eps, x_dtype=x_dtype, residual_dtype=residual_dtype, quant=mode is not None
-        )
+        y, residual_out = _torch_norm(h, weight, spec)
     if mode is not None and scale is None:
         y, scale = quantize_fp8(y, mode, dtype=fp8_dtype)
     if tuple(h.shape) != shape:
