@@ -94,10 +94,11 @@ class MoeCase:
         return {"suite": self.suite, "layer": self.layer, "op": self.op, **dataclasses.asdict(self.shape)}
 
 
-def grouped_roofline(spec: perf_model.GpuSpec, rows: int, k: int, n: int, *, experts: int, dtype: str) -> float:
-    """A persistent grouped GEMM over ``experts`` equal groups: compute at peak x efficiency quantised to
-    waves of all experts' tiles (best tile shape), or the HBM traffic (rows, every expert's weight, the
-    output), whichever is longer, plus one launch."""
+def grouped_roofline(spec: perf_model.GpuSpec, shape: MoeShape) -> float:
+    """A persistent grouped GEMM of ``shape``'s rows over its ``experts`` equal groups: compute at peak x efficiency
+    quantised to waves of all experts' tiles (best tile shape), or the HBM traffic (rows, every expert's weight,
+    the output), whichever is longer, plus one launch."""
+    rows, k, n, experts, dtype = shape.rows, shape.k, shape.n, shape.experts, shape.dtype
     per_expert = math.ceil(rows / experts)
     best = 0.0
     for block_m, block_n, tile_eff in spec.gemm_tiles:
@@ -109,9 +110,9 @@ def grouped_roofline(spec: perf_model.GpuSpec, rows: int, k: int, n: int, *, exp
     return max(compute, memory) + spec.launch_s
 
 
-def loop_roofline(spec: perf_model.GpuSpec, rows: int, k: int, n: int, *, experts: int, dtype: str) -> float:
+def loop_roofline(spec: perf_model.GpuSpec, shape: MoeShape) -> float:
     """The per-expert ``torch.mm`` loop: E roofline GEMMs of ``rows / E`` rows (each with its launch)."""
-    return experts * spec.gemm_time(math.ceil(rows / experts), k, n, dtype)
+    return shape.experts * spec.gemm_time(math.ceil(shape.rows / shape.experts), shape.k, shape.n, shape.dtype)
 
 
 def _tp_bytes(op: str, shape: MoeShape) -> int:
@@ -195,7 +196,7 @@ def predict_case(
     if case.op == GROUPED:
         if spec is not None:
             fn = loop_roofline if backend == "loop" else grouped_roofline
-            return fn(spec, s.rows, s.k, s.n, experts=s.experts, dtype=s.dtype)
+            return fn(spec, s)
         return measured.get("dense")
     if link is None:
         return None
@@ -203,9 +204,7 @@ def predict_case(
         if any(key.startswith("gemm@") for key in measured):
             gemm = lambda t: measured[f"gemm@{t}"]  # noqa: E731 - the GEMM times of the pieces measured
         elif spec is not None:
-            gemm = lambda t: grouped_roofline(  # noqa: E731
-                spec, t * s.topk, s.k, s.n, experts=s.experts, dtype=s.dtype
-            )
+            gemm = lambda t: grouped_roofline(spec, dataclasses.replace(s, tokens=t))  # noqa: E731
         else:
             return None
         try:

@@ -89,8 +89,8 @@ def test_model_orders_the_schedules_at_the_flux_anchor():
         )
         assert fused < seq, op
     s = cases[(GROUPED, 1)].shape
-    grouped = moe_model.grouped_roofline(spec, s.rows, s.k, s.n, experts=s.experts, dtype=s.dtype)
-    assert moe_model.loop_roofline(spec, s.rows, s.k, s.n, experts=s.experts, dtype=s.dtype) > grouped
+    grouped = moe_model.grouped_roofline(spec, s)
+    assert moe_model.loop_roofline(spec, s) > grouped
     # Compute-bound: the roofline is within 10 % of 2 m k n at the efficiency-scaled peak.
     ideal = s.flops / (spec.peak_tflops["bf16"] * 1e12 * spec.gemm_efficiency)
     assert ideal <= grouped <= 1.1 * ideal + spec.launch_s
