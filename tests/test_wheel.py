@@ -61,7 +61,7 @@ INSTALLED_SCRIPT = textwrap.dedent(
             errors[backend] = float((y - x @ w.T).abs().max())
     tuned._cuda_name = lambda index: sys.argv[1]  # stands in for the GPU's name: no GPU here
     cuda = torch.device("cuda", 0)
-    found = tuned.lookup("matmul", cuda, torch.bfloat16, 4096, 8192, k=8192)
+    found = tuned.lookup(tuned.Query("matmul", torch.bfloat16, 4096, 8192, 8192), cuda)
     print(json.dumps({
         "kernels": kernels.__file__,
         "sys_path": [os.path.realpath(p) for p in sys.path],

@@ -151,7 +151,7 @@ def _tuned_blocks(
     rows, k, n = shape
     if op is None or rows is None or n is None or dtype is None or rows < 1 or n < 1:
         return None
-    tc = tuned.lookup(op, device, dtype, rows, n, k=k, fmt=fmt.encode())
+    tc = tuned.lookup(tuned.Query(op, dtype, rows, n, k, fmt.encode()), device)
     if tc is None:
         return None
     base = CPU_BLOCKS if device.type != "cuda" else GPU_BLOCKS

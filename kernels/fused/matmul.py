@@ -129,7 +129,7 @@ def matmul_config(x: torch.Tensor, n: int) -> GemmConfig:
     m, k = x.shape
     tc = None
     if m > 0 and n > 0 and k > 0:
-        tc = tuned.lookup("matmul", x.device, x.dtype, m, n, k=k)
+        tc = tuned.lookup(tuned.Query("matmul", x.dtype, m, n, k), x.device)
     return default_config(x) if tc is None else tc
 
 

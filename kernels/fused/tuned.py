@@ -61,6 +61,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -284,43 +285,52 @@ def _distance(e: Entry, m: int, n: int, k: int | None) -> float:
     return d if k is None else d + abs(math.log2(e.k / max(k, 1)))
 
 
-def nearest(
-    entries: list[Entry], op: str, dtype: torch.dtype, m: int, n: int, *, k: int | None, fmt: str = "plain"
-) -> Entry | None:
+class Query(NamedTuple):
+    """What :func:`lookup` looks for: ``op``'s ``m x n x k`` GEMM of an x of ``dtype`` in operand format ``fmt``
+    (:meth:`kernels.format.OperandFormat.encode`); ``k`` None leaves it out of the distance."""
+
+    op: str
+    dtype: torch.dtype
+    m: int
+    n: int
+    k: int | None = None
+    fmt: str = "plain"
+
+
+def nearest(entries: list[Entry], query: Query) -> Entry | None:
     """The entry :func:`lookup` picks among ``entries`` (see the module docstring), or None."""
+    op, m = query.op, query.m
     fam = family(m)
     best, best_d = None, math.inf
     for e in entries:
-        if e.op != op or e.dtype != dtype_name(dtype) or e.format != fmt or family(e.m) != fam:
+        if e.op != op or e.dtype != dtype_name(query.dtype) or e.format != query.fmt or family(e.m) != fam:
             continue
         if op in TILE_CORE_OPS and e.config.variant != "plain":
             continue
-        d = _distance(e, max(m, 1), n, k)
+        d = _distance(e, max(m, 1), query.n, query.k)
         if d < best_d:
             best, best_d = e, d
     return best
 
 
-def lookup(
-    op: str, device: torch.device, dtype: torch.dtype, m: int, n: int, *, k: int | None = None, fmt: str = "plain"
-) -> GemmConfig | None:
-    """The tuned config of ``op`` for an ``m x n x k`` GEMM of operand format ``fmt``
-    (:meth:`kernels.format.OperandFormat.encode`) on ``device``, or None (use the defaults).
+def lookup(query: Query, device: torch.device) -> GemmConfig | None:
+    """The tuned config of ``query`` on ``device``, or None (use the defaults).
 
-    ``k`` is ignored for the fused ops (see the module docstring).
+    ``query.k`` is ignored for the fused ops (see the module docstring).
     """
-    if op not in OPS:
-        raise ValueError(f"op: {op!r} is not one of {OPS}")
+    if query.op not in OPS:
+        raise ValueError(f"op: {query.op!r} is not one of {OPS}")
     path = _path(_env_dir(), device.type, device.index)
     if path is None:
         return None
     entries = load(path)
     if not entries:
         return None
-    k = None if op in FUSED_OPS else k
-    key = (path, op, dtype, fmt, m, n, k)
+    if query.op in FUSED_OPS:
+        query = query._replace(k=None)
+    key = (path, query)
     if key not in _memo:
-        e = nearest(entries, op, dtype, m, n, k=k, fmt=fmt)
+        e = nearest(entries, query)
         _memo[key] = None if e is None else e.config
     return _memo[key]
 

@@ -330,7 +330,7 @@ def test_a_file_of_the_old_tuner_loads_as_plain_entries(monkeypatch, tmp_path):
         (FP8_BLOCK, torch.float8_e4m3fn, blocks.CPU_FP8_BLOCKS),
         (int8("per_channel", 0, False), bf16, blocks.CPU_BLOCKS),
     ):
-        assert tuned.lookup("matmul_all_reduce", cpu, dtype, 16, 32, fmt=fmt.encode()) is None
+        assert tuned.lookup(tuned.Query("matmul_all_reduce", dtype, 16, 32, fmt=fmt.encode()), cpu) is None
         assert blocks.block_config(fmt, cpu, 16, 32, dtype=dtype, op="matmul_all_reduce", n=32) == default
     # Written back, the plain entries still carry no format key.
     tuned.write(tmp_path / "again.yaml", entries, {"gpu": "cpu"})

@@ -168,12 +168,12 @@ def test_lookup_nearest_in_family_and_fused_ignores_k(monkeypatch, tmp_path):
         ],
     )
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    assert tuned.lookup("matmul", cpu, bf16, 2048, 8192, k=1024) == c
-    assert tuned.lookup("matmul", cpu, bf16, 16, 8192, k=1024) is None  # another family
-    assert tuned.lookup("matmul", cpu, torch.float16, 4096, 8192, k=1024) is None  # another dtype
+    assert tuned.lookup(tuned.Query("matmul", bf16, 2048, 8192, 1024), cpu) == c
+    assert tuned.lookup(tuned.Query("matmul", bf16, 16, 8192, 1024), cpu) is None  # another family
+    assert tuned.lookup(tuned.Query("matmul", torch.float16, 4096, 8192, 1024), cpu) is None  # another dtype
     # Fused: k is not part of the distance, so uneven k shards get the same tiles (first entry wins a tie).
-    assert {tuned.lookup("all_gather_matmul", cpu, bf16, 2000, 1280, k=k) for k in (1024, 1025, 8192)} == {a}
-    assert tuned.lookup("all_gather_matmul", cpu, bf16, 8, 1280, k=3) == b
+    assert {tuned.lookup(tuned.Query("all_gather_matmul", bf16, 2000, 1280, k), cpu) for k in (1024, 1025, 8192)} == {a}
+    assert tuned.lookup(tuned.Query("all_gather_matmul", bf16, 8, 1280, 3), cpu) == b
     found = {blocks.block_config(PLAIN, cpu, 2000, k, dtype=bf16, op="all_gather_matmul", n=1280) for k in (1024, 1025)}
     assert {(c.block_m, c.block_n, c.ag_splits) for c in found} == {(32, 32, blocks.CPU_BLOCKS.ag_splits)}
 
