@@ -46,7 +46,7 @@ import time
 import traceback
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kernels.testing import program_order
 
@@ -79,6 +79,16 @@ class _Outcome:
     rank: int
     ok: bool
     value: Any
+
+
+class Task(NamedTuple):
+    """One call every rank runs: ``fn(rank, world_size, *args, **kwargs)`` with ``env`` set for its duration (what
+    travels to each rank's task queue)."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    env: dict[str, str | None]
 
 
 def _private_pymp_dir(parent: str) -> None:
@@ -255,18 +265,9 @@ class RankPool:
                     first_error_at = time.monotonic()
         return [got.get(r) for r in range(self.world_size)]
 
-    def run(
-        self,
-        fn: Callable[..., Any],
-        args: tuple,
-        kwargs: dict,
-        *,
-        timeout: float,
-        env: dict[str, str | None],
-        allow_dead: bool,
-    ) -> list[Any]:
+    def run(self, task: Task, *, timeout: float, allow_dead: bool) -> list[Any]:
         for q in self._tasks:
-            q.put((fn, args, kwargs, env))
+            q.put(task)
         outcomes = self._collect(timeout, allow_dead)
         failures = []
         for r, o in enumerate(outcomes):
@@ -285,7 +286,7 @@ class RankPool:
             # A rank that did not answer may be stuck in a collective: the pool is unusable.
             self.kill()
         if failures:
-            name = getattr(fn, "__qualname__", repr(fn))
+            name = getattr(task.fn, "__qualname__", repr(task.fn))
             raise RankFailure(f"{name} on {self.world_size} rank(s):\n" + "\n".join(failures))
         return [o.value if o is not None else None for o in outcomes]
 
@@ -370,9 +371,8 @@ def run_ranks(
     rank that raised, hung past ``timeout`` or died (a dead rank's result is ``None`` with
     ``allow_dead``).
     """
-    return get_pool(world_size, backend, device).run(
-        fn, args, kwargs, timeout=timeout, env=env or {}, allow_dead=allow_dead
-    )
+    task = Task(fn, args, kwargs, env or {})
+    return get_pool(world_size, backend, device).run(task, timeout=timeout, allow_dead=allow_dead)
 
 
 def assert_no_errors(results: list[list[str]]) -> None:

@@ -58,7 +58,7 @@ def test_env_is_scoped_to_the_call():
 def test_ranks_start_with_the_environment_of_their_pools_start(monkeypatch):
     # Ranks fork from a server started with an earlier environment; each takes the one of its pool's
     # start (plus the pool kind's variables), as a spawned process would, and torch comes preloaded.
-    from kernels.testing.ranks import RankPool
+    from kernels.testing.ranks import RankPool, Task
 
     monkeypatch.setenv("COC_HARNESS_BIRTH", "cpu pool")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -66,8 +66,8 @@ def test_ranks_start_with_the_environment_of_their_pools_start(monkeypatch):
     monkeypatch.setenv("COC_HARNESS_BIRTH", "cuda pool")
     cuda = RankPool(1, device="cuda")
     try:
-        assert cpu.run(_birth_env, (), {}, timeout=60, env={}, allow_dead=False) == [("cpu pool", "1", True)] * 2
-        assert cuda.run(_birth_env, (), {}, timeout=60, env={}, allow_dead=False) == [("cuda pool", None, True)]
+        assert cpu.run(Task(_birth_env, (), {}, {}), timeout=60, allow_dead=False) == [("cpu pool", "1", True)] * 2
+        assert cuda.run(Task(_birth_env, (), {}, {}), timeout=60, allow_dead=False) == [("cuda pool", None, True)]
     finally:
         cpu.close()
         cuda.close()

@@ -127,11 +127,11 @@ def _scramble_body(rank, world):
 def test_scramble_fills_this_ranks_heap():
     # A pool of its own: the shared pools' ranks may hold a heap from earlier tests (the body checks
     # that a rank without one has nothing to scramble).
-    from kernels.testing.ranks import RankPool
+    from kernels.testing.ranks import RankPool, Task
 
     pool = RankPool(2)
     try:
-        for scrambled, nonzero, numel in pool.run(_scramble_body, (), {}, timeout=120, env={}, allow_dead=False):
+        for scrambled, nonzero, numel in pool.run(Task(_scramble_body, (), {}, {}), timeout=120, allow_dead=False):
             assert scrambled >= 4096 and nonzero > 0.99 * numel
     finally:
         pool.close()
