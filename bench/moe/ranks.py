@@ -201,7 +201,7 @@ def _prepare_tp(case: MoeCase, rank: int, device: torch.device, seed: int) -> Pr
             kind, p = backend_args(b)
             return lambda: kernels.all_gather_grouped_matmul(x, ids, w, backend=kind, parallel_num=p)[0]
 
-        comm = _comm_call("all_gather", m_local, s.k, world=s.world, dtype=dtype, device=device)
+        comm = _comm_call("all_gather", (m_local, s.k), world=s.world, dtype=dtype, device=device)
     else:
         rows = _randn(s.rows, s.k, seed=seed + 30 + rank, scale=1.0, dtype=s.dtype, device=device)
         scale = 1 / math.sqrt(s.k * s.world)
@@ -223,7 +223,7 @@ def _prepare_tp(case: MoeCase, rank: int, device: torch.device, seed: int) -> Pr
             return lambda: kernels.grouped_matmul_reduce_scatter(rows, w, routing, tw, backend=kind, parallel_num=p)
 
         # The op reduces fp32 partials: the bare exchange moves fp32.
-        comm = _comm_call(A2A, s.tokens, s.n, world=s.world, dtype=torch.float32, device=device)
+        comm = _comm_call(A2A, (s.tokens, s.n), world=s.world, dtype=torch.float32, device=device)
     # A chunked piece of t tokens multiplies their pairs' rows, spread over the experts as the whole.
     parts = {f"gemm@{t}": _grouped_call(rows[token < t], w, expert[token < t]) for t in _token_counts(s)}
     return Prepared(call, lambda out: _over(out, want, bound), {**parts, "comm": comm})
@@ -275,7 +275,7 @@ def _prepare_ep(case: MoeCase, rank: int, device: torch.device, seed: int) -> Pr
     copy_index = torch.randperm(source.shape[0], generator=_gen(seed)).to(device)
     parts = {
         "local": lambda: source.index_select(0, copy_index),
-        "comm": _comm_call(A2A, s.rows, s.k, world=s.world, dtype=TORCH_DTYPES[s.dtype], device=device),
+        "comm": _comm_call(A2A, (s.rows, s.k), world=s.world, dtype=TORCH_DTYPES[s.dtype], device=device),
     }
     if case.op == DISPATCH:
         return Prepared(dispatch, lambda out: 0.0 if torch.equal(out[0], want_rows) else math.inf, parts)
@@ -302,12 +302,13 @@ def _prepare_ep(case: MoeCase, rank: int, device: torch.device, seed: int) -> Pr
 
 
 def _comm_call(
-    collective: str, rows: int, cols: int, *, world: int, dtype: torch.dtype, device: torch.device
+    collective: str, shape: tuple[int, int], *, world: int, dtype: torch.dtype, device: torch.device
 ) -> Callable[[], Any]:
-    """The bare collective of the unfused path: an all-gather of ``[rows, cols]`` per rank, or an all-to-all
-    of a ``[rows, cols]`` send buffer (zeros: repeats never overflow)."""
+    """The bare collective of the unfused path: an all-gather of ``shape = [rows, cols]`` per rank, or an
+    all-to-all of a ``[rows, cols]`` send buffer (zeros: repeats never overflow)."""
     from kernels import comm
 
+    rows, cols = shape
     if world == 1:
         inp = torch.zeros(rows, cols, dtype=dtype, device=device)
         return inp.clone
@@ -383,7 +384,7 @@ def _calibration(timer: Timer, cases: list[MoeCase], opts: MoeOptions) -> list[t
         lo, hi = max(256 * world, min(found) // 8), max(max(found), 1024 * world)
         for i in range(5):
             rows = max(1, int(lo * (hi / lo) ** (i / 4)) // (64 * 4 * world))
-            fn = _comm_call(coll, rows, 64, world=world, dtype=torch.float32, device=device)
+            fn = _comm_call(coll, (rows, 64), world=world, dtype=torch.float32, device=device)
             per_rank = rows if coll == "all_gather" else max(1, math.ceil(rows / world)) * world
             nbytes = float(per_rank * 64 * 4 * (world if coll == "all_gather" else 1))
             samples.append((coll, world, nbytes, timer.run(fn, opts.warmup, opts.repeats).pick(opts.stat)))
