@@ -118,15 +118,12 @@ def kernel_scale(scale: torch.Tensor, mode: str, rows: int | None = None) -> tor
 
 
 def check_operands(
-    x: object,
-    x_scale: object,
-    weight: object,
-    w_scale: object,
-    bias: object,
-    *,
-    out_dtype: object,
+    x_pair: tuple[object, object], w_pair: tuple[object, object], bias: object, *, out_dtype: object
 ) -> str:
-    """Validate one FP8 op call (metadata only) and return its mode."""
+    """Validate one FP8 op call (metadata only) and return its mode; ``x_pair = (x, x_scale)`` and ``w_pair =
+    (weight, w_scale)``: each FP8 payload with its scale, as :func:`kernels.quantize_fp8` returns them."""
+    x, x_scale = x_pair
+    weight, w_scale = w_pair
     check_fp8("x", x, "nd")
     check_fp8("weight", weight, "2d")
     assert isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)

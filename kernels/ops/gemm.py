@@ -169,7 +169,7 @@ def fp8_operands(
     w_scales = _per_weight(w_scale, len(weights), "w_scale", listed)
     biases = _per_weight(bias, len(weights), "bias", listed)
     modes = {
-        scales.check_operands(x, x_scale, w, s, b, out_dtype=out_dtype)
+        scales.check_operands((x, x_scale), (w, s), b, out_dtype=out_dtype)
         for w, s, b in zip(weights, w_scales, biases, strict=True)
     }
     if len(modes) > 1:
