@@ -32,7 +32,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.harness.suites import DTYPE_BYTES, backend_args
 from bench.harness.timing import Stats
@@ -214,17 +214,18 @@ def predict_case(
     return predict_ep(case.op, backend, s, link=link, local_s=measured.get("local"))
 
 
-def derive(
-    case: MoeCase,
-    rows: list[dict],
-    parts: dict[str, Stats],
-    *,
-    link: perf_model.LinkModel | None,
-    spec: perf_model.GpuSpec | None,
-    stat: str,
-) -> dict[str, Any]:
+class Models(NamedTuple):
+    """What :func:`predict_case` predicts from: the ``link`` model of the collectives and the GPU roofline ``spec``
+    (either None where the run has none)."""
+
+    link: perf_model.LinkModel | None
+    spec: perf_model.GpuSpec | None
+
+
+def derive(case: MoeCase, rows: list[dict], parts: dict[str, Stats], *, models: Models, stat: str) -> dict[str, Any]:
     """One case's record: each backend's times, speedup over the unfused baseline (sequential; grouped
     GEMM: the per-expert loop), the model's prediction and its error."""
+    link, spec = models
     measured = {name: st.pick(stat) for name, st in parts.items()}
     base_name = "loop" if case.op == GROUPED else "sequential"
     base = next((r["time"].pick(stat) for r in rows if r["backend"] == base_name and "time" in r), None)

@@ -33,7 +33,7 @@ import yaml
 from bench.harness import report
 from bench.harness.suites import DTYPES
 from bench.model import dense as perf_model
-from bench.model.moe import AG, COMBINE, DISPATCH, GROUPED, MODEL_NOTE, RS, MoeCase, MoeShape, derive
+from bench.model.moe import AG, COMBINE, DISPATCH, GROUPED, MODEL_NOTE, RS, Models, MoeCase, MoeShape, derive
 from bench.moe.ranks import MoeOptions, backends_of, run_world
 from kernels.paths import config_path
 
@@ -132,7 +132,7 @@ def model_rows(cases: list[MoeCase], backends: list[str], generation: str) -> li
     records = []
     for case in cases:
         rows = [{"backend": b, "status": "model"} for b in backends_of(case, backends)]
-        records.append(derive(case, rows, {}, link=link, spec=spec, stat="median"))
+        records.append(derive(case, rows, {}, models=Models(link, spec), stat="median"))
     return records
 
 

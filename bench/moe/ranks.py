@@ -30,6 +30,7 @@ from bench.model.moe import (
     GROUPED,
     GROUPED_BACKENDS,
     RS,
+    Models,
     MoeCase,
     MoeShape,
     derive,
@@ -405,9 +406,10 @@ def run_world(rank: int, world: int, device: torch.device, cases: list[MoeCase],
     if rank != 0:
         return {}
     spec = perf_model.load_gpu(opts.gpu_generation)[1] if opts.gpu_generation else None
+    models = Models(link, spec)
     return {
         "world": world,
-        "records": [derive(case, rows, parts, link=link, spec=spec, stat=opts.stat) for case, rows, parts in results],
+        "records": [derive(case, rows, parts, models=models, stat=opts.stat) for case, rows, parts in results],
         "link_model": link.describe() if link is not None else None,
         "calibration_samples": [{"collective": c, "world": w, "bytes": b, "seconds": t} for c, w, b, t in samples],
     }
