@@ -43,6 +43,11 @@ def _csv(kind: Any) -> Any:
     return parse
 
 
+def _add_list(p: argparse.ArgumentParser, flags: tuple[str, ...], kind: Any, help_text: str) -> None:
+    """A comma-list option of ``kind`` values (``LIST``; None when not given, so the suite or the mode decides)."""
+    p.add_argument(*flags, type=_csv(kind), default=None, metavar="LIST", help=help_text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench",
@@ -79,12 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         "hf-sweep: transformers families vs one process, --backends from sequential,chunked,fused (bench/sweep/hf.py); "
         "moe: the MoE suites of configs/moe-bench.yaml (bench/moe/mode.py; --gpu GEN without CUDA: the model alone)",
     )
-    p.add_argument(
-        "--sections",
-        type=_csv(str),
-        default=None,
-        metavar="LIST",
-        help="gpu-check only: comma list of sections to run, from env,tune,tests,speed (default: all)",
+    _add_list(
+        p,
+        ("--sections",),
+        str,
+        "gpu-check only: comma list of sections to run, from env,tune,tests,speed (default: all)",
     )
     p.add_argument(
         "--suite",
@@ -93,50 +97,30 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME|PATH",
         help="shape suite name or YAML path; repeatable (default: tiny)",
     )
-    p.add_argument(
-        "--ops",
-        type=_csv(parse_op),
-        default=None,
-        metavar="LIST",
-        help=f"comma list of ops to run (default: the suite's); accepted: {', '.join(OPS)} or {', '.join(OP_ALIASES)}",
+    _add_list(
+        p,
+        ("--ops",),
+        parse_op,
+        f"comma list of ops to run (default: the suite's); accepted: {', '.join(OPS)} or {', '.join(OP_ALIASES)}",
     )
-    p.add_argument(
-        "--backends",
-        type=_csv(str),
-        default=None,
-        metavar="LIST",
-        help=f"comma list from {', '.join(BACKENDS)} (default: the suite's; sequential is always run as the reference)",
+    _add_list(
+        p,
+        ("--backends",),
+        str,
+        f"comma list from {', '.join(BACKENDS)} (default: the suite's; sequential is always run as the reference)",
     )
-    p.add_argument(
-        "--dtypes",
-        type=_csv(str),
-        default=None,
-        metavar="LIST",
-        help=f"comma list from {', '.join(DTYPES)} (default: the suite's)",
-    )
-    p.add_argument(
-        "--operand-formats",
-        type=_csv(parse_format),
-        default=None,
-        metavar="LIST",
-        help=f"comma list of operand formats from {', '.join(FORMATS)} (int8:per_group:<group size>; "
+    _add_list(p, ("--dtypes",), str, f"comma list from {', '.join(DTYPES)} (default: the suite's)")
+    _add_list(
+        p,
+        ("--operand-formats",),
+        parse_format,
+        f"comma list of operand formats from {', '.join(FORMATS)} (int8:per_group:<group size>; "
         "default: the suite's format key, else plain); fp8: dtype is the output's",
     )
-    p.add_argument(
-        "--world-sizes",
-        "--world-size",
-        type=_csv(int),
-        default=None,
-        metavar="LIST",
-        help="comma list of world sizes (TP degrees) (default: the suite's)",
+    _add_list(
+        p, ("--world-sizes", "--world-size"), int, "comma list of world sizes (TP degrees) (default: the suite's)"
     )
-    p.add_argument(
-        "--tokens",
-        type=_csv(int),
-        default=None,
-        metavar="LIST",
-        help="comma list of M (rows across the TP group) replacing the suite's",
-    )
+    _add_list(p, ("--tokens",), int, "comma list of M (rows across the TP group) replacing the suite's")
     p.add_argument(
         "--warmup", type=int, default=None, help="warm-up calls per timing (default: suite, else 2 CPU / 10 GPU)"
     )

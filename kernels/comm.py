@@ -7,6 +7,8 @@ They hide the renames across torch releases (``all_gather_into_tensor`` -> ``all
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -25,7 +27,17 @@ def _single_rank(group: dist.ProcessGroup | None) -> bool:
     return group_size(group) == 1
 
 
-def _local(out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> _Done | None:
+def _out_of_place(
+    collective: Callable[..., dist.Work | None],
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+) -> dist.Work | _Done | None:
+    """``collective(out, inp)`` over ``group``; a group of one only copies ``inp`` into ``out`` (the one step every
+    out-of-place collective shares, so none of them needs torch.distributed for a single rank)."""
+    if not _single_rank(group):
+        return collective(out, inp, group=group, async_op=async_op)
     if out.data_ptr() != inp.data_ptr():
         out.copy_(inp.view_as(out))
     return _Done() if async_op else None
@@ -39,27 +51,21 @@ def all_gather(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
 ) -> dist.Work | None:
     """``out [W * r, ...] = concat over ranks of inp [r, ...]`` (rank order)."""
-    if _single_rank(group):
-        return _local(out, inp, async_op)
-    return _all_gather_single(out, inp, group=group, async_op=async_op)
+    return _out_of_place(_all_gather_single, out, inp, group, async_op)
 
 
 def reduce_scatter(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
 ) -> dist.Work | None:
     """``out [r, ...] = sum over ranks of inp [W * r, ...][rank * r : (rank + 1) * r]``."""
-    if _single_rank(group):
-        return _local(out, inp, async_op)
-    return _reduce_scatter_single(out, inp, group=group, async_op=async_op)
+    return _out_of_place(_reduce_scatter_single, out, inp, group, async_op)
 
 
 def all_to_all(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
 ) -> dist.Work | None:
     """``out[src] = inp_of_rank_src[rank]`` along dim 0, equal splits."""
-    if _single_rank(group):
-        return _local(out, inp, async_op)
-    return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+    return _out_of_place(dist.all_to_all_single, out, inp, group, async_op)
 
 
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> dist.Work | None:

@@ -15,7 +15,6 @@ adds its launches to.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.cost.output import write_json
 from bench.model.decode import ANCHORS, model_rows
 
 
@@ -116,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         out["host"] = host_rows(iters=args.iters, repeats=args.repeats)
         print("\nHost time per call on this CPU (thread clock, W = 1, sequential backend, microseconds):")
         print(_table(out["host"], ["op", "op_us", "torch_us", "overhead_us"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return 0
 
 

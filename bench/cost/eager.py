@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from bench.cost.output import write_json
 
 M, K, N = 4, 64, 64
 EPS = 1e-6
@@ -119,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run(args.iters, args.repeats)
     print(report(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.json, result)
     return 0
 
 

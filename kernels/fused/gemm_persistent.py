@@ -29,10 +29,12 @@ import triton.language as tl
 
 from .gemm_configs import GemmConfig
 from .runtime import triton_interpreted
-from .tile import Math, Tile, dot_acc
+from .tile import CAST, Math, Tile, dot_acc, load_a, load_b, store_tile
 
 # Programs of an interpreted persistent launch: a few, so tests see several tiles per program.
 INTERPRETER_SMS = 3
+# The pointer kernel's epilogue (tile.store_tile): the bias added in the accumulator, one rounding to c's dtype.
+_CAST = tl.constexpr(CAST)
 
 
 @triton.jit
@@ -79,9 +81,6 @@ def _tma_kernel(a_desc, b_desc, c_desc, bias_ptr, walk_ptr, dims, num_programs, 
 @triton.jit(do_not_specialize=["num_programs"])
 def _pointer_kernel(A, B, OUT, walk_ptr, dims, num_programs, TILE: tl.constexpr, MATH: tl.constexpr):
     M, N, K = dims
-    a_ptr, stride_am, stride_ak = A
-    b_ptr, stride_bn, stride_bk = B
-    c_ptr, stride_cm, stride_cn, bias_ptr = OUT
     BLOCK_M: tl.constexpr = TILE.BLOCK_M
     BLOCK_N: tl.constexpr = TILE.BLOCK_N
     BLOCK_K: tl.constexpr = TILE.BLOCK_K
@@ -93,30 +92,12 @@ def _pointer_kernel(A, B, OUT, walk_ptr, dims, num_programs, TILE: tl.constexpr,
         # int64: offs * stride of a large (or transposed) operand may pass 2^31.
         offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
+        tile = (offs_m, offs_m < M, offs_n, offs_n < N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=MATH.ACC_DTYPE)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-            mask_k = offs_k < K
-            a = tl.load(
-                a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk,
-                mask=mask_n[None, :] & mask_k[:, None],
-                other=0.0,
-            )
-            acc = dot_acc(a, b, acc, MATH)
-        if bias_ptr is not None:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(MATH.ACC_DTYPE)[None, :]
-        tl.store(
-            c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-            acc.to(c_ptr.dtype.element_ty),
-            mask=mask_m[:, None] & mask_n[None, :],
-        )
+            a, offs_k, mask_k = load_a(A, tile, k0, K, BLOCK_K)
+            acc = dot_acc(a, load_b(B, tile, offs_k, mask_k), acc, MATH)
+        store_tile(OUT, acc, tile, _CAST)
         _record(walk_ptr, tile_id)
 
 

@@ -354,12 +354,14 @@ def _move_rows(call: runtime.FusedCall, x: torch.Tensor, plan: tuple, regions: t
     send_start = torch.cumsum(lay.send_counts, 0) - lay.send_counts
     rs = signals.channel_offset(signals.CH_RS, w)
     bases = (heap.data_ptrs, heap.sig_ptrs, rows_at // x.element_size(), pairs_at // 8, rs)
+    # The push and the collect split the rows alike: one config for both launches.
+    config = RowsConfig(w, chunks, block_r, block_c, call.use_globaltimer)
     _push_rows_kernel[(w * chunks,)](
         (x, x.stride(0), x.stride(1), k),
         (order, lay.pair_dest, send_start, lay.send_counts, topk),
         bases,
         call.rank,
-        CONFIG=RowsConfig(w, chunks, block_r, block_c, call.use_globaltimer),
+        CONFIG=config,
         num_warps=warps,
     )
     rows = torch.zeros((out_rows, k), dtype=x.dtype, device=x.device)
@@ -370,7 +372,7 @@ def _move_rows(call: runtime.FusedCall, x: torch.Tensor, plan: tuple, regions: t
         bases,
         call.rank,
         call.timeout_ticks,
-        CONFIG=RowsConfig(w, chunks, block_r, block_c, call.use_globaltimer),
+        CONFIG=config,
         num_warps=warps,
     )
     return rows, pairs
@@ -452,11 +454,13 @@ def combine(
         call.outputs = (out, returned)
         heap = call.heap
         bases = (heap.data_ptrs, heap.sig_ptrs, signals.channel_offset(signals.CH_RS, w))
+        # The publish and the pull split the rows alike: one config for both launches.
+        config = RowsConfig(w, chunks, block_r, block_c, call.use_globaltimer)
         _publish_kernel[(chunks,)](
             (y, y.stride(0), y.stride(1), y.shape[0], n),
             bases,
             call.rank,
-            CONFIG=RowsConfig(w, chunks, block_r, block_c, call.use_globaltimer),
+            CONFIG=config,
             num_warps=warps,
         )
         tiles = triton.cdiv(m, block_r) * max(triton.cdiv(n, block_c), 1)
@@ -465,7 +469,7 @@ def combine(
             bases,
             call.rank,
             call.timeout_ticks,
-            CONFIG=RowsConfig(w, chunks, block_r, block_c, call.use_globaltimer),
+            CONFIG=config,
             num_warps=warps,
         )
     return out, returned

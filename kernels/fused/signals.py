@@ -411,6 +411,19 @@ def _check_call_kernel(
                             publish_error(pad, code)
 
 
+@triton.jit
+def _poison(out_ptr, n, BLOCK: tl.constexpr, INTEGER: tl.constexpr):
+    """``out[0:n]`` (the programs share it, strided) set to what no result holds, the same for each output of a
+    failed call: all-ones bits for an ``INTEGER`` output, NaN for a float one (``_finish_call_kernel``)."""
+    step = tl.num_programs(0) * BLOCK
+    for start in range(tl.program_id(0) * BLOCK, n, step):
+        offs = start + tl.arange(0, BLOCK).to(tl.int64)
+        if INTEGER:
+            tl.store(out_ptr + offs, -1, mask=offs < n)
+        else:
+            tl.store(out_ptr + offs, float("nan"), mask=offs < n)
+
+
 @triton.jit(do_not_specialize=["rank", "n0", "n1"])
 def _finish_call_kernel(
     sig_tab_ptr,
@@ -435,20 +448,9 @@ def _finish_call_kernel(
         # A wait or the check failed: no peer may be told this rank is done (it skipped pushes
         # peers count on), and no output may look like a result.
         if OUTPUTS > 0:
-            step = tl.num_programs(0) * BLOCK
-            for start in range(pid * BLOCK, n0, step):
-                offs = start + tl.arange(0, BLOCK).to(tl.int64)
-                if INTEGER0:
-                    tl.store(out0_ptr + offs, -1, mask=offs < n0)
-                else:
-                    tl.store(out0_ptr + offs, float("nan"), mask=offs < n0)
+            _poison(out0_ptr, n0, BLOCK, INTEGER0)
             if OUTPUTS > 1:
-                for start in range(pid * BLOCK, n1, step):
-                    offs = start + tl.arange(0, BLOCK).to(tl.int64)
-                    if INTEGER1:
-                        tl.store(out1_ptr + offs, -1, mask=offs < n1)
-                    else:
-                        tl.store(out1_ptr + offs, float("nan"), mask=offs < n1)
+                _poison(out1_ptr, n1, BLOCK, INTEGER1)
     elif pid == 0:
         for dst in tl.static_range(WORLD):
             send_signal(peer_ptr(sig_tab_ptr, dst, tl.int64) + DONE_OFFSET + rank, epoch)

@@ -22,20 +22,17 @@ from ..fp8 import scales
 from ..protocol import Built, Call, OpSpec, group_name, submit, tensors_key
 from ..protocol.call import LOCAL, Items, shown_as
 
-# The public function of each (pattern, format kind): the op a call names in its messages.
+# The public function of each (pattern, format kind): the op a call names in its messages. A row per pattern: its
+# plain, FP8 and int8 functions.
 PUBLIC_NAMES = {
-    ("all_gather", "plain"): "all_gather_matmul",
-    ("reduce_scatter", "plain"): "matmul_reduce_scatter",
-    ("all_reduce", "plain"): "matmul_all_reduce",
-    ("all_gather", "fp8"): "all_gather_scaled_matmul",
-    ("reduce_scatter", "fp8"): "scaled_matmul_reduce_scatter",
-    ("all_reduce", "fp8"): "scaled_matmul_all_reduce",
-    ("all_gather", "int8"): "quantized_all_gather_matmul",
-    ("reduce_scatter", "int8"): "quantized_matmul_reduce_scatter",
-    ("all_reduce", "int8"): "quantized_matmul_all_reduce",
-    ("matmul", "plain"): "matmul",
-    ("matmul", "fp8"): "scaled_matmul",
-    ("matmul", "int8"): "quantized_matmul",
+    (pattern, kind): name
+    for pattern, names in {
+        "all_gather": ("all_gather_matmul", "all_gather_scaled_matmul", "quantized_all_gather_matmul"),
+        "reduce_scatter": ("matmul_reduce_scatter", "scaled_matmul_reduce_scatter", "quantized_matmul_reduce_scatter"),
+        "all_reduce": ("matmul_all_reduce", "scaled_matmul_all_reduce", "quantized_matmul_all_reduce"),
+        "matmul": ("matmul", "scaled_matmul", "quantized_matmul"),
+    }.items()
+    for kind, name in zip(("plain", "fp8", "int8"), names, strict=True)
 }
 
 

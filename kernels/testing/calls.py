@@ -19,18 +19,20 @@ def environment(env: dict[str, str | None]) -> Iterator[None]:
     the backend switches are read per call, so a block picks the backend of the calls inside it."""
     saved = {k: os.environ.get(k) for k in env}
     try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _write_environ(env)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _write_environ(saved)
+
+
+def _write_environ(values: dict[str, str | None]) -> None:
+    """``values`` written into ``os.environ``, None removing a variable: setting a block's variables and restoring
+    the saved ones are the same step."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @contextlib.contextmanager

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .reference import assert_within, reduced
+
 BLOCK = 128
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -109,11 +111,7 @@ def reference(
         xg = torch.cat(dx)
         y, s = xg @ dw[0].T + b64, xg.abs() @ dw[0].abs().T + b64.abs()
     elif op == "rs" or op.startswith("ar"):
-        y = sum(dx[i] @ dw[i].T for i in range(world)) + b64
-        s = sum(dx[i].abs() @ dw[i].abs().T for i in range(world)) + b64.abs()
-        if op == "rs":
-            rows = y.shape[0] // world
-            y, s = y[rank * rows : (rank + 1) * rows], s[rank * rows : (rank + 1) * rows]
+        y, s = reduced(op, dx, dw, b64, rank)
     else:
         raise ValueError(f"op must be 'ag', 'ag_v2', 'rs' or 'ar*', got {op!r}")
     bound = op_error_bound(
@@ -130,11 +128,4 @@ def error_ratio(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor) -> f
 
 def assert_close(what: str, got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, out_dtype: torch.dtype) -> None:
     """``got`` in ``out_dtype`` and ``want``'s shape, within ``bound``; AssertionError naming ``what``."""
-    assert tuple(got.shape) == tuple(want.shape) and got.dtype == out_dtype, (
-        f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {out_dtype}"
-    )
-    if got.numel() == 0:
-        return
-    excess = ((got.double().cpu() - want).abs() - bound).nan_to_num(nan=float("inf"))
-    worst = float(excess.max())
-    assert worst <= 0, f"{what}: error exceeds the bound by {worst:.3g} at flat index {int(excess.argmax())}"
+    assert_within(what, got, want, bound, out_dtype)

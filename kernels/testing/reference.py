@@ -136,15 +136,25 @@ def reference(op: str, xs: list[torch.Tensor], ws: list[torch.Tensor], b: torch.
         if op == "ag_v2":
             gathered = torch.cat([x.cpu() for x in xs])
     elif op.startswith("ar") or op == "rs":
-        xs64 = [x.double().cpu() for x in xs]
-        y = sum(xs64[i] @ ws64[i].T for i in range(world)) + b64
-        s = sum(xs64[i].abs() @ ws64[i].abs().T for i in range(world)) + b64.abs()
-        if op == "rs":
-            rows = y.shape[0] // world
-            y, s = y[rank * rows : (rank + 1) * rows], s[rank * rows : (rank + 1) * rows]
+        y, s = reduced(op, [x.double().cpu() for x in xs], ws64, b64, rank)
     else:
         raise ValueError(f"op must be one of {OPS} or 'ar', got {op!r}")
     return y, tolerance(xs[0].dtype, k, world) * s, gathered
+
+
+def reduced(
+    op: str, xs64: list[torch.Tensor], ws64: list[torch.Tensor], b64: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, |x| @ |w|.T + |b|)`` of a reducing op (``rs``, ``ar*``) in fp64 from every rank's fp64 operands: the
+    partial products summed over ranks, ``rs`` keeping this rank's block of rows. The FP8 reference
+    (:mod:`kernels.testing.fp8`) sums its dequantized operands the same way."""
+    world = len(xs64)
+    y = sum(xs64[i] @ ws64[i].T for i in range(world)) + b64
+    s = sum(xs64[i].abs() @ ws64[i].abs().T for i in range(world)) + b64.abs()
+    if op == "rs":
+        rows = y.shape[0] // world
+        y, s = y[rank * rows : (rank + 1) * rows], s[rank * rows : (rank + 1) * rows]
+    return y, s
 
 
 def quantized_weights(ws: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[tuple[torch.Tensor, ...]], list]:
@@ -164,6 +174,12 @@ def assert_close(what: str, got: Any, ref: Reference, dtype: torch.dtype) -> Non
         y, xg = got
         assert torch.equal(xg.cpu(), gathered), f"{what}: gathered x differs"
         got = y
+    assert_within(what, got, want, bound, dtype)
+
+
+def assert_within(what: str, got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, dtype: torch.dtype) -> None:
+    """``got`` in ``dtype`` and ``want``'s shape, within ``bound`` of ``want`` elementwise; AssertionError naming
+    ``what`` (the check of :func:`assert_close` and of the FP8 ops' ``kernels.testing.fp8.assert_close``)."""
     assert tuple(got.shape) == tuple(want.shape) and got.dtype == dtype, (
         f"{what}: got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {dtype}"
     )

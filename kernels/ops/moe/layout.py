@@ -32,7 +32,7 @@ from ...protocol import Call
 from ...protocol.call import Items, shown_as
 from ..grouped_matmul import PLAIN_DTYPES
 from .payload import check_payload, split_x
-from .routing import ID_DTYPES, check_id_values
+from .routing import check_id_values, check_same_device, check_topk_ids
 
 DISPATCH, COMBINE = "moe_dispatch", "moe_combine"
 
@@ -105,13 +105,7 @@ def check_dispatch(
     fmt = check_payload(payload, x_scale)
     assert isinstance(payload, torch.Tensor)
     x, ids, tw = payload, _tensor("topk_ids", topk_ids), _tensor("topk_weights", topk_weights)
-    if ids.dtype not in ID_DTYPES:
-        raise TypeError(f"topk_ids dtype {ids.dtype} is not accepted; use torch.int32 or torch.int64")
-    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or ids.shape[1] < 1:
-        raise ValueError(
-            f"topk_ids shape {tuple(ids.shape)} does not fit x shape {tuple(x.shape)}: it must be "
-            f"[m_local, topk] = [{x.shape[0]}, topk] with topk >= 1 (one row of expert ids per token)"
-        )
+    check_topk_ids(ids, x)
     if not tw.is_floating_point() or tuple(tw.shape) != tuple(ids.shape):
         raise ValueError(
             f"topk_weights must be a floating tensor of topk_ids' shape {tuple(ids.shape)}, got "
@@ -129,9 +123,7 @@ def check_dispatch(
             f"max_tokens must be None (exact mode) or an int >= 1 (the most rows any rank may receive), "
             f"got {max_tokens!r}"
         )
-    for name, t in (("topk_ids", ids), ("topk_weights", tw)):
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    check_same_device(x, (("topk_ids", ids), ("topk_weights", tw)))
     return fmt
 
 

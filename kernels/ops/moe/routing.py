@@ -77,10 +77,24 @@ def _tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def _same_device(x: torch.Tensor, named: tuple[tuple[str, torch.Tensor], ...]) -> None:
+def check_same_device(x: torch.Tensor, named: tuple[tuple[str, torch.Tensor], ...]) -> None:
+    """Every tensor of ``named`` (``(name, tensor)`` pairs) on ``x``'s device; ``ValueError`` naming the first that
+    is not."""
     for name, t in named:
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def check_topk_ids(topk_ids: torch.Tensor, x: torch.Tensor) -> None:
+    """``topk_ids [m_local, topk]`` (int32 / int64, topk >= 1): one row of expert ids per token of ``x``, as both the
+    TP gather and the EP dispatch take them."""
+    if topk_ids.dtype not in ID_DTYPES:
+        raise TypeError(f"topk_ids dtype {topk_ids.dtype} is not accepted; use torch.int32 or torch.int64")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
+        raise ValueError(
+            f"topk_ids shape {tuple(topk_ids.shape)} does not fit x shape {tuple(x.shape)}: it must be "
+            f"[m_local, topk] = [{x.shape[0]}, topk] with topk >= 1 (one row of expert ids per token)"
+        )
 
 
 def check_gather(
@@ -99,19 +113,13 @@ def check_gather(
             f"(shape {tuple(weight.shape)}); weight must be [E, n_local, k] (F.linear layout per expert)"
         )
     fmt, out_dtype = check_format(x, weight, options, ("x", x), ())
-    if topk_ids.dtype not in ID_DTYPES:
-        raise TypeError(f"topk_ids dtype {topk_ids.dtype} is not accepted; use torch.int32 or torch.int64")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
-        raise ValueError(
-            f"topk_ids shape {tuple(topk_ids.shape)} does not fit x shape {tuple(x.shape)}: it must be "
-            f"[m_local, topk] = [{x.shape[0]}, topk] with topk >= 1 (one row of expert ids per token)"
-        )
+    check_topk_ids(topk_ids, x)
     num_e = weight.shape[0]
     if num_experts is not None and (type(num_experts) is not int or num_experts != num_e):
         raise ValueError(
             f"E mismatch: num_experts={num_experts!r} but weight has E={num_e} experts (shape {tuple(weight.shape)})"
         )
-    _same_device(x, (("topk_ids", topk_ids), ("weight", weight)))
+    check_same_device(x, (("topk_ids", topk_ids), ("weight", weight)))
     return num_e, fmt, out_dtype
 
 
@@ -195,7 +203,7 @@ def check_scatter(tensors: tuple, world: int, options: dict) -> tuple[int, int, 
             f"must be [M, topk] with M * topk = rows of h and M = m_local * W (every rank's tokens, rank order)"
         )
     named = (("weight", weight), ("topk_weights", topk_weights), ("routing.expert_offsets", offsets))
-    _same_device(h, named + (("routing.token_index", token_index), ("routing.slot", slot)))
+    check_same_device(h, named + (("routing.token_index", token_index), ("routing.slot", slot)))
     fmt, out_dtype = check_format(h, weight, options, ("h", h), (("topk_weights", topk_weights),))
     return weight.shape[0], topk, fmt, out_dtype
 

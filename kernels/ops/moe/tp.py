@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ... import checks, comm
-from ...format import pack_rows, row_scales, unpack_rows
+from ...format import OperandFormat, pack_rows, row_scales, unpack_rows
 from ...protocol import Built, OpSpec, admitted, group_name, submit
 from ..all_gather import gather_rows
 from .routing import (
@@ -142,17 +142,7 @@ def all_gather_grouped_matmul(
         if wanted(x.device):
             check_id_values(topk_ids, weight.shape[0])
             check_scale_values(options)
-        call = MoeCall(
-            op=_GATHER,
-            group_name=group_name(group),
-            world=world,
-            backend=backend,
-            parallel_num=parallel_num,
-            fmt=fmt,
-            out_dtype=out if fmt.kind == "fp8" else None,
-            num_experts=num_e,
-            topk=topk_ids.shape[1],
-        )
+        call = _moe_call(_GATHER, (num_e, topk_ids.shape[1], fmt, out), group, world, (backend, parallel_num))
         shape = (x.shape[0], x.shape[1], weight.shape[1])
         return Built(call, GatherOperands(x, topk_ids, weight, x_scale, w_scale), x.device, shape)
 
@@ -213,17 +203,7 @@ def grouped_matmul_reduce_scatter(
         if wanted(h.device):
             check_routing_values(routing, topk_weights.shape[1])
             check_scale_values(options)
-        call = MoeCall(
-            op=_SCATTER,
-            group_name=group_name(group),
-            world=world,
-            backend=backend,
-            parallel_num=parallel_num,
-            fmt=fmt,
-            out_dtype=out if fmt.kind == "fp8" else None,
-            num_experts=num_e,
-            topk=topk,
-        )
+        call = _moe_call(_SCATTER, (num_e, topk, fmt, out), group, world, (backend, parallel_num))
         shape = (topk_weights.shape[0], h.shape[1], weight.shape[1])
         ops = ScatterOperands(h, weight, routing, topk_weights, x_scale, w_scale)
         return Built(call, ops, h.device, shape)
@@ -231,6 +211,30 @@ def grouped_matmul_reduce_scatter(
     if needs_grad(h, weight, topk_weights):
         return _differentiable(SCATTER_SPEC, group, build)
     return submit(SCATTER_SPEC, _SCATTER, group, build)
+
+
+def _moe_call(
+    op: str,
+    checked: tuple[int, int, OperandFormat, torch.dtype],
+    group: dist.ProcessGroup | None,
+    world: int,
+    knobs: tuple[str | None, int | None],
+) -> MoeCall:
+    """The call value of either op: ``checked = (E, topk, format, output dtype)`` from its metadata checks (the
+    output dtype kept for FP8 only: a plain call's output is in x's dtype), ``knobs = (backend, parallel_num)``."""
+    num_e, topk, fmt, out = checked
+    backend, parallel_num = knobs
+    return MoeCall(
+        op=op,
+        group_name=group_name(group),
+        world=world,
+        backend=backend,
+        parallel_num=parallel_num,
+        fmt=fmt,
+        out_dtype=out if fmt.kind == "fp8" else None,
+        num_experts=num_e,
+        topk=topk,
+    )
 
 
 def _differentiable(spec: OpSpec, group: dist.ProcessGroup | None, build: object) -> object:
