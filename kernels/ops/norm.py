@@ -102,11 +102,14 @@ class NormSpec(NamedTuple):
 
 def _torch_norm(h: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor]:
     x_dtype, residual_dtype = spec.dtypes
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.eps)
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.eps)
     w = cast_to(weight, h.dtype)
     if spec.quant[0] is not None:
-        return h * rstd * w, cast_to(h, residual_dtype)
-    return cast_to(cast_to(cast_to(h * rstd, x_dtype), h.dtype) * w, x_dtype), cast_to(h, residual_dtype)
+        return normed * w, cast_to(h, residual_dtype)
+    if x_dtype != h.dtype:
+        # HF's / vLLM's order: the normalized rows are rounded to x's dtype before the weight multiplies them.
+        normed = normed.to(x_dtype).to(h.dtype)
+    return cast_to(normed * w, x_dtype), cast_to(h, residual_dtype)
 
 
 def finish(h: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
