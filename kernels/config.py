@@ -255,9 +255,18 @@ def _decode(value: Any) -> str | None:
     return value if value is None or isinstance(value, str) else os.environ.decodevalue(value)
 
 
+# The last environment seen without a config file, and its config: the common case of every op call is one tuple
+# comparison (os.environ keeps the same value objects while nothing sets them, so it compares identities).
+_last: tuple[tuple | None, CocConfig | None] = (None, None)
+
+
 def get_config() -> CocConfig:
     """The config for the current environment; cheap enough to call on every op."""
+    global _last
     raw = _raw_env_values()
+    last_raw, last_config = _last
+    if raw == last_raw:
+        return last_config  # type: ignore[return-value]
     mtime = None
     if raw[2]:
         try:
@@ -272,6 +281,8 @@ def get_config() -> CocConfig:
         if len(_cache) > 64:
             _cache.clear()
         _cache[key] = config
+    if not raw[2]:
+        _last = (raw, config)
     return config
 
 

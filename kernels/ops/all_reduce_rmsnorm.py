@@ -70,7 +70,7 @@ class NormCall(Call):
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NormOperands:
     x: torch.Tensor
     residual: torch.Tensor
