@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-from .config import BACKENDS, PARALLEL_NUMS
+from .config import BACKENDS, PARALLEL_NUMS, env_value
 
 
 def check_launched_alone() -> None:
     """Without an initialized default group, refuse to run as a group of one where the environment says
     the job has more processes (``WORLD_SIZE`` > 1, as torchrun sets it): every rank would return its
     own unreduced partial, with the right shape."""
-    raw = os.environ.get("WORLD_SIZE", "").strip()
+    raw = (env_value("WORLD_SIZE") or "").strip()
     if raw.isdigit() and int(raw) > 1:
         raise RuntimeError(
             f"torch.distributed is not initialized but WORLD_SIZE={raw} in the environment (a launcher such as "

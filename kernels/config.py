@@ -224,36 +224,65 @@ _cache: dict[tuple, CocConfig] = {}
 # CPython keeps os.environ's contents in a dict of encoded keys and values; reading it directly
 # costs about 0.1 us where six os.environ.get calls cost about 2.5 us, on every op call.
 _ENV_DATA = getattr(os.environ, "_data", None)
-_ENV_KEYS = tuple(os.environ.encodekey(name) for name in _ENV_VARS) if _ENV_DATA is not None else ()
+# The config's key reads the launcher's WORLD_SIZE too (it configures nothing): a config object then also stands for
+# the WORLD_SIZE an op checked (kernels.checks.check_launched_alone) when it resolved a call's signature.
+_KEY_VARS = (*_ENV_VARS, "WORLD_SIZE")
+_ENV_KEYS = tuple(os.environ.encodekey(name) for name in _KEY_VARS) if _ENV_DATA is not None else ()
 
 
 def _raw_env_values() -> tuple:
     if _ENV_DATA is None:
-        return tuple(os.environ.get(name) for name in _ENV_VARS)
+        return tuple(os.environ.get(name) for name in _KEY_VARS)
     # map: one C loop, no generator frames (this runs on every op call).
     return tuple(map(_ENV_DATA.get, _ENV_KEYS))
+
+
+_ENCODED_KEYS: dict[str, Any] = {}
+
+
+def env_value(name: str) -> str | None:
+    """``os.environ.get(name)`` at a fraction of its cost: for a name that is not set, ``Mapping.get`` raises and
+    catches a ``KeyError`` (microseconds, on every op call that reads ``WORLD_SIZE``)."""
+    if _ENV_DATA is None:
+        return os.environ.get(name)
+    key = _ENCODED_KEYS.get(name)
+    if key is None:
+        key = _ENCODED_KEYS[name] = os.environ.encodekey(name)
+    return _decode(_ENV_DATA.get(key))
 
 
 def _decode(value: Any) -> str | None:
     return value if value is None or isinstance(value, str) else os.environ.decodevalue(value)
 
 
+# The last environment seen without a config file, and its config: the common case of every op call is one tuple
+# comparison (os.environ keeps the same value objects while nothing sets them, so it compares identities).
+_last: tuple[tuple | None, CocConfig | None] = (None, None)
+
+
 def get_config() -> CocConfig:
     """The config for the current environment; cheap enough to call on every op."""
+    global _last
     raw = _raw_env_values()
-    path = _decode(raw[2])
-    try:
-        mtime = os.stat(path).st_mtime_ns if path else None
-    except OSError:
-        mtime = None
+    last_raw, last_config = _last
+    if raw == last_raw:
+        return last_config  # type: ignore[return-value]
+    mtime = None
+    if raw[2]:
+        try:
+            mtime = os.stat(_decode(raw[2])).st_mtime_ns
+        except OSError:
+            pass
     key = (raw, mtime)
     config = _cache.get(key)
     if config is None:
-        env_values = tuple(_decode(v) for v in raw)
-        config = build_config({n: v for n, v in zip(_ENV_VARS, env_values, strict=False) if v is not None})
+        env_values = tuple(_decode(v) for v in raw[: len(_ENV_VARS)])
+        config = build_config({n: v for n, v in zip(_ENV_VARS, env_values, strict=True) if v is not None})
         if len(_cache) > 64:
             _cache.clear()
         _cache[key] = config
+    if not raw[2]:
+        _last = (raw, config)
     return config
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import padding
+
 KINDS = ("plain", "fp8", "int8")
 FP8_MODES = ("tensor", "row", "block")
 INT8_MODES = ("per_tensor", "per_channel", "per_group")
@@ -126,6 +128,22 @@ def compute(fmt: OperandFormat) -> contextlib.AbstractContextManager[None]:
     """Where the reference's matmuls of ``fmt`` run: full fp32 precision for FP8 (their contract); plain
     and int8 matmuls run in x's dtype as torch runs them."""
     return fp32_matmuls() if fmt.kind == "fp8" else contextlib.nullcontext()
+
+
+def product(
+    fmt: OperandFormat,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``padding.linear(x, weight, bias, out=out)`` in :func:`compute`'s arithmetic for ``fmt`` (a plain or int8
+    product enters no context: this runs on every call)."""
+    if fmt.kind != "fp8":
+        return padding.linear(x, weight, bias, out=out)
+    with fp32_matmuls():
+        return padding.linear(x, weight, bias, out=out)
 
 
 def row_scales(fmt: OperandFormat, x_scale: torch.Tensor, rows: int) -> torch.Tensor:

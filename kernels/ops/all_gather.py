@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm, padding, tune
-from ..format import bias_of, compute, dequantize_weight, dequantize_x, pack_rows, unpack_rows
+from .. import comm, tune
+from ..format import OperandFormat, bias_of, dequantize_weight, dequantize_x, pack_rows, product, unpack_rows
 from ..protocol import OpSpec, submit, unaliased
 from .gemm import (
     GemmCall,
@@ -188,6 +188,8 @@ def gather_rows(rows: torch.Tensor, group: dist.ProcessGroup | None, world: int,
 
 def _weights(call: GemmCall, ops: Operands, x_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Every weight and bias as the reference multiplies and adds them."""
+    if call.fmt.kind == "plain":
+        return list(zip(ops.weights, ops.biases, strict=True))
     return [
         (dequantize_weight(call.fmt, w, ops.scale_of(i), ops.offset_of(i), x_dtype), bias_of(call.fmt, b))
         for i, (w, b) in enumerate(zip(ops.weights, ops.biases, strict=True))
@@ -195,6 +197,14 @@ def _weights(call: GemmCall, ops: Operands, x_dtype: torch.dtype) -> list[tuple[
 
 
 Gathered = tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]
+
+
+def _products(fmt: OperandFormat, rows: torch.Tensor, x_of: tuple[int, torch.dtype], weights: list) -> Gathered:
+    """``([dequant(x) @ w.T + b for each weight], x, x's per-row scales or None)`` of gathered packed ``rows``;
+    ``x_of = (k, x's dtype)``: how to unpack them."""
+    xg, xsg = unpack_rows(fmt, rows, *x_of)
+    xd = dequantize_x(fmt, xg, xsg, per_row=True)
+    return [product(fmt, xd, w, b) for w, b in weights], xg, xsg
 
 
 def reference(call: GemmCall, ops: Operands) -> Gathered:
@@ -206,12 +216,11 @@ def reference(call: GemmCall, ops: Operands) -> Gathered:
     x2d = rows_of(ops.x)
     k = x2d.shape[1]
     packed = pack_rows(call.fmt, x2d, ops.x_scale)
-    gathered = gather_rows(packed, call.group, call.world, dims_before(ops.x, call.comm_dim))
-    xg, xsg = unpack_rows(call.fmt, gathered, k, x2d.dtype)
-    xd = dequantize_x(call.fmt, xg, xsg, per_row=True)
-    with compute(call.fmt):
-        ys = [padding.linear(xd, w, b) for w, b in _weights(call, ops, x2d.dtype)]
-    return ys, xg, xsg
+    # A group of one gathers nothing (its group and row blocks need not be looked up: this runs on every call).
+    gathered = (
+        packed if call.world == 1 else gather_rows(packed, call.group, call.world, dims_before(ops.x, call.comm_dim))
+    )
+    return _products(call.fmt, gathered, (k, x2d.dtype), _weights(call, ops, x2d.dtype))
 
 
 def chunked(call: GemmCall, ops: Operands) -> Gathered:
@@ -241,20 +250,14 @@ def chunked(call: GemmCall, ops: Operands) -> Gathered:
     weights = _weights(call, ops, x2d.dtype)
     if len(pieces) == 1 and outer == 1:
         works[0].wait()
-        xg, xsg = unpack_rows(fmt, bufs[0], k, x2d.dtype)
-        xd = dequantize_x(fmt, xg, xsg, per_row=True)
-        with compute(fmt):
-            return [padding.linear(xd, w, b) for w, b in weights], xg, xsg
+        return _products(fmt, bufs[0], (k, x2d.dtype), weights)
     # Rank r's rows of piece i land at rows [start, stop) of block (o, r) of the gathered x.
     ys: list[torch.Tensor] = []
     gathered = packed.new_empty((outer, world, rows, c)) if call.return_gathered else None
     for (start, stop), buf, work in zip(pieces, bufs, works, strict=True):
         work.wait()
         shape = (world, outer, stop - start)
-        xg, xsg = unpack_rows(fmt, buf, k, x2d.dtype)
-        xd = dequantize_x(fmt, xg, xsg, per_row=True)
-        with compute(fmt):
-            parts = [padding.linear(xd, w, b) for w, b in weights]
+        parts = _products(fmt, buf, (k, x2d.dtype), weights)[0]
         if not ys:
             ys = [part.new_empty((outer, world, rows, part.shape[1])) for part in parts]
         for y, part in zip(ys, parts, strict=True):

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm, padding, tune
-from ..format import OperandFormat, bias_of, compute, dequantize_weight, dequantize_x
+from .. import comm, tune
+from ..format import OperandFormat, product
 from ..protocol import OpSpec, submit
 from .gemm import (
     ONE_WEIGHT_ARGS,
@@ -33,6 +33,7 @@ from .gemm import (
     Operands,
     Options,
     builder,
+    dequantized,
     fp8_operands,
     int8_operands,
     one_weight_operands,
@@ -221,14 +222,6 @@ def _submit(options: Options, operands: Any, norm: tuple) -> torch.Tensor | Norm
     return NormOutputs(out, residual_out, scale if quant is not None else None)
 
 
-def _dequantized(call: GemmCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The reference's operands: x rows, the weight and the bias as they are multiplied and added."""
-    x2d = rows_of(ops.x)
-    xd = dequantize_x(call.fmt, x2d, ops.x_scale, per_row=False)
-    wd = dequantize_weight(call.fmt, ops.weights[0], ops.scale_of(0), ops.offset_of(0), x2d.dtype)
-    return xd, wd, bias_of(call.fmt, ops.biases[0])
-
-
 def fixed_order_all_reduce(partial: torch.Tensor, group: dist.ProcessGroup | None, world: int) -> torch.Tensor:
     """All-reduce summing in rank order, so all ranks hold the same bits (any row count).
 
@@ -252,9 +245,8 @@ def reference(call: GemmCall, ops: Operands) -> torch.Tensor:
     partial = dequant(x) @ dequant(weight).T     # [m, n] on every rank (module docstring: dtypes)
     y = all_reduce(partial) + bias               # rank order sum if deterministic
     """
-    xd, wd, bias = _dequantized(call, ops)
-    with compute(call.fmt):
-        partial = padding.linear(xd, wd)
+    xd, wd, bias = dequantized(call, ops)
+    partial = product(call.fmt, xd, wd)
     if call.world > 1:
         if call.deterministic:
             partial = fixed_order_all_reduce(partial, call.group, call.world)
@@ -266,7 +258,7 @@ def reference(call: GemmCall, ops: Operands) -> torch.Tensor:
 def chunked(call: GemmCall, ops: Operands) -> torch.Tensor:
     """Same result as :func:`reference`; compute-first pieces of rows: multiply piece i, launch its
     asynchronous all-reduce, go on to piece i + 1 while it is in flight."""
-    xd, wd, bias = _dequantized(call, ops)
+    xd, wd, bias = dequantized(call, ops)
     m, n = xd.shape[0], wd.shape[0]
     out = xd.new_empty((m, n))
     group = call.group
@@ -275,8 +267,7 @@ def chunked(call: GemmCall, ops: Operands) -> torch.Tensor:
     works = []
     for start, stop in comm.split_rows(m, call.parallel_num):
         piece = out[start:stop]
-        with compute(call.fmt):
-            padding.linear(xd[start:stop], wd, out=piece)
+        product(call.fmt, xd[start:stop], wd, out=piece)
         works.append(comm.all_reduce(piece, group, async_op=True))
     for work in works:
         work.wait()
@@ -298,9 +289,8 @@ def _fixed_order_pieces(
     exchanges = []
     for start, stop in comm.split_rows(xd.shape[0], call.parallel_num):
         block = -(-(stop - start) // world)
-        with compute(call.fmt):
-            product = padding.linear(xd[start:stop], wd)
-        padded = comm.pad_rows(product if acc is None else cast_to(product, acc), block * world)
+        partial = product(call.fmt, xd[start:stop], wd)
+        padded = comm.pad_rows(partial if acc is None else cast_to(partial, acc), block * world)
         parts = padded.new_empty((world, block, n))
         work = comm.all_to_all(parts, padded, group, async_op=True)
         exchanges.append((work, start, stop, parts))
@@ -357,9 +347,8 @@ SPEC = OpSpec(
 def reduced_reference(call: GemmCall, ops: Operands, residual: torch.Tensor) -> torch.Tensor:
     """``h = sum(partial_r in the accumulator, rank order) + bias + residual`` (fp32, fp64 for fp64): the
     epilogue's input on the sequential backend."""
-    xd, wd, bias = _dequantized(call, ops)
-    with compute(call.fmt):
-        partial = padding.linear(xd, wd)
+    xd, wd, bias = dequantized(call, ops)
+    partial = product(call.fmt, xd, wd)
     acc = accumulator(partial.dtype)
     # The partials travel in the accumulator, so the rank-order sum is the fused reduce's, operation by operation.
     h = cast_to(partial, acc)
@@ -373,7 +362,7 @@ def reduced_reference(call: GemmCall, ops: Operands, residual: torch.Tensor) -> 
 def reduced_chunked(call: GemmCall, ops: Operands, residual: torch.Tensor) -> torch.Tensor:
     """:func:`reduced_reference` in compute-first pieces: each piece's partials (in the accumulator) exchanged while
     the next piece is multiplied, and summed in rank order: the same sums, element by element."""
-    xd, wd, bias = _dequantized(call, ops)
+    xd, wd, bias = dequantized(call, ops)
     acc = accumulator(xd.dtype)
     h = _fixed_order_pieces(call, xd, wd, None if bias is None else cast_to(bias, acc), acc)
     return h + cast_to(residual, acc)

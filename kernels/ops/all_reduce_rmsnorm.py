@@ -70,7 +70,7 @@ class NormCall(Call):
         )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class NormOperands:
     x: torch.Tensor
     residual: torch.Tensor
@@ -127,7 +127,7 @@ def all_reduce_rmsnorm(
     if type(eps) in (float, int):
         tensors = tensors_key(x, residual, weight)
         options = ("all_reduce_rmsnorm", group, backend, quant, fp8_dtype, algorithm, eps)
-        fast = None if tensors is None else ((options, tensors), lambda: NormOperands(x, residual, weight))
+        fast = None if tensors is None else ((options, tensors), NormOperands(x, residual, weight))
     out, residual_out, scale = submit(SPEC, "all_reduce_rmsnorm", group, build, fast)
     return NormOutputs(out, residual_out, scale if quant else None)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .. import checks, quant
-from ..format import PLAIN, OperandFormat, fp8, int8
+from ..format import PLAIN, OperandFormat, bias_of, dequantize_weight, dequantize_x, fp8, int8
 from ..fp8 import scales
 from ..protocol import Built, Call, OpSpec, group_name, submit, tensors_key
 from ..protocol.call import LOCAL, Items, shown_as
@@ -312,8 +312,20 @@ def submit_plain(spec: OpSpec, pattern: str, signature: tuple, tensors: tuple) -
         return builder(options, lambda: plain_operands(x, weight, bias))(world)
 
     key = plain_key(signature, x, weight, bias)
-    fast = None if key is None else (key, lambda: Operands(x, (weight,), (bias,)))
+    fast = None if key is None else (key, Operands(x, (weight,), (bias,)))
     return submit(spec, op, group, build, fast)
+
+
+def dequantized(call: GemmCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A one-weight reference's operands: x's rows, the weight and the bias as they are multiplied and added
+    (:func:`kernels.format.dequantize_x` / ``dequantize_weight`` / ``bias_of``); a plain call's are its own."""
+    x2d = rows_of(ops.x)
+    fmt = call.fmt
+    if fmt.kind == "plain":
+        return x2d, ops.weights[0], ops.biases[0]
+    xd = dequantize_x(fmt, x2d, ops.x_scale, per_row=False)
+    wd = dequantize_weight(fmt, ops.weights[0], ops.scale_of(0), ops.offset_of(0), x2d.dtype)
+    return xd, wd, bias_of(fmt, ops.biases[0])
 
 
 def dims_before(x: torch.Tensor, dim: int) -> int:

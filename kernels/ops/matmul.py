@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from .. import padding
-from ..format import bias_of, compute, dequantize_weight, dequantize_x
+from ..format import product
 from ..protocol import OpSpec, submit
-from .gemm import ONE_WEIGHT_ARGS, GemmCall, Operands, Options, builder, fp8_operands, one_weight_operands, rows_of
+from .gemm import ONE_WEIGHT_ARGS, GemmCall, Operands, Options, builder, dequantized, fp8_operands, one_weight_operands
 
 
 def scaled_matmul(
@@ -44,11 +43,7 @@ def scaled_matmul(
 
 def reference(call: GemmCall, ops: Operands) -> torch.Tensor:
     """Reference: ``dequant(x) @ dequant(weight).T + bias`` in the format's arithmetic."""
-    x2d = rows_of(ops.x)
-    xd = dequantize_x(call.fmt, x2d, ops.x_scale, per_row=False)
-    wd = dequantize_weight(call.fmt, ops.weights[0], ops.scale_of(0), ops.offset_of(0), x2d.dtype)
-    with compute(call.fmt):
-        return padding.linear(xd, wd, bias_of(call.fmt, ops.biases[0]))
+    return product(call.fmt, *dequantized(call, ops))
 
 
 def fused(call: GemmCall, ops: Operands) -> torch.Tensor:

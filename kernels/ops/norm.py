@@ -102,11 +102,14 @@ class NormSpec(NamedTuple):
 
 def _torch_norm(h: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor]:
     x_dtype, residual_dtype = spec.dtypes
-    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.eps)
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.eps)
     w = cast_to(weight, h.dtype)
     if spec.quant[0] is not None:
-        return h * rstd * w, cast_to(h, residual_dtype)
-    return cast_to(cast_to(cast_to(h * rstd, x_dtype), h.dtype) * w, x_dtype), cast_to(h, residual_dtype)
+        return normed * w, cast_to(h, residual_dtype)
+    if x_dtype != h.dtype:
+        # HF's / vLLM's order: the normalized rows are rounded to x's dtype before the weight multiplies them.
+        normed = normed.to(x_dtype).to(h.dtype)
+    return cast_to(normed * w, x_dtype), cast_to(h, residual_dtype)
 
 
 def finish(h: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -129,9 +132,21 @@ def finish(h: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> tuple[torch
         y, residual_out = y.view(shape), residual_out.view(shape)
         scale = scale.view(scale_shape(shape, mode)) if scale is not None else None
     if mode is None:
-        return y, residual_out, h.new_empty((0,), dtype=torch.float32)
+        return y, residual_out, _no_scale(h.device)
     assert scale is not None
     return y, residual_out, scale
+
+
+# device -> the empty fp32 tensor an unquantized call returns as its scale. Shared by every call: it has no element
+# anyone could write or read, and a new one per call would cost an allocation on every decode step.
+_NO_SCALE: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_scale(device: torch.device) -> torch.Tensor:
+    scale = _NO_SCALE.get(device)
+    if scale is None:
+        scale = _NO_SCALE[device] = torch.empty((0,), dtype=torch.float32, device=device)
+    return scale
 
 
 def scale_shape(shape: tuple[int, ...], quant: str | None) -> tuple[int, ...]:

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm, padding, tune
-from ..format import bias_of, compute, dequantize_weight, dequantize_x
+from .. import comm, tune
+from ..format import product
 from ..protocol import OpSpec, submit
 from .gemm import (
     ONE_WEIGHT_ARGS,
@@ -28,11 +28,11 @@ from .gemm import (
     Operands,
     Options,
     builder,
+    dequantized,
     dims_before,
     fp8_operands,
     int8_operands,
     one_weight_operands,
-    rows_of,
     submit_plain,
 )
 
@@ -160,10 +160,7 @@ def owner_major(partial: torch.Tensor, world: int, outer: int) -> torch.Tensor:
 
 def _dequantized(call: GemmCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """The reference's operands (x rows, weight, bias as multiplied and added) and ``outer``."""
-    x2d = rows_of(ops.x)
-    xd = dequantize_x(call.fmt, x2d, ops.x_scale, per_row=False)
-    wd = dequantize_weight(call.fmt, ops.weights[0], ops.scale_of(0), ops.offset_of(0), x2d.dtype)
-    return xd, wd, bias_of(call.fmt, ops.biases[0]), dims_before(ops.x, call.comm_dim)
+    return (*dequantized(call, ops), dims_before(ops.x, call.comm_dim))
 
 
 def reference(call: GemmCall, ops: Operands) -> torch.Tensor:
@@ -174,8 +171,7 @@ def reference(call: GemmCall, ops: Operands) -> torch.Tensor:
     """
     xd, wd, bias, outer = _dequantized(call, ops)
     world, group = call.world, call.group
-    with compute(call.fmt):
-        partial = padding.linear(xd, wd)
+    partial = product(call.fmt, xd, wd)
     if world > 1:
         partial = owner_major(partial, world, outer)
         rows = partial.shape[0] // world
@@ -208,8 +204,7 @@ def chunked(call: GemmCall, ops: Operands) -> torch.Tensor:
     for start, stop in comm.split_rows(rows, call.parallel_num):
         p = stop - start
         # [W, outer, p, n]: owner-major, the order a dim-0 reduce-scatter hands out.
-        with compute(call.fmt):
-            partial = padding.linear(x_blocks[:, :, start:stop].transpose(0, 1), wd).reshape(world * outer * p, n)
+        partial = product(call.fmt, x_blocks[:, :, start:stop].transpose(0, 1), wd).reshape(world * outer * p, n)
         if call.deterministic:
             parts = partial.new_empty((world, outer * p, n))
             work = comm.all_to_all(parts, partial, group, async_op=True)

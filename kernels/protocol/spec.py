@@ -134,18 +134,15 @@ def _plain(args: tuple) -> bool:
     return True
 
 
-def _modes() -> bool:
-    """Whether a torch function or dispatch mode is active: it must see the registered operator (an eager call
-    runs its implementation directly otherwise, as nothing torch tracks would see the difference)."""
-    return bool(torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
-
-
 def run(spec: OpSpec, call: Call, operands: Any, text: str | None = None, *, plain: bool = False) -> Any:
     """``spec.impl[call.backend](call, operands)`` (module docstring: directly, or through the operator);
     ``text``: the resolved call's string under ``torch.compile``; ``plain``: the operands are known to be plain
     tensors none of which needs a gradient (a signature's fast path checked them)."""
     state = _state
-    if text is None and not (state.force_operator or _modes()) and (plain or _plain(spec.flat(operands))):
+    # A torch function or dispatch mode must see the registered operator (an eager call runs its implementation
+    # directly otherwise, as nothing torch tracks would see the difference).
+    modes = torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()
+    if text is None and not (state.force_operator or modes) and (plain or _plain(spec.flat(operands))):
         state.depth += 1
         try:
             return spec.impl[call.backend](call, operands)
@@ -197,25 +194,36 @@ def submit(
     op: str,
     group: dist.ProcessGroup | None,
     build: Callable[[int], Built],
-    fast: tuple[tuple, Callable[[], Any]] | None = None,
+    fast: tuple[tuple, Any] | None = None,
 ) -> Any:
     """A public function's call of ``spec`` (module docstring). ``build(W)`` validates (raising ``ValueError`` /
     ``TypeError`` naming the argument) and returns the :class:`Built` call. The group itself is checked first, on
     this rank alone (without a valid group there is nobody to tell). ``fast = (key, operands)``: the family's
-    signature of this call and how to make its operands without validating them, for a signature that validated
-    before (``_RESOLVED``)."""
+    signature of this call and its operands, unvalidated, for a signature that validated before (``_RESOLVED``)."""
     if fast is not None and not torch.compiler.is_compiling():
         entry = _RESOLVED.get(fast[0])
-        # The group's size is read again on every call: the same key (group=None) names a group of one before
-        # init_process_group and the default group after it, and torchrun's WORLD_SIZE without a group is refused.
-        if entry is not None and entry[5] is get_config() and entry[2] == (1 if spec.local else world_of(group)):
+        # A given group's size never changes; None is read again (the default group, or none: a group of one).
+        same_world = spec.local or group is not None or entry is None or entry[2] == _default_world()
+        if entry is not None and entry[5] is get_config() and same_world:
             requested_call, call, world, digest, heap_device, _ = entry
-            operands = fast[1]()
+            operands = fast[1]
             if world > 1:
                 admit(op, world, group, Outcome(requested_call, operands, heap_device=heap_device, digest=digest))
             return run(spec, call, operands, plain=True)
     built, call, text = admitted(spec, op, group, build, None if fast is None else fast[0])
     return run(spec, call, built.operands, text)
+
+
+def _default_world() -> int:
+    """The size of the default group, 1 without one: what the group ``None`` of a resolved signature is now.
+
+    The same key (group None) names a group of one before ``init_process_group`` and the default group after it.
+    A given group's size never changes, so only None is read again. ``WORLD_SIZE`` is not read: it is part of the
+    config's key (:func:`kernels.config.get_config`), and the entry's config was checked (``check_launched_alone``)
+    when the signature was resolved."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD.size()
+    return 1
 
 
 def admitted(
