@@ -210,14 +210,33 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, terminate)
 
 
-def main(argv: list[str] | None = None) -> int:
-    _exit_on_sigterm()
-    args = build_parser().parse_args(argv)
+def _check_output_args(args: argparse.Namespace) -> None:
+    """``--cpu-threads`` and ``--format``, checked for every mode before it starts its work."""
     if args.cpu_threads < 1:
         raise SystemExit(f"error: --cpu-threads must be >= 1, got {args.cpu_threads}")
     for f in args.format:
         if f not in ("json", "csv", "png", "txt"):
             raise SystemExit(f"error: --format: {f!r} not in json,csv,png,txt")
+
+
+def _main_tune(args: argparse.Namespace) -> int:
+    """``--mode tune``: the tuned file's place depends on whether the kernels here would ever read it."""
+    if args.allow_cpu and not _cuda_available():
+        # Must precede any import of triton in this process.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from bench.tune import tuner
+
+    # On a GPU the tuned file goes where the kernels read it (configs/tuned) unless --out-dir is named.
+    # A CPU file is never read from there (only from COC_TUNED_DIR): it goes to --out-dir, default included.
+    named = args.out_dir != build_parser().get_default("out_dir")
+    out_dir = args.out_dir if named or not _cuda_available() else None
+    return tuner.main(out_dir, args.allow_cpu)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _exit_on_sigterm()
+    args = build_parser().parse_args(argv)
+    _check_output_args(args)
     if args.mode == "hf-sweep":
         from bench.sweep import hf
 
@@ -231,16 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return driver.main(args.out_dir, args.allow_cpu, args.sections)
     if args.mode == "tune":
-        if args.allow_cpu and not _cuda_available():
-            # Must precede any import of triton in this process.
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        from bench.tune import tuner
-
-        # On a GPU the tuned file goes where the kernels read it (configs/tuned) unless --out-dir is named.
-        # A CPU file is never read from there (only from COC_TUNED_DIR): it goes to --out-dir, default included.
-        named = args.out_dir != build_parser().get_default("out_dir")
-        out_dir = args.out_dir if named or not _cuda_available() else None
-        return tuner.main(out_dir, args.allow_cpu)
+        return _main_tune(args)
     device_type = _device_type(args.device)
     if device_type == "cpu":
         # Must precede any import of triton in this process (world size 1 runs here).

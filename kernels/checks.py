@@ -144,21 +144,27 @@ def check_matmul_operands(
     if weight.device != x.device:
         raise ValueError(f"{weight_name} is on {weight.device} but x is on {x.device}")
     if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"{bias_name} must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(
-                f"{bias_name} must have shape ({weight.shape[0]},) = [n] of {weight_name}, got {tuple(bias.shape)}"
-            )
-        if bias.dtype != x.dtype:
-            raise TypeError(f"{bias_name} dtype {bias.dtype} does not match x dtype {x.dtype}")
-        if bias.device != x.device:
-            raise ValueError(f"{bias_name} is on {bias.device} but x is on {x.device}")
-    needs_grad = [
-        name
-        for name, t in (("x", x), (weight_name, weight), (bias_name, bias))
-        if isinstance(t, torch.Tensor) and t.requires_grad
-    ]
+        _check_bias(bias, x, weight, weight_name, bias_name)
+    _check_forward_only((("x", x), (weight_name, weight), (bias_name, bias)))
+
+
+def _check_bias(bias: object, x: torch.Tensor, weight: torch.Tensor, weight_name: str, bias_name: str) -> None:
+    """A bias is added to the GEMM's output ``[..., n]``: one entry per weight row, in x's dtype and device."""
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{bias_name} must be a torch.Tensor or None, got {type(bias).__name__}")
+    if bias.shape != (weight.shape[0],):
+        raise ValueError(
+            f"{bias_name} must have shape ({weight.shape[0]},) = [n] of {weight_name}, got {tuple(bias.shape)}"
+        )
+    if bias.dtype != x.dtype:
+        raise TypeError(f"{bias_name} dtype {bias.dtype} does not match x dtype {x.dtype}")
+    if bias.device != x.device:
+        raise ValueError(f"{bias_name} is on {bias.device} but x is on {x.device}")
+
+
+def _check_forward_only(named_operands: tuple[tuple[str, object], ...]) -> None:
+    """Refuse operands that require grad while autograd records: the ops have no backward."""
+    needs_grad = [name for name, t in named_operands if isinstance(t, torch.Tensor) and t.requires_grad]
     if torch.is_grad_enabled() and needs_grad:
         # The collectives inside are not differentiable; returning a detached result would drop
         # gradients silently. The autopar linears wrap these ops in autograd Functions.

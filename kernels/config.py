@@ -145,22 +145,27 @@ def _check_yaml(data: Any, path: str) -> dict[str, Any]:
                 f"{' or '.join(t.__name__ for t in types)}"
             )
         if key == "customized_coc":
-            table = {}
-            for shape, num in value.items():
-                if num not in PARALLEL_NUMS or isinstance(num, bool):
-                    raise ValueError(
-                        f"{ENV_CONFIG}={path!r}: customized_coc[{shape!r}] = {num!r}; "
-                        f"accepted parallel_num values are {PARALLEL_NUMS}"
-                    )
-                try:
-                    table[parse_shape_key(shape)] = num
-                except ValueError as e:
-                    raise ValueError(f"{ENV_CONFIG}={path!r}: {e}") from None
-            value = table
+            value = _check_customized_coc(value, path)
         elif key in ("k_min", "k_max") and value < 1:
             raise ValueError(f"{ENV_CONFIG}={path!r}: key {key!r} has value {value!r}; accepted: an integer >= 1")
         out[key] = value
     return out
+
+
+def _check_customized_coc(value: dict, path: str) -> dict[ShapeKey, int]:
+    """The YAML's ``customized_coc`` mapping with its ``'[m, k, n]'`` string keys parsed to shapes."""
+    table = {}
+    for shape, num in value.items():
+        if num not in PARALLEL_NUMS or isinstance(num, bool):
+            raise ValueError(
+                f"{ENV_CONFIG}={path!r}: customized_coc[{shape!r}] = {num!r}; "
+                f"accepted parallel_num values are {PARALLEL_NUMS}"
+            )
+        try:
+            table[parse_shape_key(shape)] = num
+        except ValueError as e:
+            raise ValueError(f"{ENV_CONFIG}={path!r}: {e}") from None
+    return table
 
 
 def _load_yaml(path: str) -> dict[str, Any]:

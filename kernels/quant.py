@@ -59,19 +59,8 @@ def quantize_weight(
     round-trip error is at most ``scale / 2`` per element plus the scale's own rounding
     (``127 * eps(weight.dtype) * scale``).
     """
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [n, k], got shape {tuple(weight.shape)}")
-    if not weight.is_floating_point():
-        raise TypeError(f"weight must be floating point to quantize, got dtype {weight.dtype}")
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not accepted; use one of {MODES}")
+    _check_quantize_args(weight, mode, group_size)
     n, k = weight.shape
-    if mode == "per_group":
-        _check_group_size_value(group_size)
-    elif group_size is not None:
-        raise ValueError(f"group_size={group_size!r} is only meaningful with mode='per_group', got mode={mode!r}")
     w = weight.detach().float()
     if mode == "per_tensor":
         # An empty shard (a row-parallel weight split unevenly) has amax 0: scale 1, as a zero group.
@@ -99,6 +88,22 @@ def quantize_weight(
     return q.clamp_(-QMAX, QMAX).to(torch.int8).contiguous(), scale
 
 
+def _check_quantize_args(weight: object, mode: str, group_size: object) -> None:
+    """Refuse what :func:`quantize_weight` cannot quantize before any arithmetic runs."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [n, k], got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight must be floating point to quantize, got dtype {weight.dtype}")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not accepted; use one of {MODES}")
+    if mode == "per_group":
+        _check_group_size_value(group_size)
+    elif group_size is not None:
+        raise ValueError(f"group_size={group_size!r} is only meaningful with mode='per_group', got mode={mode!r}")
+
+
 def _check_group_size_value(group_size: object) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(
@@ -108,61 +113,86 @@ def _check_group_size_value(group_size: object) -> None:
 
 def quant_spec(qweight: torch.Tensor, scale: object, group_size: int | None, offset: object) -> QuantSpec:
     """Check ``qweight``/``scale``/``offset``/``group_size`` together and name the layout."""
-    if not isinstance(qweight, torch.Tensor):
-        raise TypeError(f"qweight must be a torch.Tensor, got {type(qweight).__name__}")
-    if qweight.dtype != torch.int8:
-        raise TypeError(f"qweight must be int8 (from kernels.quantize_weight), got dtype {qweight.dtype}")
-    if qweight.dim() != 2:
-        raise ValueError(f"qweight must be 2-D [n, k], got shape {tuple(qweight.shape)}")
-    if not isinstance(scale, torch.Tensor):
-        raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__}")
-    if not scale.is_floating_point():
-        raise TypeError(f"scale must be floating point, got dtype {scale.dtype}")
-    if scale.device != qweight.device:
-        raise ValueError(f"scale is on {scale.device} but qweight is on {qweight.device}")
-    n, k = qweight.shape
-    if scale.dim() == 0:
-        spec = QuantSpec("per_tensor", k, 1)
-    elif scale.dim() == 1 and scale.shape[0] == n:
-        spec = QuantSpec("per_channel", k, 1)
-    elif scale.dim() == 2 and scale.shape[0] == n and (scale.shape[1] >= 1 or k == 0):
-        # k == 0 (an empty shard of a row-parallel weight): no group, and group_size must be given.
-        groups = scale.shape[1]
-        if group_size is None:
-            if groups == 0 or k % groups != 0:
-                raise ValueError(
-                    f"group_size=None cannot be inferred: k={k} is not divisible by the "
-                    f"{groups} groups of scale {tuple(scale.shape)}; pass the group_size "
-                    "used to quantize"
-                )
-            group_size = k // groups
-        _check_group_size_value(group_size)
-        if _ceil_div(k, group_size) != groups:
-            raise ValueError(
-                f"group_size={group_size} does not match scale shape {tuple(scale.shape)}: "
-                f"k={k} needs ceil({k} / {group_size}) = {_ceil_div(k, group_size)} groups"
-            )
-        spec = QuantSpec("per_group", group_size, groups)
-    else:
-        raise ValueError(
-            f"scale shape {tuple(scale.shape)} does not fit qweight [n={n}, k={k}]; accepted: "
-            f"[] (per_tensor), [{n}] (per_channel), [{n}, G] (per_group)"
-        )
+    _check_qweight(qweight)
+    _check_scale(scale, qweight)
+    spec = _spec_from_scale_shape(qweight, scale, group_size)
     if spec.mode != "per_group" and group_size is not None:
         raise ValueError(
             f"group_size={group_size!r} needs a per_group scale [n, G], got scale shape "
             f"{tuple(scale.shape)} ({spec.mode})"
         )
     if offset is not None:
-        if not isinstance(offset, torch.Tensor):
-            raise TypeError(f"offset must be a torch.Tensor or None, got {type(offset).__name__}")
-        if offset.shape != scale.shape:
-            raise ValueError(f"offset shape {tuple(offset.shape)} must equal scale shape {tuple(scale.shape)}")
-        if offset.dtype == torch.bool or offset.is_complex():
-            raise TypeError(f"offset must be a real number tensor, got dtype {offset.dtype}")
-        if offset.device != qweight.device:
-            raise ValueError(f"offset is on {offset.device} but qweight is on {qweight.device}")
+        _check_offset(offset, scale, qweight)
     return spec
+
+
+def _check_qweight(qweight: object) -> None:
+    """``qweight`` must be what :func:`quantize_weight` returns: a 2-D int8 tensor."""
+    if not isinstance(qweight, torch.Tensor):
+        raise TypeError(f"qweight must be a torch.Tensor, got {type(qweight).__name__}")
+    if qweight.dtype != torch.int8:
+        raise TypeError(f"qweight must be int8 (from kernels.quantize_weight), got dtype {qweight.dtype}")
+    if qweight.dim() != 2:
+        raise ValueError(f"qweight must be 2-D [n, k], got shape {tuple(qweight.shape)}")
+
+
+def _check_scale(scale: object, qweight: torch.Tensor) -> None:
+    """``scale``'s type, dtype and device; its shape names the mode (:func:`_spec_from_scale_shape`)."""
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"scale must be a torch.Tensor, got {type(scale).__name__}")
+    if not scale.is_floating_point():
+        raise TypeError(f"scale must be floating point, got dtype {scale.dtype}")
+    if scale.device != qweight.device:
+        raise ValueError(f"scale is on {scale.device} but qweight is on {qweight.device}")
+
+
+def _spec_from_scale_shape(qweight: torch.Tensor, scale: torch.Tensor, group_size: int | None) -> QuantSpec:
+    """The layout is never passed: it is read from the scale's shape against ``qweight [n, k]``."""
+    n, k = qweight.shape
+    if scale.dim() == 0:
+        return QuantSpec("per_tensor", k, 1)
+    if scale.dim() == 1 and scale.shape[0] == n:
+        return QuantSpec("per_channel", k, 1)
+    if scale.dim() == 2 and scale.shape[0] == n and (scale.shape[1] >= 1 or k == 0):
+        # k == 0 (an empty shard of a row-parallel weight): no group, and group_size must be given.
+        groups = scale.shape[1]
+        return QuantSpec("per_group", _per_group_size(k, scale, group_size), groups)
+    raise ValueError(
+        f"scale shape {tuple(scale.shape)} does not fit qweight [n={n}, k={k}]; accepted: "
+        f"[] (per_tensor), [{n}] (per_channel), [{n}, G] (per_group)"
+    )
+
+
+def _per_group_size(k: int, scale: torch.Tensor, group_size: int | None) -> int:
+    """The group size of a per_group scale ``[n, G]``: the one passed, checked, or ``k // G`` when exact."""
+    groups = scale.shape[1]
+    if group_size is None:
+        if groups == 0 or k % groups != 0:
+            raise ValueError(
+                f"group_size=None cannot be inferred: k={k} is not divisible by the "
+                f"{groups} groups of scale {tuple(scale.shape)}; pass the group_size "
+                "used to quantize"
+            )
+        group_size = k // groups
+    _check_group_size_value(group_size)
+    if _ceil_div(k, group_size) != groups:
+        raise ValueError(
+            f"group_size={group_size} does not match scale shape {tuple(scale.shape)}: "
+            f"k={k} needs ceil({k} / {group_size}) = {_ceil_div(k, group_size)} groups"
+        )
+    return group_size
+
+
+def _check_offset(offset: object, scale: torch.Tensor, qweight: torch.Tensor) -> None:
+    """An ``offset`` is one real number per scale entry, on qweight's device."""
+    if not isinstance(offset, torch.Tensor):
+        raise TypeError(f"offset must be a torch.Tensor or None, got {type(offset).__name__}")
+    if offset.shape != scale.shape:
+        raise ValueError(f"offset shape {tuple(offset.shape)} must equal scale shape {tuple(scale.shape)}")
+    if offset.dtype == torch.bool or offset.is_complex():
+        raise TypeError(f"offset must be a real number tensor, got dtype {offset.dtype}")
+    if offset.device != qweight.device:
+        raise ValueError(f"offset is on {offset.device} but qweight is on {qweight.device}")
 
 
 def _expand(t: torch.Tensor, spec: QuantSpec, k: int) -> torch.Tensor:

@@ -226,6 +226,19 @@ def _measure(
     return candidates[best], agreed
 
 
+def _agreed_cache_entry(call: GemmCall, key: str, path: str | None, rank: int, device: torch.device) -> Choice | None:
+    """Rank 0's cache entry for ``key``, broadcast: ranks whose file copies differ must still all hit or all
+    tune, or one would time candidates (collectively) alone."""
+    found: Choice | None = None
+    if path is not None and rank == 0:
+        found = read_cache_file(path).get(key)
+    if call.world > 1:
+        code = torch.tensor([_encode(found)], dtype=torch.int32, device=device)
+        dist.broadcast(code, src=_src_global_rank(call.group), group=call.group)
+        found = _decode(int(code.item()))
+    return found
+
+
 def choose_parallel_num(
     call: GemmCall, x: torch.Tensor, weight: torch.Tensor, impl: Impls, allow_fused: bool = True
 ) -> Choice:
@@ -257,13 +270,7 @@ def choose_parallel_num(
         )
     path = get_config().tune_cache
     rank = _group_rank(group) if world > 1 else 0
-    found: Choice | None = None
-    if path is not None and rank == 0:
-        found = read_cache_file(path).get(key)
-    if world > 1:
-        code = torch.tensor([_encode(found)], dtype=torch.int32, device=x.device)
-        dist.broadcast(code, src=_src_global_rank(group), group=group)
-        found = _decode(int(code.item()))
+    found = _agreed_cache_entry(call, key, path, rank, x.device)
     if found is not None:
         choice = found
         if found == _FUSED and not _fused_available(group, x.device, world):

@@ -229,6 +229,39 @@ def main_single(args: argparse.Namespace, device_type: str) -> int:
     return 0
 
 
+def _drop_worlds_over_gpus(cases: list[Case], skipped: list[dict]) -> list[Case]:
+    """The cases this node can spawn (one GPU per rank); the others are added to ``skipped`` with the reason."""
+    import torch
+
+    gpus = torch.cuda.devicecount()
+    too_big = sorted({c.world for c in cases if c.world > gpus})
+    if too_big:
+        report.say(f"skipping world sizes {too_big}: this node has {gpus} GPU(s), one per rank")
+        skipped += [{"case": c.label, "reason": f"world size {c.world} > {gpus} GPUs"} for c in cases if c.world > gpus]
+        cases = [c for c in cases if c.world <= gpus]
+    return cases
+
+
+def _model_label(link_models: dict[str, dict | None]) -> str | None:
+    """The table's model note names the link models the worlds used (None when no world had one)."""
+    names = sorted({lm["name"] for lm in link_models.values() if lm})
+    return "link model: " + ", ".join(names) if names else None
+
+
+def _print_model_summary(records: list[dict]) -> dict:
+    """Print how far the model's predictions were from the measurements, per backend; returns the summary."""
+    summary = report.model_summary(records)
+    if summary:
+        print(
+            "\nmodel vs measured, median |relative error| per backend: "
+            + ", ".join(
+                f"{b} {s['median_abs_rel_err']:.0%} (max {s['max_abs_rel_err']:.0%}, {s['cases']} cases)"
+                for b, s in sorted(summary.items())
+            )
+        )
+    return summary
+
+
 def main_run(args: argparse.Namespace, device_type: str) -> int:
     from bench.dense.runner import RunOptions, run_world
     from bench.harness import launch
@@ -255,16 +288,7 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
         stat=args.stat,
     )
     if device_type == "cuda" and not torchrun:
-        import torch
-
-        gpus = torch.cuda.devicecount()
-        too_big = sorted({c.world for c in cases if c.world > gpus})
-        if too_big:
-            report.say(f"skipping world sizes {too_big}: this node has {gpus} GPU(s), one per rank")
-            skipped += [
-                {"case": c.label, "reason": f"world size {c.world} > {gpus} GPUs"} for c in cases if c.world > gpus
-            ]
-            cases = [c for c in cases if c.world <= gpus]
+        cases = _drop_worlds_over_gpus(cases, skipped)
     if device_type == "cpu" and any(c.flops > 5e10 for c in cases):
         report.say("note: these are GPU-sized shapes; on CPU each case takes minutes (try --suite tiny or cpu)")
     worlds = sorted({c.world for c in cases})
@@ -294,21 +318,10 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
             )
     records = [r for res in results for r in res["records"]]
     link_models = {str(res["world"]): res["link_model"] for res in results}
-    model_label = None
-    if not args.no_model:
-        names = sorted({lm["name"] for lm in link_models.values() if lm})
-        model_label = "link model: " + ", ".join(names) if names else None
+    model_label = None if args.no_model else _model_label(link_models)
     text = report.table(records, model_label)
     print(text)
-    summary = report.model_summary(records)
-    if summary:
-        print(
-            "\nmodel vs measured, median |relative error| per backend: "
-            + ", ".join(
-                f"{b} {s['median_abs_rel_err']:.0%} (max {s['max_abs_rel_err']:.0%}, {s['cases']} cases)"
-                for b, s in sorted(summary.items())
-            )
-        )
+    summary = _print_model_summary(records)
     meta = report.metadata(
         device_type,
         sys.argv,

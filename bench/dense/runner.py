@@ -284,12 +284,9 @@ def check_backend(case: Case, backend: str, inputs: Operands, *, reference: Refe
     return rec
 
 
-def _gemm_timings(case: Case, ctx: RankContext) -> tuple[dict[tuple[str, tuple[int, int, int]], Stats], str | None]:
-    """Bare GEMM timings of one case: ``("library", shape)`` (the unfused baseline's GEMM at the full
-    shape) and ``("linear", shape)`` (``F.linear`` in the compute dtype at the shapes the model
-    needs: full, and each chunk's); the same timing for both where they are one GEMM (plain). Returns
-    them and why the library GEMM was not timed (None when it was)."""
-    opts, timer = ctx.opts, ctx.timer
+def _linear_shapes(case: Case, opts: RunOptions) -> set[tuple[int, int, int]]:
+    """The shapes whose bare ``F.linear`` is timed: the full GEMM, and with the model on, each chunk of every
+    chunked backend (the model predicts a chunked run from its chunks' GEMM times)."""
     m, k, n = case.gemm_shape
     shapes = {(m, k, n)}
     if opts.model:
@@ -297,8 +294,18 @@ def _gemm_timings(case: Case, ctx: RankContext) -> tuple[dict[tuple[str, tuple[i
             kind, p = backend_args(b)
             if kind == "chunked":
                 shapes.update((r, k, n) for r in perf_model.chunk_rows(m, p))
+    return shapes
+
+
+def _gemm_timings(case: Case, ctx: RankContext) -> tuple[dict[tuple[str, tuple[int, int, int]], Stats], str | None]:
+    """Bare GEMM timings of one case: ``("library", shape)`` (the unfused baseline's GEMM at the full
+    shape) and ``("linear", shape)`` (``F.linear`` in the compute dtype at the shapes the model
+    needs: full, and each chunk's); the same timing for both where they are one GEMM (plain). Returns
+    them and why the library GEMM was not timed (None when it was)."""
+    opts, timer = ctx.opts, ctx.timer
+    m, k, n = case.gemm_shape
     out: dict[tuple[str, tuple[int, int, int]], Stats] = {}
-    for shape in sorted(shapes):
+    for shape in sorted(_linear_shapes(case, opts)):
         key = ("linear", shape, formats.compute_dtype(case))
         if key not in ctx.gemm_cache:
             ctx.gemm_cache[key] = timer.run(

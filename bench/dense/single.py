@@ -271,7 +271,28 @@ def single_table(records: list[dict[str, Any]]) -> str:
         "chunked4/seq",
         "model chunked4/seq",
     ]
-    lines = [head]
+    lines = [head] + _single_rows(records)
+    widths = [max(len(r[c]) for r in lines) for c in range(len(head))]
+    out = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=False)) for r in lines]
+    out.insert(1, "-" * len(out[0]))
+    out.append("")
+    out.append(
+        "torch = the format's library GEMM (F.linear; fp8 torch._scaled_mm; int8 dequantize + F.linear); "
+        "core/torch speed = t_torch / t_core (target >= 0.95 on bf16 LLaMA-70B TP8 shapes); soc pad "
+        "speed = t_torch / t_padded for shapes matmul_soc_friendly pads (k within [k_min, k_max] or n "
+        "not 128-byte aligned; '-' = already aligned); "
+        "fused/gemm = fused op at world 1 / library GEMM (target <= 1.03); fused/core = fused op at world 1 / "
+        "GEMM core; chunked4/seq = 4-way "
+        "chunked / sequential at world 1 (target <= 1.05 at M >= 4096); model chunked4/seq = MODEL: the "
+        "four quarter-row GEMMs timed bare over the whole GEMM (leaves out per-chunk host cost)"
+    )
+    out += _single_notes(records)
+    return "\n".join(out)
+
+
+def _single_rows(records: list[dict[str, Any]]) -> list[list[str]]:
+    """The table's cells: one row per op of each record, the record's own columns on its first row only."""
+    lines: list[list[str]] = []
     for rec in records:
         core_ms = rec.get("core_ms", {}).get("median")
         torch_ms = rec.get("torch_ms", {}).get("median")
@@ -295,20 +316,12 @@ def single_table(records: list[dict[str, Any]]) -> str:
                     f"{row['model_chunked4_over_sequential']:.3f}" if "model_chunked4_over_sequential" in row else "-",
                 ]
             )
-    widths = [max(len(r[c]) for r in lines) for c in range(len(head))]
-    out = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=False)) for r in lines]
-    out.insert(1, "-" * len(out[0]))
-    out.append("")
-    out.append(
-        "torch = the format's library GEMM (F.linear; fp8 torch._scaled_mm; int8 dequantize + F.linear); "
-        "core/torch speed = t_torch / t_core (target >= 0.95 on bf16 LLaMA-70B TP8 shapes); soc pad "
-        "speed = t_torch / t_padded for shapes matmul_soc_friendly pads (k within [k_min, k_max] or n "
-        "not 128-byte aligned; '-' = already aligned); "
-        "fused/gemm = fused op at world 1 / library GEMM (target <= 1.03); fused/core = fused op at world 1 / "
-        "GEMM core; chunked4/seq = 4-way "
-        "chunked / sequential at world 1 (target <= 1.05 at M >= 4096); model chunked4/seq = MODEL: the "
-        "four quarter-row GEMMs timed bare over the whole GEMM (leaves out per-chunk host cost)"
-    )
+    return lines
+
+
+def _single_notes(records: list[dict[str, Any]]) -> list[str]:
+    """The lines under the table: what was wrong, skipped, modelled rather than measured, or fell back."""
+    out: list[str] = []
     for rec in records:
         if rec.get("soc_correct") is False:
             out.append(f"{rec['gemm_shape']} soc padding: result differs from torch linear beyond tolerance")
@@ -331,6 +344,12 @@ def single_table(records: list[dict[str, Any]]) -> str:
                     f"TP{mod['world']} from the GEMM times measured here: unfused baseline {mod['baseline']:.3f} ms, "
                     f"fused {mod['fused']:.3f} ms"
                 )
+    return out + _op_fallback_notes(records)
+
+
+def _op_fallback_notes(records: list[dict[str, Any]]) -> list[str]:
+    """Per op row: the backends that fell back or were skipped, so a '-' in the table has its reason."""
+    out: list[str] = []
     for rec in records:
         for row in rec["ops"]:
             if "fused_fallback" in row:
@@ -338,4 +357,4 @@ def single_table(records: list[dict[str, Any]]) -> str:
             for key in ("fused_skipped", "chunked4_skipped", "sequential_skipped"):
                 if key in row:
                     out.append(f"{rec['gemm_shape']} {rec['format']} {row['op']} {key[:-8]}: skipped: {row[key]}")
-    return "\n".join(out)
+    return out

@@ -143,6 +143,11 @@ def table(records: list[dict[str, Any]], model_label: str | None) -> str:
         for r in lines
     ]
     out.insert(1, "-" * len(out[0]))
+    return "\n".join(out + [""] + _table_notes(records, model_label, stat))
+
+
+def _table_notes(records: list[dict[str, Any]], model_label: str | None, stat: str) -> list[str]:
+    """The lines under :func:`table`: what its marks (``*``, ``(i)``) and columns mean, and why a row has no time."""
     notes = []
     if any(b.get("fallback") for rec in records for b in rec["backends"]):
         notes.append("* fused fell back to the chunked path (the dispatcher's warning is in the JSON)")
@@ -167,7 +172,7 @@ def table(records: list[dict[str, Any]], model_label: str | None) -> str:
         "int8: dequantize + F.linear); times are the " + stat + " over repeats "
         "(each repeat the max over ranks); spread = (p80 - p20) / median"
     )
-    return "\n".join(out + [""] + notes)
+    return notes
 
 
 def model_summary(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -272,51 +272,18 @@ def backend_args(name: str) -> tuple[str, int | None]:
 
 def load_suite(name_or_path: str) -> Suite:
     """Load ``configs/bench/<name>.yaml`` or a YAML file path; validates every key."""
-    path = name_or_path
-    if not os.path.exists(path):
-        path = os.path.join(SUITE_DIR, f"{name_or_path}.yaml")
-    if not os.path.exists(path):
-        raise ValueError(
-            f"suite {name_or_path!r} not found; known suites: {', '.join(list_suites())} "
-            f"(or give a path to a YAML file)"
-        )
+    path = _suite_path(name_or_path)
     with open(path, encoding="utf-8") as f:
         raw = yaml.safe_load(f)
     where = os.path.relpath(path, REPO_ROOT) if path.startswith(REPO_ROOT) else path
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: a suite must be a mapping, got {type(raw).__name__}")
-    unknown = set(raw) - _SUITE_KEYS
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; accepted: {sorted(_SUITE_KEYS)}")
-    for key in ("name", "tokens", "world_sizes", "dtypes", "layers"):
-        if key not in raw:
-            raise ValueError(f"{where}: missing key {key!r}")
+    _check_suite_keys(raw, where)
     dtypes = raw["dtypes"] if isinstance(raw["dtypes"], list) else [raw["dtypes"]]
     for d in dtypes:
         if d not in DTYPES:
             raise ValueError(f"{where}: dtype {d!r} not in {DTYPES}")
     backends = [parse_backend(b) for b in raw.get("backends", DEFAULT_BACKENDS)]
-    raw_formats = raw.get("format", ["plain"])
-    if not isinstance(raw_formats, list):
-        raw_formats = [raw_formats]
-    if not raw_formats:
-        raise ValueError(f"{where}: format must be a format or a non-empty list of them")
-    try:
-        formats = [parse_format(f) for f in raw_formats]
-    except ValueError as e:
-        raise ValueError(f"{where}: format: {e}") from e
-    layers = []
-    if not isinstance(raw["layers"], list) or not raw["layers"]:
-        raise ValueError(f"{where}: layers must be a non-empty list")
-    for i, layer in enumerate(raw["layers"]):
-        if not isinstance(layer, dict) or set(layer) != _LAYER_KEYS:
-            raise ValueError(f"{where}: layers[{i}] must have exactly the keys {sorted(_LAYER_KEYS)}, got {layer!r}")
-        ops = layer["op"] if isinstance(layer["op"], list) else [layer["op"]]
-        k = _positive_ints(layer["k"], "k", f"{where} layers[{i}]")
-        n = _positive_ints(layer["n"], "n", f"{where} layers[{i}]")
-        if len(k) != 1 or len(n) != 1:
-            raise ValueError(f"{where}: layers[{i}] k and n must be single integers")
-        layers.append({"name": str(layer["name"]), "op": [parse_op(o) for o in ops], "k": k[0], "n": n[0]})
+    formats = _suite_formats(raw, where)
+    layers = _suite_layers(raw, where)
     for key in ("warmup", "repeats"):
         if key in raw and not (isinstance(raw[key], int) and raw[key] >= (0 if key == "warmup" else 1)):
             raise ValueError(f"{where}: {key} must be an integer (>= 1 for repeats), got {raw[key]!r}")
@@ -333,3 +300,58 @@ def load_suite(name_or_path: str) -> Suite:
         repeats=raw.get("repeats"),
         path=path,
     )
+
+
+def _suite_path(name_or_path: str) -> str:
+    """A suite is named by a file path, or by its name under ``configs/bench/`` when no such file exists."""
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(SUITE_DIR, f"{name_or_path}.yaml")
+    if not os.path.exists(path):
+        raise ValueError(
+            f"suite {name_or_path!r} not found; known suites: {', '.join(list_suites())} "
+            f"(or give a path to a YAML file)"
+        )
+    return path
+
+
+def _check_suite_keys(raw: object, where: str) -> None:
+    """The suite file is a mapping with every required key and no unknown one (a typo would be ignored)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: a suite must be a mapping, got {type(raw).__name__}")
+    unknown = set(raw) - _SUITE_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; accepted: {sorted(_SUITE_KEYS)}")
+    for key in ("name", "tokens", "world_sizes", "dtypes", "layers"):
+        if key not in raw:
+            raise ValueError(f"{where}: missing key {key!r}")
+
+
+def _suite_formats(raw: dict, where: str) -> list[str]:
+    """The suite's ``format``: one format or a non-empty list of them (default plain), parsed."""
+    raw_formats = raw.get("format", ["plain"])
+    if not isinstance(raw_formats, list):
+        raw_formats = [raw_formats]
+    if not raw_formats:
+        raise ValueError(f"{where}: format must be a format or a non-empty list of them")
+    try:
+        return [parse_format(f) for f in raw_formats]
+    except ValueError as e:
+        raise ValueError(f"{where}: format: {e}") from e
+
+
+def _suite_layers(raw: dict, where: str) -> list[dict[str, Any]]:
+    """The suite's ``layers``, each ``{name, op, k, n}`` with its ops parsed and one k and one n."""
+    layers = []
+    if not isinstance(raw["layers"], list) or not raw["layers"]:
+        raise ValueError(f"{where}: layers must be a non-empty list")
+    for i, layer in enumerate(raw["layers"]):
+        if not isinstance(layer, dict) or set(layer) != _LAYER_KEYS:
+            raise ValueError(f"{where}: layers[{i}] must have exactly the keys {sorted(_LAYER_KEYS)}, got {layer!r}")
+        ops = layer["op"] if isinstance(layer["op"], list) else [layer["op"]]
+        k = _positive_ints(layer["k"], "k", f"{where} layers[{i}]")
+        n = _positive_ints(layer["n"], "n", f"{where} layers[{i}]")
+        if len(k) != 1 or len(n) != 1:
+            raise ValueError(f"{where}: layers[{i}] k and n must be single integers")
+        layers.append({"name": str(layer["name"]), "op": [parse_op(o) for o in ops], "k": k[0], "n": n[0]})
+    return layers

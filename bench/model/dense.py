@@ -398,25 +398,32 @@ def predict(
             return None
         if world == 1:  # nothing to communicate: the fused kernel is its GEMM core
             return g_full
-        g_chunk = g_full / world * (1 + link.fused_gemm_slowdown)
-        shard = nbytes / world
-        if coll == "all_gather":
-            t = 0.0
-            for j in range(world):
-                arrival = 0.0 if j == 0 else j * link.p2p_time(shard, world)
-                t = max(t, arrival) + g_chunk
-            return t
-        t_g = t_push = 0.0
-        for j in range(world):
-            t_g += g_chunk
-            if j < world - 1:  # peers' chunks first; the own chunk stays local
-                t_push = max(t_push, t_g) + link.p2p_time(shard, world)
-        reduce_s = (world + 1) * shard / link.hbm_bytes_per_s
-        t = max(t_g, t_push) + link.signal_latency_s + reduce_s
-        if coll == "all_reduce":
-            t += link.signal_latency_s + bus_factor("all_gather", world) * nbytes / link.link_bytes_per_s
-        return t
+        return _fused_multi_rank_time(coll, world, g_full, nbytes, link)
     raise ValueError(f"unknown backend {backend!r}")
+
+
+def _fused_multi_rank_time(coll: str, world: int, g_full: float, nbytes: float, link: LinkModel) -> float:
+    """The fused kernel at ``world > 1``, one GEMM chunk per shard: for an all-gather each chunk waits for its
+    shard's arrival; otherwise each peer's chunk is pushed while the next one computes, then the shards are
+    reduced (and, for an all-reduce, gathered back)."""
+    g_chunk = g_full / world * (1 + link.fused_gemm_slowdown)
+    shard = nbytes / world
+    if coll == "all_gather":
+        t = 0.0
+        for j in range(world):
+            arrival = 0.0 if j == 0 else j * link.p2p_time(shard, world)
+            t = max(t, arrival) + g_chunk
+        return t
+    t_g = t_push = 0.0
+    for j in range(world):
+        t_g += g_chunk
+        if j < world - 1:  # peers' chunks first; the own chunk stays local
+            t_push = max(t_push, t_g) + link.p2p_time(shard, world)
+    reduce_s = (world + 1) * shard / link.hbm_bytes_per_s
+    t = max(t_g, t_push) + link.signal_latency_s + reduce_s
+    if coll == "all_reduce":
+        t += link.signal_latency_s + bus_factor("all_gather", world) * nbytes / link.link_bytes_per_s
+    return t
 
 
 class GemmTimes:

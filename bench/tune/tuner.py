@@ -301,6 +301,28 @@ def _problem(case: Case, shape: TuneShape, device: torch.device) -> Problem:
     return _int8_problem(case, x, w)
 
 
+def _time_space(
+    problem: Problem, space: list, timer: Timer, where: tuple[str, str]
+) -> tuple[dict[str, float | None], dict[str, str]]:
+    """Time each config of ``space`` on ``problem`` (``where``: the shape's and case's labels, for the timer):
+    ``(timings, notes)`` by config label. A config that fails or computes a wrong result is never timed: its
+    time is None and its note says why, so it cannot be chosen."""
+    timings: dict[str, float | None] = {}
+    notes: dict[str, str] = {}
+    for cfg in space:
+        try:
+            got = problem.run(cfg)
+        except Exception as err:  # a config that cannot compile here is reported, not fatal
+            timings[cfg.label()], notes[cfg.label()] = None, f"failed: {type(err).__name__}"
+            continue
+        wrong = problem.check(got)
+        if wrong is not None:
+            timings[cfg.label()], notes[cfg.label()] = None, wrong
+            continue
+        timings[cfg.label()] = timer(lambda cfg=cfg, run=problem.run: run(cfg), (*where, cfg.label()))
+    return timings, notes
+
+
 def tune(
     shapes: list[TuneShape],
     cases: list[Case | torch.dtype],
@@ -339,21 +361,7 @@ def tune(
             space = gemm_configs.format_space(case.fmt, gemm_configs.family(shape.rows), device.type)
             if problem.variants is not None:
                 space = [c for c in space if c.variant in problem.variants]
-            timings: dict[str, float | None] = {}
-            notes: dict[str, str] = {}
-            for cfg in space:
-                try:
-                    got = problem.run(cfg)
-                except Exception as err:  # a config that cannot compile here is reported, not fatal
-                    timings[cfg.label()], notes[cfg.label()] = None, f"failed: {type(err).__name__}"
-                    continue
-                wrong = problem.check(got)
-                if wrong is not None:
-                    timings[cfg.label()], notes[cfg.label()] = None, wrong
-                    continue
-                timings[cfg.label()] = timer(
-                    lambda cfg=cfg, run=problem.run: run(cfg), (shape.label, case.name, cfg.label())
-                )
+            timings, notes = _time_space(problem, space, timer, (shape.label, case.name))
             for op in shape.ops:
                 plain_core = op != "matmul" or case.fmt.kind != "plain"
                 pool = [c for c in space if c.variant == "plain"] if plain_core else space
