@@ -229,11 +229,11 @@ def main_single(args: argparse.Namespace, device_type: str) -> int:
     return 0
 
 
-def _drop_worlds_over_gpus(cases: list[Case], skipped: list[dict]) -> list[Case]:
+def drop_worlds_over_gpus(cases: list[Case], skipped: list[dict]) -> list[Case]:
     """The cases this node can spawn (one GPU per rank); the others are added to ``skipped`` with the reason."""
     import torch
 
-    gpus = torch.cuda.devicecount()
+    gpus = torch.cuda.device_count()
     too_big = sorted({c.world for c in cases if c.world > gpus})
     if too_big:
         report.say(f"skipping world sizes {too_big}: this node has {gpus} GPU(s), one per rank")
@@ -288,7 +288,7 @@ def main_run(args: argparse.Namespace, device_type: str) -> int:
         stat=args.stat,
     )
     if device_type == "cuda" and not torchrun:
-        cases = _drop_worlds_over_gpus(cases, skipped)
+        cases = drop_worlds_over_gpus(cases, skipped)
     if device_type == "cpu" and any(c.flops > 5e10 for c in cases):
         report.say("note: these are GPU-sized shapes; on CPU each case takes minutes (try --suite tiny or cpu)")
     worlds = sorted({c.world for c in cases})
