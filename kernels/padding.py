@@ -28,7 +28,8 @@ MIN_ALIGN_ELEMENTS = 16
 
 def alignment(dtype: torch.dtype) -> int:
     """Elements per 128 bytes (at least the 16-element MMA fragment)."""
-    return max(MIN_ALIGN_ELEMENTS, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    # itemsize, not an empty tensor's element_size(): this runs on every padded GEMM's call.
+    return max(MIN_ALIGN_ELEMENTS, ALIGN_BYTES // dtype.itemsize)
 
 
 def _round_up(v: int, a: int) -> int:
@@ -64,18 +65,28 @@ def linear(
     otherwise exactly ``F.linear`` (or ``torch.mm(x, weight.t(), out=out)``). Drop-in for the
     ``F.linear`` / ``torch.mm(out=)`` calls of the sequential and chunked paths.
     """
-    k = x.shape[-1]
-    n = weight.shape[0]
     if _enabled(x, force):
+        k, n = x.shape[-1], weight.shape[0]
         config = get_config()
         k_pad, n_pad = padded_shape(k, n, x.dtype, config.k_min, config.k_max)
-    else:
-        k_pad, n_pad = k, n
-    if (k_pad, n_pad) == (k, n):
-        if out is None:
-            return F.linear(x, weight, bias)
-        torch.mm(x, weight.t(), out=out)
-        return out if bias is None else out.add_(bias)
+        if (k_pad, n_pad) != (k, n):
+            return _padded(x, weight, bias, out, (k_pad, n_pad))
+    if out is None:
+        return F.linear(x, weight, bias)
+    torch.mm(x, weight.t(), out=out)
+    return out if bias is None else out.add_(bias)
+
+
+def _padded(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+    padded: tuple[int, int],
+) -> torch.Tensor:
+    """:func:`linear` through zero-padded operands of ``padded = (k_pad, n_pad)``."""
+    k, n = x.shape[-1], weight.shape[0]
+    k_pad, n_pad = padded
     lead = x.shape[:-1]
     # Rows by count, not -1: an empty k shard (k = 0) leaves -1 ambiguous.
     x2d = x.reshape(math.prod(lead), k)

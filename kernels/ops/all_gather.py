@@ -189,7 +189,8 @@ def gather_rows(rows: torch.Tensor, group: dist.ProcessGroup | None, world: int,
 def _weights(call: GemmCall, ops: Operands, x_dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Every weight and bias as the reference multiplies and adds them."""
     if call.fmt.kind == "plain":
-        return list(zip(ops.weights, ops.biases, strict=True))
+        # Not strict: the operands hold a bias (or None) per weight by construction, and this runs on every call.
+        return list(zip(ops.weights, ops.biases, strict=False))
     return [
         (dequantize_weight(call.fmt, w, ops.scale_of(i), ops.offset_of(i), x_dtype), bias_of(call.fmt, b))
         for i, (w, b) in enumerate(zip(ops.weights, ops.biases, strict=True))
