@@ -242,18 +242,13 @@ def _raw_env_values() -> tuple:
     return tuple(map(_ENV_DATA.get, _ENV_KEYS))
 
 
-_ENCODED_KEYS: dict[str, Any] = {}
-
-
 def env_value(name: str) -> str | None:
     """``os.environ.get(name)`` at a fraction of its cost: for a name that is not set, ``Mapping.get`` raises and
-    catches a ``KeyError`` (microseconds, on every op call that reads ``WORLD_SIZE``)."""
+    catches a ``KeyError`` (microseconds, on every op call that reads ``WORLD_SIZE``). No cache of encoded names:
+    a dict written while ``torch.compile`` traces an op makes Dynamo refuse the class attribute reads after it."""
     if _ENV_DATA is None:
         return os.environ.get(name)
-    key = _ENCODED_KEYS.get(name)
-    if key is None:
-        key = _ENCODED_KEYS[name] = os.environ.encodekey(name)
-    return _decode(_ENV_DATA.get(key))
+    return _decode(_ENV_DATA.get(os.environ.encodekey(name)))
 
 
 def _decode(value: Any) -> str | None:

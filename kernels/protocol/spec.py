@@ -140,9 +140,13 @@ def run(spec: OpSpec, call: Call, operands: Any, text: str | None = None, *, pla
     tensors none of which needs a gradient (a signature's fast path checked them)."""
     state = _state
     # A torch function or dispatch mode must see the registered operator (an eager call runs its implementation
-    # directly otherwise, as nothing torch tracks would see the difference).
-    modes = torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()
-    if text is None and not (state.force_operator or modes) and (plain or _plain(spec.flat(operands))):
+    # directly otherwise, as nothing torch tracks would see the difference). Read only when not tracing (text None):
+    # Dynamo cannot trace these reads.
+    if (
+        text is None
+        and not (state.force_operator or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
+        and (plain or _plain(spec.flat(operands)))
+    ):
         state.depth += 1
         try:
             return spec.impl[call.backend](call, operands)
