@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import comm, tune
+from .. import comm, padding, tune
 from ..format import OperandFormat, bias_of, dequantize_weight, dequantize_x, pack_rows, product, unpack_rows
 from ..protocol import OpSpec, submit, unaliased
 from .gemm import (
@@ -200,10 +200,13 @@ def _weights(call: GemmCall, ops: Operands, x_dtype: torch.dtype) -> list[tuple[
 Gathered = tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]
 
 
-def _products(fmt: OperandFormat, rows: torch.Tensor, x_of: tuple[int, torch.dtype], weights: list) -> Gathered:
+def _products(fmt: OperandFormat, rows: torch.Tensor, x2d: torch.Tensor, weights: list) -> Gathered:
     """``([dequant(x) @ w.T + b for each weight], x, x's per-row scales or None)`` of gathered packed ``rows``;
-    ``x_of = (k, x's dtype)``: how to unpack them."""
-    xg, xsg = unpack_rows(fmt, rows, *x_of)
+    ``x2d``: this rank's rows of x (their k and dtype unpack them)."""
+    if fmt.kind == "plain":
+        # Plain rows are x itself: nothing to unpack or dequantize (this runs on every call).
+        return [padding.linear(rows, w, b) for w, b in weights], rows, None
+    xg, xsg = unpack_rows(fmt, rows, x2d.shape[1], x2d.dtype)
     xd = dequantize_x(fmt, xg, xsg, per_row=True)
     return [product(fmt, xd, w, b) for w, b in weights], xg, xsg
 
@@ -215,13 +218,12 @@ def reference(call: GemmCall, ops: Operands) -> Gathered:
     ys = [dequant(x_gathered) @ dequant(w_i).T + b_i for each weight]
     """
     x2d = rows_of(ops.x)
-    k = x2d.shape[1]
     packed = pack_rows(call.fmt, x2d, ops.x_scale)
     # A group of one gathers nothing (its group and row blocks need not be looked up: this runs on every call).
     gathered = (
         packed if call.world == 1 else gather_rows(packed, call.group, call.world, dims_before(ops.x, call.comm_dim))
     )
-    return _products(call.fmt, gathered, (k, x2d.dtype), _weights(call, ops, x2d.dtype))
+    return _products(call.fmt, gathered, x2d, _weights(call, ops, x2d.dtype))
 
 
 def chunked(call: GemmCall, ops: Operands) -> Gathered:
@@ -251,14 +253,14 @@ def chunked(call: GemmCall, ops: Operands) -> Gathered:
     weights = _weights(call, ops, x2d.dtype)
     if len(pieces) == 1 and outer == 1:
         works[0].wait()
-        return _products(fmt, bufs[0], (k, x2d.dtype), weights)
+        return _products(fmt, bufs[0], x2d, weights)
     # Rank r's rows of piece i land at rows [start, stop) of block (o, r) of the gathered x.
     ys: list[torch.Tensor] = []
     gathered = packed.new_empty((outer, world, rows, c)) if call.return_gathered else None
     for (start, stop), buf, work in zip(pieces, bufs, works, strict=True):
         work.wait()
         shape = (world, outer, stop - start)
-        parts = _products(fmt, buf, (k, x2d.dtype), weights)[0]
+        parts = _products(fmt, buf, x2d, weights)[0]
         if not ys:
             ys = [part.new_empty((outer, world, rows, part.shape[1])) for part in parts]
         for y, part in zip(ys, parts, strict=True):

@@ -158,22 +158,18 @@ def owner_major(partial: torch.Tensor, world: int, outer: int) -> torch.Tensor:
     return partial.view(outer, world, m // (outer * world), n).transpose(0, 1).reshape(m, n)
 
 
-def _dequantized(call: GemmCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """The reference's operands (x rows, weight, bias as multiplied and added) and ``outer``."""
-    return (*dequantized(call, ops), dims_before(ops.x, call.comm_dim))
-
-
 def reference(call: GemmCall, ops: Operands) -> torch.Tensor:
     """Reference::
 
     partial = dequant(x) @ dequant(weight).T     # [m, n] on every rank (module docstring: dtypes)
     y = reduce_scatter_dim0(owner_major(partial)) + bias      # [m / W, n]; rank order sum if deterministic
     """
-    xd, wd, bias, outer = _dequantized(call, ops)
-    world, group = call.world, call.group
+    xd, wd, bias = dequantized(call, ops)
+    world = call.world
     partial = product(call.fmt, xd, wd)
     if world > 1:
-        partial = owner_major(partial, world, outer)
+        group = call.group
+        partial = owner_major(partial, world, dims_before(ops.x, call.comm_dim))
         rows = partial.shape[0] // world
         if call.deterministic:
             parts = partial.new_empty((world, rows, partial.shape[1]))
@@ -193,8 +189,8 @@ def chunked(call: GemmCall, ops: Operands) -> torch.Tensor:
     covers rows [start, stop) of every owner block of every outer block, so each piece is itself a
     reduce-scatter whose result lands in rows [start, stop) of every outer block of the output.
     """
-    xd, wd, bias, outer = _dequantized(call, ops)
-    world, group = call.world, call.group
+    xd, wd, bias = dequantized(call, ops)
+    world, group, outer = call.world, call.group, dims_before(ops.x, call.comm_dim)
     m, k = xd.shape
     n = wd.shape[0]
     rows = m // (world * outer) if outer else 0
