@@ -22,24 +22,13 @@ def check_launched_alone() -> None:
         )
 
 
-def default_group_size() -> int | None:
-    """The default group's size; None without an initialized default group (the group ``None`` then stands for a
-    group of one)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD.size()
-    return None
-
-
 def group_size(group: dist.ProcessGroup | None) -> int:
     """World size of ``group``; 1 when torch.distributed is not initialized and no group is given (refused
     by :func:`check_launched_alone` when the environment says the job has several processes)."""
-    if group is not None:
-        return dist.get_world_size(group)
-    size = default_group_size()
-    if size is None:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
         check_launched_alone()
         return 1
-    return size
+    return dist.get_world_size(group)
 
 
 def check_group(group: object) -> None:

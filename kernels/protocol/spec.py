@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..checks import default_group_size, world_of
+from ..checks import world_of
 from ..config import get_config
 from .admission import ERRORS, Outcome, admit
 from .backend import ShapeKey, decide, requested, traced_shape
@@ -206,10 +206,8 @@ def submit(
     signature of this call and its operands, unvalidated, for a signature that validated before (``_RESOLVED``)."""
     if fast is not None and not torch.compiler.is_compiling():
         entry = _RESOLVED.get(fast[0])
-        # A given group's size never changes; None is read again: the same key names a group of one before
-        # init_process_group and the default group after it. WORLD_SIZE is not read here: it is part of the config's
-        # key (kernels.config.get_config), and the entry's config was checked (check_launched_alone) at resolution.
-        same_world = spec.local or group is not None or entry is None or entry[2] == (default_group_size() or 1)
+        # A given group's size never changes; None is read again (the default group, or none: a group of one).
+        same_world = spec.local or group is not None or entry is None or entry[2] == _default_world()
         if entry is not None and entry[5] is get_config() and same_world:
             requested_call, call, world, digest, heap_device, _ = entry
             operands = fast[1]
@@ -218,6 +216,18 @@ def submit(
             return run(spec, call, operands, plain=True)
     built, call, text = admitted(spec, op, group, build, None if fast is None else fast[0])
     return run(spec, call, built.operands, text)
+
+
+def _default_world() -> int:
+    """The size of the default group, 1 without one: what the group ``None`` of a resolved signature is now.
+
+    The same key (group None) names a group of one before ``init_process_group`` and the default group after it.
+    A given group's size never changes, so only None is read again. ``WORLD_SIZE`` is not read: it is part of the
+    config's key (:func:`kernels.config.get_config`), and the entry's config was checked (``check_launched_alone``)
+    when the signature was resolved."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD.size()
+    return 1
 
 
 def admitted(
