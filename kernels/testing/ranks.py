@@ -35,11 +35,13 @@ Failure handling, so that no test can hang the suite:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import multiprocessing.util as mp_util
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -68,6 +70,8 @@ DEFAULT_TIMEOUT = 120.0
 # collective while a peer runs interpreted kernels or a benchmark's long case.
 GROUP_TIMEOUT_S = 1800.0
 _GRACE_AFTER_ERROR = 3.0
+# How much of a hung rank's stack dump a failure quotes.
+_STACK_CHARS = 6000
 
 
 class RankFailure(AssertionError):
@@ -79,6 +83,9 @@ class _Outcome:
     rank: int
     ok: bool
     value: Any
+    # The task's serial number in its pool (0: the start). An answer to an earlier task, which a rank gives after
+    # that task's deadline passed, is never taken for the current one's.
+    serial: int = 0
 
 
 class Task(NamedTuple):
@@ -138,9 +145,26 @@ def _fresh_program() -> None:
         admission.counts.clear()
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _stack_path(store_path: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(store_path), f"stack-{rank}")
+
+
 def _worker(*, rank: int, world_size: int, backend: str, store_path: str, tasks: Any, results: Any) -> None:
     _private_pymp_dir(os.path.dirname(store_path))
     import datetime
+    import faulthandler
+
+    # A rank that misses its deadline is asked (SIGUSR1) where every one of its threads is before the pool kills
+    # it: the failure then says which call a hung rank waits in, not only that it hung.
+    stacks = open(_stack_path(store_path, rank), "w")  # open for the life of the process
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
     import torch
     import torch.distributed as dist
@@ -154,10 +178,10 @@ def _worker(*, rank: int, world_size: int, backend: str, store_path: str, tasks:
     )
     results.put(_Outcome(rank, True, "ready"))
     while True:
-        task = tasks.get()
-        if task is None:
+        item = tasks.get()
+        if item is None:
             break
-        fn, args, kwargs, task_env = task
+        serial, (fn, args, kwargs, task_env) = item
         saved = {k: os.environ.get(k) for k in task_env}
         _apply_env(task_env)
         try:
@@ -165,15 +189,15 @@ def _worker(*, rank: int, world_size: int, backend: str, store_path: str, tasks:
             program_order.install_if_requested()
             _fresh_program()
             value = fn(rank, world_size, *args, **kwargs)
-            outcome = _Outcome(rank, True, value)
+            outcome = _Outcome(rank, True, value, serial)
         except BaseException:
-            outcome = _Outcome(rank, False, traceback.format_exc())
+            outcome = _Outcome(rank, False, traceback.format_exc(), serial)
         finally:
             _apply_env(saved)
         try:
             results.put(outcome)
         except Exception:
-            results.put(_Outcome(rank, False, "result could not be pickled:\n" + traceback.format_exc()))
+            results.put(_Outcome(rank, False, "result could not be pickled:\n" + traceback.format_exc(), serial))
     try:
         dist.destroy_process_group()
     except Exception:
@@ -189,13 +213,14 @@ class RankPool:
         self.device = device
         self.dead = False
         self._closing = False
+        self._serial = 0
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch"])
         # Removed by kill(), after the ranks are gone, not by a TemporaryDirectory finalizer: that
         # one runs at interpreter exit before close_pools() and would pull the dir from under
         # ranks still removing their own pymp-* dir in it.
         self._tmp = tempfile.mkdtemp(prefix="coc-pool-")
-        store_path = os.path.join(self._tmp, "store")
+        store_path = self._store_path = os.path.join(self._tmp, "store")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         environ = dict(os.environ)
@@ -247,6 +272,8 @@ class RankPool:
                 break
             try:
                 o = self._results.get(timeout=0.05)
+                if o.serial != self._serial:
+                    continue
                 got[o.rank] = o
                 if not o.ok and first_error_at is None:
                     first_error_at = time.monotonic()
@@ -266,10 +293,19 @@ class RankPool:
         return [got.get(r) for r in range(self.world_size)]
 
     def run(self, task: Task, *, timeout: float, allow_dead: bool) -> list[Any]:
+        self._serial += 1
         for q in self._tasks:
-            q.put(task)
-        outcomes = self._collect(timeout, allow_dead)
+            q.put((self._serial, task))
+        try:
+            outcomes = self._collect(timeout, allow_dead)
+        except BaseException:
+            # Interrupted (a test-level timeout, Ctrl-C): the ranks may still be inside this task, so the pool must
+            # not serve the next one.
+            self.kill()
+            raise
         failures = []
+        hung = [r for r, o in enumerate(outcomes) if o is None and self._procs[r].is_alive()]
+        stacks = self._stacks(hung)
         for r, o in enumerate(outcomes):
             if o is None:
                 if not self._procs[r].is_alive():
@@ -278,7 +314,7 @@ class RankPool:
                 else:
                     failures.append(
                         f"--- rank {r}: no answer (hung or still running after the "
-                        f"{timeout:.0f} s limit or after a peer failed)"
+                        f"{timeout:.0f} s limit or after a peer failed); where it was:\n{stacks[r]}"
                     )
             elif not o.ok:
                 failures.append(f"--- rank {r} raised:\n{o.value}")
@@ -289,6 +325,26 @@ class RankPool:
             name = getattr(task.fn, "__qualname__", repr(task.fn))
             raise RankFailure(f"{name} on {self.world_size} rank(s):\n" + "\n".join(failures))
         return [o.value if o is not None else None for o in outcomes]
+
+    def _stacks(self, ranks: list[int], wait_s: float = 2.0) -> dict[int, str]:
+        """Every thread's stack of each rank in ``ranks``, as the rank itself writes it on SIGUSR1 (the last
+        ``_STACK_CHARS`` characters: the innermost frames)."""
+        paths = {r: _stack_path(self._store_path, r) for r in ranks}
+        sizes = {r: _size(p) for r, p in paths.items()}
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(_size(p) <= sizes[r] for r, p in paths.items()):
+            time.sleep(0.05)
+        time.sleep(0.1)  # the dump's last lines
+        out = {}
+        for r, p in paths.items():
+            with open(p, errors="replace") as f:
+                f.seek(sizes[r])
+                text = f.read()
+            out[r] = text[-_STACK_CHARS:] if text else "(no stack: the rank did not answer the signal)"
+        return out
 
     def kill(self) -> None:
         for p in self._procs:

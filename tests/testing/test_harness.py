@@ -81,9 +81,41 @@ def test_exception_names_rank():
 
 def test_hang_is_bounded():
     start = time.monotonic()
-    with pytest.raises(RankFailure, match="rank 0: no answer"):
+    with pytest.raises(RankFailure, match="rank 0: no answer") as failure:
         run_ranks(_hang_on_zero, 2, timeout=2)
     assert time.monotonic() - start < 15
+    # The hung rank says where it waits: its own stack, down to the body's frame.
+    assert "in _hang_on_zero" in str(failure.value), failure.value
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_call_retires_its_pool():
+    # A test-level timeout or Ctrl-C stops the caller while the ranks are still inside the task: the pool must not
+    # serve the next call (its ranks would answer the old task, or wait in its collectives).
+    import _thread
+    import signal
+    import threading
+
+    from kernels.testing.ranks import RankPool, Task
+
+    def interrupt(signum, frame):
+        raise _Interrupted
+
+    saved = signal.signal(signal.SIGUSR2, interrupt)
+    pool = RankPool(2)
+    try:
+        timer = threading.Timer(1.0, _thread.interrupt_main, (signal.SIGUSR2,))
+        timer.start()
+        with pytest.raises(_Interrupted):
+            pool.run(Task(_hang_on_zero, (), {}, {}), timeout=60, allow_dead=False)
+        timer.join()
+        assert pool.dead and not pool.alive
+    finally:
+        signal.signal(signal.SIGUSR2, saved)
+        pool.close()
 
 
 def test_dead_rank_reported_or_allowed():
