@@ -43,7 +43,9 @@ def _out_of_place(
     return _Done() if async_op else None
 
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch's own functions under this release's names (bound here, so a caller that always has several ranks, such as
+# the admission, calls torch directly).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -51,7 +53,7 @@ def all_gather(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
 ) -> dist.Work | None:
     """``out [W * r, ...] = concat over ranks of inp [r, ...]`` (rank order)."""
-    return _out_of_place(_all_gather_single, out, inp, group, async_op)
+    return _out_of_place(all_gather_single, out, inp, group, async_op)
 
 
 def reduce_scatter(

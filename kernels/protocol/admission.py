@@ -141,7 +141,8 @@ def admit(op: str, world: int, group: dist.ProcessGroup | None, outcome: Outcome
             "are out of step, so every call on it is refused. Create a new process group (or restart the job)"
         )
     channel.local_view[:] = _status(outcome)
-    work = comm.all_gather(channel.table, channel.local, channel.side, async_op=True)
+    # W > 1 here: torch's collective itself, not comm's wrapper for a group of one.
+    work = comm.all_gather_single(channel.table, channel.local, group=channel.side, async_op=True)
     if outcome.heap_device is None:
         work.wait()
     else:

@@ -27,7 +27,10 @@ Failure handling, so that no test can hang the suite:
   ranks still running after a short grace period are presumed stuck in a collective, and the pool
   is killed and respawned on next use;
 * a call that exceeds ``timeout``: the pool is killed, the failure names the ranks that did not
-  answer;
+  answer and quotes each one's stack (written by the rank itself on SIGUSR1, just before the kill);
+* a call interrupted from outside (a test-level timeout, Ctrl-C): the pool is killed, since its
+  ranks may still be inside the task; answers carry their task's serial, so none is taken for a
+  later task's;
 * a rank process that dies (killed, ``os._exit``): reported as dead; with ``allow_dead=True`` its
   result is ``None`` instead of a failure (used by the absent-peer tests).
 """
