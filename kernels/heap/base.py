@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,16 +76,30 @@ class SymmetricHeap:
     def total_bytes(self) -> int:
         return self.data_bytes + 8 * self.sig_words
 
-    @staticmethod
-    def judge(descriptors: Sequence[object], verdict: Verdict | None) -> None:
-        """Raise :class:`CallMismatch` if ``verdict`` finds the gathered descriptors disagree.
+    def judge(self, infos: Sequence[tuple], verdict: Verdict | None) -> None:
+        """Raise :class:`CallMismatch` if the gathered ``infos`` (each rank's ``(host, handle, descriptor,
+        (data_bytes, sig_words))``) disagree: ``verdict`` on the descriptors, then the sizes.
 
         Called by every rank right after the handle exchange, before anything is mapped or a second
-        collective is entered, so all ranks raise at the same point and none is left waiting.
+        collective is entered, so all ranks raise at the same point and none is left waiting. A heap whose
+        ranks hold different sizes must never be made: the next call that fits on one rank and not on another
+        would send one rank alone into the growth collective while its peers wait in a kernel.
         """
-        message = verdict(descriptors) if verdict is not None else None
+        message = verdict([info[2] for info in infos]) if verdict is not None else None
         if message is not None:
             raise CallMismatch(message)
+        sizes = [info[3] for info in infos]
+        if any(size != sizes[0] for size in sizes):
+            ranks = zip(self.global_ranks, sizes, strict=True)
+            shown = ", ".join(f"rank {r}: {d} data bytes, {w} signal words" for r, (d, w) in ranks)
+            raise CallMismatch(
+                f"symmetric heap: the ranks asked for heaps of different sizes ({shown}); a fused op sized its heap "
+                "from a rank's own shapes, where every rank must ask for the same"
+            )
+
+    def exchanged(self, handle: object, descriptor: object) -> tuple:
+        """This rank's entry of the handle exchange (what :meth:`judge` reads)."""
+        return (socket.gethostname(), handle, descriptor, (self.data_bytes, self.sig_words))
 
     def _finish(self, raw: list[torch.Tensor]) -> None:
         """Take the per-rank uint8 views (``total_bytes`` each) and build the pointer tables."""

@@ -8,8 +8,6 @@ Tensors over the raw addresses are made through ``__cuda_array_interface__``.
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.distributed as dist
 
@@ -73,16 +71,16 @@ class CudaIpcHeap(SymmetricHeap):
             self._runtime.deviceSynchronize()
             handle = bytes(self._runtime.ipcGetMemHandle(self._own))
             infos: list = [None] * self.world_size
-            dist.all_gather_object(infos, (socket.gethostname(), handle, descriptor), group=group)
+            dist.all_gather_object(infos, self.exchanged(handle, descriptor), group=group)
             try:
-                self.judge([d for _, _, d in infos], verdict)
+                self.judge(infos, verdict)
             except BaseException:
                 self._release()
                 raise
             ptrs: list[int] = []
             error = ""
             try:
-                for peer, (host, peer_handle, _) in enumerate(infos):
+                for peer, (host, peer_handle, _, _) in enumerate(infos):
                     if peer == self.rank:
                         ptrs.append(self._own)
                     elif host != infos[self.rank][0]:

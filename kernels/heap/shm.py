@@ -21,7 +21,6 @@ import ctypes
 import mmap
 import os
 import secrets
-import socket
 import threading
 import time
 
@@ -131,16 +130,16 @@ class ShmHeap(SymmetricHeap):
         own = create_segment(name, self.total_bytes)
         try:
             infos: list = [None] * self.world_size
-            dist.all_gather_object(infos, (socket.gethostname(), name, descriptor), group=group)
+            dist.all_gather_object(infos, self.exchanged(name, descriptor), group=group)
             try:
-                self.judge([d for _, _, d in infos], verdict)
+                self.judge(infos, verdict)
             except BaseException:
                 own.close()
                 raise
             maps: list[mmap.mmap] = []
             error = ""
             try:
-                for peer, (host, peer_name, _) in enumerate(infos):
+                for peer, (host, peer_name, _, _) in enumerate(infos):
                     if peer == self.rank:
                         maps.append(own)
                     elif host != infos[self.rank][0]:
