@@ -31,6 +31,7 @@ __all__ = [
     "heaps_of",
     "retire_heap",
     "group_health",
+    "heap_bytes",
     "mark_failed",
     "reset_group",
     "destroy_heap",
@@ -160,6 +161,13 @@ def group_health(group: dist.ProcessGroup | None, device: torch.device) -> tuple
             return FAILED, message
     failed = _FAILED.get(_key(group, device))
     return (RETIRED, failed[1]) if failed is not None else (HEALTHY, "")
+
+
+def heap_bytes(group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """The data bytes of ``group``'s live heap on ``device``, 0 without one: what every rank of the group must hold
+    alike before a fused call (the admission compares it, :mod:`kernels.protocol.admission`). Local."""
+    entry = _HEAPS.get(_key(group if group is not None else dist.group.WORLD, device))
+    return 0 if entry is None else entry[1].data_bytes
 
 
 def _heaps_on(group: dist.ProcessGroup, device: torch.device) -> list[SymmetricHeap]:

@@ -4,12 +4,16 @@ Every call of every op is admitted, collectively, on every rank of its group (W 
 
     status = this rank's validation: passed, or its ValueError / TypeError       # never raised alone
     health = fused requests: this rank's heap of the group (healthy, failed unreported, retired after a failure)
-    table  = all_gather([status, digest(call.items(operands)), health])          # 3 int64 per rank, a CPU group
+    bytes  = fused requests: the data bytes of this rank's live heap of the group (0: none)
+    table  = all_gather([status, digest(call.items(operands)), health, bytes])   # 4 int64 per rank, a CPU group
                                             # (a fused request waits at most COC_TIMEOUT, as its kernels would)
     any status failed     -> every rank raises the first failed rank's error, naming that rank
     digests differ        -> every rank raises RuntimeError naming the op, the field and each rank's value
     any health not healthy -> every rank retires its heap of the group (the next fused call builds a new one
                               together); a failure not yet reported is raised on every rank
+    bytes differ          -> every rank retires its heap of the group, with a warning, and the call runs (its
+                              heap is built on every rank at once); else one rank would create or grow a heap,
+                              a collective, while its peers wait in the call's kernels
     else                   -> the call runs
     (a second exchange, of the full values, only when a rank failed or the digests differ, or under COC_CHECK=1)
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import warnings
 from typing import Any
 
 import torch
@@ -37,12 +42,14 @@ import torch.distributed as dist
 
 from .. import comm
 from ..config import get_config
-from ..heap import FAILED, group_health, reset_group
+from ..heap import FAILED, group_health, heap_bytes, reset_group
 from .call import Call, Items, digest
 
 # The exception classes a local error travels as; anything else is not a validation outcome and raises alone.
 ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, NotImplementedError, RuntimeError)
 _OK, _FAILED = 0, 1
+# What each rank sends: status, digest, heap health, heap bytes.
+_COLUMNS = 4
 # Exchanges made, by op: a test hook (kernels.testing) and the benchmark's count.
 counts: dict[str, int] = {}
 # group name -> the admission channel of the group.
@@ -101,19 +108,22 @@ def _channel(group: dist.ProcessGroup | None, world: int) -> _Channel:
     group = group if group is not None else dist.group.WORLD
     channel = _channels.get(group.group_name)
     if channel is None or channel.group is not group:
-        local = torch.zeros(3, dtype=torch.int64)
-        table = torch.zeros(3 * world, dtype=torch.int64)
+        local = torch.zeros(_COLUMNS, dtype=torch.int64)
+        table = torch.zeros(_COLUMNS * world, dtype=torch.int64)
         side = exchange_group(group)
-        channel = _Channel(group, side, local, table, local.numpy(), table.numpy().reshape(world, 3))
+        channel = _Channel(group, side, local, table, local.numpy(), table.numpy().reshape(world, _COLUMNS))
         _channels[group.group_name] = channel
     return channel
 
 
 def _status(outcome: Outcome) -> list[int]:
     if outcome.error is not None or outcome.call is None:
-        return [_FAILED, 0, 0]
-    health = group_health(outcome.call.group, outcome.heap_device)[0] if outcome.heap_device is not None else 0
-    return [_OK, outcome.digest if outcome.digest is not None else digest(outcome.items()), health]
+        return [_FAILED, 0, 0, 0]
+    digest_ = outcome.digest if outcome.digest is not None else digest(outcome.items())
+    if outcome.heap_device is None:
+        return [_OK, digest_, 0, 0]
+    group = outcome.call.group
+    return [_OK, digest_, group_health(group, outcome.heap_device)[0], heap_bytes(group, outcome.heap_device)]
 
 
 def admit(op: str, world: int, group: dist.ProcessGroup | None, outcome: Outcome) -> None:
@@ -154,7 +164,7 @@ def admit(op: str, world: int, group: dist.ProcessGroup | None, outcome: Outcome
     rows = channel.table_view.tolist()
     failed = any(row[0] != _OK for row in rows)
     differ = any(row[1] != rows[0][1] for row in rows)
-    unhealthy = any(row[2] != 0 for row in rows)
+    unhealthy = any(row[2] != 0 or row[3] != rows[0][3] for row in rows)
     if not (failed or differ or unhealthy or config.check is True):
         return
     _settle(op, (group, channel.side, world), outcome, rows)
@@ -190,10 +200,8 @@ def _settle(op: str, where: tuple, outcome: Outcome, rows: list[list[int]]) -> N
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=side)
     labels = _labels(group, world)
-    if any(row[2] != 0 for row in rows) and outcome.heap_device is not None:
-        # Every rank stops using its heap of the group at this same call; the next fused call makes a new one on
-        # every rank at once (the old ones stay mapped: a slow peer may still store into them).
-        reset_group(outcome.call.group, outcome.heap_device)
+    if outcome.heap_device is not None:
+        _reset_heaps(op, rows, outcome, labels)
     failed = [r for r, (_, err, _) in enumerate(gathered) if err is not None]
     if failed:
         kind, message = gathered[failed[0]][1]
@@ -218,6 +226,28 @@ def _settle(op: str, where: tuple, outcome: Outcome, rows: list[list[int]]) -> N
             "rank retired the group's symmetric heap at this call, which did not run; the next fused call builds "
             "a new heap on every rank"
         )
+
+
+def _reset_heaps(op: str, rows: list[list[int]], outcome: Outcome, labels: list[str]) -> None:
+    """Every rank stops using its heap of the group at this same call when any rank's is unhealthy or the ranks'
+    sizes differ; the next fused call makes a new one on every rank at once (the old ones stay mapped: a slow peer
+    may still store into them)."""
+    sizes = [row[3] for row in rows]
+    # Sizes are compared only for a call that runs: a refused one (a rank's error, digests that differ) builds
+    # nothing, and a refusing rank's row carries no size.
+    runs = all(row[0] == _OK and row[1] == rows[0][1] for row in rows)
+    if any(row[2] != 0 for row in rows):
+        reset_group(outcome.call.group, outcome.heap_device)
+    elif runs and any(size != sizes[0] for size in sizes):
+        shown = ", ".join(f"rank {labels[r]}: {size or 'none'}" for r, size in enumerate(sizes))
+        warnings.warn(
+            f"{op}: the ranks' symmetric heaps of this group differ (data bytes {shown}), as after a heap freed on "
+            "some ranks only (destroy_heap is local); every rank retired its heap at this call, which builds a new "
+            "one on every rank at once",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        reset_group(outcome.call.group, outcome.heap_device)
 
 
 def first_mismatch(tables: list[Items | None], labels: list[str]) -> str | None:

@@ -190,6 +190,43 @@ def test_fused_bad_input_on_one_rank_raises_on_every_rank_without_a_timeout() ->
     assert after == "True"
 
 
+def _heap_freed_on_one_rank(rank: int, world: int) -> list[str]:
+    """Scenario 5: rank 1 frees its heap of the group (``destroy_heap`` is local) and rank 0 keeps its own; the next
+    fused call warns on every rank, every rank builds a new heap at once, and the call and the next are right
+    (without the admission's size column rank 1 would create a heap, a collective, while rank 0 waits in the
+    call's check kernel)."""
+    import torch.distributed as dist
+
+    from kernels.heap import destroy_heap, peek_heap
+
+    group = dist.new_group(list(range(world)))
+    x, _, _, w = _tensors(rank)
+    xs = torch.cat([_tensors(r)[0] for r in range(world)])
+    with torch.no_grad():
+        kernels.all_gather_matmul(x, w, backend="fused", group=group)
+        old = peek_heap(group, x.device)
+        dist.barrier(group)
+        if rank == 1:
+            destroy_heap(group)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ys = [kernels.all_gather_matmul(x, w, backend="fused", group=group) for _ in range(2)]
+    new = peek_heap(group, x.device)
+    dist.barrier(group)
+    destroy_heap(group)
+    return [str(w.message) for w in caught if "heaps of this group differ" in str(w.message)] + [
+        str(all(torch.allclose(y, xs @ w.T, atol=1e-4) for y in ys)),
+        str(new is not None and new is not old),
+    ]
+
+
+def test_a_heap_freed_on_one_rank_is_rebuilt_on_every_rank_at_the_next_call() -> None:
+    results = run_ranks(_heap_freed_on_one_rank, 2, env={"COC_TIMEOUT": "20"}, timeout=120)
+    for rank, (message, right, rebuilt) in enumerate(results):
+        assert "rank 0: " in message and "rank 1: none" in message, (rank, message)
+        assert (right, rebuilt) == ("True", "True"), (rank, results)
+
+
 def _count_admissions(rank: int, world: int, check: str | None) -> int:
     from kernels.protocol import admission
 
