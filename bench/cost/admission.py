@@ -7,8 +7,8 @@ backend), on ``world`` gloo ranks of this machine:
 
 * ``admission_us``: one :func:`kernels.protocol.admission.admit` of the Outcome a real call handed it (recorded
   from a ``matmul_all_reduce`` call: the call value, its operands and the digest of a signature resolved
-  before, what every call after a signature's first admits): one all-gather of 3 int64 per rank and its reading;
-* ``bare_all_gather_us``: a bare ``kernels.comm.all_gather`` of the same 3 int64 on the same group (the floor of
+  before, what every call after a signature's first admits): one all-gather of 4 int64 per rank and its reading;
+* ``bare_all_gather_us``: a bare ``kernels.comm.all_gather`` of the same 4 int64 on the same group (the floor of
   any exchange there);
 * ``call_us``: the whole public call (the signature fast path of :func:`kernels.protocol.spec.submit`, the
   admission, the sequential backend's GEMM and fixed-order all-reduce); ``call_unadmitted_us``: the same call
@@ -125,8 +125,8 @@ def _measure(rank: int, world: int, device: torch.device, iters: int, repeats: i
             return {"w1_call_us": _median_us(coc, iters, repeats), "w1_torch_us": _median_us(by_hand, iters, repeats)}
         op, outcome = _recorded_outcome(coc)
         out["admission_us"] = _median_us(lambda: admission.admit(op, world, None, outcome), iters, repeats)
-        row = torch.zeros(3, dtype=torch.int64)
-        table = row.new_empty(3 * world)
+        row = torch.zeros(4, dtype=torch.int64)
+        table = row.new_empty(4 * world)
         out["bare_all_gather_us"] = _median_us(lambda: comm.all_gather(table, row, None), iters, repeats)
         before = admission.counts.get(op, 0)
         out["call_us"] = _median_us(coc, iters, repeats)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         f"median of {res['repeats']} rounds of {res['iters']} calls"
     )
     print(
-        f"  one admission (digest known):  {res['admission_us']:8.1f} us (a bare all-gather of the same 3 int64: "
+        f"  one admission (digest known):  {res['admission_us']:8.1f} us (a bare all-gather of the same 4 int64: "
         f"{res['bare_all_gather_us']:.1f} us)"
     )
     print(
