@@ -218,12 +218,15 @@ def reference(call: GemmCall, ops: Operands) -> Gathered:
     ys = [dequant(x_gathered) @ dequant(w_i).T + b_i for each weight]
     """
     x2d = rows_of(ops.x)
-    packed = pack_rows(call.fmt, x2d, ops.x_scale)
-    # A group of one gathers nothing (its group and row blocks need not be looked up: this runs on every call).
-    gathered = (
-        packed if call.world == 1 else gather_rows(packed, call.group, call.world, dims_before(ops.x, call.comm_dim))
-    )
-    return _products(call.fmt, gathered, x2d, _weights(call, ops, x2d.dtype))
+    fmt = call.fmt
+    if call.world == 1 and fmt.kind == "plain":
+        # A group of one gathers nothing and plain rows are x itself: the products straight away (this runs on
+        # every call of a single-rank model; the same products as below, without packing or looking up the group).
+        return [padding.linear(x2d, w, b) for w, b in zip(ops.weights, ops.biases, strict=False)], x2d, None
+    packed = pack_rows(fmt, x2d, ops.x_scale)
+    outer = dims_before(ops.x, call.comm_dim) if call.world > 1 else 1
+    gathered = packed if call.world == 1 else gather_rows(packed, call.group, call.world, outer)
+    return _products(fmt, gathered, x2d, _weights(call, ops, x2d.dtype))
 
 
 def chunked(call: GemmCall, ops: Operands) -> Gathered:
@@ -297,11 +300,13 @@ def _finished(backend: Any) -> Any:
     def run(call: GemmCall, ops: Operands) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor | None]:
         x, x_scale = ops.x, ops.x_scale
         ys, xg, xsg = backend(call, ops)
+        # A 2-D x gathers its rows: the results are already [W * m, n] (a view to the same shape costs a round trip).
+        flat = x.dim() == 2
+        if flat and call.out_dtype is None and not call.return_gathered:
+            return ys, None, None  # the plain 2-D call, as it comes: nothing to cast, shape or return beside
         d, world = call.comm_dim, call.world
         if call.out_dtype is not None:
             ys = [y.to(call.out_dtype) for y in ys]
-        # A 2-D x gathers its rows: the results are already [W * m, n] (a view to the same shape costs a round trip).
-        flat = x.dim() == 2
         if not flat:
             ys = [y.view(_gathered_shape(x, d, world, w.shape[0])) for y, w in zip(ys, ops.weights, strict=True)]
         if not call.return_gathered:

@@ -190,7 +190,7 @@ def fused(x: torch.Tensor, residual: torch.Tensor, call: NormCall, described: No
 def _normed(call: NormCall, ops: NormOperands, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x, residual = ops.x, ops.residual
     quant = (call.quant, call.fp8_dtype)
-    spec = NormSpec(call.eps, (x.dtype, residual.dtype), quant, call.backend == "fused", tuple(x.shape))
+    spec = NormSpec(call.eps, (x.dtype, residual.dtype), quant, call.backend == "fused", x.shape)
     return finish(h, ops.weight, spec)
 
 

@@ -128,7 +128,7 @@ def finish(h: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> tuple[torch
         y, residual_out = _torch_norm(h, weight, spec)
     if mode is not None and scale is None:
         y, scale = quantize_fp8(y, mode, dtype=fp8_dtype)
-    if tuple(h.shape) != shape:
+    if h.shape != shape:  # torch.Size compares with a tuple as one
         y, residual_out = y.view(shape), residual_out.view(shape)
         scale = scale.view(scale_shape(shape, mode)) if scale is not None else None
     if mode is None:

@@ -147,6 +147,10 @@ def run(spec: OpSpec, call: Call, operands: Any, text: str | None = None, *, pla
         and not (state.force_operator or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
         and (plain or _plain(spec.flat(operands)))
     ):
+        if call.world == 1:
+            # The depth only tells an operator body inside this call not to admit again; a group of one admits
+            # nothing, so its calls (every call of a single-rank model) skip the bookkeeping.
+            return spec.impl[call.backend](call, operands)
         state.depth += 1
         try:
             return spec.impl[call.backend](call, operands)
@@ -225,9 +229,12 @@ def _default_world() -> int:
     A given group's size never changes, so only None is read again. ``WORLD_SIZE`` is not read: it is part of the
     config's key (:func:`kernels.config.get_config`), and the entry's config was checked (``check_launched_alone``)
     when the signature was resolved."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD.size()
-    return 1
+    # One read of the default group (None before init_process_group): what is_initialized reads, without its calls.
+    world = dist.group.WORLD if _DISTRIBUTED else None
+    return 1 if world is None else world.size()
+
+
+_DISTRIBUTED = dist.is_available()
 
 
 def admitted(
