@@ -343,9 +343,12 @@ class RankPool:
         time.sleep(0.1)  # the dump's last lines
         out = {}
         for r, p in paths.items():
-            with open(p, errors="replace") as f:
-                f.seek(sizes[r])
-                text = f.read()
+            try:
+                with open(p, errors="replace") as f:
+                    f.seek(sizes[r])
+                    text = f.read()
+            except OSError as e:
+                text = f"(no stack: {e})"
             out[r] = text[-_STACK_CHARS:] if text else "(no stack: the rank did not answer the signal)"
         return out
 
