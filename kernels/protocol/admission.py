@@ -47,7 +47,7 @@ from .call import Call, Items, digest
 
 # The exception classes a local error travels as; anything else is not a validation outcome and raises alone.
 ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, NotImplementedError, RuntimeError)
-_OK, _FAILED = 0, 1
+_OK, _FAILED, _REFUSED = 0, 1, 2
 # What each rank sends: status, digest, heap health, heap bytes.
 _COLUMNS = 4
 # Exchanges made, by op: a test hook (kernels.testing) and the benchmark's count.
@@ -130,8 +130,9 @@ def admit(op: str, world: int, group: dist.ProcessGroup | None, outcome: Outcome
     """Admit one call (module docstring): return when every rank of ``group`` made the same call and validated it,
     else raise the same error on every rank. ``world == 1`` raises this rank's own error, if any, and exchanges
     nothing. A fused request waits at most ``COC_TIMEOUT`` for its peers (as its kernels would): a peer that never
-    comes makes this rank raise by name, and the group is refused from then on (its ranks are out of step); the
-    scripted backends wait as their collectives would."""
+    comes makes this rank raise by name, and the group is refused from then on (its ranks are out of step), on
+    every rank: a refusing rank posts its row marked refused and raises at once, and every peer that makes the call
+    raises the refusal too (:func:`_post_refusal`). The scripted backends wait as their collectives would."""
     if world == 1 or torch.compiler.is_compiling():
         # Under compile the validation runs while tracing (its error raises there, as any tracing error does);
         # the compiled graph's operator admits each call when it runs.
@@ -146,6 +147,7 @@ def admit(op: str, world: int, group: dist.ProcessGroup | None, outcome: Outcome
     counts[op] = counts.get(op, 0) + 1
     channel = _channel(group, world)
     if channel.failed is not None:
+        _post_refusal(channel, world)
         raise RuntimeError(
             f"{op}: an earlier call on this process group failed at its admission ({channel.failed}); its ranks "
             "are out of step, so every call on it is refused. Create a new process group (or restart the job)"
@@ -162,12 +164,31 @@ def admit(op: str, world: int, group: dist.ProcessGroup | None, outcome: Outcome
             channel.failed = _late_peers(op, group, world, config.timeout)
             raise RuntimeError(channel.failed) from None
     rows = channel.table_view.tolist()
+    refusing = [r for r, row in enumerate(rows) if row[0] == _REFUSED]
+    if refusing:
+        # Before any other exchange: a refusing rank joins none.
+        channel.failed = f"rank {_labels(group, world)[refusing[0]]} refused it: an earlier call timed out there"
+        raise RuntimeError(
+            f"{op}: rank {_labels(group, world)[refusing[0]]} refuses every call on this process group since an "
+            "earlier call on it failed at its admission there (a peer came later than COC_TIMEOUT); its ranks are out "
+            "of step, so every rank raised this error at this call and refuses every later one. Create a new process "
+            "group (or restart the job)"
+        )
     failed = any(row[0] != _OK for row in rows)
     differ = any(row[1] != rows[0][1] for row in rows)
     unhealthy = any(row[2] != 0 or row[3] != rows[0][3] for row in rows)
     if not (failed or differ or unhealthy or config.check is True):
         return
     _settle(op, (group, channel.side, world), outcome, rows)
+
+
+def _post_refusal(channel: _Channel, world: int) -> None:
+    """This rank's row of a refused call, posted and not waited for: a peer that makes the call learns of the
+    refusal from it and raises too, instead of waiting for this rank in the exchange until the group's own timeout;
+    a peer that never comes leaves it pending (the group is refused anyway). Its own buffers: the pending exchange
+    writes into them whenever it completes."""
+    row = torch.tensor([_REFUSED, 0, 0, 0], dtype=torch.int64)
+    comm.all_gather_single(row.new_empty(_COLUMNS * world), row, group=channel.side, async_op=True)
 
 
 def _late_peers(op: str, group: dist.ProcessGroup | None, world: int, timeout: float) -> str:

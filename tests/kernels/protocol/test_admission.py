@@ -227,6 +227,39 @@ def test_a_heap_freed_on_one_rank_is_rebuilt_on_every_rank_at_the_next_call() ->
         assert (right, rebuilt) == ("True", "True"), (rank, results)
 
 
+def _late_peer_then_refused(rank: int, world: int) -> list[str]:
+    """Scenario 6: rank 1 comes to a fused call later than COC_TIMEOUT. Rank 0 raises there, naming the late peer,
+    and refuses its next call at once. Rank 1 then runs that fused call alone (admitted by rank 0's row, which was
+    sent before rank 0 gave up; its kernels time out and record the failure) and its next call, on a scripted
+    backend, raises the refusal at once: it learns of it from rank 0's row, instead of waiting for a rank that will
+    never join the exchange until the group's own timeout (30 minutes)."""
+    import time
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    x, _, _, w = _tensors(rank)
+    seen = []
+    with torch.no_grad():
+        kernels.all_gather_matmul(x, w, backend="fused", group=group)
+        dist.barrier(group)
+        if rank == 1:
+            time.sleep(4)  # past COC_TIMEOUT=2 at rank 0's admission
+        seen += outcomes([lambda: kernels.all_gather_matmul(x, w, backend="fused", group=group)])
+        seen += outcomes([lambda: kernels.all_gather_matmul(x, w, backend="sequential", group=group)])
+    return seen
+
+
+def test_a_refused_group_is_refused_on_every_rank_without_a_wait() -> None:
+    # Before the refusal was posted, rank 1's second call waited for rank 0 until the group's own timeout (30
+    # minutes): this call's deadline would end it as a hang.
+    (late0, refused0), (ran1, refused1) = run_ranks(_late_peer_then_refused, 2, env={"COC_TIMEOUT": "2"}, timeout=120)
+    assert "rank 0 waited more than COC_TIMEOUT=2 s at the admission" in late0, late0
+    assert "an earlier call on this process group failed at its admission" in refused0, refused0
+    assert not ran1.startswith("ValueError"), ran1  # rank 1's call N ran (alone): whatever its kernels recorded
+    assert "rank 0 refuses every call on this process group" in refused1, refused1
+
+
 def _count_admissions(rank: int, world: int, check: str | None) -> int:
     from kernels.protocol import admission
 
