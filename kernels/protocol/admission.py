@@ -7,6 +7,8 @@ Every call of every op is admitted, collectively, on every rank of its group (W 
     bytes  = fused requests: the data bytes of this rank's live heap of the group (0: none)
     table  = all_gather([status, digest(call.items(operands)), health, bytes])   # 4 int64 per rank, a CPU group
                                             # (a fused request waits at most COC_TIMEOUT, as its kernels would)
+    any status refused    -> every rank raises the refusal, naming the refusing rank (an earlier admission on the
+                              group timed out there: the group is refused on every rank from then on)
     any status failed     -> every rank raises the first failed rank's error, naming that rank
     digests differ        -> every rank raises RuntimeError naming the op, the field and each rank's value
     any health not healthy -> every rank retires its heap of the group (the next fused call builds a new one
