@@ -74,7 +74,7 @@ DEFAULT_TIMEOUT = 120.0
 GROUP_TIMEOUT_S = 1800.0
 _GRACE_AFTER_ERROR = 3.0
 # How much of a hung rank's stack dump a failure quotes.
-_STACK_CHARS = 6000
+_STACK_CHARS = 12000
 
 
 class RankFailure(AssertionError):
@@ -153,6 +153,14 @@ def _size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
+
+
+def _innermost_first(dump: str) -> str:
+    """The first ``_STACK_CHARS`` characters of a faulthandler dump with the calling thread's block first: each
+    block lists its frames most recent first, so the head holds the call the rank waits in."""
+    blocks = dump.strip().split("\n\n")
+    blocks.sort(key=lambda block: not block.startswith("Current thread"))
+    return "\n\n".join(blocks)[:_STACK_CHARS]
 
 
 def _stack_path(store_path: str, rank: int) -> str:
@@ -330,8 +338,8 @@ class RankPool:
         return [o.value if o is not None else None for o in outcomes]
 
     def _stacks(self, ranks: list[int], wait_s: float = 2.0) -> dict[int, str]:
-        """Every thread's stack of each rank in ``ranks``, as the rank itself writes it on SIGUSR1 (the last
-        ``_STACK_CHARS`` characters: the innermost frames)."""
+        """Every thread's stack of each rank in ``ranks``, as the rank itself writes it on SIGUSR1 (the calling
+        thread's first, innermost frames first, at most ``_STACK_CHARS`` characters)."""
         paths = {r: _stack_path(self._store_path, r) for r in ranks}
         sizes = {r: _size(p) for r, p in paths.items()}
         for r in ranks:
@@ -349,7 +357,7 @@ class RankPool:
                     text = f.read()
             except OSError as e:
                 text = f"(no stack: {e})"
-            out[r] = text[-_STACK_CHARS:] if text else "(no stack: the rank did not answer the signal)"
+            out[r] = _innermost_first(text) if text else "(no stack: the rank did not answer the signal)"
         return out
 
     def kill(self) -> None:
