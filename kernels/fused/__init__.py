@@ -52,7 +52,9 @@ def unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) ->
     """None when the fused kernels can run on ``group`` and ``device``, else why not (for the fallback warning).
 
     The first call for a (group, device) exchanges host names and local reasons (one collective over ``group``); every
-    rank of the group must make it, as every rank makes the op call itself. The answer is cached.
+    rank of the group must make it, as every rank makes the op call itself. The answer is cached. While compiling (a
+    trace-time backend choice, the Inductor pass) it is this rank's local answer, neither exchanged nor cached: no
+    collective may run inside a compile.
     """
     group = resolve_group(group)
     if world_size(group) == 1:
@@ -64,6 +66,7 @@ def unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) ->
     key = (id(group), str(device))
     if key in _REASONS:
         return _REASONS[key][1]
+    compiling = torch.compiler.is_compiling()
     if runtime.capturing(device):
         # The answer needs a collective (and then the heap's creation, more): neither can be captured.
         runtime.refuse_capture("call", None, 0)
@@ -90,6 +93,12 @@ def unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) ->
             for j in range(torch.cuda.device_count())
             if j != index and not torch.cuda.can_device_access_peer(index, j)
         )
+    if compiling:
+        # Never a collective while compiling: a rank whose compile hits a cache, or compiles at another moment,
+        # would leave its peers waiting in it. The local answer, not kept: the compiled graph's calls are admitted
+        # when they run, where ranks that chose differently raise the same named error, and the heap's creation
+        # names a peer on another host.
+        return reason
     # Every rank takes part in the exchange even when it already knows its own answer, and all
     # ranks adopt the first reason any rank found, so they all choose the same backend.
     infos: list = [None] * dist.get_world_size(group)
