@@ -166,8 +166,8 @@ def group_health(group: dist.ProcessGroup | None, device: torch.device) -> tuple
 def heap_bytes(group: dist.ProcessGroup | None, device: torch.device) -> int:
     """The data bytes of ``group``'s live heap on ``device``, 0 without one: what every rank of the group must hold
     alike before a fused call (the admission compares it, :mod:`kernels.protocol.admission`). Local."""
-    entry = _HEAPS.get(_key(group if group is not None else dist.group.WORLD, device))
-    return 0 if entry is None else entry[1].data_bytes
+    heap = peek_heap(group if group is not None else dist.group.WORLD, device)
+    return 0 if heap is None else heap.data_bytes
 
 
 def _heaps_on(group: dist.ProcessGroup, device: torch.device) -> list[SymmetricHeap]:

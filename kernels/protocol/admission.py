@@ -169,9 +169,10 @@ def admit(op: str, world: int, group: dist.ProcessGroup | None, outcome: Outcome
     refusing = [r for r, row in enumerate(rows) if row[0] == _REFUSED]
     if refusing:
         # Before any other exchange: a refusing rank joins none.
-        channel.failed = f"rank {_labels(group, world)[refusing[0]]} refused it: an earlier call timed out there"
+        refuser = _labels(group, world)[refusing[0]]
+        channel.failed = f"rank {refuser} refused it: an earlier call timed out there"
         raise RuntimeError(
-            f"{op}: rank {_labels(group, world)[refusing[0]]} refuses every call on this process group since an "
+            f"{op}: rank {refuser} refuses every call on this process group since an "
             "earlier call on it failed at its admission there (a peer came later than COC_TIMEOUT); its ranks are out "
             "of step, so every rank raised this error at this call and refuses every later one. Create a new process "
             "group (or restart the job)"
@@ -189,7 +190,7 @@ def _post_refusal(channel: _Channel, world: int) -> None:
     refusal from it and raises too, instead of waiting for this rank in the exchange until the group's own timeout;
     a peer that never comes leaves it pending (the group is refused anyway). Its own buffers: the pending exchange
     writes into them whenever it completes."""
-    row = torch.tensor([_REFUSED, 0, 0, 0], dtype=torch.int64)
+    row = torch.tensor([_REFUSED] + [0] * (_COLUMNS - 1), dtype=torch.int64)
     comm.all_gather_single(row.new_empty(_COLUMNS * world), row, group=channel.side, async_op=True)
 
 
