@@ -235,11 +235,14 @@ _KEY_VARS = (*_ENV_VARS, "WORLD_SIZE")
 _ENV_KEYS = tuple(os.environ.encodekey(name) for name in _KEY_VARS) if _ENV_DATA is not None else ()
 
 
+_ENV_GET = _ENV_DATA.get if _ENV_DATA is not None else None
+
+
 def _raw_env_values() -> tuple:
-    if _ENV_DATA is None:
+    if _ENV_GET is None:
         return tuple(os.environ.get(name) for name in _KEY_VARS)
     # map: one C loop, no generator frames (this runs on every op call).
-    return tuple(map(_ENV_DATA.get, _ENV_KEYS))
+    return tuple(map(_ENV_GET, _ENV_KEYS))
 
 
 def env_value(name: str) -> str | None:
@@ -263,7 +266,8 @@ _last: tuple[tuple | None, CocConfig | None] = (None, None)
 def get_config() -> CocConfig:
     """The config for the current environment; cheap enough to call on every op."""
     global _last
-    raw = _raw_env_values()
+    # _raw_env_values inline: this runs on every op call.
+    raw = tuple(map(_ENV_GET, _ENV_KEYS)) if _ENV_GET is not None else _raw_env_values()
     last_raw, last_config = _last
     if raw == last_raw:
         return last_config  # type: ignore[return-value]

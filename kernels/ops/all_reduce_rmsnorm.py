@@ -24,13 +24,15 @@ reductions, so it may differ from the fused kernel's in the last bits of ``rstd`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from .. import checks
-from ..protocol import Built, Call, OpSpec, group_name, submit, tensors_key
+from ..protocol import MISS, Built, Call, OpSpec, group_name, resolved, submit
 from ..protocol.call import Items
 from .all_reduce import fixed_order_all_reduce
 from .gemm import rows_of
@@ -39,11 +41,11 @@ from .norm import (
     NormOutputs,
     NormSpec,
     accumulator,
-    cast_to,
     check_epilogue,
     check_fp8_dtype,
     finish,
     scale_shape,
+    torch_finisher,
 )
 
 ALGORITHMS = ("auto", "one_shot", "two_shot", "unfused")
@@ -108,28 +110,54 @@ def all_reduce_rmsnorm(
     are bad; ranks whose ``eps``, ``quant``, shapes or dtypes differ raise a named ``RuntimeError`` on every rank.
     """
 
-    def build(world: int) -> Built:
-        _check(x, EpilogueArgs(residual, weight, eps, quant), fp8_dtype=fp8_dtype, algorithm=algorithm)
-        checks.check_backend(backend)
-        call = NormCall(
-            op="all_reduce_rmsnorm",
-            group_name=group_name(group),
-            world=world,
-            backend=backend,
-            quant=quant,
-            fp8_dtype=fp8_dtype,
-            algorithm=choose_algorithm(algorithm, x, world),
-            eps=float(eps),
-        )
-        return Built(call, NormOperands(x, residual, weight), x.device)
-
-    fast = None
-    if type(eps) in (float, int):
-        tensors = tensors_key(x, residual, weight)
+    key = None
+    # The signature (tensors_key's, flat and inline: this op is called twice per decoder layer and step).
+    if (
+        type(x) is type(residual) is type(weight) is torch.Tensor
+        and type(eps) in (float, int)
+        and not (torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad))
+    ):
         options = ("all_reduce_rmsnorm", group, backend, quant, fp8_dtype, algorithm, eps)
-        fast = None if tensors is None else ((options, tensors), NormOperands(x, residual, weight))
-    out, residual_out, scale = submit(SPEC, "all_reduce_rmsnorm", group, build, fast)
+        # fmt: off
+        key = (options, x.shape, x.dtype, x.device, residual.shape, residual.dtype, residual.device,
+               weight.shape, weight.dtype, weight.device)
+        # fmt: on
+        out = resolved(SPEC, "all_reduce_rmsnorm", group, key, NormOperands(x, residual, weight))
+        if out is not MISS:
+            return NormOutputs(out[0], out[1], out[2] if quant else None)
+    # A module-level build: a nested one would make every argument a cell, allocated on every call.
+    request = dict(eps=eps, quant=quant, fp8_dtype=fp8_dtype, algorithm=algorithm, group=group, backend=backend)
+    build = partial(_build, x, residual, weight, **request)
+    out, residual_out, scale = submit(SPEC, "all_reduce_rmsnorm", group, build, key)
     return NormOutputs(out, residual_out, scale if quant else None)
+
+
+def _build(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    world: int,
+    *,
+    eps: float,
+    quant: str | None,
+    fp8_dtype: torch.dtype,
+    algorithm: str,
+    group: dist.ProcessGroup | None,
+    backend: str | None,
+) -> Built:
+    _check(x, EpilogueArgs(residual, weight, eps, quant), fp8_dtype=fp8_dtype, algorithm=algorithm)
+    checks.check_backend(backend)
+    call = NormCall(
+        op="all_reduce_rmsnorm",
+        group_name=group_name(group),
+        world=world,
+        backend=backend,
+        quant=quant,
+        fp8_dtype=fp8_dtype,
+        algorithm=choose_algorithm(algorithm, x, world),
+        eps=float(eps),
+    )
+    return Built(call, NormOperands(x, residual, weight), x.device)
 
 
 def _check(x: object, given: EpilogueArgs, *, fp8_dtype: object, algorithm: object) -> None:
@@ -164,12 +192,26 @@ def choose_algorithm(algorithm: str, x: torch.Tensor, world: int) -> str:
 
 def reference(x: torch.Tensor, residual: torch.Tensor, call: NormCall) -> torch.Tensor:
     """``h = x_0 + ... + x_{W-1} + residual`` (module docstring) through torch.distributed; rows ``[m, n]``."""
-    acc = accumulator(x.dtype)
-    h = cast_to(x, acc)
-    if call.world > 1:
-        # Each rank's rows travel at fp32 so that the rank-order sum is the fused one's (same bits).
-        h = fixed_order_all_reduce(h, call.group, call.world)
-    return h + cast_to(residual, acc)
+    return _reducer(call, x.dtype, residual.dtype)(x, residual)
+
+
+def _reducer(
+    call: NormCall, x_dtype: torch.dtype, residual_dtype: torch.dtype
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """:func:`reference` with its choices made once for x's and the residual's dtypes: ``run(x, residual)``."""
+    acc = accumulator(x_dtype)
+    cast_x, cast_residual = x_dtype != acc, residual_dtype != acc
+    world = call.world
+    group = call.group if world > 1 else None
+
+    def run(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h = x.to(acc) if cast_x else x
+        if world > 1:
+            # Each rank's rows travel at fp32 so that the rank-order sum is the fused one's (same bits).
+            h = fixed_order_all_reduce(h, group, world)
+        return h + (residual.to(acc) if cast_residual else residual)
+
+    return run
 
 
 def fused(x: torch.Tensor, residual: torch.Tensor, call: NormCall, described: NormOperands) -> torch.Tensor:
@@ -187,19 +229,48 @@ def fused(x: torch.Tensor, residual: torch.Tensor, call: NormCall, described: No
     return all_reduce_norm.reduced_rows(x, residual, group=group, algorithm=call.algorithm, descriptor=descriptor)
 
 
-def _normed(call: NormCall, ops: NormOperands, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x, residual = ops.x, ops.residual
-    quant = (call.quant, call.fp8_dtype)
-    spec = NormSpec(call.eps, (x.dtype, residual.dtype), quant, call.backend == "fused", x.shape)
-    return finish(h, ops.weight, spec)
+def _spec(call: NormCall, ops: NormOperands) -> NormSpec:
+    x, quant = ops.x, (call.quant, call.fp8_dtype)
+    return NormSpec(call.eps, (x.dtype, ops.residual.dtype), quant, call.backend == "fused", x.shape)
+
+
+def _bind_sequential(call: NormCall, ops: NormOperands) -> Callable[[NormOperands], tuple]:
+    """The sequential backend for every call of ``ops``'s signature (shapes, dtypes, device): the reduction and
+    the norm with their choices made once (:func:`kernels.protocol.spec.resolved` runs it on the signature's calls)."""
+    x, residual, weight = ops.x, ops.residual, ops.weight
+    acc = accumulator(x.dtype)
+    finish_rows = torch_finisher(_spec(call, ops), weight.dtype, acc, x.device)
+    # rows_of's shape, fixed by the signature: a 2-D x is its own rows.
+    rows = None if x.dim() == 2 else tuple(rows_of(x).shape)
+    if call.world > 1 or x.dtype != acc or rows is not None:
+        reduce = _reducer(call, x.dtype, residual.dtype)
+
+        def run(ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            x, residual = ops.x, ops.residual
+            if rows is not None:
+                x, residual = x.reshape(rows), residual.reshape(rows)
+            return finish_rows(reduce(x, residual), ops.weight)
+
+        return run
+
+    def run_rows(ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # _reducer's sum at W = 1 for x and residual already [m, n] in the accumulator's dtype: one frame less on
+        # the single-rank decode step.
+        return finish_rows(ops.x + ops.residual, ops.weight)
+
+    return run_rows
+
+
+def _bind(call: NormCall, ops: NormOperands) -> Callable[[NormOperands], tuple] | None:
+    return _bind_sequential(call, ops) if call.backend == "sequential" else None
 
 
 def _sequential(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _normed(call, ops, reference(rows_of(ops.x), rows_of(ops.residual), call))
+    return _bind_sequential(call, ops)(ops)
 
 
 def _fused(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _normed(call, ops, fused(rows_of(ops.x), rows_of(ops.residual), call, ops))
+    return finish(fused(rows_of(ops.x), rows_of(ops.residual), call, ops), ops.weight, _spec(call, ops))
 
 
 def _fake(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -217,4 +288,5 @@ SPEC = OpSpec(
     flat=NormOperands.flat,
     impl={"sequential": _sequential, "fused": _fused},
     fake=_fake,
+    bind=_bind,
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from .. import checks, quant
 from ..format import PLAIN, OperandFormat, bias_of, dequantize_weight, dequantize_x, fp8, int8
 from ..fp8 import scales
-from ..protocol import Built, Call, OpSpec, group_name, submit, tensors_key
+from ..protocol import MISS, Built, Call, OpSpec, group_name, resolved, submit, tensors_key
 from ..protocol.call import LOCAL, Items, shown_as
 
 # The public function of each (pattern, format kind): the op a call names in its messages. A row per pattern: its
@@ -303,17 +304,23 @@ def submit_plain(spec: OpSpec, pattern: str, signature: tuple, tensors: tuple) -
     ``return_gathered`` or ``deterministic``; ``dim``: ``("gather_dim" | "scatter_dim", value)`` or None),
     ``tensors = (x, weight or a list of weights, bias or a list)``. Through the protocol's fast path where the
     call has a signature (:func:`plain_key`): a signature that validated before skips its validation."""
+    op, group = signature[0], signature[1]
+    x, weight, bias = tensors
+    key = plain_key(signature, x, weight, bias)
+    if key is not None:
+        out = resolved(spec, op, group, key, Operands(x, (weight,), (bias,)))
+        if out is not MISS:
+            return out
+    # A module-level build (a nested one would make its variables cells, allocated on every call).
+    return submit(spec, op, group, partial(_plain_build, pattern, signature, tensors), key)
+
+
+def _plain_build(pattern: str, signature: tuple, tensors: tuple, world: int) -> Built:
     op, group, backend, parallel_num, flag, dim = signature
     x, weight, bias = tensors
-
-    def build(world: int) -> Built:
-        flags = {"return_gathered": flag} if pattern == "all_gather" else {"deterministic": flag}
-        options = Options(op, pattern, group, backend, parallel_num, dim=dim, x=x, **flags)
-        return builder(options, lambda: plain_operands(x, weight, bias))(world)
-
-    key = plain_key(signature, x, weight, bias)
-    fast = None if key is None else (key, Operands(x, (weight,), (bias,)))
-    return submit(spec, op, group, build, fast)
+    flags = {"return_gathered": flag} if pattern == "all_gather" else {"deterministic": flag}
+    options = Options(op, pattern, group, backend, parallel_num, dim=dim, x=x, **flags)
+    return builder(options, lambda: plain_operands(x, weight, bias))(world)
 
 
 def dequantized(call: GemmCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

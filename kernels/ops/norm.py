@@ -16,6 +16,7 @@ after the torch norm and after the kernel's ``"tensor"`` mode, and inside the ke
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -100,32 +101,59 @@ class NormSpec(NamedTuple):
     shape: tuple[int, ...]
 
 
-def _torch_norm(h: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor]:
+Finisher = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def torch_finisher(spec: NormSpec, weight_dtype: torch.dtype, h_dtype: torch.dtype, device: torch.device) -> Finisher:
+    """:func:`finish` on the scripted backends (torch ops) with every choice that ``spec``, the weight's and ``h``'s
+    dtypes and the device fix made once: ``run(h, weight)``. A resolved signature binds it once and calls it on
+    every call (the decode path's calls are host-bound); :func:`finish` binds it per call."""
+    mode, fp8_dtype = spec.quant
     x_dtype, residual_dtype = spec.dtypes
-    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + spec.eps)
-    w = cast_to(weight, h.dtype)
-    if spec.quant[0] is not None:
-        return normed * w, cast_to(h, residual_dtype)
-    if x_dtype != h.dtype:
-        # HF's / vLLM's order: the normalized rows are rounded to x's dtype before the weight multiplies them.
-        normed = normed.to(x_dtype).to(h.dtype)
-    return cast_to(normed * w, x_dtype), cast_to(h, residual_dtype)
+    eps = spec.eps
+    cast_weight = weight_dtype != h_dtype
+    # HF's / vLLM's order without quantization: the normalized rows are rounded to x's dtype before the weight
+    # multiplies them, and the product once more; the FP8 path quantizes the fp32 product instead.
+    round_to_x = mode is None and x_dtype != h_dtype
+    cast_residual = residual_dtype != h_dtype
+    shape = tuple(spec.shape)
+    # h holds [m, n] rows: a 2-D output has h's shape, any other is a view of it.
+    view = None if len(shape) == 2 else shape
+    scale_view = None if view is None or mode is None else scale_shape(shape, mode)
+    no_scale = _no_scale(device)
+
+    def run(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        w = weight.to(h_dtype) if cast_weight else weight
+        if round_to_x:
+            y = (normed.to(x_dtype).to(h_dtype) * w).to(x_dtype)
+        else:
+            y = normed * w
+        residual_out = h.to(residual_dtype) if cast_residual else h
+        scale = no_scale
+        if mode is not None:
+            y, scale = quantize_fp8(y, mode, dtype=fp8_dtype)
+            if scale_view is not None:
+                scale = scale.view(scale_view)
+        if view is not None:
+            y, residual_out = y.view(view), residual_out.view(view)
+        return y, residual_out, scale
+
+    return run
 
 
 def finish(h: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, residual_out, scale)`` of the module docstring from ``h [m, n]``, shaped ``spec.shape``; ``scale`` is
     an empty fp32 tensor without quantization (a registered operator returns tensors only)."""
+    if not spec.fused:
+        return torch_finisher(spec, weight.dtype, h.dtype, h.device)(h, weight)
+    from ..fused import all_reduce_norm
+
     mode, fp8_dtype = spec.quant
     shape = spec.shape
-    scale = None
-    if spec.fused:
-        from ..fused import all_reduce_norm
-
-        y, residual_out, scale = all_reduce_norm.rmsnorm(
-            h, weight.contiguous(), eps=spec.eps, dtypes=spec.dtypes, quant=spec.quant
-        )
-    else:
-        y, residual_out = _torch_norm(h, weight, spec)
+    y, residual_out, scale = all_reduce_norm.rmsnorm(
+        h, weight.contiguous(), eps=spec.eps, dtypes=spec.dtypes, quant=spec.quant
+    )
     if mode is not None and scale is None:
         y, scale = quantize_fp8(y, mode, dtype=fp8_dtype)
     if h.shape != shape:  # torch.Size compares with a tuple as one

@@ -16,9 +16,22 @@ from .admission import Outcome, admit
 from .backend import decide, kernel_runs_on, requested, warn_once
 from .call import Call, check_words, digest, group_name, resolve_group
 from .registry import assume_constant_result, define_op, unaliased
-from .spec import Built, OpSpec, admitted, call_operator, force_operator, run, run_text, submit, tensors_key
+from .spec import (
+    MISS,
+    Built,
+    OpSpec,
+    admitted,
+    call_operator,
+    force_operator,
+    resolved,
+    run,
+    run_text,
+    submit,
+    tensors_key,
+)
 
 __all__ = [
+    "MISS",
     "Built",
     "Call",
     "OpSpec",
@@ -36,6 +49,7 @@ __all__ = [
     "kernel_runs_on",
     "requested",
     "resolve_group",
+    "resolved",
     "run",
     "run_text",
     "submit",

@@ -15,6 +15,10 @@ tensors, no function or dispatch mode, nothing to differentiate through), and th
 string), under fake tensors or a mode that must see the op. The operator's body admits the call itself when
 nothing admitted it before (a compiled graph running, the Inductor pass's rewrites): tracing happens once per
 graph, the admission once per call.
+
+A signature (a family's key of what its validation, call value and backend choice read: shapes, dtypes, devices,
+options) that resolved before takes :func:`resolved` instead: the admission and the run with the call decided then
+(and the implementation bound then, :attr:`OpSpec.bind`), the other steps skipped.
 """
 
 from __future__ import annotations
@@ -58,8 +62,10 @@ class OpSpec:
     outputs: only the backends the op really has), ``fake`` (``fake(call, operands)``: outputs of the right
     shapes and dtypes, nothing run), ``local`` (a local op's kernel policy, :mod:`kernels.protocol.backend`; ``""``
     for communicating ops) and ``tune`` (``tune(call, shape, dtypes, device, allow_fused)`` for
-    ``COC_PARALLEL_NUM=auto``, or None).
-    Creating one registers the operator."""
+    ``COC_PARALLEL_NUM=auto``, or None) and ``bind`` (``bind(call, operands)``: the implementation of a decided
+    call for every call whose operands have the shapes, dtypes and devices of ``operands``, as ``run(operands)``
+    with what those fix decided once; None where the backend has none: the resolved signature's eager calls run it
+    directly, and it must compute what ``impl`` does, bit for bit). Creating one registers the operator."""
 
     name: str
     call: type[Call]
@@ -70,6 +76,7 @@ class OpSpec:
     fake: Callable[[Any, Any], Any]
     local: str = ""
     tune: Callable[..., int | str] | None = None
+    bind: Callable[[Any, Any], Callable[[Any], Any] | None] | None = None
     operator: Any = field(init=False)
     decide_traced: Callable[..., str] = field(init=False)
 
@@ -134,10 +141,19 @@ def _plain(args: tuple) -> bool:
     return True
 
 
-def run(spec: OpSpec, call: Call, operands: Any, text: str | None = None, *, plain: bool = False) -> Any:
+def run(
+    spec: OpSpec,
+    call: Call,
+    operands: Any,
+    text: str | None = None,
+    *,
+    plain: bool = False,
+    runner: Callable[[Any], Any] | None = None,
+) -> Any:
     """``spec.impl[call.backend](call, operands)`` (module docstring: directly, or through the operator);
     ``text``: the resolved call's string under ``torch.compile``; ``plain``: the operands are known to be plain
-    tensors none of which needs a gradient (a signature's fast path checked them)."""
+    tensors none of which needs a gradient (a signature's fast path checked them); ``runner``: the signature's
+    bound implementation (:attr:`OpSpec.bind`), which a direct call runs instead."""
     state = _state
     # A torch function or dispatch mode must see the registered operator (an eager call runs its implementation
     # directly otherwise, as nothing torch tracks would see the difference). Read only when not tracing (text None):
@@ -150,10 +166,10 @@ def run(spec: OpSpec, call: Call, operands: Any, text: str | None = None, *, pla
         if call.world == 1:
             # The depth only tells an operator body inside this call not to admit again; a group of one admits
             # nothing, so its calls (every call of a single-rank model) skip the bookkeeping.
-            return spec.impl[call.backend](call, operands)
+            return runner(operands) if runner is not None else spec.impl[call.backend](call, operands)
         state.depth += 1
         try:
-            return spec.impl[call.backend](call, operands)
+            return runner(operands) if runner is not None else spec.impl[call.backend](call, operands)
         finally:
             state.depth -= 1
     args = spec.flat(operands)
@@ -167,24 +183,28 @@ def run(spec: OpSpec, call: Call, operands: Any, text: str | None = None, *, pla
 
 
 def tensors_key(*tensors: object) -> tuple | None:
-    """``(shape, dtype, device)`` of each of ``tensors`` (None stays None), the part of a call's signature its
-    tensors make; None where one is not a plain tensor or needs a gradient from this call (such a call takes the
-    full path, whose validation says what is wrong or which the autograd or a mode must see)."""
+    """``shape, dtype, device`` of each of ``tensors`` in one flat tuple (None stays None), the part of a call's
+    signature its tensors make; None where one is not a plain tensor or needs a gradient from this call (such a
+    call takes the full path, whose validation says what is wrong or which the autograd or a mode must see)."""
     grad = torch.is_grad_enabled()
-    out = []
+    out: list = []
     for t in tensors:
         if t is None:
             out.append(None)
-        elif type(t) is not torch.Tensor or (grad and t.requires_grad):
+        elif type(t) is not _TENSOR or (grad and t.requires_grad):  # type: ignore[attr-defined]
             return None
         else:
-            out.append((t.shape, t.dtype, t.device))
+            out += (t.shape, t.dtype, t.device)  # type: ignore[attr-defined]
     return tuple(out)
+
+
+_TENSOR = torch.Tensor
 
 
 # Signatures resolved before: a family's key of everything its validation, call value and backend choice read
 # (shapes, dtypes, devices, options; never tensor values) -> (the call as requested, as decided, W, the digest the
-# admission exchanges, the fused heap's device or None, the config it was resolved under). A hit skips the
+# admission exchanges, the fused heap's device or None, the config it was resolved under, the bound implementation
+# or None: OpSpec.bind, the default group then). A hit (:func:`resolved`) skips the
 # validation, the call's construction and the backend choice; the admission still runs on every call, with the
 # digest. Bounded: a miss only costs the full path.
 _RESOLVED: dict[tuple, tuple] = {}
@@ -197,44 +217,62 @@ def forget_signatures() -> None:
     _RESOLVED.clear()
 
 
+# torch.compiler.is_compiling, bound once (Dynamo knows the function, however it is reached).
+_is_compiling = torch.compiler.is_compiling
+
+# What :func:`resolved` returns for a signature it has not resolved: the caller takes :func:`submit`'s full path.
+MISS: Any = object()
+
+
+def resolved(spec: OpSpec, op: str, group: dist.ProcessGroup | None, key: tuple, operands: Any) -> Any:
+    """:func:`submit` of a call whose signature ``key`` (the family's: everything its validation, call value and
+    backend choice read) resolved before, with its ``operands`` unvalidated: the admission (W > 1) and the run, the
+    validation, the call's construction and the backend choice skipped. :data:`MISS` where the signature is not
+    resolved (or was under another config or default group) and while compiling: the caller then calls
+    :func:`submit` with ``key``, which resolves it. A family's public function makes this call before it builds
+    anything for the full path (the decode path's calls are host-bound)."""
+    if _is_compiling():
+        return MISS
+    entry = _RESOLVED.get(key)
+    # A given group never changes; the group None names the default group, or none (a group of one), and the
+    # signature holds for the default group it was resolved under (the same object: the same size).
+    if (
+        entry is None
+        or entry[5] is not get_config()
+        or (group is None and not spec.local and entry[7] is not (_GROUPS.WORLD if _GROUPS is not None else None))
+    ):
+        return MISS
+    requested_call, call, world, digest, heap_device, _, runner, _ = entry
+    if world > 1:
+        admit(op, world, group, Outcome(requested_call, operands, heap_device=heap_device, digest=digest))
+    elif runner is not None and not (
+        _state.force_operator or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()
+    ):
+        # run()'s direct call of a group of one, inline.
+        return runner(operands)
+    return run(spec, call, operands, plain=True, runner=runner)
+
+
 def submit(
     spec: OpSpec,
     op: str,
     group: dist.ProcessGroup | None,
     build: Callable[[int], Built],
-    fast: tuple[tuple, Any] | None = None,
+    key: tuple | None = None,
 ) -> Any:
     """A public function's call of ``spec`` (module docstring). ``build(W)`` validates (raising ``ValueError`` /
     ``TypeError`` naming the argument) and returns the :class:`Built` call. The group itself is checked first, on
-    this rank alone (without a valid group there is nobody to tell). ``fast = (key, operands)``: the family's
-    signature of this call and its operands, unvalidated, for a signature that validated before (``_RESOLVED``)."""
-    if fast is not None and not torch.compiler.is_compiling():
-        entry = _RESOLVED.get(fast[0])
-        # A given group's size never changes; None is read again (the default group, or none: a group of one).
-        same_world = spec.local or group is not None or entry is None or entry[2] == _default_world()
-        if entry is not None and entry[5] is get_config() and same_world:
-            requested_call, call, world, digest, heap_device, _ = entry
-            operands = fast[1]
-            if world > 1:
-                admit(op, world, group, Outcome(requested_call, operands, heap_device=heap_device, digest=digest))
-            return run(spec, call, operands, plain=True)
-    built, call, text = admitted(spec, op, group, build, None if fast is None else fast[0])
+    this rank alone (without a valid group there is nobody to tell). ``key``: the call's signature, kept with its
+    decided call for :func:`resolved` (None: the call has none, e.g. a tensor that needs a gradient)."""
+    built, call, text = admitted(spec, op, group, build, key)
     return run(spec, call, built.operands, text)
 
 
-def _default_world() -> int:
-    """The size of the default group, 1 without one: what the group ``None`` of a resolved signature is now.
-
-    The same key (group None) names a group of one before ``init_process_group`` and the default group after it.
-    A given group's size never changes, so only None is read again. ``WORLD_SIZE`` is not read: it is part of the
-    config's key (:func:`kernels.config.get_config`), and the entry's config was checked (``check_launched_alone``)
-    when the signature was resolved."""
-    # One read of the default group (None before init_process_group): what is_initialized reads, without its calls.
-    world = dist.group.WORLD if _DISTRIBUTED else None
-    return 1 if world is None else world.size()
-
-
-_DISTRIBUTED = dist.is_available()
+# The default group (``dist.group.WORLD``: None before ``init_process_group``) is read through this, None where
+# torch.distributed is not built in. WORLD_SIZE is not read on a signature's calls: it is part of the config's key
+# (:func:`kernels.config.get_config`), and the entry's config was checked (``check_launched_alone``) when the
+# signature was resolved.
+_GROUPS = dist.group if dist.is_available() else None
 
 
 def admitted(
@@ -243,7 +281,7 @@ def admitted(
     """:func:`submit` up to the run: ``(built, the decided call, None)``, or under ``torch.compile`` ``(built, the
     call as built, the decided call's string)`` (the choice is a constant of the graph). For an op whose
     autograd Function runs the call (:func:`run_text` in its forward). ``key``: the call's signature, kept with
-    its decided call for the next call of the signature (:func:`submit`)."""
+    its decided call for the next call of the signature (:func:`resolved`)."""
     # A local op (no communication) has no group to admit with: its errors are its own rank's.
     world = 1 if spec.local else world_of(group)
     try:
@@ -268,7 +306,9 @@ def admitted(
     if key is not None:
         if len(_RESOLVED) >= _RESOLVED_MAX:
             _RESOLVED.clear()
-        _RESOLVED[key] = (call, decided, world, outcome.digest, heap_device, config)
+        runner = spec.bind(decided, built.operands) if spec.bind is not None else None
+        default = _GROUPS.WORLD if _GROUPS is not None else None
+        _RESOLVED[key] = (call, decided, world, outcome.digest, heap_device, config, runner, default)
     return built, decided, None
 
 

@@ -145,6 +145,60 @@ def test_fused_algorithms_match_fp64_and_each_other_bitwise(world: int) -> None:
             assert torch.equal(first.setdefault(key, got[1]), got[1]), run
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_a_resolved_signature_runs_its_bound_runner_with_the_operators_bits(dtype: torch.dtype) -> None:
+    """The sequential backend's signature binds its runner once (``SPEC.bind``) and the next eager calls run it:
+    the outputs of each quantization and shape (1-D, 2-D, 3-D, no rows) have the bits, shapes and dtypes of the
+    same call through the registered operator."""
+    from kernels.ops import all_reduce_rmsnorm as op
+    from kernels.protocol.spec import forget_signatures
+    from kernels.testing import operator_calls
+
+    runs: list[int] = []
+
+    def counting(call: Any, ops: Any) -> Any:
+        runner = bind(call, ops)
+        assert runner is not None
+
+        def run(ops: Any) -> Any:
+            runs.append(1)
+            return runner(ops)
+
+        return run
+
+    bind = op.SPEC.bind
+    assert bind is not None
+    g = torch.Generator().manual_seed(7)
+    forget_signatures()
+    object.__setattr__(op.SPEC, "bind", counting)
+    try:
+        for quant in (None, "tensor", "row", "block"):
+            for shape in ((5, 40), (2, 3, 136), (40,), (0, 24)):
+                if quant == "tensor" and 0 in shape:
+                    continue
+                x, r = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+                w = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype)
+
+                def call() -> Any:
+                    return kernels.all_reduce_rmsnorm(x, r, w, 1e-5, quant=quant, backend="sequential")
+
+                before = len(runs)
+                call()  # resolves the signature
+                eager = call()
+                assert len(runs) == before + 1, (quant, shape)
+                with operator_calls() as recorded:
+                    traced = call()
+                assert [o for o, _ in recorded] == [op.SPEC.operator], (quant, shape)
+                for a, b in zip(eager, traced, strict=True):
+                    assert (a is None) == (b is None), (quant, shape)
+                    if a is not None:
+                        assert (a.shape, a.dtype) == (b.shape, b.dtype), (quant, shape)
+                        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    finally:
+        object.__setattr__(op.SPEC, "bind", bind)
+        forget_signatures()
+
+
 def _same_bits(per_rank: list, runs: list, key: Any) -> None:
     """Every output of runs with the same ``key`` has the same bits, on every rank."""
     first: dict[tuple, tuple] = {}
