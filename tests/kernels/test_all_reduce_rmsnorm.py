@@ -179,7 +179,7 @@ def test_a_resolved_signature_runs_its_bound_runner_with_the_operators_bits(dtyp
                 x, r = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
                 w = (1 + 0.5 * torch.randn(shape[-1], generator=g)).to(dtype)
 
-                def call() -> Any:
+                def call(x: torch.Tensor = x, r: torch.Tensor = r, w: torch.Tensor = w, quant: Any = quant) -> Any:
                     return kernels.all_reduce_rmsnorm(x, r, w, 1e-5, quant=quant, backend="sequential")
 
                 before = len(runs)
