@@ -261,8 +261,25 @@ def _bind_sequential(call: NormCall, ops: NormOperands) -> Callable[[NormOperand
     return run_rows
 
 
-def _bind(call: NormCall, ops: NormOperands) -> Callable[[NormOperands], tuple] | None:
-    return _bind_sequential(call, ops) if call.backend == "sequential" else None
+def _bind_fused(call: NormCall, ops: NormOperands) -> Callable[[NormOperands], tuple]:
+    """:func:`_bind_sequential` of the fused backend: the rows' shape and the norm's spec decided once."""
+    spec = _spec(call, ops)
+    rows = None if ops.x.dim() == 2 else tuple(rows_of(ops.x).shape)
+
+    def run(ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, residual = ops.x, ops.residual
+        if rows is not None:
+            x, residual = x.reshape(rows), residual.reshape(rows)
+        return finish(fused(x, residual, call, ops), ops.weight, spec)
+
+    return run
+
+
+_BINDERS = {"sequential": _bind_sequential, "fused": _bind_fused}
+
+
+def _bind(call: NormCall, ops: NormOperands) -> Callable[[NormOperands], tuple]:
+    return _BINDERS[call.backend](call, ops)
 
 
 def _sequential(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -270,7 +287,7 @@ def _sequential(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.
 
 
 def _fused(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return finish(fused(rows_of(ops.x), rows_of(ops.residual), call, ops), ops.weight, _spec(call, ops))
+    return _bind_fused(call, ops)(ops)
 
 
 def _fake(call: NormCall, ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
