@@ -30,10 +30,10 @@ from .gemm import (
     Options,
     builder,
     dims_before,
-    fp8_operands,
     int8_operands,
     rows_of,
     submit_plain,
+    submit_scaled,
 )
 
 Result = torch.Tensor | list[torch.Tensor] | tuple[Any, ...]
@@ -101,19 +101,15 @@ def all_gather_scaled_matmul(
     ``x_scale`` scales its own rows. The gathered scales come back one row per gathered row:
     ``[m_local * W, G]`` for ``gather_dim=0``, else ``[..., G]`` over the gathered x's leading dims.
     """
-    options = Options(
+    signature = (
         "all_gather_scaled_matmul",
-        "all_gather",
         group,
         backend,
         parallel_num,
-        return_gathered=return_gathered,
-        dim=("gather_dim", gather_dim),
-        x=x,
-        out_dtype=out_dtype,
+        return_gathered,
+        ("gather_dim", gather_dim),
     )
-    build = builder(options, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype))
-    out = submit(SPEC, options.op, group, build)
+    out = submit_scaled(SPEC, "all_gather", signature, (x, x_scale, weight, w_scale, bias), out_dtype)
     return _result(out, isinstance(weight, (list, tuple)), return_gathered, scaled=True)
 
 

@@ -21,6 +21,7 @@ from .. import checks, quant
 from ..format import PLAIN, OperandFormat, bias_of, dequantize_weight, dequantize_x, fp8, int8
 from ..fp8 import scales
 from ..protocol import MISS, Built, Call, OpSpec, group_name, resolved, submit, tensors_key
+from ..protocol.admission import ERRORS
 from ..protocol.call import LOCAL, Items, shown_as
 
 # The public function of each (pattern, format kind): the op a call names in its messages. A row per pattern: its
@@ -321,6 +322,39 @@ def _plain_build(pattern: str, signature: tuple, tensors: tuple, world: int) -> 
     flags = {"return_gathered": flag} if pattern == "all_gather" else {"deterministic": flag}
     options = Options(op, pattern, group, backend, parallel_num, dim=dim, x=x, **flags)
     return builder(options, lambda: plain_operands(x, weight, bias))(world)
+
+
+def submit_scaled(spec: OpSpec, pattern: str, signature: tuple, tensors: tuple, out_dtype: torch.dtype) -> Any:
+    """An FP8 call of ``spec`` (:func:`submit_plain`'s twin): ``signature`` as there, ``tensors = (x, x_scale,
+    weight or a list, w_scale or a list, bias or a list)``, ``out_dtype``. A one-weight call whose signature
+    resolved before runs with operands from :func:`fp8_operands` (their scale values read where
+    :func:`kernels.fp8.scales.value_check_wanted` says, as the full path reads them), the rest of the validation,
+    the call's construction and the backend choice skipped; operands that fail it take the full path, whose
+    admission raises the error on every rank."""
+    op, group = signature[0], signature[1]
+    x, x_scale, weight, w_scale, bias = tensors
+    key = None
+    if type(weight) is torch.Tensor:
+        described = tensors_key(x, x_scale, weight, w_scale, bias)
+        key = None if described is None else (signature, out_dtype, described)
+    if key is not None:
+        try:
+            ops = fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype)[1]
+        except ERRORS:
+            ops = None
+        if ops is not None:
+            out = resolved(spec, op, group, key, ops)
+            if out is not MISS:
+                return out
+    return submit(spec, op, group, partial(_scaled_build, pattern, signature, tensors, out_dtype), key)
+
+
+def _scaled_build(pattern: str, signature: tuple, tensors: tuple, out_dtype: torch.dtype, world: int) -> Built:
+    op, group, backend, parallel_num, flag, dim = signature
+    x, x_scale, weight, w_scale, bias = tensors
+    flags = {"return_gathered": flag} if pattern == "all_gather" else {"deterministic": flag}
+    options = Options(op, pattern, group, backend, parallel_num, dim=dim, x=x, out_dtype=out_dtype, **flags)
+    return builder(options, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype))(world)
 
 
 def dequantized(call: GemmCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -30,10 +30,10 @@ from .gemm import (
     builder,
     dequantized,
     dims_before,
-    fp8_operands,
     int8_operands,
     one_weight_operands,
     submit_plain,
+    submit_scaled,
 )
 
 
@@ -89,23 +89,15 @@ def scaled_matmul_reduce_scatter(
     x's row order) or tensorwise; an empty ``k_local`` shard contributes zeros, as in the bf16 op.
     ``deterministic=True`` sums the partials in rank order: repeated calls give identical bits.
     """
-    options = Options(
+    signature = (
         "scaled_matmul_reduce_scatter",
-        "reduce_scatter",
         group,
         backend,
         parallel_num,
-        deterministic=deterministic,
-        dim=("scatter_dim", scatter_dim),
-        x=x,
-        out_dtype=out_dtype,
+        deterministic,
+        ("scatter_dim", scatter_dim),
     )
-    return submit(
-        SPEC,
-        options.op,
-        group,
-        builder(options, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype)),
-    )
+    return submit_scaled(SPEC, "reduce_scatter", signature, (x, x_scale, weight, w_scale, bias), out_dtype)
 
 
 def quantized_matmul_reduce_scatter(

@@ -98,3 +98,29 @@ def test_errors_before_communication_on_every_rank() -> None:
     for messages in results:
         assert len(messages) == len(_bad_cases()) + 1
         assert "x.shape[0]=5" in messages[-1] and "W=2" in messages[-1]
+
+
+def _ranks_bad_value_after_resolved(rank: int, world: int) -> list[str]:
+    """Each op resolves its signature with a good call; then rank 1 alone passes a NaN scale of the same shape
+    (a resolved signature's call, whose scale values are still read): every rank raises; a good call follows."""
+    messages = []
+    g = _good()
+    for op in (kernels.all_gather_scaled_matmul, kernels.scaled_matmul_reduce_scatter):
+        good = op(**g, out_dtype=torch.float32)
+        bad = dict(g)
+        if rank == 1:
+            bad["x_scale"] = g["x_scale"].clone()
+            bad["x_scale"][1, 1] = float("nan")
+        try:
+            op(**bad, out_dtype=torch.float32)
+        except ValueError as e:
+            messages.append(str(e))
+        assert torch.equal(op(**g, out_dtype=torch.float32), good)
+    return messages
+
+
+def test_a_bad_scale_value_on_one_rank_of_a_resolved_signature_raises_on_every_rank() -> None:
+    results = run_ranks(_ranks_bad_value_after_resolved, 2, timeout=180)
+    for messages in results:
+        assert len(messages) == 2, messages
+        assert all("x_scale[1, 1]=nan" in m for m in messages), messages
