@@ -388,7 +388,7 @@ def run(call: GemmCall, ops: Operands) -> tuple[list[torch.Tensor], torch.Tensor
     RuntimeError naming the missing peer if a wait exceeds ``COC_TIMEOUT``, and on every rank when the
     ranks' calls differ.
     """
-    call = replace(call, backend="fused", parallel_num=None)
+    call = runtime.as_fused(call)
     return all_gather(call, matmul.row_operands(ops), matmul.blocks_before(ops.x, call.comm_dim), ops)
 
 

@@ -123,7 +123,7 @@ def run(
     ``residual`` (rows ``[m, n]``, the epilogue of ``kernels.ops.norm``): returns ``h = y + residual`` in fp32
     (fp64 for fp64) instead, the residual added in the reduce after bias, before any rounding.
     """
-    call = replace(call, backend="fused", parallel_num=None)
+    call = runtime.as_fused(call)
     return all_reduce(call, matmul.row_operands(ops), algorithm, ops, residual=residual)
 
 

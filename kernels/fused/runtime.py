@@ -29,7 +29,8 @@ import os
 import warnings
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -79,8 +80,33 @@ def op_word(op: str) -> int:
 def describe(call: Call, operands: object, tiles: tuple[int, int] | None = None) -> tuple[int, ...]:
     """This rank's descriptor of ``call`` for the heap's call check (:func:`kernels.protocol.check_words`): the
     digest of what the ranks must agree on (the admission compared it already, unless ``COC_CHECK=0`` or a
-    CUDA graph replays the call) and the fused GEMM's ``tiles``, which each rank reads from its own tuned file."""
-    return check_words(op_word(call.op), call.items(operands), tiles)
+    CUDA graph replays the call) and the fused GEMM's ``tiles``, which each rank reads from its own tuned file.
+
+    Kept with the call object (its fields never change) by its operands' items and the tiles: a resolved
+    signature's calls share one call object, and the digest of its items costs more than the rest of a call's host
+    work (about 10 us)."""
+    memo = vars(call).setdefault("_descriptors", {})
+    key = (call.operand_items(operands), tiles)
+    words = memo.get(key)
+    if words is None:
+        if len(memo) >= _DESCRIPTORS_PER_CALL:
+            memo.clear()
+        words = memo[key] = check_words(op_word(call.op), call.items(operands), tiles)
+    return words
+
+
+C = TypeVar("C", bound=Call)
+
+# A call object serves one signature on the resolved path; a few keep the memo bounded wherever else one is reused.
+_DESCRIPTORS_PER_CALL = 8
+
+
+def as_fused(call: C) -> C:
+    """``call`` as the fused kernels describe it (backend ``"fused"``, no split count): the call itself when it is
+    already (a resolved signature's), so that its descriptor memo (:func:`describe`) is kept."""
+    if call.backend == "fused" and call.parallel_num is None:
+        return call
+    return replace(call, backend="fused", parallel_num=None)
 
 
 @dataclass

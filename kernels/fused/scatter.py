@@ -26,7 +26,7 @@ to every rank (one-shot all-reduce) and with ``PUSH`` the reduce sends its rows 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -414,7 +414,7 @@ def run(call: GemmCall, ops: Operands) -> torch.Tensor:
     naming the missing peer if a wait exceeds ``COC_TIMEOUT``, and on every rank when the ranks'
     calls differ.
     """
-    call = replace(call, backend="fused", parallel_num=None)
+    call = runtime.as_fused(call)
     return reduce_scatter(call, matmul.row_operands(ops), matmul.blocks_before(ops.x, call.comm_dim), ops)
 
 
