@@ -102,11 +102,15 @@ _DESCRIPTORS_PER_CALL = 8
 
 
 def as_fused(call: C) -> C:
-    """``call`` as the fused kernels describe it (backend ``"fused"``, no split count): the call itself when it is
-    already (a resolved signature's), so that its descriptor memo (:func:`describe`) is kept."""
+    """``call`` as the fused kernels describe it (backend ``"fused"``, no split count), made once per call object
+    and kept with it: a resolved signature's calls then share one fused call and its descriptor memo
+    (:func:`describe`)."""
     if call.backend == "fused" and call.parallel_num is None:
         return call
-    return replace(call, backend="fused", parallel_num=None)
+    fused = vars(call).get("_as_fused")
+    if fused is None:
+        fused = vars(call)["_as_fused"] = replace(call, backend="fused", parallel_num=None)
+    return fused
 
 
 @dataclass
