@@ -110,6 +110,7 @@ def all_reduce_rmsnorm(
     are bad; ranks whose ``eps``, ``quant``, shapes or dtypes differ raise a named ``RuntimeError`` on every rank.
     """
 
+    options = ("all_reduce_rmsnorm", group, backend, quant, fp8_dtype, algorithm, eps)
     key = None
     # The signature (tensors_key's, flat and inline: this op is called twice per decoder layer and step).
     if (
@@ -117,7 +118,6 @@ def all_reduce_rmsnorm(
         and type(eps) in (float, int)
         and not (torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad))
     ):
-        options = ("all_reduce_rmsnorm", group, backend, quant, fp8_dtype, algorithm, eps)
         # fmt: off
         key = (options, x.shape, x.dtype, x.device, residual.shape, residual.dtype, residual.device,
                weight.shape, weight.dtype, weight.device)
@@ -126,25 +126,15 @@ def all_reduce_rmsnorm(
         if out is not MISS:
             return NormOutputs(out[0], out[1], out[2] if quant else None)
     # A module-level build: a nested one would make every argument a cell, allocated on every call.
-    request = dict(eps=eps, quant=quant, fp8_dtype=fp8_dtype, algorithm=algorithm, group=group, backend=backend)
-    build = partial(_build, x, residual, weight, **request)
+    build = partial(_build, x, residual, weight, options)
     out, residual_out, scale = submit(SPEC, "all_reduce_rmsnorm", group, build, key)
     return NormOutputs(out, residual_out, scale if quant else None)
 
 
-def _build(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    world: int,
-    *,
-    eps: float,
-    quant: str | None,
-    fp8_dtype: torch.dtype,
-    algorithm: str,
-    group: dist.ProcessGroup | None,
-    backend: str | None,
-) -> Built:
+def _build(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, options: tuple, world: int) -> Built:
+    """The validation of one call (``options``: the public function's other arguments, as its signature holds
+    them) and its call value."""
+    _, group, backend, quant, fp8_dtype, algorithm, eps = options
     _check(x, EpilogueArgs(residual, weight, eps, quant), fp8_dtype=fp8_dtype, algorithm=algorithm)
     checks.check_backend(backend)
     call = NormCall(

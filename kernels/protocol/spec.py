@@ -27,6 +27,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -147,13 +148,12 @@ def run(
     operands: Any,
     text: str | None = None,
     *,
-    plain: bool = False,
     runner: Callable[[Any], Any] | None = None,
 ) -> Any:
     """``spec.impl[call.backend](call, operands)`` (module docstring: directly, or through the operator);
-    ``text``: the resolved call's string under ``torch.compile``; ``plain``: the operands are known to be plain
-    tensors none of which needs a gradient (a signature's fast path checked them); ``runner``: the signature's
-    bound implementation (:attr:`OpSpec.bind`), which a direct call runs instead."""
+    ``text``: the resolved call's string under ``torch.compile``; ``runner``: a resolved signature's implementation
+    (:func:`resolved`: its operands are known to be plain tensors none of which needs a gradient), which a direct
+    call runs instead."""
     state = _state
     # A torch function or dispatch mode must see the registered operator (an eager call runs its implementation
     # directly otherwise, as nothing torch tracks would see the difference). Read only when not tracing (text None):
@@ -161,7 +161,7 @@ def run(
     if (
         text is None
         and not (state.force_operator or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack())
-        and (plain or _plain(spec.flat(operands)))
+        and (runner is not None or _plain(spec.flat(operands)))
     ):
         if call.world == 1:
             # The depth only tells an operator body inside this call not to admit again; a group of one admits
@@ -204,9 +204,9 @@ _TENSOR = torch.Tensor
 # Signatures resolved before: a family's key of everything its validation, call value and backend choice read
 # (shapes, dtypes, devices, options; never tensor values) -> (the call as requested, as decided, W, the digest the
 # admission exchanges, the fused heap's device or None, the config it was resolved under, the bound implementation
-# or None: OpSpec.bind, the default group then). A hit (:func:`resolved`) skips the
-# validation, the call's construction and the backend choice; the admission still runs on every call, with the
-# digest. Bounded: a miss only costs the full path.
+# (OpSpec.bind, else the implementation with the call bound), the default group then). A hit (:func:`resolved`)
+# skips the validation, the call's construction and the backend choice; the admission still runs on every call,
+# with the digest. Bounded: a miss only costs the full path.
 _RESOLVED: dict[tuple, tuple] = {}
 _RESOLVED_MAX = 4096
 
@@ -245,12 +245,10 @@ def resolved(spec: OpSpec, op: str, group: dist.ProcessGroup | None, key: tuple,
     requested_call, call, world, digest, heap_device, _, runner, _ = entry
     if world > 1:
         admit(op, world, group, Outcome(requested_call, operands, heap_device=heap_device, digest=digest))
-    elif runner is not None and not (
-        _state.force_operator or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()
-    ):
+    elif not (_state.force_operator or torch._C._len_torch_function_stack() or torch._C._len_torch_dispatch_stack()):
         # run()'s direct call of a group of one, inline.
         return runner(operands)
-    return run(spec, call, operands, plain=True, runner=runner)
+    return run(spec, call, operands, runner=runner)
 
 
 def submit(
@@ -307,6 +305,8 @@ def admitted(
         if len(_RESOLVED) >= _RESOLVED_MAX:
             _RESOLVED.clear()
         runner = spec.bind(decided, built.operands) if spec.bind is not None else None
+        if runner is None:
+            runner = partial(spec.impl[decided.backend], decided)
         default = _GROUPS.WORLD if _GROUPS is not None else None
         _RESOLVED[key] = (call, decided, world, outcome.digest, heap_device, config, runner, default)
     return built, decided, None
