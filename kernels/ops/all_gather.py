@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .. import comm, padding, tune
 from ..format import OperandFormat, bias_of, dequantize_weight, dequantize_x, pack_rows, product, unpack_rows
-from ..protocol import OpSpec, submit, unaliased
+from ..protocol import ImplTable, OpSpec, submit, unaliased
 from .gemm import (
     GemmCall,
     Operands,
@@ -359,7 +359,7 @@ def _fake(call: GemmCall, ops: Operands) -> tuple[list[torch.Tensor], torch.Tens
     return ys, xg, xsg
 
 
-_IMPL = {"sequential": _finished(reference), "chunked": _finished(chunked), "fused": _finished(fused)}
+_IMPL = ImplTable(sequential=_finished(reference), chunked=_finished(chunked), fused=_finished(fused))
 SPEC = OpSpec(
     name="all_gather_matmul",
     call=GemmCall,

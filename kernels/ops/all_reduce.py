@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import comm, tune
 from ..format import OperandFormat, product
-from ..protocol import OpSpec, submit
+from ..protocol import ImplTable, OpSpec, submit
 from .gemm import (
     ONE_WEIGHT_ARGS,
     GemmCall,
@@ -331,7 +331,7 @@ def _fake(call: GemmCall, ops: Operands) -> torch.Tensor:
     return x.new_empty(tuple(x.shape[:-1]) + (ops.weights[0].shape[0],), dtype=call.out_dtype or x.dtype)
 
 
-_IMPL = {"sequential": _finished(reference), "chunked": _finished(chunked), "fused": _finished(fused)}
+_IMPL = ImplTable(sequential=_finished(reference), chunked=_finished(chunked), fused=_finished(fused))
 SPEC = OpSpec(
     name="matmul_all_reduce",
     call=GemmCall,

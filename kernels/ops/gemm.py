@@ -213,7 +213,7 @@ def int8_operands(
 
 
 def plain_key(options: tuple, x: object, weight: object, bias: object) -> tuple | None:
-    """The signature of a plain one-weight call (``kernels.protocol.submit``'s fast path): ``options`` (the public
+    """The signature of a plain one-weight call (``kernels.protocol.resolved``, the fast path): ``options`` (the public
     function's name and its other arguments) and the tensors' shapes, dtypes and devices; None for a list of
     weights, or where :func:`kernels.protocol.tensors_key` has none."""
     if type(weight) is not torch.Tensor:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import comm, tune
 from ..format import product
-from ..protocol import OpSpec, submit
+from ..protocol import ImplTable, OpSpec, submit
 from .gemm import (
     ONE_WEIGHT_ARGS,
     GemmCall,
@@ -245,7 +245,7 @@ def _fake(call: GemmCall, ops: Operands) -> torch.Tensor:
     return x.new_empty(_scattered(x, call, ops.weights[0].shape[0]), dtype=call.out_dtype or x.dtype)
 
 
-_IMPL = {"sequential": _finished(reference), "chunked": _finished(chunked), "fused": _finished(fused)}
+_IMPL = ImplTable(sequential=_finished(reference), chunked=_finished(chunked), fused=_finished(fused))
 SPEC = OpSpec(
     name="matmul_reduce_scatter",
     call=GemmCall,

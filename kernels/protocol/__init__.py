@@ -19,6 +19,7 @@ from .registry import assume_constant_result, define_op, unaliased
 from .spec import (
     MISS,
     Built,
+    ImplTable,
     OpSpec,
     admitted,
     call_operator,
@@ -33,6 +34,7 @@ from .spec import (
 __all__ = [
     "MISS",
     "Built",
+    "ImplTable",
     "Call",
     "OpSpec",
     "Outcome",

@@ -78,12 +78,18 @@ class OpSpec:
     local: str = ""
     tune: Callable[..., int | str] | None = None
     bind: Callable[[Any, Any], Callable[[Any], Any] | None] | None = None
+    # The implementations the op was created with: a resolved signature binds ``bind``'s runner only while its
+    # backend's entry of ``impl`` is still this one (a test may wrap an entry to see every run).
+    own_impl: dict[str, Impl] = field(init=False)
     operator: Any = field(init=False)
     decide_traced: Callable[..., str] = field(init=False)
 
     def __post_init__(self) -> None:
         # The codecs now, at import: a traced call's encode must find them made (dataclasses.fields cannot be traced).
         self.call._field_codecs()
+        object.__setattr__(self, "own_impl", dict(self.impl))
+        if type(self.impl) is not ImplTable:
+            object.__setattr__(self, "impl", ImplTable(self.impl))
         object.__setattr__(self, "operator", define_op(f"{self.name}{self.schema}", self._body, self._fake_body))
         object.__setattr__(self, "decide_traced", _traced_decider(self))
 
@@ -213,8 +219,46 @@ _RESOLVED_MAX = 4096
 
 def forget_signatures() -> None:
     """Drop every resolved signature, so that the next call of each validates and chooses its backend again
-    (the tuner's choices were forgotten, or the machine changed under the process)."""
+    (the tuner's choices were forgotten, the machine changed under the process, an implementation was replaced)."""
     _RESOLVED.clear()
+
+
+class ImplTable(dict):
+    """An op's ``impl`` (:class:`OpSpec` makes one of a plain dict; an op whose tuner times the same table passes
+    one): a dict whose every change forgets the resolved signatures, whose runners hold the entries they were
+    resolved with (a test that wraps an entry to see every run then sees the next call's)."""
+
+    def __ior__(self, other: Any) -> ImplTable:
+        self.update(other)
+        return self
+
+    def __setitem__(self, key: str, value: Impl) -> None:
+        super().__setitem__(key, value)
+        forget_signatures()
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        forget_signatures()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        forget_signatures()
+
+    def pop(self, *args: Any) -> Any:
+        forget_signatures()
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[str, Impl]:
+        forget_signatures()
+        return super().popitem()
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        forget_signatures()
+        return super().setdefault(key, default)
+
+    def clear(self) -> None:
+        super().clear()
+        forget_signatures()
 
 
 # torch.compiler.is_compiling, bound once (Dynamo knows the function, however it is reached).
@@ -304,9 +348,11 @@ def admitted(
     if key is not None:
         if len(_RESOLVED) >= _RESOLVED_MAX:
             _RESOLVED.clear()
-        runner = spec.bind(decided, built.operands) if spec.bind is not None else None
+        impl = spec.impl[decided.backend]
+        own = spec.bind is not None and impl is spec.own_impl.get(decided.backend)
+        runner = spec.bind(decided, built.operands) if own else None  # type: ignore[misc]
         if runner is None:
-            runner = partial(spec.impl[decided.backend], decided)
+            runner = partial(impl, decided)
         default = _GROUPS.WORLD if _GROUPS is not None else None
         _RESOLVED[key] = (call, decided, world, outcome.digest, heap_device, config, runner, default)
     return built, decided, None
