@@ -32,8 +32,7 @@ from .gemm import (
     dims_before,
     int8_operands,
     rows_of,
-    submit_plain,
-    submit_scaled,
+    submit_dense,
 )
 
 Result = torch.Tensor | list[torch.Tensor] | tuple[Any, ...]
@@ -67,8 +66,9 @@ def all_gather_matmul(
         ys = [x_gathered @ w_i.T + b_i for each i]
         return (ys, x_gathered) if return_gathered else ys          # ys is a list
     """
-    signature = ("all_gather_matmul", group, backend, parallel_num, return_gathered, ("gather_dim", gather_dim))
-    out = submit_plain(SPEC, "all_gather", signature, (x, weight, bias))
+    gather = ("gather_dim", gather_dim)
+    signature = ("all_gather_matmul", group, backend, parallel_num, return_gathered, gather, None)
+    out = submit_dense(SPEC, "all_gather", signature, (x, weight, bias))
     return _result(out, isinstance(weight, (list, tuple)), return_gathered, scaled=False)
 
 
@@ -108,8 +108,9 @@ def all_gather_scaled_matmul(
         parallel_num,
         return_gathered,
         ("gather_dim", gather_dim),
+        out_dtype,
     )
-    out = submit_scaled(SPEC, "all_gather", signature, (x, x_scale, weight, w_scale, bias), out_dtype)
+    out = submit_dense(SPEC, "all_gather", signature, (x, x_scale, weight, w_scale, bias))
     return _result(out, isinstance(weight, (list, tuple)), return_gathered, scaled=True)
 
 

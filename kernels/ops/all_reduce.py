@@ -39,7 +39,7 @@ from .gemm import (
     one_weight_operands,
     plain_operands,
     rows_of,
-    submit_plain,
+    submit_dense,
 )
 from .norm import EpilogueArgs, NormOutputs, NormSpec, accumulator, cast_to, check_epilogue, finish, scale_shape
 
@@ -74,8 +74,8 @@ def matmul_all_reduce(
     / ``"block"``) and ``h`` rounded to the residual's dtype.
     """
     if residual is None and norm_weight is None and quant is None:
-        signature = ("matmul_all_reduce", group, backend, parallel_num, deterministic, None)
-        return submit_plain(SPEC, "all_reduce", signature, (x, weight, bias))
+        signature = ("matmul_all_reduce", group, backend, parallel_num, deterministic, None, None)
+        return submit_dense(SPEC, "all_reduce", signature, (x, weight, bias))
     epilogue = _epilogue_name(residual, norm_weight, quant, "matmul_all_reduce")
     options = Options(
         "matmul_all_reduce",

@@ -224,14 +224,18 @@ def _spec(call: NormCall, ops: NormOperands) -> NormSpec:
     return NormSpec(call.eps, (x.dtype, ops.residual.dtype), quant, call.backend == "fused", x.shape)
 
 
+def _rows_shape(x: torch.Tensor) -> tuple[int, int] | None:
+    """The ``[m, n]`` that rows_of reshapes ``x`` to, fixed by the signature; None for a 2-D x (its own rows)."""
+    return None if x.dim() == 2 else tuple(rows_of(x).shape)  # type: ignore[return-value]
+
+
 def _bind_sequential(call: NormCall, ops: NormOperands) -> Callable[[NormOperands], tuple]:
     """The sequential backend for every call of ``ops``'s signature (shapes, dtypes, device): the reduction and
     the norm with their choices made once (:func:`kernels.protocol.spec.resolved` runs it on the signature's calls)."""
     x, residual, weight = ops.x, ops.residual, ops.weight
     acc = accumulator(x.dtype)
     finish_rows = torch_finisher(_spec(call, ops), weight.dtype, acc, x.device)
-    # rows_of's shape, fixed by the signature: a 2-D x is its own rows.
-    rows = None if x.dim() == 2 else tuple(rows_of(x).shape)
+    rows = _rows_shape(x)
     if call.world > 1 or x.dtype != acc or rows is not None:
         reduce = _reducer(call, x.dtype, residual.dtype)
 
@@ -254,7 +258,7 @@ def _bind_sequential(call: NormCall, ops: NormOperands) -> Callable[[NormOperand
 def _bind_fused(call: NormCall, ops: NormOperands) -> Callable[[NormOperands], tuple]:
     """:func:`_bind_sequential` of the fused backend: the rows' shape and the norm's spec decided once."""
     spec = _spec(call, ops)
-    rows = None if ops.x.dim() == 2 else tuple(rows_of(ops.x).shape)
+    rows = _rows_shape(ops.x)
 
     def run(ops: NormOperands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, residual = ops.x, ops.residual

@@ -212,16 +212,6 @@ def int8_operands(
     return fmt, ops
 
 
-def plain_key(options: tuple, x: object, weight: object, bias: object) -> tuple | None:
-    """The signature of a plain one-weight call (``kernels.protocol.resolved``, the fast path): ``options`` (the public
-    function's name and its other arguments) and the tensors' shapes, dtypes and devices; None for a list of
-    weights, or where :func:`kernels.protocol.tensors_key` has none."""
-    if type(weight) is not torch.Tensor:
-        return None
-    tensors = tensors_key(x, weight, bias)
-    return None if tensors is None else (options, tensors)
-
-
 @dataclass(frozen=True)
 class Options:
     """What a dense public function asks besides its operands (validated by :func:`builder`'s closure)."""
@@ -300,61 +290,45 @@ def builder(
     return build
 
 
-def submit_plain(spec: OpSpec, pattern: str, signature: tuple, tensors: tuple) -> Any:
-    """A plain call of ``spec``: ``signature = (op, group, backend, parallel_num, flag, dim)`` (``flag``:
-    ``return_gathered`` or ``deterministic``; ``dim``: ``("gather_dim" | "scatter_dim", value)`` or None),
-    ``tensors = (x, weight or a list of weights, bias or a list)``. Through the protocol's fast path where the
-    call has a signature (:func:`plain_key`): a signature that validated before skips its validation."""
+def submit_dense(spec: OpSpec, pattern: str, signature: tuple, tensors: tuple) -> Any:
+    """A plain or FP8 call of ``spec``: ``signature = (op, group, backend, parallel_num, flag, dim, out_dtype)``
+    (``flag``: ``return_gathered`` or ``deterministic``; ``dim``: ``("gather_dim" | "scatter_dim", value)`` or None;
+    ``out_dtype``: None for a plain call), ``tensors = (x, weight, bias)`` plain or ``(x, x_scale, weight, w_scale,
+    bias)`` FP8, each weight entry one tensor or a list. A one-weight call whose signature (``signature`` and the
+    tensors' shapes, dtypes and devices) resolved before takes :func:`kernels.protocol.resolved`: a plain call's
+    operands as given, an FP8 call's from :func:`fp8_operands` (their scale values read where
+    :func:`kernels.fp8.scales.value_check_wanted` says, as the full path reads them; operands that fail take the
+    full path, whose admission raises the error on every rank)."""
     op, group = signature[0], signature[1]
-    x, weight, bias = tensors
-    key = plain_key(signature, x, weight, bias)
-    if key is not None:
-        out = resolved(spec, op, group, key, Operands(x, (weight,), (bias,)))
-        if out is not MISS:
-            return out
-    # A module-level build (a nested one would make its variables cells, allocated on every call).
-    return submit(spec, op, group, partial(_plain_build, pattern, signature, tensors), key)
-
-
-def _plain_build(pattern: str, signature: tuple, tensors: tuple, world: int) -> Built:
-    op, group, backend, parallel_num, flag, dim = signature
-    x, weight, bias = tensors
-    flags = {"return_gathered": flag} if pattern == "all_gather" else {"deterministic": flag}
-    options = Options(op, pattern, group, backend, parallel_num, dim=dim, x=x, **flags)
-    return builder(options, lambda: plain_operands(x, weight, bias))(world)
-
-
-def submit_scaled(spec: OpSpec, pattern: str, signature: tuple, tensors: tuple, out_dtype: torch.dtype) -> Any:
-    """An FP8 call of ``spec`` (:func:`submit_plain`'s twin): ``signature`` as there, ``tensors = (x, x_scale,
-    weight or a list, w_scale or a list, bias or a list)``, ``out_dtype``. A one-weight call whose signature
-    resolved before runs with operands from :func:`fp8_operands` (their scale values read where
-    :func:`kernels.fp8.scales.value_check_wanted` says, as the full path reads them), the rest of the validation,
-    the call's construction and the backend choice skipped; operands that fail it take the full path, whose
-    admission raises the error on every rank."""
-    op, group = signature[0], signature[1]
-    x, x_scale, weight, w_scale, bias = tensors
+    scaled = len(tensors) == 5
     key = None
-    if type(weight) is torch.Tensor:
-        described = tensors_key(x, x_scale, weight, w_scale, bias)
-        key = None if described is None else (signature, out_dtype, described)
+    if type(tensors[-3]) is torch.Tensor:
+        described = tensors_key(*tensors)
+        key = None if described is None else (signature, described)
     if key is not None:
-        try:
-            ops = fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype)[1]
-        except ERRORS:
-            ops = None
+        if not scaled:
+            x, weight, bias = tensors
+            ops = Operands(x, (weight,), (bias,))
+        else:
+            try:
+                ops = fp8_operands(*tensors, out_dtype=signature[6])[1]
+            except ERRORS:
+                ops = None
         if ops is not None:
             out = resolved(spec, op, group, key, ops)
             if out is not MISS:
                 return out
-    return submit(spec, op, group, partial(_scaled_build, pattern, signature, tensors, out_dtype), key)
+    # A module-level build (a nested one would make its variables cells, allocated on every call).
+    return submit(spec, op, group, partial(_dense_build, pattern, signature, tensors), key)
 
 
-def _scaled_build(pattern: str, signature: tuple, tensors: tuple, out_dtype: torch.dtype, world: int) -> Built:
-    op, group, backend, parallel_num, flag, dim = signature
-    x, x_scale, weight, w_scale, bias = tensors
+def _dense_build(pattern: str, signature: tuple, tensors: tuple, world: int) -> Built:
+    op, group, backend, parallel_num, flag, dim, out_dtype = signature
     flags = {"return_gathered": flag} if pattern == "all_gather" else {"deterministic": flag}
-    options = Options(op, pattern, group, backend, parallel_num, dim=dim, x=x, out_dtype=out_dtype, **flags)
-    return builder(options, lambda: fp8_operands(x, x_scale, weight, w_scale, bias, out_dtype=out_dtype))(world)
+    options = Options(op, pattern, group, backend, parallel_num, dim=dim, x=tensors[0], out_dtype=out_dtype, **flags)
+    if len(tensors) == 5:
+        return builder(options, lambda: fp8_operands(*tensors, out_dtype=out_dtype))(world)
+    return builder(options, lambda: plain_operands(*tensors))(world)
 
 
 def dequantized(call: GemmCall, ops: Operands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -32,8 +32,7 @@ from .gemm import (
     dims_before,
     int8_operands,
     one_weight_operands,
-    submit_plain,
-    submit_scaled,
+    submit_dense,
 )
 
 
@@ -60,8 +59,9 @@ def matmul_reduce_scatter(
     ``x [b, s, k]`` with 1 (or -2) gives ``[b, s / W, n]``. ``deterministic=True`` sums the
     partials in rank order, so repeated calls give identical bits.
     """
-    signature = ("matmul_reduce_scatter", group, backend, parallel_num, deterministic, ("scatter_dim", scatter_dim))
-    return submit_plain(SPEC, "reduce_scatter", signature, (x, weight, bias))
+    scatter = ("scatter_dim", scatter_dim)
+    signature = ("matmul_reduce_scatter", group, backend, parallel_num, deterministic, scatter, None)
+    return submit_dense(SPEC, "reduce_scatter", signature, (x, weight, bias))
 
 
 def scaled_matmul_reduce_scatter(
@@ -96,8 +96,9 @@ def scaled_matmul_reduce_scatter(
         parallel_num,
         deterministic,
         ("scatter_dim", scatter_dim),
+        out_dtype,
     )
-    return submit_scaled(SPEC, "reduce_scatter", signature, (x, x_scale, weight, w_scale, bias), out_dtype)
+    return submit_dense(SPEC, "reduce_scatter", signature, (x, x_scale, weight, w_scale, bias))
 
 
 def quantized_matmul_reduce_scatter(
